@@ -1,0 +1,564 @@
+"""The vocabulary of the placement engine: topology, loads, layouts, placements, dispatch plans.
+
+Every planner in `megatron_patches.placement` consumes and produces these types, and the
+runtime modes (FSSDP, replicate, zebra) and the simulator consume them too. They are small
+frozen dataclasses around numpy arrays. Each validates its invariants on construction and
+raises `PlacementError` naming the offending expert / device / value, so a bad plan fails
+where it is made rather than as a hang inside a collective.
+
+Array names carry their shape as a suffix: `_E` experts, `_D` devices, `_L` layers,
+`_S` source devices (token origins), `_R` ranks, `_ED` experts x devices, and so on.
+Token counts and loads are int64; bandwidths are bytes per second.
+
+Arrays stored in these types are copied on construction and made read-only, so a plan that
+was validated cannot be mutated into an invalid one afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "PlacementError",
+    "Topology",
+    "ShardLayout",
+    "ModelShardLayout",
+    "ElementShardLayout",
+    "InstancePlacement",
+    "DispatchPlan",
+    "check_loads",
+]
+
+
+class PlacementError(ValueError):
+    """An input or a plan violates an invariant of the placement engine.
+
+    The message names the violating expert, device, layer or value and says what would be
+    valid.
+    """
+
+
+def _frozen_int_array(values, name: str, ndim: int) -> np.ndarray:
+    """Copy `values` into a read-only int64 array of `ndim` dimensions.
+
+    Accepts any integer-valued array-like (ints, integer dtypes, or floats that are whole
+    numbers, e.g. loads read back from JSON). Raises PlacementError otherwise.
+    """
+    arr = np.asarray(values)
+    if arr.ndim != ndim:
+        raise PlacementError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    if arr.dtype.kind == "b":
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
+            raise PlacementError(f"{name} must hold whole numbers, got non-integer values")
+    elif arr.dtype.kind not in "iu":
+        raise PlacementError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    out = np.array(arr, dtype=np.int64, copy=True)
+    out.setflags(write=False)
+    return out
+
+
+def check_loads(loads, name: str = "loads", ndim: int | None = None) -> np.ndarray:
+    """Validate token counts and return them as a read-only int64 array.
+
+    Loads are tokens routed to an expert (`loads_E` for one layer, `loads_LE` for all layers,
+    `source_loads_DE` split by the device the tokens come from). They must be non-negative
+    whole numbers. `ndim`, when given, is the required number of dimensions.
+    """
+    arr = np.asarray(loads)
+    dims = arr.ndim if ndim is None else ndim
+    out = _frozen_int_array(arr, name, dims)
+    if out.size and out.min() < 0:
+        idx = np.unravel_index(int(np.argmin(out)), out.shape)
+        raise PlacementError(
+            f"{name} must be non-negative token counts, got {int(out[idx])} at index {tuple(int(i) for i in idx)}"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The devices taking part in expert placement and the links between them.
+
+    Devices are numbered 0..D-1 node-major: device d sits on node d // devices_per_node,
+    which matches the rank order of Slurm / torchrun launches with one process per GPU.
+    """
+
+    nodes: int
+    """Number of nodes (machines); >= 1."""
+    devices_per_node: int
+    """Devices (GPUs, or CPU processes in tests) per node; >= 1, the same on every node."""
+    intra_node_bw: float
+    """Point-to-point bandwidth between two devices of one node, bytes/s; > 0."""
+    inter_node_bw: float
+    """Point-to-point bandwidth between devices of different nodes, bytes/s; > 0."""
+    device_types: tuple[str, ...] | None = None
+    """Device type per device (e.g. "A100", "V100"; heterogeneous pools for zebra). `None`
+    means every device is "gpu"; after construction this is always a tuple of length D."""
+    _node_of: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise PlacementError(f"Topology.{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in ("intra_node_bw", "inter_node_bw"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value) or value <= 0:
+                raise PlacementError(f"Topology.{name} must be a positive finite bandwidth in bytes/s, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        num_devices = self.nodes * self.devices_per_node
+        if self.device_types is None:
+            types = ("gpu",) * num_devices
+        else:
+            types = tuple(self.device_types)
+            if len(types) != num_devices:
+                raise PlacementError(
+                    f"Topology.device_types must name one type per device ({num_devices}), got {len(types)}"
+                )
+            for d, t in enumerate(types):
+                if not isinstance(t, str) or not t:
+                    raise PlacementError(f"Topology.device_types[{d}] must be a non-empty string, got {t!r}")
+        object.__setattr__(self, "device_types", types)
+        node_of = np.arange(num_devices, dtype=np.int64) // self.devices_per_node
+        node_of.setflags(write=False)
+        object.__setattr__(self, "_node_of", node_of)
+
+    @classmethod
+    def single_node(cls, devices: int, bw: float = 1e11) -> Topology:
+        """One node of `devices` devices, every link at `bw` bytes/s."""
+        return cls(nodes=1, devices_per_node=devices, intra_node_bw=bw, inter_node_bw=bw)
+
+    @property
+    def num_devices(self) -> int:
+        """D = nodes * devices_per_node."""
+        return self.nodes * self.devices_per_node
+
+    @property
+    def node_of(self) -> np.ndarray:
+        """node_of[d] = node index of device d; int64 [D], read-only."""
+        return self._node_of
+
+    def check_device(self, device: int, what: str = "device") -> int:
+        """Return `device` as an int if it is a valid device id, else raise PlacementError."""
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < self.num_devices:
+            raise PlacementError(f"{what} {device!r} is not a device id in [0, {self.num_devices})")
+        return int(device)
+
+    def devices_on_node(self, node: int) -> np.ndarray:
+        """Device ids of `node`, ascending; int64 [devices_per_node]."""
+        if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or not 0 <= node < self.nodes:
+            raise PlacementError(f"node {node!r} is not a node id in [0, {self.nodes})")
+        start = int(node) * self.devices_per_node
+        return np.arange(start, start + self.devices_per_node, dtype=np.int64)
+
+    def same_node(self, a, b):
+        """Whether devices a and b share a node; works elementwise on arrays of device ids."""
+        return self._node_of[a] == self._node_of[b]
+
+    def same_node_DD(self) -> np.ndarray:
+        """Boolean [D, D] matrix: entry (a, b) is True when a and b share a node."""
+        return self._node_of[:, None] == self._node_of[None, :]
+
+    def bandwidth(self, a: int, b: int) -> float:
+        """Bandwidth of the link a -> b in bytes/s (intra- or inter-node)."""
+        return self.intra_node_bw if self.same_node(a, b) else self.inter_node_bw
+
+
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """Expert-granular ownership of one MoE layer (FSSDP's sharded placement P).
+
+    Each expert's master weights and optimizer state live on exactly one owner device; a
+    device may own any number of experts of a layer (0..E), which is what heterogeneous
+    sharding (DESIGN 4.3) needs. "Owned exactly once" holds by construction: there is one
+    owner per expert.
+    """
+
+    owner_E: np.ndarray
+    """owner_E[e] = device that owns expert e; int64 [E], each in [0, num_devices)."""
+    num_devices: int
+    """D, the number of devices the layer is sharded over; >= 1."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, (int, np.integer)) or self.num_devices < 1:
+            raise PlacementError(f"ShardLayout.num_devices must be a positive integer, got {self.num_devices!r}")
+        object.__setattr__(self, "num_devices", int(self.num_devices))
+        owner_E = _frozen_int_array(self.owner_E, "ShardLayout.owner_E", 1)
+        if owner_E.size == 0:
+            raise PlacementError("ShardLayout.owner_E must list at least one expert")
+        bad = np.flatnonzero((owner_E < 0) | (owner_E >= self.num_devices))
+        if bad.size:
+            e = int(bad[0])
+            raise PlacementError(
+                f"expert {e} is owned by device {int(owner_E[e])}, which is not in [0, {self.num_devices})"
+            )
+        object.__setattr__(self, "owner_E", owner_E)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardLayout):
+            return NotImplemented
+        return self.num_devices == other.num_devices and np.array_equal(self.owner_E, other.owner_E)
+
+    @classmethod
+    def even(cls, num_experts: int, num_devices: int) -> ShardLayout:
+        """Megatron EP's static layout: contiguous blocks of experts per device.
+
+        Device d owns experts [start_d, start_d + size_d) with sizes as in np.array_split:
+        the first E mod D devices own one expert more. With E < D the last D - E devices own
+        nothing.
+        """
+        if num_experts < 1 or num_devices < 1:
+            raise PlacementError(f"need >= 1 expert and >= 1 device, got E={num_experts}, D={num_devices}")
+        sizes = np.full(num_devices, num_experts // num_devices, dtype=np.int64)
+        sizes[: num_experts % num_devices] += 1
+        return cls(np.repeat(np.arange(num_devices, dtype=np.int64), sizes), num_devices)
+
+    @property
+    def num_experts(self) -> int:
+        """E, the number of experts in the layer."""
+        return int(self.owner_E.size)
+
+    def experts_of(self, device: int) -> np.ndarray:
+        """Experts owned by `device`, ascending; int64."""
+        return np.flatnonzero(self.owner_E == device).astype(np.int64)
+
+    def counts_D(self) -> np.ndarray:
+        """Number of experts owned per device; int64 [D]."""
+        return np.bincount(self.owner_E, minlength=self.num_devices).astype(np.int64)
+
+    def holds_ED(self) -> np.ndarray:
+        """One-hot ownership matrix, int64 [E, D] (1 where the device owns the expert)."""
+        out = np.zeros((self.num_experts, self.num_devices), dtype=np.int64)
+        out[np.arange(self.num_experts), self.owner_E] = 1
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class ModelShardLayout:
+    """Expert-granular ownership of all MoE layers at once (heterogeneous sharding, DESIGN 4.3).
+
+    Memory balance is a property of the whole model: a device may own many experts of one
+    layer and none of another as long as its total matches the others'.
+    """
+
+    owners_LE: np.ndarray
+    """owners_LE[l, e] = device owning expert e of layer l; int64 [L, E]."""
+    num_devices: int
+    """D, the number of devices; >= 1."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, (int, np.integer)) or self.num_devices < 1:
+            raise PlacementError(f"ModelShardLayout.num_devices must be a positive integer, got {self.num_devices!r}")
+        object.__setattr__(self, "num_devices", int(self.num_devices))
+        owners = _frozen_int_array(self.owners_LE, "ModelShardLayout.owners_LE", 2)
+        if owners.size == 0:
+            raise PlacementError(f"ModelShardLayout.owners_LE must have >= 1 layer and >= 1 expert, got shape {owners.shape}")
+        bad = np.argwhere((owners < 0) | (owners >= self.num_devices))
+        if bad.size:
+            l, e = (int(i) for i in bad[0])
+            raise PlacementError(
+                f"layer {l} expert {e} is owned by device {int(owners[l, e])}, which is not in [0, {self.num_devices})"
+            )
+        object.__setattr__(self, "owners_LE", owners)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ModelShardLayout):
+            return NotImplemented
+        return self.num_devices == other.num_devices and np.array_equal(self.owners_LE, other.owners_LE)
+
+    @classmethod
+    def even(cls, num_layers: int, num_experts: int, num_devices: int) -> ModelShardLayout:
+        """Every layer with ShardLayout.even's contiguous-block layout."""
+        if num_layers < 1:
+            raise PlacementError(f"need >= 1 layer, got L={num_layers}")
+        one = ShardLayout.even(num_experts, num_devices).owner_E
+        return cls(np.tile(one, (num_layers, 1)), num_devices)
+
+    @property
+    def num_layers(self) -> int:
+        """L."""
+        return int(self.owners_LE.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        """E, experts per layer."""
+        return int(self.owners_LE.shape[1])
+
+    def layer(self, layer: int) -> ShardLayout:
+        """The ShardLayout of one layer."""
+        if not 0 <= layer < self.num_layers:
+            raise PlacementError(f"layer {layer} is not in [0, {self.num_layers})")
+        return ShardLayout(self.owners_LE[layer], self.num_devices)
+
+    def counts_LD(self) -> np.ndarray:
+        """Experts owned per layer and device; int64 [L, D]."""
+        L, D = self.num_layers, self.num_devices
+        flat = (np.arange(L, dtype=np.int64)[:, None] * D + self.owners_LE).ravel()
+        return np.bincount(flat, minlength=L * D).reshape(L, D).astype(np.int64)
+
+    def counts_D(self) -> np.ndarray:
+        """Experts owned per device over all layers (the memory-balance measure); int64 [D]."""
+        return np.bincount(self.owners_LE.ravel(), minlength=self.num_devices).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ElementShardLayout:
+    """Uniform element-granular partition of a flat buffer over devices (replicate mode).
+
+    In replicate mode every expert's flattened master weights and optimizer state are split
+    the same way: rank r owns slice r of every expert. Slices follow np.array_split: the
+    first (num_elements mod num_devices) ranks get one element more, so sizes differ by at
+    most one and every rank has a (possibly empty) slice. (torch.chunk differs: it uses
+    ceil-sized chunks and may return fewer than D chunks, leaving trailing ranks without
+    a slice, which would break "rank r owns slice r".)
+    """
+
+    num_elements: int
+    """N, elements in the flat buffer (e.g. parameters of one expert); >= 0."""
+    num_devices: int
+    """D, number of ranks sharing the buffer; >= 1."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("num_elements", 0), ("num_devices", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise PlacementError(f"ElementShardLayout.{name} must be an integer >= {low}, got {value!r}")
+            object.__setattr__(self, name, int(value))
+
+    def sizes_D(self) -> np.ndarray:
+        """Elements per rank; int64 [D]."""
+        sizes = np.full(self.num_devices, self.num_elements // self.num_devices, dtype=np.int64)
+        sizes[: self.num_elements % self.num_devices] += 1
+        return sizes
+
+    def offsets(self) -> np.ndarray:
+        """Slice boundaries; int64 [D + 1]: rank r owns [offsets[r], offsets[r+1])."""
+        return np.concatenate(([0], np.cumsum(self.sizes_D()))).astype(np.int64)
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """(start, end) of rank's slice, end exclusive."""
+        if not 0 <= rank < self.num_devices:
+            raise PlacementError(f"rank {rank} is not in [0, {self.num_devices})")
+        q, rem = divmod(self.num_elements, self.num_devices)
+        start = rank * q + min(rank, rem)
+        return start, start + q + (1 if rank < rem else 0)
+
+    def owner_of(self, element: int) -> int:
+        """Rank owning flat element index `element`."""
+        if not 0 <= element < self.num_elements:
+            raise PlacementError(f"element {element} is not in [0, {self.num_elements})")
+        return int(np.searchsorted(self.offsets(), element, side="right") - 1)
+
+
+@dataclass(frozen=True, eq=False)
+class InstancePlacement:
+    """Which device holds a usable copy of which expert in one layer and iteration.
+
+    A multiset of (expert, device) pairs stored as counts: in replicate mode a rank's slots may
+    hold the same expert more than once, so counts can exceed 1; FSSDP placements are 0/1.
+    Every expert must have at least one instance, or its tokens would have nowhere to go.
+    """
+
+    counts_ED: np.ndarray
+    """counts_ED[e, d] = number of instances (slots) of expert e on device d; int64 [E, D], >= 0."""
+
+    def __post_init__(self) -> None:
+        counts = _frozen_int_array(self.counts_ED, "InstancePlacement.counts_ED", 2)
+        E, D = counts.shape
+        if E < 1 or D < 1:
+            raise PlacementError(f"InstancePlacement needs >= 1 expert and >= 1 device, got shape {counts.shape}")
+        neg = np.argwhere(counts < 0)
+        if neg.size:
+            e, d = (int(i) for i in neg[0])
+            raise PlacementError(f"expert {e} has {int(counts[e, d])} instances on device {d}; counts must be >= 0")
+        missing = np.flatnonzero(counts.sum(axis=1) == 0)
+        if missing.size:
+            raise PlacementError(
+                f"expert {int(missing[0])} has no instance on any device "
+                f"({missing.size} expert(s) unreachable: {missing[:8].tolist()}); every expert needs >= 1"
+            )
+        object.__setattr__(self, "counts_ED", counts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InstancePlacement):
+            return NotImplemented
+        return np.array_equal(self.counts_ED, other.counts_ED)
+
+    @classmethod
+    def from_shard(cls, shard: ShardLayout) -> InstancePlacement:
+        """The placement in which each expert lives only on its owner (P = the shard layout)."""
+        return cls(shard.holds_ED())
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return int(self.counts_ED.shape[0])
+
+    @property
+    def num_devices(self) -> int:
+        """D."""
+        return int(self.counts_ED.shape[1])
+
+    def holds_ED(self) -> np.ndarray:
+        """Boolean [E, D]: device d holds at least one instance of expert e."""
+        return self.counts_ED > 0
+
+    def holders(self, expert: int) -> np.ndarray:
+        """Devices holding expert `expert`, ascending; int64."""
+        if not 0 <= expert < self.num_experts:
+            raise PlacementError(f"expert {expert} is not in [0, {self.num_experts})")
+        return np.flatnonzero(self.counts_ED[expert]).astype(np.int64)
+
+    def replicas_E(self) -> np.ndarray:
+        """Number of distinct devices holding each expert; int64 [E]."""
+        return (self.counts_ED > 0).sum(axis=1).astype(np.int64)
+
+    def instances_E(self) -> np.ndarray:
+        """Number of instances (slots) per expert, counting multiplicity; int64 [E]."""
+        return self.counts_ED.sum(axis=1)
+
+    def slots_used_D(self) -> np.ndarray:
+        """Instances per device, counting multiplicity; int64 [D]."""
+        return self.counts_ED.sum(axis=0)
+
+    def _check_shard_shape(self, shard: ShardLayout) -> None:
+        if shard.num_experts != self.num_experts or shard.num_devices != self.num_devices:
+            raise PlacementError(
+                f"shard layout has E={shard.num_experts}, D={shard.num_devices} but the placement has "
+                f"E={self.num_experts}, D={self.num_devices}"
+            )
+
+    def contains(self, shard: ShardLayout) -> bool:
+        """Whether every expert is present on its owner (placement ⊇ shard layout)."""
+        self._check_shard_shape(shard)
+        return bool(np.all(self.counts_ED[np.arange(self.num_experts), shard.owner_E] > 0))
+
+    def require_contains(self, shard: ShardLayout) -> None:
+        """Raise PlacementError naming the first expert whose owner holds no instance of it."""
+        self._check_shard_shape(shard)
+        lacking = np.flatnonzero(self.counts_ED[np.arange(self.num_experts), shard.owner_E] == 0)
+        if lacking.size:
+            e = int(lacking[0])
+            raise PlacementError(
+                f"expert {e} is not held by its owner device {int(shard.owner_E[e])}; a placement must contain its shard layout"
+            )
+
+    def extra_copies_D(self, shard: ShardLayout) -> np.ndarray:
+        """Copies per device beyond the experts it owns (FSSDP's materialized copies); int64 [D].
+
+        Counts distinct experts held but not owned; requires the placement to contain `shard`.
+        """
+        self.require_contains(shard)
+        return (self.counts_ED > 0).sum(axis=0) - shard.counts_D()
+
+    def check_slot_limit(self, slots_per_device) -> None:
+        """Raise PlacementError naming a device holding more instances than its slot limit.
+
+        `slots_per_device` is an int (same limit everywhere) or an int array [D].
+        """
+        limit_D = np.broadcast_to(np.asarray(slots_per_device, dtype=np.int64), (self.num_devices,))
+        used_D = self.slots_used_D()
+        over = np.flatnonzero(used_D > limit_D)
+        if over.size:
+            d = int(over[0])
+            raise PlacementError(f"device {d} holds {int(used_D[d])} expert instances but has only {int(limit_D[d])} slots")
+
+    def check_extra_limit(self, shard: ShardLayout, max_extra) -> None:
+        """Raise PlacementError naming a device with more extra copies than `max_extra` (int or [D])."""
+        limit_D = np.broadcast_to(np.asarray(max_extra, dtype=np.int64), (self.num_devices,))
+        extra_D = self.extra_copies_D(shard)
+        over = np.flatnonzero(extra_D > limit_D)
+        if over.size:
+            d = int(over[0])
+            raise PlacementError(
+                f"device {d} holds {int(extra_D[d])} extra expert copies but its memory capacity is {int(limit_D[d])}"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """Where the tokens of one layer go: per source device and expert, tokens per destination.
+
+    Sources are the devices the tokens sit on after the router (usually the same D devices
+    that hold experts; zebra's attention ranks are a different set, hence a separate S).
+    """
+
+    tokens_SED: np.ndarray
+    """tokens_SED[s, e, d] = tokens on source s routed to expert e that are processed on
+    device d; int64 [S, E, D], >= 0."""
+
+    def __post_init__(self) -> None:
+        tokens = check_loads(self.tokens_SED, "DispatchPlan.tokens_SED", 3)
+        object.__setattr__(self, "tokens_SED", tokens)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DispatchPlan):
+            return NotImplemented
+        return np.array_equal(self.tokens_SED, other.tokens_SED)
+
+    @property
+    def num_sources(self) -> int:
+        """S."""
+        return int(self.tokens_SED.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return int(self.tokens_SED.shape[1])
+
+    @property
+    def num_devices(self) -> int:
+        """D."""
+        return int(self.tokens_SED.shape[2])
+
+    def routed_SE(self) -> np.ndarray:
+        """Tokens per (source, expert) the plan accounts for; int64 [S, E]."""
+        return self.tokens_SED.sum(axis=2)
+
+    def received_ED(self) -> np.ndarray:
+        """Tokens per (expert, destination device); int64 [E, D]."""
+        return self.tokens_SED.sum(axis=0)
+
+    def device_loads_D(self) -> np.ndarray:
+        """Tokens processed per device (DESIGN 5's device load); int64 [D]."""
+        return self.tokens_SED.sum(axis=(0, 1))
+
+    def traffic_SD(self) -> np.ndarray:
+        """Tokens sent from each source to each destination; int64 [S, D]."""
+        return self.tokens_SED.sum(axis=1)
+
+    def check(self, placement: InstancePlacement, source_loads_SE) -> None:
+        """Raise PlacementError unless the plan is consistent with a placement and the loads.
+
+        Checks: shapes agree; tokens only go to devices holding the expert; for every
+        (source, expert) the plan dispatches exactly the routed tokens.
+        """
+        source_loads_SE = check_loads(source_loads_SE, "source_loads_SE", 2)
+        S, E, D = self.tokens_SED.shape
+        if placement.counts_ED.shape != (E, D):
+            raise PlacementError(
+                f"dispatch plan covers E={E}, D={D} but the placement has shape {placement.counts_ED.shape}"
+            )
+        if source_loads_SE.shape != (S, E):
+            raise PlacementError(
+                f"dispatch plan has S={S} sources and E={E} experts but source loads have shape {source_loads_SE.shape}"
+            )
+        stray = np.argwhere((self.tokens_SED > 0) & ~placement.holds_ED()[None, :, :])
+        if stray.size:
+            s, e, d = (int(i) for i in stray[0])
+            raise PlacementError(
+                f"{int(self.tokens_SED[s, e, d])} tokens of expert {e} from source {s} go to device {d}, "
+                f"which holds no instance of expert {e} (holders: {placement.holders(e).tolist()})"
+            )
+        mismatch = np.argwhere(self.routed_SE() != source_loads_SE)
+        if mismatch.size:
+            s, e = (int(i) for i in mismatch[0])
+            raise PlacementError(
+                f"source {s} routes {int(source_loads_SE[s, e])} tokens to expert {e} but the plan dispatches "
+                f"{int(self.routed_SE()[s, e])}"
+            )
