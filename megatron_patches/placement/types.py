@@ -484,53 +484,103 @@ class InstancePlacement:
 class DispatchPlan:
     """Where the tokens of one layer go: per source device and expert, tokens per destination.
 
+    Stored sparsely as parallel arrays of (source, expert, destination, tokens) entries,
+    because the dense [S, E, D] tensor is too large at scale (S = D = 1024, E = 256 would be
+    2 GiB of int64) while a plan has only a few entries per (source, expert). Entries may come
+    in any order; the same (source, expert, destination) may appear more than once, in which
+    case the counts add up. `to_dense()` / `from_dense()` convert for small cases and tests.
+
     Sources are the devices the tokens sit on after the router (usually the same D devices
     that hold experts; zebra's attention ranks are a different set, hence a separate S).
     """
 
-    tokens_SED: np.ndarray
-    """tokens_SED[s, e, d] = tokens on source s routed to expert e that are processed on
-    device d; int64 [S, E, D], >= 0."""
+    source_K: np.ndarray
+    """Source device of each entry; int64 [K], in [0, num_sources)."""
+    expert_K: np.ndarray
+    """Expert of each entry; int64 [K], in [0, num_experts)."""
+    dest_K: np.ndarray
+    """Destination device (the instance holder that processes the tokens); int64 [K], in [0, num_devices)."""
+    tokens_K: np.ndarray
+    """Tokens of the entry; int64 [K], >= 0."""
+    num_sources: int
+    """S, number of token sources."""
+    num_experts: int
+    """E, number of experts in the layer."""
+    num_devices: int
+    """D, number of devices that can hold expert instances."""
 
     def __post_init__(self) -> None:
-        tokens = check_loads(self.tokens_SED, "DispatchPlan.tokens_SED", 3)
-        object.__setattr__(self, "tokens_SED", tokens)
+        for name in ("num_sources", "num_experts", "num_devices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise PlacementError(f"DispatchPlan.{name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        arrays = {}
+        for name, bound in (("source_K", self.num_sources), ("expert_K", self.num_experts), ("dest_K", self.num_devices)):
+            arr = _frozen_int_array(getattr(self, name), f"DispatchPlan.{name}", 1)
+            bad = np.flatnonzero((arr < 0) | (arr >= bound))
+            if bad.size:
+                raise PlacementError(f"DispatchPlan.{name}[{int(bad[0])}] = {int(arr[bad[0]])} is not in [0, {bound})")
+            arrays[name] = arr
+        arrays["tokens_K"] = check_loads(self.tokens_K, "DispatchPlan.tokens_K", 1)
+        lengths = {name: arr.size for name, arr in arrays.items()}
+        if len(set(lengths.values())) != 1:
+            raise PlacementError(f"DispatchPlan entry arrays must have equal lengths, got {lengths}")
+        for name, arr in arrays.items():
+            object.__setattr__(self, name, arr)
+
+    @classmethod
+    def from_dense(cls, tokens_SED) -> DispatchPlan:
+        """Build a plan from a dense int array [S, E, D] of tokens (non-zero entries only)."""
+        tokens_SED = check_loads(tokens_SED, "tokens_SED", 3)
+        S, E, D = tokens_SED.shape
+        s, e, d = np.nonzero(tokens_SED)
+        return cls(s, e, d, tokens_SED[s, e, d], S, E, D)
+
+    def to_dense(self) -> np.ndarray:
+        """Dense tokens [S, E, D]; int64. Only for small plans (tests, examples)."""
+        out = np.zeros((self.num_sources, self.num_experts, self.num_devices), dtype=np.int64)
+        np.add.at(out, (self.source_K, self.expert_K, self.dest_K), self.tokens_K)
+        return out
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DispatchPlan):
             return NotImplemented
-        return np.array_equal(self.tokens_SED, other.tokens_SED)
+        shape = (self.num_sources, self.num_experts, self.num_devices)
+        if shape != (other.num_sources, other.num_experts, other.num_devices):
+            return False
+        return self._canonical() == other._canonical()
 
-    @property
-    def num_sources(self) -> int:
-        """S."""
-        return int(self.tokens_SED.shape[0])
+    def _canonical(self) -> tuple[bytes, bytes]:
+        """Flat (s, e, d) keys with summed non-zero tokens, sorted: equal for equal plans."""
+        keys = (self.source_K * self.num_experts + self.expert_K) * self.num_devices + self.dest_K
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        sums = np.bincount(inverse, weights=self.tokens_K, minlength=uniq.size).astype(np.int64)
+        keep = sums > 0
+        return uniq[keep].tobytes(), sums[keep].tobytes()
 
-    @property
-    def num_experts(self) -> int:
-        """E."""
-        return int(self.tokens_SED.shape[1])
-
-    @property
-    def num_devices(self) -> int:
-        """D."""
-        return int(self.tokens_SED.shape[2])
+    def _sum_by(self, index_K: np.ndarray, size: int) -> np.ndarray:
+        # bincount with float weights is exact for token counts below 2**53
+        return np.bincount(index_K, weights=self.tokens_K, minlength=size).astype(np.int64)
 
     def routed_SE(self) -> np.ndarray:
         """Tokens per (source, expert) the plan accounts for; int64 [S, E]."""
-        return self.tokens_SED.sum(axis=2)
+        flat = self._sum_by(self.source_K * self.num_experts + self.expert_K, self.num_sources * self.num_experts)
+        return flat.reshape(self.num_sources, self.num_experts)
 
     def received_ED(self) -> np.ndarray:
         """Tokens per (expert, destination device); int64 [E, D]."""
-        return self.tokens_SED.sum(axis=0)
+        flat = self._sum_by(self.expert_K * self.num_devices + self.dest_K, self.num_experts * self.num_devices)
+        return flat.reshape(self.num_experts, self.num_devices)
 
     def device_loads_D(self) -> np.ndarray:
         """Tokens processed per device (DESIGN 5's device load); int64 [D]."""
-        return self.tokens_SED.sum(axis=(0, 1))
+        return self._sum_by(self.dest_K, self.num_devices)
 
     def traffic_SD(self) -> np.ndarray:
-        """Tokens sent from each source to each destination; int64 [S, D]."""
-        return self.tokens_SED.sum(axis=1)
+        """Tokens sent from each source to each destination (including to itself); int64 [S, D]."""
+        flat = self._sum_by(self.source_K * self.num_devices + self.dest_K, self.num_sources * self.num_devices)
+        return flat.reshape(self.num_sources, self.num_devices)
 
     def check(self, placement: InstancePlacement, source_loads_SE) -> None:
         """Raise PlacementError unless the plan is consistent with a placement and the loads.
@@ -539,7 +589,7 @@ class DispatchPlan:
         (source, expert) the plan dispatches exactly the routed tokens.
         """
         source_loads_SE = check_loads(source_loads_SE, "source_loads_SE", 2)
-        S, E, D = self.tokens_SED.shape
+        S, E, D = self.num_sources, self.num_experts, self.num_devices
         if placement.counts_ED.shape != (E, D):
             raise PlacementError(
                 f"dispatch plan covers E={E}, D={D} but the placement has shape {placement.counts_ED.shape}"
@@ -548,17 +598,19 @@ class DispatchPlan:
             raise PlacementError(
                 f"dispatch plan has S={S} sources and E={E} experts but source loads have shape {source_loads_SE.shape}"
             )
-        stray = np.argwhere((self.tokens_SED > 0) & ~placement.holds_ED()[None, :, :])
+        stray = np.flatnonzero((self.tokens_K > 0) & (placement.counts_ED[self.expert_K, self.dest_K] == 0))
         if stray.size:
-            s, e, d = (int(i) for i in stray[0])
+            k = int(stray[0])
+            s, e, d = int(self.source_K[k]), int(self.expert_K[k]), int(self.dest_K[k])
             raise PlacementError(
-                f"{int(self.tokens_SED[s, e, d])} tokens of expert {e} from source {s} go to device {d}, "
+                f"{int(self.tokens_K[k])} tokens of expert {e} from source {s} go to device {d}, "
                 f"which holds no instance of expert {e} (holders: {placement.holders(e).tolist()})"
             )
-        mismatch = np.argwhere(self.routed_SE() != source_loads_SE)
+        routed_SE = self.routed_SE()
+        mismatch = np.argwhere(routed_SE != source_loads_SE)
         if mismatch.size:
             s, e = (int(i) for i in mismatch[0])
             raise PlacementError(
                 f"source {s} routes {int(source_loads_SE[s, e])} tokens to expert {e} but the plan dispatches "
-                f"{int(self.routed_SE()[s, e])}"
+                f"{int(routed_SE[s, e])}"
             )
