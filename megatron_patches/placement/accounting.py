@@ -1,0 +1,249 @@
+"""Accounting of plans: loads, imbalance, token survival, bytes moved, extra memory (DESIGN 3, 5).
+
+Pure functions shared by the tests, the tools (plan CLI, simulator) and the runtime, so that
+a metric means the same thing everywhere:
+
+- device load = tokens processed by the experts on a device in a layer;
+  imbalance = max device load / mean device load (1.0 is the physical limit);
+- token survival = tokens processed / tokens routed;
+- bytes sent and received per device, split by link class (intra-node / inter-node), for
+  token all-to-all, sparse all-gather / reduce-scatter and rearrangement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.placement.types import (
+    DispatchPlan,
+    InstancePlacement,
+    PlacementError,
+    ShardLayout,
+    Topology,
+    check_loads,
+)
+
+__all__ = [
+    "CommBytes",
+    "allreduce_equivalent_bytes",
+    "apply_capacity",
+    "device_loads",
+    "dispatch_bytes",
+    "extra_memory_bytes",
+    "imbalance",
+    "rearrangement_bytes",
+    "sparse_all_gather_bytes",
+    "sparse_reduce_scatter_bytes",
+    "survival",
+]
+
+
+def device_loads(plan: DispatchPlan) -> np.ndarray:
+    """Tokens processed per device after a dispatch plan; int64 [D]."""
+    return plan.device_loads_D()
+
+
+def imbalance(loads_D) -> float:
+    """max device load / mean device load.
+
+    All-zero loads (no tokens in the layer) count as perfectly balanced, 1.0: nobody waits
+    for anybody, and it keeps averages over iterations finite.
+    """
+    loads = np.asarray(loads_D, dtype=np.float64)
+    if loads.ndim != 1 or loads.size == 0:
+        raise PlacementError(f"loads_D must be a non-empty 1-D array of device loads, got shape {loads.shape}")
+    if np.any(loads < 0) or not np.all(np.isfinite(loads)):
+        raise PlacementError("device loads must be finite and >= 0")
+    mean = loads.mean()
+    return 1.0 if mean == 0 else float(loads.max() / mean)
+
+
+def survival(processed: int, routed: int) -> float:
+    """Token survival = processed / routed; 1.0 when nothing was routed."""
+    if processed < 0 or routed < 0 or processed > routed:
+        raise PlacementError(f"need 0 <= processed <= routed, got processed={processed}, routed={routed}")
+    return 1.0 if routed == 0 else processed / routed
+
+
+def apply_capacity(plan: DispatchPlan, placement: InstancePlacement, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens processed and dropped when every instance may process at most `capacity` tokens.
+
+    A device holding c instances of expert e processes up to c * capacity of the tokens the
+    plan sends it for e; the rest is dropped (which tokens does not matter for counting).
+
+    Returns:
+        (processed_ED, dropped_E): int64 [E, D] and int64 [E].
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+        raise PlacementError(f"capacity must be a non-negative integer, got {capacity!r}")
+    received_ED = plan.received_ED()
+    if received_ED.shape != placement.counts_ED.shape:
+        raise PlacementError(
+            f"plan covers (E, D) = {received_ED.shape} but the placement has {placement.counts_ED.shape}"
+        )
+    processed_ED = np.minimum(received_ED, capacity * placement.counts_ED)
+    return processed_ED, (received_ED - processed_ED).sum(axis=1)
+
+
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes sent and received per device, split by link class. All int64 [D]."""
+
+    sent_intra_D: np.ndarray
+    """Bytes each device sends to devices on its own node."""
+    sent_inter_D: np.ndarray
+    """Bytes each device sends to devices on other nodes."""
+    recv_intra_D: np.ndarray
+    """Bytes each device receives from devices on its own node."""
+    recv_inter_D: np.ndarray
+    """Bytes each device receives from devices on other nodes."""
+
+    @classmethod
+    def from_transfers(cls, src_K, dst_K, bytes_K, topology: Topology) -> CommBytes:
+        """Aggregate point-to-point transfers (src -> dst, bytes); transfers to self are free."""
+        src_K = np.asarray(src_K, dtype=np.int64)
+        dst_K = np.asarray(dst_K, dtype=np.int64)
+        bytes_K = np.broadcast_to(np.asarray(bytes_K, dtype=np.float64), src_K.shape)
+        D = topology.num_devices
+        moved = src_K != dst_K
+        intra = moved & topology.same_node(src_K, dst_K)
+        inter = moved & ~intra
+
+        def total(index, mask):
+            # float bincount is exact for byte counts below 2**53 (8 PiB)
+            return np.bincount(index[mask], weights=bytes_K[mask], minlength=D).astype(np.int64)
+
+        return cls(total(src_K, intra), total(src_K, inter), total(dst_K, intra), total(dst_K, inter))
+
+    def reversed(self) -> CommBytes:
+        """The same transfers in the opposite direction (e.g. combine after dispatch, spRS after spAG)."""
+        return CommBytes(self.recv_intra_D, self.recv_inter_D, self.sent_intra_D, self.sent_inter_D)
+
+    def __add__(self, other: CommBytes) -> CommBytes:
+        return CommBytes(
+            self.sent_intra_D + other.sent_intra_D,
+            self.sent_inter_D + other.sent_inter_D,
+            self.recv_intra_D + other.recv_intra_D,
+            self.recv_inter_D + other.recv_inter_D,
+        )
+
+    @property
+    def sent_D(self) -> np.ndarray:
+        """Bytes sent per device, both link classes."""
+        return self.sent_intra_D + self.sent_inter_D
+
+    @property
+    def recv_D(self) -> np.ndarray:
+        """Bytes received per device, both link classes."""
+        return self.recv_intra_D + self.recv_inter_D
+
+    @property
+    def intra(self) -> int:
+        """Total bytes over intra-node links (each byte counted once, at the sender)."""
+        return int(self.sent_intra_D.sum())
+
+    @property
+    def inter(self) -> int:
+        """Total bytes over inter-node links (each byte counted once, at the sender)."""
+        return int(self.sent_inter_D.sum())
+
+    @property
+    def total(self) -> int:
+        """Total bytes moved between devices."""
+        return self.intra + self.inter
+
+
+def dispatch_bytes(plan: DispatchPlan, topology: Topology, bytes_per_token: float) -> CommBytes:
+    """Bytes of the dispatch all-to-all of a plan (tokens kept on their source device are free).
+
+    The combine all-to-all moves the same bytes back: `dispatch_bytes(...).reversed()`.
+    Requires sources to be the topology's devices (S = D).
+    """
+    if plan.num_sources != topology.num_devices or plan.num_devices != topology.num_devices:
+        raise PlacementError(
+            f"plan has {plan.num_sources} sources and {plan.num_devices} devices; the topology has {topology.num_devices}"
+        )
+    if not np.isfinite(bytes_per_token) or bytes_per_token < 0:
+        raise PlacementError(f"bytes_per_token must be finite and >= 0, got {bytes_per_token!r}")
+    return CommBytes.from_transfers(plan.source_K, plan.dest_K, plan.tokens_K * bytes_per_token, topology)
+
+
+def _chunk_bytes_E(chunk_bytes, num_experts: int) -> np.ndarray:
+    arr = np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), (num_experts,))
+    if np.any(arr < 0) or not np.all(np.isfinite(arr)):
+        raise PlacementError(f"chunk_bytes must be finite and >= 0 (one value or one per expert), got {chunk_bytes!r}")
+    return arr
+
+
+def sparse_all_gather_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology) -> CommBytes:
+    """Bytes of SparseAllGather(P0 = shard, P1 = placement) (DESIGN 3).
+
+    Every (expert, device) pair in P1 but not in P0 receives the expert's chunk from its
+    owner, point to point; nothing else moves. Multiplicity in P1 does not add bytes (one
+    copy per device serves all its slots).
+
+    Args:
+        shard: P0, a partition of the experts (one owner each).
+        placement: P1 ⊇ P0.
+        chunk_bytes: bytes of one chunk: a number, or one per expert [E].
+        topology: the devices.
+    """
+    placement.require_contains(shard)
+    if topology.num_devices != placement.num_devices:
+        raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
+    size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
+    e, d = np.nonzero(placement.holds_ED())
+    return CommBytes.from_transfers(shard.owner_E[e], d, size_E[e], topology)
+
+
+def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout, chunk_bytes, topology: Topology) -> CommBytes:
+    """Bytes of SparseReduceScatter(P0 = placement, P1 = shard): every copy sends its gradient
+    chunk to the owner, so exactly the spAG transfers reversed."""
+    return sparse_all_gather_bytes(shard, placement, chunk_bytes, topology).reversed()
+
+
+def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:
+    """sum over experts of 2 * (r_e - 1) * size_e, r_e = distinct devices holding e (DESIGN 3).
+
+    The bytes a replicated-expert system's gradient AllReduce moves in the large-group limit;
+    equal to the total of one spAG plus one spRS for the same placement.
+    """
+    size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
+    return int(round(float(np.sum(2 * (placement.replicas_E() - 1) * size_E))))
+
+
+def extra_memory_bytes(placement: InstancePlacement, shard: ShardLayout, expert_bytes) -> np.ndarray:
+    """Memory per device for copies beyond the owned experts; int64 [D].
+
+    `expert_bytes` is the size of one copy (a number or one per expert [E]); e.g. bf16
+    weights only for FSSDP copies (gradients of a copy add as much again during backward).
+    """
+    placement.require_contains(shard)
+    size_E = _chunk_bytes_E(expert_bytes, placement.num_experts)
+    extra_ED = placement.holds_ED().copy()
+    extra_ED[np.arange(shard.num_experts), shard.owner_E] = False
+    return np.round(size_E @ extra_ED).astype(np.int64)
+
+
+def rearrangement_bytes(old_owner, new_owner, bytes_per_expert, topology: Topology) -> CommBytes:
+    """Bytes of moving ownership from `old_owner` to `new_owner` (re-sharding, swapping, relocating).
+
+    Every expert whose owner changes sends `bytes_per_expert` from the old owner to the new
+    one: weights plus optimizer state, e.g. 16 B per parameter under Adam mixed precision
+    (DESIGN 1: 2 B weight + 2 B grad + 4 B master + 4 B m + 4 B v; what is counted is the
+    caller's choice). Owners may be [E] (one layer) or [L, E] (all layers);
+    bytes_per_expert is a number or broadcastable to that shape.
+    """
+    old = check_loads(old_owner, "old_owner")
+    new = check_loads(new_owner, "new_owner")
+    if old.shape != new.shape:
+        raise PlacementError(f"old owners have shape {old.shape} but new owners {new.shape}")
+    D = topology.num_devices
+    for name, arr in (("old_owner", old), ("new_owner", new)):
+        if arr.size and arr.max() >= D:
+            raise PlacementError(f"{name} names device {int(arr.max())}, not in [0, {D})")
+    size = np.broadcast_to(np.asarray(bytes_per_expert, dtype=np.float64), old.shape)
+    moved = old != new
+    return CommBytes.from_transfers(old[moved], new[moved], size[moved], topology)

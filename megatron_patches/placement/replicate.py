@@ -1,0 +1,302 @@
+"""Adaptive per-iteration expert replication planning (replicate mode, DESIGN 4.6).
+
+G ranks each have s expert slots. Every iteration each expert class gets a number of
+instances proportional to last iteration's popularity (at least one), the instances are laid
+out contiguously over the slots, tokens are spread over the instances under a capacity, and
+each rank fetches its gradient slice of every expert from a deterministic holder. This module
+computes all of that as plain arrays; the runtime (`megatron_patches/replicate/`) moves the
+tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.placement.types import InstancePlacement, PlacementError, check_loads
+
+__all__ = [
+    "TokenSpread",
+    "assign_slots",
+    "contiguous_rank_groups",
+    "expert_rank_ranges",
+    "gradient_source",
+    "gradient_source_table",
+    "instance_capacity",
+    "replica_counts",
+    "slot_placement",
+    "spread_tokens",
+]
+
+
+def _check_positive(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise PlacementError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def replica_counts(popularity_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
+    """Instances per expert class for G ranks x s slots (DESIGN 4.6 steps 1-2).
+
+    1. goal_e = p_e / sum(p) * G*s; count_e = floor(max(goal_e, 1)); diff = count - goal.
+    2. While sum(count) > G*s: among experts with count > 1, i = argmax(diff);
+       count_i -= 1; diff_i -= 1.
+       While sum(count) < G*s: i = argmin(diff); count_i += 1; diff_i += 1.
+    argmax / argmin break ties towards the lower expert id.
+
+    Reading of step 2: DESIGN writes "i = argmax(diff); if count_i > 1 then count_i -= 1".
+    Taken literally with diff_i unchanged when count_i == 1, the loop would pick the same
+    expert forever; decrementing diff_i anyway only makes it skip that expert after some
+    idle rounds. Restricting argmax to experts with count > 1 yields the same counts without
+    idle rounds.
+
+    Termination: requires E <= G*s (raised otherwise: every class needs a slot). The first
+    loop lowers sum(count) by one per pass and always has a candidate, because sum(count) >
+    G*s >= E forces some count > 1. The second loop raises sum(count) by one per pass. Since
+    floor(max(goal, 1)) differs from goal by less than 1 per expert, each loop runs fewer
+    than E passes.
+
+    If every popularity is zero (no tokens seen yet), the classes are treated as equally
+    popular.
+
+    Args:
+        popularity_E: tokens per expert class last iteration, >= 0 (int or float) [E].
+        num_ranks: G.
+        slots_per_rank: s.
+    Returns:
+        int64 [E], each >= 1, summing to G*s.
+    """
+    G = _check_positive(num_ranks, "num_ranks")
+    s = _check_positive(slots_per_rank, "slots_per_rank")
+    p = np.asarray(popularity_E, dtype=np.float64)
+    if p.ndim != 1 or p.size == 0:
+        raise PlacementError(f"popularity_E must be a non-empty 1-D array, got shape {p.shape}")
+    bad = np.flatnonzero(~np.isfinite(p) | (p < 0))
+    if bad.size:
+        raise PlacementError(f"popularity_E[{int(bad[0])}] = {p[bad[0]]!r}; popularity must be finite and >= 0")
+    E = p.size
+    total_slots = G * s
+    if E > total_slots:
+        raise PlacementError(
+            f"{E} expert classes do not fit in {G} ranks x {s} slots = {total_slots}; every class needs >= 1 slot"
+        )
+    if p.sum() == 0:
+        p = np.ones(E)
+    goal = p / p.sum() * total_slots
+    count = np.floor(np.maximum(goal, 1.0)).astype(np.int64)
+    diff = count - goal
+    excess = int(count.sum()) - total_slots
+    for _ in range(max(excess, 0)):
+        i = int(np.argmax(np.where(count > 1, diff, -np.inf)))
+        count[i] -= 1
+        diff[i] -= 1
+    for _ in range(max(-excess, 0)):
+        i = int(np.argmin(diff))
+        count[i] += 1
+        diff[i] += 1
+    return count
+
+
+def assign_slots(counts_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
+    """Contiguous slot assignment (DESIGN 4.6 step 3); int64 [G, s] of expert ids.
+
+    Expert 0's instances fill the first slots, then expert 1's, ..., filling a rank's slots
+    before moving to the next rank. Each expert's instances therefore sit on consecutive
+    ranks, and a rank may hold the same expert in several slots.
+    """
+    G = _check_positive(num_ranks, "num_ranks")
+    s = _check_positive(slots_per_rank, "slots_per_rank")
+    counts_E = check_loads(counts_E, "counts_E", 1)
+    zero = np.flatnonzero(counts_E == 0)
+    if zero.size:
+        raise PlacementError(f"expert {int(zero[0])} has 0 instances; every expert class needs >= 1")
+    if int(counts_E.sum()) != G * s:
+        raise PlacementError(f"instance counts sum to {int(counts_E.sum())}, but there are {G} x {s} = {G * s} slots")
+    return np.repeat(np.arange(counts_E.size, dtype=np.int64), counts_E).reshape(G, s)
+
+
+def slot_placement(slot_expert_RS, num_experts: int) -> InstancePlacement:
+    """The InstancePlacement of a slot assignment: counts_ED[e, r] = slots of rank r holding e."""
+    slots = np.asarray(slot_expert_RS, dtype=np.int64)
+    if slots.ndim != 2:
+        raise PlacementError(f"slot_expert_RS must be [ranks, slots], got shape {slots.shape}")
+    E = _check_positive(num_experts, "num_experts")
+    bad = np.argwhere((slots < 0) | (slots >= E))
+    if bad.size:
+        r, j = (int(i) for i in bad[0])
+        raise PlacementError(f"slot {j} of rank {r} holds expert {int(slots[r, j])}, not in [0, {E})")
+    G = slots.shape[0]
+    flat = slots * G + np.arange(G, dtype=np.int64)[:, None]
+    return InstancePlacement(np.bincount(flat.ravel(), minlength=E * G).reshape(E, G))
+
+
+def gradient_source_table(placement: InstancePlacement) -> np.ndarray:
+    """source_ER[e, r]: the rank from which rank r fetches its gradient slice of expert e.
+
+    DESIGN 4.6 (c): source(e, r) = r if r holds e, else sorted(holders(e))[r mod |holders(e)|].
+    Keeps local traffic local and spreads the remote fetches over the holders. int64 [E, R].
+    """
+    holds_ER = placement.holds_ED()
+    E, R = holds_ER.shape
+    hold_e, hold_r = np.nonzero(holds_ER)  # expert-major, ranks ascending: sorted holders per expert
+    k_E = np.bincount(hold_e, minlength=E)
+    start_E = np.concatenate(([0], np.cumsum(k_E)[:-1]))
+    ranks = np.arange(R, dtype=np.int64)
+    remote = hold_r[start_E[:, None] + ranks[None, :] % k_E[:, None]]
+    return np.where(holds_ER, ranks[None, :], remote).astype(np.int64)
+
+
+def gradient_source(placement: InstancePlacement, expert: int, rank: int) -> int:
+    """source(e, r) of DESIGN 4.6 (c) for one expert and rank (see `gradient_source_table`)."""
+    holders = placement.holders(expert)
+    if not 0 <= rank < placement.num_devices:
+        raise PlacementError(f"rank {rank} is not in [0, {placement.num_devices})")
+    if placement.counts_ED[expert, rank] > 0:
+        return int(rank)
+    return int(holders[rank % holders.size])
+
+
+def contiguous_rank_groups(num_ranks: int) -> list[tuple[int, int]]:
+    """All contiguous rank ranges of length >= 2, as half-open (start, stop): N(N-1)/2 of them.
+
+    These are the communication groups to register once at start-up (DESIGN 4.6 (b)): with
+    contiguous slot assignment every expert's holders form one of them, so no group is ever
+    created during training. Ordered by start, then stop.
+    """
+    N = _check_positive(num_ranks, "num_ranks")
+    return [(a, b) for a in range(N) for b in range(a + 2, N + 1)]
+
+
+def expert_rank_ranges(placement: InstancePlacement) -> np.ndarray:
+    """Half-open rank range [start, stop) holding each expert; int64 [E, 2].
+
+    Raises PlacementError if some expert's holders are not consecutive ranks (then no
+    pre-registered contiguous group covers it). A range of length 1 needs no inter-rank
+    all-reduce, only the intra-rank sum of DESIGN 4.6 (a).
+    """
+    holds_ER = placement.holds_ED()
+    R = holds_ER.shape[1]
+    first = np.argmax(holds_ER, axis=1)
+    last = R - 1 - np.argmax(holds_ER[:, ::-1], axis=1)
+    span = last - first + 1
+    gaps = np.flatnonzero(span != holds_ER.sum(axis=1))
+    if gaps.size:
+        e = int(gaps[0])
+        raise PlacementError(
+            f"expert {e} is held by ranks {placement.holders(e).tolist()}, which are not consecutive; "
+            "no contiguous rank group covers them"
+        )
+    return np.stack((first, last + 1), axis=1).astype(np.int64)
+
+
+def instance_capacity(capacity_factor: float, tokens_per_batch: int, num_ranks: int, slots_per_rank: int) -> int:
+    """Tokens one instance may process: ceil(capacity_factor * tokens_per_batch / (G*s)).
+
+    Rounded up as in GShard / DeepSpeed, so capacity factor 1.0 with perfectly balanced
+    loads drops nothing.
+    """
+    G = _check_positive(num_ranks, "num_ranks")
+    s = _check_positive(slots_per_rank, "slots_per_rank")
+    if not np.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise PlacementError(f"capacity_factor must be finite and > 0, got {capacity_factor!r}")
+    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, (int, np.integer)) or tokens_per_batch < 0:
+        raise PlacementError(f"tokens_per_batch must be a non-negative integer, got {tokens_per_batch!r}")
+    # round the product first so e.g. 1.1 * 1000 / 100 = 11.000000000000002 does not become 12
+    return int(np.ceil(round(capacity_factor * tokens_per_batch / (G * s), 9)))
+
+
+@dataclass(frozen=True)
+class TokenSpread:
+    """Outcome of spreading one layer's tokens over replicated instances under a capacity."""
+
+    processed_ED: np.ndarray
+    """Tokens processed per (expert, rank), summed over the rank's instances; int64 [E, R]."""
+    dropped_E: np.ndarray
+    """Tokens routed to each expert but dropped for lack of capacity; int64 [E]."""
+    capacity: int
+    """Tokens one instance may process."""
+
+    @property
+    def processed(self) -> int:
+        """Total tokens processed."""
+        return int(self.processed_ED.sum())
+
+    @property
+    def dropped(self) -> int:
+        """Total tokens dropped."""
+        return int(self.dropped_E.sum())
+
+    @property
+    def survival(self) -> float:
+        """Tokens processed / tokens routed (DESIGN 5); 1.0 when nothing was routed."""
+        routed = self.processed + self.dropped
+        return 1.0 if routed == 0 else self.processed / routed
+
+
+def spread_tokens(
+    placement: InstancePlacement,
+    source_loads_RE,
+    capacity_factor: float,
+    slots_per_rank: int,
+    tokens_per_batch: int | None = None,
+) -> TokenSpread:
+    """Spread each rank's tokens over the instances of their expert, dropping over capacity.
+
+    Rule (deterministic, per layer):
+    1. Local first: tokens on rank r for expert e go to r's own instances of e, up to
+       capacity * (instances of e on r).
+    2. The rest of (r, e) is split evenly over the instances of e on the *other* ranks,
+       counted with multiplicity (instance list ordered by rank; n tokens over k instances give
+       n // k each and one more to the instances at positions (r + i) mod k, i < n mod k). If
+       e has no instance elsewhere, the rest is dropped.
+    3. An instance processes its local tokens first, then remote arrivals up to its
+       capacity; the excess is dropped.
+    capacity = `instance_capacity(capacity_factor, tokens_per_batch, R, s)`; tokens_per_batch
+    defaults to all tokens routed in the layer (sum of source_loads_RE).
+
+    Args:
+        placement: instances per (expert, rank), e.g. `slot_placement(assign_slots(...))`.
+        source_loads_RE: tokens on each rank routed to each expert; int [R, E].
+        capacity_factor: > 0.
+        slots_per_rank: s, used for the capacity formula.
+        tokens_per_batch: tokens in the batch for the capacity formula.
+    """
+    loads_RE = check_loads(source_loads_RE, "source_loads_RE", 2)
+    counts_ED = placement.counts_ED
+    E, R = counts_ED.shape
+    if loads_RE.shape != (R, E):
+        raise PlacementError(f"source_loads_RE must have shape ({R}, {E}), got {loads_RE.shape}")
+    if tokens_per_batch is None:
+        tokens_per_batch = int(loads_RE.sum())
+    cap = instance_capacity(capacity_factor, tokens_per_batch, R, slots_per_rank)
+    cap_ED = cap * counts_ED
+    local_ED = np.minimum(loads_RE.T, cap_ED)
+    over_ER = loads_RE.T - local_ED
+
+    # instance list per expert with multiplicity: rank of each instance, expert-major, ranks ascending
+    inst_rank = np.repeat(np.tile(np.arange(R, dtype=np.int64), E), counts_ED.ravel())
+    inst_E = placement.instances_E()
+    start_E = np.concatenate(([0], np.cumsum(inst_E)[:-1]))
+    # position of rank r's own run inside expert e's instance list
+    own_start_ED = start_E[:, None] + np.cumsum(counts_ED, axis=1) - counts_ED
+
+    e, r = np.nonzero(over_ER)
+    n = over_ER[e, r]
+    k = inst_E[e] - counts_ED[e, r]  # remote instances
+    no_remote = k == 0
+    dropped_E = np.bincount(e[no_remote], weights=n[no_remote], minlength=E).astype(np.int64)
+    e, r, n, k = e[~no_remote], r[~no_remote], n[~no_remote], k[~no_remote]
+    q = np.minimum(n, k)
+    rep = np.repeat(np.arange(e.size), q)
+    i = np.arange(rep.size) - np.repeat(np.cumsum(q) - q, q)
+    e_r, r_r, n_r, k_r = e[rep], r[rep], n[rep], k[rep]
+    pos = (r_r + i) % k_r  # among remote instances
+    own = own_start_ED[e_r, r_r] - start_E[e_r]
+    pos = pos + np.where(pos >= own, counts_ED[e_r, r_r], 0)  # skip r's own run
+    dest = inst_rank[start_E[e_r] + pos]
+    share = n_r // k_r + (i < n_r % k_r)
+    arrivals_ED = np.bincount(e_r * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
+    remote_ED = np.minimum(arrivals_ED, cap_ED - local_ED)
+    dropped_E += (arrivals_ED - remote_ED).sum(axis=1)
+    return TokenSpread(local_ED + remote_ED, dropped_E, cap)
