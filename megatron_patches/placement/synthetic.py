@@ -1,0 +1,143 @@
+"""Synthetic expert-load traces with controllable skew, drift, spikes and per-layer variation.
+
+Used by `tools/make_trace.py`, the tests and the simulator when no recorded trace is at hand.
+The model, per layer l and iteration i:
+
+- popularity follows a Zipf law over popularity positions: weight(k) = (k + 1) ** -a_l for
+  position k = 0..E-1, a_l = zipf * (1 + layer_variation * u_l), u_l uniform in [-1, 1];
+- each layer has its own random assignment of experts to positions (which experts are hot
+  differs between layers);
+- drift: the assignment rotates by `drift` positions per iteration, interpolated linearly
+  between neighbouring positions, so hot experts cool down smoothly and others heat up
+  (drift 0.05 moves the hot spot by one expert every 20 iterations);
+- spikes: with probability `spike_prob` per (iteration, layer) one random expert's weight is
+  multiplied by `spike_factor` for that iteration only;
+- tokens: `tokens` routed tokens per layer and iteration (tokens per batch x top-k), drawn
+  multinomially from the normalised weights. With `ranks`, each rank gets an equal share of
+  the tokens and its own slightly perturbed distribution (multiplicative log-normal noise
+  of standard deviation `source_noise`), and `loads` is the sum over ranks.
+
+Everything is drawn from one numpy Generator seeded with `seed`, so a trace is reproducible.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_patches.placement.trace import Trace
+from megatron_patches.placement.types import PlacementError
+
+__all__ = ["popularity_weights", "synthetic_trace"]
+
+
+def _check(name: str, value, low: float, integer: bool = False) -> None:
+    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        raise PlacementError(f"{name} must be an integer, got {value!r}")
+    if not np.isfinite(value) or value < low:
+        raise PlacementError(f"{name} must be >= {low}, got {value!r}")
+
+
+def popularity_weights(
+    iterations: int,
+    layers: int,
+    experts: int,
+    zipf: float,
+    drift: float,
+    spike_prob: float,
+    spike_factor: float,
+    layer_variation: float,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """Normalised routing probabilities; float64 [iterations, layers, experts], rows sum to 1."""
+    exponent_L = zipf * (1 + layer_variation * rng.uniform(-1.0, 1.0, size=layers))  # [L]
+    exponent_L = np.maximum(exponent_L, 0.0)
+    position_LE = np.stack([rng.permutation(experts) for _ in range(layers)]).astype(np.float64)  # [L, E]
+    # fractional Zipf position of every expert at every iteration, cyclic over E positions
+    shift_I = drift * np.arange(iterations, dtype=np.float64)  # [I]
+    pos_ILE = (position_LE[None, :, :] + shift_I[:, None, None]) % experts
+    lo = np.floor(pos_ILE).astype(np.int64)
+    frac = pos_ILE - lo
+    hi = (lo + 1) % experts
+    ranks_K = np.arange(experts, dtype=np.float64) + 1.0
+    zipf_LK = ranks_K[None, :] ** -exponent_L[:, None]  # [L, E] weight of position k in layer l
+    layer_idx = np.arange(layers)[None, :, None]
+    w = (1 - frac) * zipf_LK[layer_idx, lo] + frac * zipf_LK[layer_idx, hi]  # [I, L, E]
+    if spike_prob > 0:
+        spiked_IL = rng.random((iterations, layers)) < spike_prob
+        spike_expert_IL = rng.integers(0, experts, size=(iterations, layers))
+        i, l = np.nonzero(spiked_IL)
+        w[i, l, spike_expert_IL[i, l]] *= spike_factor
+    return w / w.sum(axis=2, keepdims=True)
+
+
+def synthetic_trace(
+    iterations: int = 200,
+    layers: int = 12,
+    experts: int = 64,
+    tokens: int = 65536,
+    zipf: float = 1.0,
+    drift: float = 0.05,
+    spike_prob: float = 0.0,
+    spike_factor: float = 5.0,
+    layer_variation: float = 0.2,
+    ranks: int | None = None,
+    source_noise: float = 0.1,
+    seed: int = 0,
+    **metadata,
+) -> Trace:
+    """Generate a synthetic Trace (see the module docstring for the model).
+
+    Args:
+        iterations, layers, experts: trace shape, each >= 1.
+        tokens: routed tokens per layer and iteration (batch tokens x top-k), >= 0.
+        zipf: Zipf exponent a >= 0 (0 = uniform popularity; 1-2 = strongly skewed).
+        drift: popularity positions moved per iteration, >= 0.
+        spike_prob: chance of a one-iteration spike per (iteration, layer), in [0, 1].
+        spike_factor: weight multiplier of a spiked expert, >= 1.
+        layer_variation: relative spread of the Zipf exponent across layers, in [0, 1].
+        ranks: if given, also produce source_loads split over this many ranks.
+        source_noise: std-dev of the log-normal per-rank perturbation, >= 0.
+        seed: seed of the numpy Generator.
+        metadata: extra JSON-serialisable metadata stored with the trace (e.g. model, topk).
+    """
+    for name, value in (("iterations", iterations), ("layers", layers), ("experts", experts)):
+        _check(name, value, 1, integer=True)
+    _check("tokens", tokens, 0, integer=True)
+    _check("zipf", zipf, 0.0)
+    _check("drift", drift, 0.0)
+    _check("spike_factor", spike_factor, 1.0)
+    _check("source_noise", source_noise, 0.0)
+    if not 0.0 <= spike_prob <= 1.0:
+        raise PlacementError(f"spike_prob must be in [0, 1], got {spike_prob!r}")
+    if not 0.0 <= layer_variation <= 1.0:
+        raise PlacementError(f"layer_variation must be in [0, 1], got {layer_variation!r}")
+    if ranks is not None:
+        _check("ranks", ranks, 1, integer=True)
+    rng = np.random.default_rng(seed)
+    p_ILE = popularity_weights(
+        iterations, layers, experts, zipf, drift, spike_prob, spike_factor, layer_variation, rng
+    )
+    meta = {
+        "generator": "synthetic",
+        "tokens": int(tokens),
+        "zipf": float(zipf),
+        "drift": float(drift),
+        "spike_prob": float(spike_prob),
+        "spike_factor": float(spike_factor),
+        "layer_variation": float(layer_variation),
+        "source_noise": float(source_noise),
+        "seed": int(seed),
+        **metadata,
+    }
+    if ranks is None:
+        loads = rng.multinomial(tokens, p_ILE).astype(np.int64)
+        return Trace(loads, None, meta)
+    meta["ranks"] = int(ranks)
+    noise = rng.lognormal(0.0, source_noise, size=(iterations, layers, ranks, experts))
+    p_ILRE = p_ILE[:, :, None, :] * noise
+    p_ILRE /= p_ILRE.sum(axis=3, keepdims=True)
+    # equal shares of the tokens per rank; the first (tokens mod ranks) ranks get one more
+    share_R = np.full(ranks, tokens // ranks, dtype=np.int64)
+    share_R[: tokens % ranks] += 1
+    source = rng.multinomial(np.broadcast_to(share_R, (iterations, layers, ranks)), p_ILRE).astype(np.int64)
+    return Trace(source.sum(axis=2), source, meta)
