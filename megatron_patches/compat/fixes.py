@@ -1,0 +1,93 @@
+"""Fixes for device-independent Megatron-Core 0.16.1 bugs (applied on CPU and GPU alike).
+
+Each fix is documented with the Megatron file:line it corrects, why the stock behaviour is
+wrong, and is covered by a test that fails without it (tests/test_compat_fixes.py and the
+multi-rank equivalence tests). They are version-specific on purpose: `mcore.py` refuses to
+run with any other megatron-core version.
+"""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.tensor_parallel import mappings
+
+
+# ----------------------------------------------------------------------------------------
+# Fix 1: expert fc2 bias with ETP=1 and EP=1 fails ("view modified inplace", mlp.py:247)
+# ----------------------------------------------------------------------------------------
+# RowParallelLinear (tensor_parallel/layers.py:1294) passes its output through
+# reduce_from_tensor_model_parallel_region even when the group has one rank; the autograd
+# Function then returns its input unchanged, which autograd marks as a view, and
+# MLP.forward (transformer/mlp.py:247) adds the expert bias to it in place:
+# "Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace".
+# An all-reduce over one rank is the identity in forward and backward, so we skip the
+# Function entirely for single-rank groups: same values, same gradients, no view.
+
+
+def _reduce_from_tensor_model_parallel_region(input_, group=None):
+    group = mappings.get_tensor_model_parallel_group_if_none(group)
+    if group.size() == 1:
+        return input_
+    return mappings._ReduceFromModelParallelRegion.apply(input_, group)
+
+
+def _fix_single_rank_reduce() -> None:
+    tp_layers.reduce_from_tensor_model_parallel_region = _reduce_from_tensor_model_parallel_region
+
+
+# ----------------------------------------------------------------------------------------
+# Fix 2: expert fc2 bias tagged sequence-parallel (tensor_parallel/layers.py:1227)
+# ----------------------------------------------------------------------------------------
+# RowParallelLinear tags its bias `sequence_parallel = config.sequence_parallel`, experts
+# included. finalize_model_grads (distributed/finalize_model_grads.py:354) then all-reduces
+# every such grad over the *attention* TP group. With expert-tensor-parallel size 1 the
+# ranks of that group host *different* experts, so the reduction sums the biases of
+# unrelated experts. An expert's fc2 bias grad is already complete on its rank when ETP=1,
+# so the tag must be cleared. (ETP>1 with biases is refused by argument validation.)
+
+
+def untag_expert_bias_sequence_parallel(model_chunks) -> int:
+    """Clears `sequence_parallel` on expert fc2 biases when ETP=1; returns how many."""
+    if parallel_state.get_expert_tensor_parallel_world_size() != 1:
+        return 0
+    untagged = 0
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name and name.endswith("linear_fc2.bias"):
+                if getattr(param, "sequence_parallel", False):
+                    param.sequence_parallel = False
+                    untagged += 1
+    return untagged
+
+
+# ----------------------------------------------------------------------------------------
+# Fix 3: the expert optimizer gets the attention TP group (optimizer/__init__.py:469-473)
+# ----------------------------------------------------------------------------------------
+# `_get_megatron_optimizer_based_on_param_groups` sets `optimizer.tp_group` to the attention
+# tensor-parallel group for the expert optimizer too. The grad norm (optimizer.py:157) keeps
+# a parameter without a tensor-parallel attribute only on TP rank 0 of that group, so expert
+# fc2 biases of experts living on attention-TP rank > 0 silently vanish from the norm (and
+# from clipping). The expert optimizer must use the expert-tensor-parallel group.
+
+
+def use_expert_tp_group_for_expert_optimizer(optimizer) -> bool:
+    """Points the expert sub-optimizer's `tp_group` at the expert-TP group; True if found."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        groups = getattr(sub, "param_groups", None) or []
+        if groups and all(g.get("is_expert_parallel", False) for g in groups):
+            sub.tp_group = parallel_state.get_expert_tensor_parallel_group()
+            return True
+    return False
+
+
+def apply_global_fixes() -> None:
+    """Install the module-level fixes (fix 1). Fixes 2-3 apply per model / optimizer."""
+    _fix_single_rank_reduce()
+
+
+__all__ = [
+    "apply_global_fixes",
+    "untag_expert_bias_sequence_parallel",
+    "use_expert_tp_group_for_expert_optimizer",
+]

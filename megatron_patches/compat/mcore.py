@@ -1,0 +1,361 @@
+"""Every version-sensitive touch point into Megatron-Core, in one module.
+
+The rest of the project talks to Megatron-Core through these functions (plus the stable
+public names `parallel_state` and the model classes' attributes). When megatron-core is
+upgraded, this file, `cpu.py` and `fixes.py` are what must be re-verified; `check_version`
+refuses any version other than the pinned one so that this can never happen silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Callable
+
+import torch
+
+import megatron.core
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import router as moe_router
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_patches.compat import fixes
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+def check_version() -> None:
+    found = megatron.core.__version__
+    if found != MEGATRON_CORE_VERSION:
+        raise RuntimeError(
+            f"megatron-core {found} is installed, but megatron_patches is pinned to and verified "
+            f"against megatron-core=={MEGATRON_CORE_VERSION} (compat/cpu.py, compat/fixes.py and "
+            f"compat/mcore.py patch its internals); install megatron-core=={MEGATRON_CORE_VERSION}"
+        )
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------
+# Parallel state and RNG
+# ----------------------------------------------------------------------------------------
+
+
+def initialize_model_parallel(tp: int, pp: int, ep: int, etp: int) -> None:
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Megatron's named RNG states (data-, tensor- and expert-parallel) from one seed."""
+    model_parallel_cuda_manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------
+
+
+def transformer_config(args, on_gpu: bool) -> TransformerConfig:
+    """TransformerConfig from Megatron-LM-named arguments (field names are version-specific)."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        add_bias_linear=args.add_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # CPU: initialise on the host; the fused kernels below need Apex/TE/CUDA.
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=False,
+    )
+
+
+def moe_layer_spec(family: str, num_experts: int, grouped_gemm: bool, use_te: bool) -> ModuleSpec:
+    """The transformer-layer spec with Megatron's MoE block as its MLP.
+
+    GPT: Megatron's own GPT layer spec (TE on GPU when available, local modules otherwise).
+    BERT: Megatron's BERT local layer spec (padding attention mask) with its dense MLP
+    replaced by the same MoE block the GPT spec uses.
+    """
+    if use_te:
+        gpt_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    else:
+        gpt_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+    if family == "gpt":
+        return gpt_spec
+    submodules = dataclasses.replace(bert_layer_local_spec.submodules, mlp=gpt_spec.submodules.mlp)
+    return dataclasses.replace(bert_layer_local_spec, submodules=submodules)
+
+
+def language_model(
+    family: str,
+    config: TransformerConfig,
+    layer_spec: ModuleSpec,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool,
+    post_process: bool,
+    bert_binary_head: bool,
+):
+    if family == "gpt":
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+        )
+    return BertModel(
+        config=config,
+        num_tokentypes=2 if bert_binary_head else 0,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=True,
+        add_binary_head=bert_binary_head,
+    )
+
+
+def pipeline_stage_flags() -> tuple[bool, bool]:
+    return (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+def transformer_layers(model) -> list:
+    """The TransformerLayer modules of an (unwrapped) GPT/BERT model on this stage."""
+    return list(model.decoder.layers) if hasattr(model, "decoder") else list(model.encoder.layers)
+
+
+def local_experts(moe_layer) -> list:
+    """(global expert id, expert MLP module) for the experts this rank hosts."""
+    experts = moe_layer.experts
+    if not hasattr(experts, "local_experts"):
+        raise RuntimeError(
+            f"{type(experts).__name__} keeps its experts in packed weights; placement-independent "
+            "expert initialisation supports SequentialMLP experts (drop --moe-grouped-gemm)"
+        )
+    return list(zip(moe_layer.local_expert_indices, experts.local_experts))
+
+
+# ----------------------------------------------------------------------------------------
+# DDP, optimizer, scheduler
+# ----------------------------------------------------------------------------------------
+
+
+def wrap_ddp(config: TransformerConfig, model, args):
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    # Without these two hooks no gradient is ever synchronised (and with overlap on, the
+    # second iteration fails with "multiple communication calls outstanding").
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    if args.overlap_grad_reduce and args.pipeline_model_parallel_size > 1:
+        config.grad_sync_func = ddp.start_grad_sync
+    fixes.untag_expert_bias_sequence_parallel([ddp])
+    return ddp
+
+
+def optimizer(args, model_chunks):
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            fp16=args.fp16,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        model_chunks,
+    )
+    fixes.use_expert_tp_group_for_expert_optimizer(opt)
+    return opt
+
+
+def scheduler(args, opt) -> OptimizerParamScheduler:
+    decay_iters = args.lr_decay_iters or args.train_iters
+    return OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=decay_iters,
+        wd_incr_style="constant",
+    )
+
+
+def forward_backward(step_fn, data_iterator, model_chunks, num_microbatches, seq_length, micro_batch_size, forward_only):
+    return get_forward_backward_func()(
+        forward_step_func=step_fn,
+        data_iterator=data_iterator,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Router observation (expert loads before and after capacity dropping)
+# ----------------------------------------------------------------------------------------
+
+_routing_observer = threading.local()
+
+
+def _observing_token_dropping(original: Callable) -> Callable:
+    def apply_router_token_dropping(probs, routing_map, *args, **kwargs):
+        callback = getattr(_routing_observer, "before_drop", None)
+        if callback is not None:
+            callback(routing_map)
+        return original(probs, routing_map, *args, **kwargs)
+
+    apply_router_token_dropping._megatron_patches = True
+    return apply_router_token_dropping
+
+
+def observe_routing(router_module, on_routed: Callable, on_processed: Callable) -> list:
+    """Calls on_routed(routing_map before capacity dropping) and on_processed(routing_map
+    after it) for every forward of `router_module`; returns the hook handles.
+
+    routing_map is Megatron's bool [tokens, experts]; without a capacity factor both
+    callbacks see the same map.
+    """
+    if not getattr(moe_router.apply_router_token_dropping, "_megatron_patches", False):
+        moe_router.apply_router_token_dropping = _observing_token_dropping(moe_router.apply_router_token_dropping)
+
+    def pre_hook(module, inputs):
+        _routing_observer.before_drop = on_routed
+
+    def post_hook(module, inputs, output):
+        _routing_observer.before_drop = None
+        if module.config.moe_expert_capacity_factor is None:
+            on_routed(output[1])
+        on_processed(output[1])
+
+    return [router_module.register_forward_pre_hook(pre_hook), router_module.register_forward_hook(post_hook)]
+
+
+# ----------------------------------------------------------------------------------------
+# Distributed checkpoints (torch_dist)
+# ----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> None:
+    state = {"model": model_chunks[0].sharded_state_dict()}
+    if opt is not None:
+        state["optimizer"] = opt.sharded_state_dict(
+            state["model"], metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+    state.update(extra_state)
+    dist_checkpointing.save(state, directory)
+
+
+def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> dict:
+    model_sd = model_chunks[0].sharded_state_dict()
+    state = {"model": model_sd}
+    if opt is not None:
+        _materialize_optimizer_state(opt)
+        state["optimizer"] = opt.sharded_state_dict(
+            model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+    state.update(extra_template)
+    loaded = dist_checkpointing.load(state, directory)
+    model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
+    if opt is not None:
+        opt.load_state_dict(loaded.pop("optimizer"))
+    return loaded
+
+
+def _materialize_optimizer_state(opt) -> None:
+    """Create Adam state (exp_avg, exp_avg_sq, step) before building a loading state dict.
+
+    Megatron's sharded optimizer state dict describes the *existing* state; a fresh torch
+    Adam has none until its first step, so without this nothing would be loaded.
+    """
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p not in inner.state or not inner.state[p]:
+                    inner.state[p] = {
+                        "step": torch.zeros((), dtype=torch.float32),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }

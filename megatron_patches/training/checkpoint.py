@@ -1,0 +1,85 @@
+"""Distributed checkpoints (Megatron dist_checkpointing, torch_dist format) with Megatron-LM's
+directory layout: `<dir>/iter_0000100/` plus `<dir>/latest_checkpointed_iteration.txt`.
+
+The model and optimizer are saved as sharded state (reloadable into other TP/PP/EP/DP
+layouts; the distributed optimizer uses the fully-reshardable format); the loop state
+(iteration, consumed samples, LR scheduler) is common state; RNG states are per rank and
+are restored only when the world size is unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel import random as mp_random
+
+from megatron_patches.compat import mcore
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"--load {root}: {TRACKER_FILE} holds {text!r}, expected an iteration number")
+    return int(text)
+
+
+def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict) -> Path:
+    directory = iteration_dir(root, iteration)
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
+    mcore.save_checkpoint(str(directory), model_chunks, optimizer, common)
+    rng_dir = directory / "rng"
+    rng_dir.mkdir(exist_ok=True)
+    torch.save(
+        {
+            "world_size": dist.get_world_size(),
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": mp_random.get_cuda_rng_tracker().get_states(),
+        },
+        rng_dir / f"rank_{dist.get_rank():05d}.pt",
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(root) / TRACKER_FILE).write_text(f"{iteration}\n")
+    return directory
+
+
+def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool) -> tuple[dict, list[str]]:
+    """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"--load {root}: no {TRACKER_FILE}; it does not hold a checkpoint saved by this script")
+    directory = iteration_dir(root, iteration)
+    template = {"loop_state": None, "scheduler": None}
+    loaded = mcore.load_checkpoint(str(directory), model_chunks, optimizer if load_optim else None, template)
+    notes = [f"loaded {directory}"]
+    if load_optim:
+        scheduler.load_state_dict(loaded["scheduler"])
+    else:
+        notes.append("optimizer state not loaded (--no-load-optim)")
+    rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if load_rng and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        if rng["world_size"] == dist.get_world_size():
+            torch.set_rng_state(rng["cpu"])
+            if rng["cuda"] is not None:
+                torch.cuda.set_rng_state(rng["cuda"])
+            mp_random.get_cuda_rng_tracker().set_states(rng["tracker"])
+        else:
+            notes.append(f"RNG states not restored: saved with {rng['world_size']} ranks, running with {dist.get_world_size()}")
+    return loaded["loop_state"], notes

@@ -1,0 +1,144 @@
+"""Tokenizer, datasets and per-rank micro-batch iterators, built from Megatron-Core parts.
+
+Every rank reads the dataset itself (no broadcast): ranks of one data-parallel replica (its
+TP and PP ranks) draw the same sample indices, different replicas draw disjoint ones, in
+the order of Megatron-LM's pretraining sampler, so `consumed_samples` fully describes the
+position in the data and a resumed run continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Iterator
+
+import torch
+
+from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
+
+
+def build_tokenizer(args):
+    """Megatron's tokenizer for `--tokenizer-type` (the same builder Megatron-LM uses)."""
+    namespace = SimpleNamespace(
+        tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        tokenizer_model=args.tokenizer_model,
+        tokenizer_metadata=args.tokenizer_metadata,
+        tokenizer_special_tokens=args.tokenizer_special_tokens,
+        tokenizer_hf_use_fast=args.tokenizer_hf_use_fast,
+        tokenizer_hf_include_special_tokens=args.tokenizer_hf_include_special_tokens,
+        tokenizer_sentencepiece_legacy=args.tokenizer_sentencepiece_legacy,
+        trust_remote_code=args.trust_remote_code,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+    )
+    return megatron_build_tokenizer(namespace)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padding: a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def _data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """Megatron-LM's --data-path forms: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`."""
+    if len(data_path) == 1:
+        return data_path, None
+    weights = [float(w) for w in data_path[0::2]]
+    return list(data_path[1::2]), weights
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid, test) Megatron datasets sized for the whole run."""
+    train_samples = args.train_iters * args.global_batch_size
+    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    eval_samples = eval_runs * args.eval_iters * args.global_batch_size
+    sizes = [train_samples, eval_samples, args.eval_iters * args.global_batch_size]
+    blend = None if args.mock_data else _data_blend(args.data_path)
+    if args.model_family == "gpt":
+        config = GPTDatasetConfig(
+            random_seed=args.seed,
+            sequence_length=args.seq_length,
+            blend=blend,
+            split=args.split,
+            tokenizer=tokenizer,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            mid_level_dataset_surplus=0.005,
+        )
+        dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    else:
+        config = BERTMaskedWordPieceDatasetConfig(
+            random_seed=args.seed,
+            sequence_length=args.seq_length,
+            blend=blend,
+            split=args.split,
+            tokenizer=tokenizer,
+            masking_probability=0.15,
+            short_sequence_probability=0.1,
+            masking_max_ngram=3,
+            masking_do_full_word=True,
+            masking_do_permutation=False,
+            masking_use_longer_ngrams=False,
+            masking_use_geometric_distribution=False,
+            classification_head=args.bert_binary_head,
+            mid_level_dataset_surplus=0.005,
+        )
+        dataset_class = BERTMaskedWordPieceDataset
+    return BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+
+
+@dataclass
+class BatchIterator:
+    """Micro-batches of one data-parallel rank, in Megatron-LM's pretraining-sampler order.
+
+    Global sample indices advance by micro_batch_size x dp_size per micro-batch step; this
+    rank takes its contiguous micro_batch_size slice of each step.
+    """
+
+    dataset: object
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    consumed_samples: int = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        step = self.micro_batch_size * self.dp_size
+        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        indices = [(start + i) % len(self.dataset) for i in range(self.micro_batch_size)]
+        self.consumed_samples += step
+        samples = [self.dataset[i] for i in indices]
+        return {key: torch.utils.data.default_collate([s[key] for s in samples]) for key in samples[0]}
+
+
+def gpt_batch(batch: dict) -> dict:
+    """The model inputs of a GPTDataset micro-batch ([b, s] tensors)."""
+    return {
+        "tokens": batch["tokens"].long(),
+        "labels": batch["labels"].long(),
+        "loss_mask": batch["loss_mask"].float(),
+        "position_ids": batch["position_ids"].long(),
+        "attention_mask": batch.get("attention_mask"),
+    }
+
+
+def bert_batch(batch: dict) -> dict:
+    """The model inputs of a BERT masked-LM micro-batch ([b, s] tensors)."""
+    return {
+        "tokens": batch["text"].long(),
+        "types": batch["types"].long(),
+        "labels": batch["labels"].long(),
+        "is_random": batch["is_random"].long(),
+        "padding_mask": batch["padding_mask"].long(),
+        "loss_mask": batch["loss_mask"].float(),
+    }

@@ -1,0 +1,299 @@
+"""The training loop: Megatron-Core parts applied in one visible order.
+
+    distributed init -> Megatron compat -> model-parallel groups + RNG -> tokenizer + data
+    -> model (layer spec of the chosen MoE mode) -> DDP -> optimizer -> LR schedule
+    -> optional resume -> train (forward/backward via Megatron's pipeline schedules,
+       metrics, eval, checkpoints) -> summary
+
+Megatron-Core ships no `megatron.training`; this is the lean equivalent built from its parts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+
+from megatron_patches.compat import mcore, prepare_megatron
+from megatron_patches.placement.trace import write_trace
+from megatron_patches.training import checkpoint, data, metrics
+from megatron_patches.training.arguments import describe_args
+from megatron_patches.training.model import build_model, moe_layers
+
+
+def log0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 1: processes
+# ----------------------------------------------------------------------------------------
+
+
+def init_distributed(use_cuda: bool) -> None:
+    """torch.distributed from torchrun's environment, or a world of one for a plain process."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+
+
+# ----------------------------------------------------------------------------------------
+# Stage 2: data
+# ----------------------------------------------------------------------------------------
+
+
+def resolve_default_corpus(args) -> None:
+    """With neither --data-path nor --mock-data, train on the embedded real corpus."""
+    if args.data_path or args.mock_data:
+        return
+    from megatron_patches.training.corpus import ensure_default_corpus
+
+    if dist.get_rank() == 0:
+        paths = ensure_default_corpus(args.model_family)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        paths = ensure_default_corpus(args.model_family)
+    args.data_path = [paths.data_prefix]
+    args.tokenizer_type = paths.tokenizer_type
+    args.vocab_file = paths.vocab_file
+    args.merge_file = paths.merge_file
+    log0(f"data: embedded corpus {paths.data_prefix} ({paths.num_documents} documents, {paths.num_tokens} tokens)")
+
+
+# ----------------------------------------------------------------------------------------
+# Forward steps (one per model family)
+# ----------------------------------------------------------------------------------------
+
+
+def _masked_mean(losses_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor:
+    return (losses_BS.float() * mask_BS).sum() / mask_BS.sum().clamp(min=1.0)
+
+
+def gpt_loss(mask_BS, output_BS):
+    loss = _masked_mean(output_BS, mask_BS)
+    return loss, {"lm loss": loss.detach()}
+
+
+def gpt_forward_step(data_iterator, model):
+    batch = data.gpt_batch(next(data_iterator))
+    output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output_BS, partial(gpt_loss, batch["loss_mask"])
+
+
+def bert_loss(mask_BS, is_random_B, output):
+    lm_losses_BS, binary_logits_B2 = output
+    lm = _masked_mean(lm_losses_BS, mask_BS)
+    if binary_logits_B2 is None:
+        return lm, {"lm loss": lm.detach()}
+    sop = F.cross_entropy(binary_logits_B2.view(-1, 2).float(), is_random_B.view(-1), ignore_index=-1)
+    loss = lm + sop
+    return loss, {"lm loss": loss.detach()}
+
+
+def bert_forward_step(data_iterator, model, binary_head: bool):
+    batch = data.bert_batch(next(data_iterator))
+    output = model(
+        batch["tokens"], batch["padding_mask"], tokentype_ids=batch["types"] if binary_head else None, lm_labels=batch["labels"]
+    )
+    if not isinstance(output, tuple):
+        output = (output, None)
+    return output, partial(bert_loss, batch["loss_mask"], batch["is_random"])
+
+
+def _mean_loss_over_world(losses: list[dict]) -> float:
+    """Mean micro-batch loss of the last pipeline stage, averaged over data-parallel ranks."""
+    values = [float(d["lm loss"]) for d in losses] if losses else []
+    counts = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        counts.zero_()
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1]) if counts[1] > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    iterations: int
+    first_loss: float
+    last_loss: float
+    mean_iteration_s: float
+    tokens_per_s: float
+    eval_loss: float | None
+
+
+def pretrain(args) -> Summary:
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    init_distributed(use_cuda)
+    shims = prepare_megatron(use_cuda)
+    log0(describe_args(args))
+    log0(f"device: {'cuda' if use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
+
+    # Parallelisms, in one order: TP, PP, EP (x ETP), DP is what remains.
+    mcore.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.expert_model_parallel_size,
+        args.expert_tensor_parallel_size,
+    )
+    # Megatron-LM: the same seed on all DP ranks, offset per PP stage.
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    mcore.seed_model_parallel_rng(seed)
+
+    resolve_default_corpus(args)
+    tokenizer = data.build_tokenizer(args)
+    vocab = data.padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    train_ds, valid_ds, _ = data.build_datasets(args, tokenizer)
+
+    model, config = build_model(args, vocab, on_gpu=use_cuda)
+    layer_numbers = [number for number, _ in moe_layers(model)]
+    ddp = mcore.wrap_ddp(config, model, args)
+    optimizer = mcore.optimizer(args, [ddp])
+    scheduler = mcore.scheduler(args, optimizer)
+    num_params = sum(p.numel() for p in model.parameters())
+    log0(f"model: {args.model_family} | {num_params:,} parameters on rank 0 | vocab {tokenizer.vocab_size} padded to {vocab}")
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
+    if args.load:
+        loaded, notes = checkpoint.load(args.load, [ddp], optimizer, scheduler, not args.no_load_optim, not args.no_load_rng)
+        state.update({k: loaded[k] for k in state})
+        for note in notes:
+            log0(f"checkpoint: {note}")
+
+    train_iter = data.BatchIterator(train_ds, args.micro_batch_size, dp_rank, dp_size, state["consumed_train_samples"])
+    valid_iter = data.BatchIterator(valid_ds, args.micro_batch_size, dp_rank, dp_size, state["consumed_valid_samples"])
+    if args.model_family == "gpt":
+        forward_step = gpt_forward_step
+    else:
+        forward_step = partial(bert_forward_step, binary_head=args.bert_binary_head)
+
+    recorder = metrics.MoELoadRecorder([ddp], layer_numbers, args.num_experts, args.expert_model_parallel_size)
+    writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if dist.get_rank() == 0 else None
+    trace_routed, trace_sources = [], []
+    element_bytes = 2 if (args.bf16 or args.fp16) else 4
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    start_iteration = state["iteration"]
+    losses_seen: list[float] = []
+    times: list[float] = []
+    eval_loss = None
+    log0(f"training: iterations {start_iteration} -> {args.train_iters}, {args.num_micro_batches} micro-batches of {args.micro_batch_size} x DP {dp_size}")
+
+    def evaluate() -> float:
+        recorder.enabled = False
+        model.eval()
+        total = []
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                out = mcore.forward_backward(
+                    forward_step, valid_iter, [ddp], args.num_micro_batches, args.seq_length, args.micro_batch_size, forward_only=True
+                )
+                total.append(_mean_loss_over_world(out))
+        model.train()
+        recorder.enabled = True
+        state["consumed_valid_samples"] = valid_iter.consumed_samples
+        return float(np.mean(total))
+
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
+        started = time.perf_counter()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = mcore.forward_backward(
+            forward_step, train_iter, [ddp], args.num_micro_batches, args.seq_length, args.micro_batch_size, forward_only=False
+        )
+        update_ok, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        loss = _mean_loss_over_world(losses)
+        loads = recorder.collect()
+        elapsed = time.perf_counter() - started
+        times.append(elapsed)
+        losses_seen.append(loss)
+        state["iteration"] = iteration
+        state["consumed_train_samples"] = train_iter.consumed_samples
+        if dist.get_rank() == 0 and args.moe_log_loads:
+            trace_routed.append(loads.routed_LE)
+            trace_sources.append(loads.source_routed_LSE)
+        if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            writer.log(
+                {
+                    "iteration": iteration,
+                    "start_iteration": start_iteration,
+                    "loss": loss,
+                    "lr": scheduler.get_lr(optimizer.param_groups[0]),
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "update_successful": bool(update_ok),
+                    "tokens_per_s": tokens_per_iteration / elapsed,
+                    "iteration_time_s": elapsed,
+                    "moe_layers": metrics.moe_layer_records(loads, layer_numbers, args.expert_model_parallel_size),
+                    "bytes": {"a2a": 4 * loads.remote_copies * args.hidden_size * element_bytes},
+                }
+            )
+        if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
+            eval_loss = evaluate()
+            if writer is not None:
+                writer.log_eval(iteration, eval_loss)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            path = checkpoint.save(args.save, iteration, [ddp], optimizer, scheduler, state)
+            log0(f"checkpoint: saved {path}")
+
+    if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > start_iteration:
+        path = checkpoint.save(args.save, args.train_iters, [ddp], optimizer, scheduler, state)
+        log0(f"checkpoint: saved {path}")
+    if dist.get_rank() == 0 and args.moe_log_loads and trace_routed:
+        write_trace(
+            args.moe_log_loads,
+            np.stack(trace_routed).astype(np.int64),
+            np.stack(trace_sources).astype(np.int64),
+            model=args.model_family,
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            ranks=int(trace_sources[0].shape[1]),
+            topk=args.moe_router_topk,
+            expert_parallel_size=args.expert_model_parallel_size,
+            moe_layer_numbers=layer_numbers,
+        )
+        log0(f"trace: wrote {args.moe_log_loads} ({len(trace_routed)} iterations)")
+    if writer is not None:
+        writer.close()
+
+    steady = times[1:] if len(times) > 1 else times
+    mean_s = float(np.mean(steady)) if steady else float("nan")
+    summary = Summary(
+        iterations=len(times),
+        first_loss=losses_seen[0] if losses_seen else float("nan"),
+        last_loss=losses_seen[-1] if losses_seen else float("nan"),
+        mean_iteration_s=mean_s,
+        tokens_per_s=tokens_per_iteration / mean_s if steady else float("nan"),
+        eval_loss=eval_loss,
+    )
+    log0(
+        f"summary: {summary.iterations} iterations | loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} | "
+        f"{summary.mean_iteration_s * 1e3:.1f} ms/iteration (excluding the first) | {summary.tokens_per_s:.0f} tokens/s"
+        + (f" | eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+    )
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return summary

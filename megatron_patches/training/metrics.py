@@ -1,0 +1,212 @@
+"""Per-iteration MoE metrics (DESIGN.md section 5) and their sinks: stdout, JSON lines,
+TensorBoard and the `.npz` expert-load trace.
+
+Definitions (the same in logs, tests, placement tools and the simulator):
+- expert_tokens[e]: token copies routed to expert e in this iteration, summed over all
+  ranks and micro-batches (before capacity dropping);
+- device_tokens[d]: token copies processed (after dropping) by the experts hosted on EP
+  rank d, summed over all expert-data-parallel replicas;
+- imbalance = max(device_tokens) / mean(device_tokens) (1.0 when nothing was routed);
+- survival = processed / routed (1.0 without a capacity factor);
+- bytes["a2a"]: the expert all-to-all payload, counted as token copies whose expert lives
+  on another EP rank x hidden x element size, for dispatch and combine, forward and
+  backward (4 transfers per remote copy), summed over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_patches.compat import mcore
+from megatron_patches.placement.accounting import imbalance as imbalance_of
+
+
+@dataclass
+class IterationLoads:
+    """Global MoE loads of one iteration, identical on every rank after `collect()`."""
+
+    routed_LE: np.ndarray
+    """int64 [moe layers, experts]: token copies routed per expert (before dropping)."""
+    processed_LE: np.ndarray
+    """int64 [moe layers, experts]: token copies processed per expert (after dropping)."""
+    source_routed_LSE: np.ndarray
+    """int64 [moe layers, source ranks of a pipeline stage, experts]: routed per source."""
+    remote_copies: int
+    """Token copies sent to an expert on another EP rank (all ranks, all layers)."""
+
+    def device_tokens_LD(self, ep_size: int) -> np.ndarray:
+        layers, experts = self.processed_LE.shape
+        return self.processed_LE.reshape(layers, ep_size, experts // ep_size).sum(axis=2)
+
+
+class MoELoadRecorder:
+    """Counts routed and processed tokens per MoE layer via hooks on Megatron's routers."""
+
+    def __init__(self, model_chunks, moe_layer_numbers: list[int], num_experts: int, ep_size: int):
+        self.layer_index = {number: i for i, number in enumerate(moe_layer_numbers)}
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        num_layers = len(moe_layer_numbers)
+        self.routed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self.processed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self.remote = torch.zeros((), dtype=torch.int64)
+        self.enabled = True
+        self.handles = []
+        # Experts are laid out contiguously over EP ranks (Megatron's EP).
+        per_rank = num_experts // ep_size
+        self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool)
+        self.remote_mask_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = False
+        from megatron_patches.training.model import moe_layers
+
+        for chunk in model_chunks:
+            for number, moe_layer in moe_layers(_unwrap(chunk)):
+                row = self.layer_index[number]
+                self.handles += mcore.observe_routing(
+                    moe_layer.router, self._on_routed(row), self._on_processed(row)
+                )
+        self.stage_source_index, self.sources_per_stage = _stage_source_index()
+
+    def _on_routed(self, row: int):
+        def record(routing_map_TE: torch.Tensor) -> None:
+            if self.enabled:
+                self.routed_LE[row] += routing_map_TE.sum(dim=0).to(torch.int64).cpu()
+
+        return record
+
+    def _on_processed(self, row: int):
+        def record(routing_map_TE: torch.Tensor) -> None:
+            if self.enabled:
+                counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
+                self.processed_LE[row] += counts_E
+                self.remote += counts_E[self.remote_mask_E].sum()
+
+        return record
+
+    def collect(self) -> IterationLoads:
+        """All-gathers this iteration's counts over the world and resets them."""
+        world = dist.get_world_size()
+        local = torch.cat([self.routed_LE.flatten(), self.processed_LE.flatten(), self.remote.view(1)])
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        stacked = torch.stack(gathered).numpy()
+        n = self.routed_LE.numel()
+        layers, experts = self.routed_LE.shape
+        routed_WLE = stacked[:, :n].reshape(world, layers, experts)
+        processed_WLE = stacked[:, n : 2 * n].reshape(world, layers, experts)
+        source_LSE = np.zeros((layers, self.sources_per_stage, experts), dtype=np.int64)
+        for rank in range(world):
+            source_LSE[:, self.stage_source_index[rank], :] += routed_WLE[rank]
+        self.routed_LE.zero_()
+        self.processed_LE.zero_()
+        self.remote.zero_()
+        return IterationLoads(
+            routed_LE=routed_WLE.sum(axis=0),
+            processed_LE=processed_WLE.sum(axis=0),
+            source_routed_LSE=source_LSE,
+            remote_copies=int(stacked[:, -1].sum()),
+        )
+
+
+def _unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def _stage_source_index() -> tuple[list[int], int]:
+    """For every global rank, its position among the ranks of its pipeline stage."""
+    pp_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(pp_ranks, parallel_state.get_pipeline_model_parallel_rank())
+    seen: dict[int, int] = {}
+    index = []
+    for pp in pp_ranks:
+        index.append(seen.get(pp, 0))
+        seen[pp] = seen.get(pp, 0) + 1
+    return index, max(seen.values())
+
+
+def moe_layer_records(loads: IterationLoads, layer_numbers: list[int], ep_size: int) -> list[dict]:
+    device_LD = loads.device_tokens_LD(ep_size)
+    records = []
+    for i, number in enumerate(layer_numbers):
+        routed = int(loads.routed_LE[i].sum())
+        records.append(
+            {
+                "layer": number,
+                "expert_tokens": loads.routed_LE[i].tolist(),
+                "device_tokens": device_LD[i].tolist(),
+                "imbalance": float(imbalance_of(device_LD[i])),
+                "survival": float(loads.processed_LE[i].sum() / routed) if routed else 1.0,
+            }
+        )
+    return records
+
+
+@dataclass
+class MetricsWriter:
+    """Rank-0 sinks: a human line on stdout, one JSON object per line, TensorBoard."""
+
+    json_path: str | None
+    tensorboard_dir: str | None
+    train_iters: int
+    _json: object = field(default=None, init=False)
+    _tb: object = field(default=None, init=False)
+    _start: float = field(default_factory=time.time, init=False)
+
+    def __post_init__(self):
+        if self.json_path:
+            Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            self._json = open(self.json_path, "a", buffering=1)
+        if self.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(self.tensorboard_dir)
+
+    def log(self, record: dict) -> None:
+        iteration = record["iteration"]
+        elapsed = time.time() - self._start
+        record["elapsed_s"] = round(elapsed, 3)
+        done = max(iteration - record.get("start_iteration", 0), 1)
+        eta = elapsed / done * (self.train_iters - iteration)
+        layers = record["moe_layers"]
+        worst = max((layer["imbalance"] for layer in layers), default=1.0)
+        survival = min((layer["survival"] for layer in layers), default=1.0)
+        print(
+            f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
+            f"imbalance(max layer) {worst:.2f} | survival(min layer) {survival:.3f} | "
+            f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
+            flush=True,
+        )
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key in ("loss", "lr", "tokens_per_s", "iteration_time_s"):
+                self._tb.add_scalar(f"train/{key}", record[key], iteration)
+            self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
+            self._tb.add_scalar("moe/survival_min_layer", survival, iteration)
+            for layer in layers:
+                self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
+            for kind, value in record["bytes"].items():
+                self._tb.add_scalar(f"bytes/{kind}", value, iteration)
+
+    def log_eval(self, iteration: int, loss: float) -> None:
+        print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
+        if self._json is not None:
+            self._json.write(json.dumps({"iteration": iteration, "eval_loss": loss}) + "\n")
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", loss, iteration)
+
+    def close(self) -> None:
+        if self._json is not None:
+            self._json.close()
+        if self._tb is not None:
+            self._tb.close()

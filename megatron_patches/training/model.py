@@ -1,0 +1,93 @@
+"""Model construction: a Megatron-Core GPT or BERT model whose MLPs are MoE blocks.
+
+The layer spec decides which MoE layer is used; later parallel modes inject their own
+MoELayer subclass through `layer_spec_fn`. Expert weights are re-initialised from
+(seed, layer, global expert id) only, so every mode, world size and placement starts from
+the same model and checkpoints are interchangeable (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state
+
+from megatron_patches.compat import mcore
+
+
+def default_layer_spec(args, use_te: bool):
+    return mcore.moe_layer_spec(args.model_family, args.num_experts, args.moe_grouped_gemm, use_te)
+
+
+def build_model(args, vocab_size: int, on_gpu: bool, layer_spec_fn: Callable = default_layer_spec):
+    """The (unwrapped) model chunk of this pipeline stage, on the training device."""
+    config = mcore.transformer_config(args, on_gpu)
+    use_te = on_gpu and mcore.have_transformer_engine()
+    pre_process, post_process = mcore.pipeline_stage_flags()
+    model = mcore.language_model(
+        args.model_family,
+        config,
+        layer_spec_fn(args, use_te),
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        bert_binary_head=args.bert_binary_head,
+    )
+    init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model, config
+
+
+def expert_seed(seed: int, layer: int, expert: int, tensor: int) -> int:
+    """A 63-bit seed from (run seed, global layer number, global expert id, tensor index)."""
+    return int(np.random.SeedSequence([seed, layer, expert, tensor]).generate_state(2, np.uint64)[0] >> 1)
+
+
+def _full_normal(shape, std: float, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+
+def _column_shard(full_FH: torch.Tensor, rank: int, size: int, gated: bool) -> torch.Tensor:
+    """Rank's rows of a column-parallel fc1; a gated fc1 is [gate; up], each split separately."""
+    if not gated:
+        return full_FH.chunk(size, dim=0)[rank]
+    gate, up = full_FH.chunk(2, dim=0)
+    return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+
+@torch.no_grad()
+def init_experts_from_global_ids(model, seed: int, std: float, num_layers: int) -> None:
+    """Re-initialises every local expert from (seed, layer, global expert id).
+
+    Same distributions as Megatron's defaults: fc1 ~ N(0, std), fc2 ~ N(0, std/sqrt(2L))
+    (scaled init for output projections), biases zero. The *full* weight is drawn and this
+    rank's expert-tensor-parallel shard sliced out, so the model does not depend on ETP.
+    """
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+    output_std = std / math.sqrt(2.0 * num_layers)
+    for layer in mcore.transformer_layers(model):
+        if not hasattr(layer.mlp, "experts"):
+            continue
+        for expert_id, expert in mcore.local_experts(layer.mlp):
+            fc1, fc2 = expert.linear_fc1.weight, expert.linear_fc2.weight
+            # fc1 is column-parallel (rows split over ETP), fc2 row-parallel (columns split).
+            full_fc1 = _full_normal((fc1.shape[0] * etp_size, fc1.shape[1]), std, expert_seed(seed, layer.layer_number, expert_id, 1))
+            full_fc2 = _full_normal((fc2.shape[0], fc2.shape[1] * etp_size), output_std, expert_seed(seed, layer.layer_number, expert_id, 2))
+            fc1.copy_(_column_shard(full_fc1, etp_rank, etp_size, gated=expert.config.gated_linear_unit))
+            fc2.copy_(full_fc2.chunk(etp_size, dim=1)[etp_rank])
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                if getattr(linear, "bias", None) is not None:
+                    linear.bias.zero_()
+
+
+def moe_layers(model) -> list:
+    """(global layer number, MoE layer module) for the MoE layers on this stage."""
+    return [(layer.layer_number, layer.mlp) for layer in mcore.transformer_layers(model) if hasattr(layer.mlp, "router")]

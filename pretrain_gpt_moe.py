@@ -1,0 +1,36 @@
+"""Pretrain a GPT or BERT Mixture-of-Experts model with Megatron-Core (thin entry point).
+
+    python pretrain_gpt_moe.py                                   # embedded default, CPU
+    torchrun --nproc-per-node 4 pretrain_gpt_moe.py              # 4 local ranks, EP=4
+    torchrun ... pretrain_gpt_moe.py --config configs/models/gpt_moe_s.yaml --data-path ...
+
+Flags use Megatron-LM's names (docs/flags.md). All validation happens here, before any
+process group starts.
+"""
+
+import os
+import sys
+
+from megatron_patches.training.arguments import ArgumentError, parse_args, validate_args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ArgumentError as error:
+        print(f"pretrain_gpt_moe.py: error: {error}", file=sys.stderr)
+        return 2
+    if args.cpu:
+        # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megatron_patches.training.loop import pretrain
+
+    pretrain(args)
+    return 0
+
+
+# The guard matters: dist-checkpoint saving starts a spawned multiprocessing.Manager that
+# re-imports this file.
+if __name__ == "__main__":
+    sys.exit(main())
