@@ -632,7 +632,7 @@ def _coerce_scalar(kind, value):
         # YAML 1.1 (PyYAML) reads `1e-3` without a dot as a string.
         try:
             return float(value)
-        except ValueError:
+        except (TypeError, ValueError):
             return None
     # Text flags take unquoted YAML numbers too (`split: 100`, data-path weights).
     return str(value) if isinstance(value, (str, int, float)) else None
@@ -764,7 +764,8 @@ def _resolve_parallel_layout(args, world_size):
               f"not divisible by --tensor-model-parallel-size={tp}; valid TP: "
               f"{_divisors(args.num_attention_heads)}")
     if tp == 1:
-        # As Megatron-LM: sequence parallelism only changes numerics when TP is 1.
+        # As Megatron-LM does: with TP 1 there is no sequence to split, and the flag would
+        # only change numerics.
         args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length % tp != 0:
         _fail("--seq-length", args.seq_length,

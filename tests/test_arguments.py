@@ -1,0 +1,711 @@
+"""Tests of the training script's arguments (megatron_patches/training/arguments.py).
+
+One test per validation rule (each asserts that the message names the flag and the offending
+value), YAML layering (defaults < config < later config < CLI), YAML key and type errors, the
+expert-parallel default against a brute-force search, the generated docs/flags.md, and
+describe_args. No process groups; torch is imported once by validate_args (params_dtype).
+"""
+
+import ast
+import copy
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_patches.training import arguments as A
+from megatron_patches.training.arguments import (
+    ArgumentError,
+    build_parser,
+    describe_args,
+    flag_reference_markdown,
+    parse_args,
+    validate_args,
+)
+
+# A small MoE model given explicitly, so that the tests do not depend on tiny.yaml's values.
+MODEL = {
+    "model_family": "gpt",
+    "num_layers": 4,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "seq_length": 32,
+    "max_position_embeddings": 64,
+    "num_experts": 8,
+    "moe_router_topk": 2,
+    "vocab_size": 1000,
+}
+
+
+@pytest.fixture
+def write_yaml(tmp_path):
+    def write(name, data):
+        path = tmp_path / name
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+        return str(path)
+
+    return write
+
+
+@pytest.fixture
+def parse(write_yaml):
+    """parse_args over the MODEL config plus the given flags."""
+    model = write_yaml("model.yaml", MODEL)
+    return lambda *flags: parse_args(["--config", model, *flags])
+
+
+@pytest.fixture
+def default_config(tmp_path, monkeypatch):
+    """configs/models/tiny.yaml, or a stand-in outside the repository while it does not exist."""
+    if not A.DEFAULT_CONFIG.is_file():
+        stand_in = tmp_path / "tiny.yaml"
+        stand_in.write_text(yaml.safe_dump({**MODEL, "num_layers": 2, "seq_length": 128,
+                                            "max_position_embeddings": 128}))
+        monkeypatch.setattr(A, "DEFAULT_CONFIG", stand_in)
+    return A.DEFAULT_CONFIG
+
+
+def expect_error(args, world_size, *fragments):
+    with pytest.raises(ArgumentError) as caught:
+        validate_args(args, world_size)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# Flag names
+# ---------------------------------------------------------------------------------------------
+
+MEGATRON_FLAGS = """
+--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --seq-length
+--max-position-embeddings --micro-batch-size --global-batch-size --train-iters --lr --min-lr
+--lr-decay-style --lr-warmup-iters --lr-decay-iters --weight-decay --clip-grad --adam-beta1
+--adam-beta2 --adam-eps --init-method-std --hidden-dropout --attention-dropout --seed
+--tensor-model-parallel-size --pipeline-model-parallel-size --expert-model-parallel-size
+--expert-tensor-parallel-size --sequence-parallel --use-distributed-optimizer
+--overlap-grad-reduce --overlap-param-gather --num-experts --moe-router-topk --moe-ffn-hidden-size
+--moe-aux-loss-coeff --moe-router-load-balancing-type --moe-token-dispatcher-type
+--moe-expert-capacity-factor --moe-pad-expert-input-to-capacity --moe-grouped-gemm
+--disable-bias-linear --data-path --split --tokenizer-type --vocab-file --merge-file --vocab-size
+--make-vocab-size-divisible-by --save --load --save-interval --no-load-optim --no-load-rng
+--eval-interval --eval-iters --log-interval --tensorboard-dir --bf16 --fp16 --num-workers
+--config --model-family --moe-parallel-mode --log-json --moe-log-loads --mock-data --cpu
+""".split()
+
+
+def test_parser_has_every_required_flag_with_megatron_dest_names():
+    dests = {option: action.dest for action in build_parser()._actions
+             for option in action.option_strings}
+    assert set(MEGATRON_FLAGS) <= set(dests)
+    # Megatron-LM's dest names where they differ from the flag.
+    assert dests["--disable-bias-linear"] == "add_bias_linear"
+    assert dests["--bert-no-binary-head"] == "bert_binary_head"
+    assert dests["--no-load-optim"] == "no_load_optim"
+
+
+def test_cli_syntax_errors_exit_through_argparse(parse):
+    with pytest.raises(SystemExit):
+        parse("--num-layers", "two")
+    with pytest.raises(SystemExit):
+        parse("--num-layer", "2")  # no abbreviations, as in Megatron-LM
+
+
+# ---------------------------------------------------------------------------------------------
+# Layering and YAML
+# ---------------------------------------------------------------------------------------------
+
+
+def test_layering_default_config_later_config_cli(write_yaml):
+    first = write_yaml("first.yaml", {**MODEL, "lr": 0.01, "seed": 7})
+    second = write_yaml("second.yaml", {"lr": 0.02})
+    assert parse_args(["--config", first]).lr == 0.01
+    assert parse_args(["--config", first]).train_iters == 200  # parser default survives
+    layered = parse_args(["--config", first, "--config", second])
+    assert layered.lr == 0.02 and layered.seed == 7 and layered.num_layers == MODEL["num_layers"]
+    assert layered.config == [first, second]
+    cli = parse_args(["--config", first, "--lr", "0.03", "--config", second])
+    assert cli.lr == 0.03 and cli.seed == 7
+    # A CLI flag equal to the parser default still wins over the config.
+    assert parse_args(["--config", first, "--seed", "1234"]).seed == 1234
+
+
+def test_without_config_the_tiny_model_is_loaded(default_config):
+    args = parse_args([])
+    tiny = yaml.safe_load(Path(default_config).read_text())
+    assert args.config == [str(default_config)]
+    for key, value in tiny.items():
+        assert getattr(args, key) == value
+    assert args.lr == 1e-3 and args.lr_decay_style == "cosine" and args.micro_batch_size == 4
+
+
+def test_a_given_config_replaces_the_default_model(write_yaml):
+    run = write_yaml("run.yaml", {"lr": 0.005})
+    args = parse_args(["--config", run])
+    assert args.num_layers is None
+    expect_error(args, 1, "--num-layers is not set")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_no_flag_run_validates(default_config, world):
+    args = validate_args(parse_args([]), world)
+    experts = args.num_experts
+    expected_ep = max(e for e in range(1, experts + 1) if experts % e == 0 and world % e == 0)
+    assert args.expert_model_parallel_size == expected_ep
+    assert args.data_parallel_size == world and args.global_batch_size == 4 * world
+    assert args.num_micro_batches == 1 and args.split == "969,30,1"
+
+
+def test_yaml_values_are_converted_to_the_flag_types(write_yaml):
+    config = write_yaml("types.yaml", "num_layers: 2\nlr: 1e-3\nadd_bias_linear: false\n"
+                                      "split: 100\ndata_path: [0.3, a, 0.7, b]\n"
+                                      "moe_expert_capacity_factor: 2\nsave: null\n")
+    args = parse_args(["--config", config])
+    assert args.lr == 0.001 and isinstance(args.lr, float)  # PyYAML reads 1e-3 as a string
+    assert args.add_bias_linear is False
+    assert args.split == "100"
+    assert args.data_path == ["0.3", "a", "0.7", "b"]
+    assert args.moe_expert_capacity_factor == 2.0
+
+
+def test_unknown_yaml_key_names_key_file_and_close_names(write_yaml):
+    config = write_yaml("typo.yaml", {"num_layer": 2})
+    with pytest.raises(ArgumentError) as caught:
+        parse_args(["--config", config])
+    message = str(caught.value)
+    assert "'num_layer'" in message and config in message and "num_layers" in message
+
+
+def test_yaml_key_spelled_as_a_flag_with_another_dest_says_which_dest(write_yaml):
+    config = write_yaml("dest.yaml", {"disable_bias_linear": True})
+    with pytest.raises(ArgumentError, match="add_bias_linear: false"):
+        parse_args(["--config", config])
+    dashed = write_yaml("dashed.yaml", {"num-layers": 2})
+    with pytest.raises(ArgumentError, match="num_layers"):
+        parse_args(["--config", dashed])
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("num_layers", "two", "expected int"),
+    ("num_layers", 2.5, "expected int"),
+    ("num_layers", True, "expected int"),
+    ("lr", "fast", "expected float"),
+    ("bf16", "yes", "expected bool"),
+    ("train_iters", None, "expected int"),
+    ("data_path", {"a": 1}, "expected list of str"),
+    ("moe_layer_freq", "every other", "expected int or list of 0/1"),
+])
+def test_wrong_yaml_type_names_key_value_and_type(write_yaml, key, value, expected):
+    config = write_yaml("bad.yaml", {key: value})
+    with pytest.raises(ArgumentError) as caught:
+        parse_args(["--config", config])
+    message = str(caught.value)
+    assert repr(key) in message and repr(value) in message and expected in message
+    assert config in message
+
+
+def test_yaml_file_problems(write_yaml, tmp_path):
+    with pytest.raises(ArgumentError, match="file not found"):
+        parse_args(["--config", str(tmp_path / "absent.yaml")])
+    with pytest.raises(ArgumentError, match="must be a mapping"):
+        parse_args(["--config", write_yaml("list.yaml", "- 1\n- 2\n")])
+    with pytest.raises(ArgumentError, match="not valid YAML"):
+        parse_args(["--config", write_yaml("broken.yaml", "a: [1, 2\n")])
+    with pytest.raises(ArgumentError, match="cannot include other files"):
+        parse_args(["--config", write_yaml("nested.yaml", {"config": "x.yaml"})])
+
+
+def test_every_model_config_in_the_repository_parses_and_validates():
+    configs = sorted((A.REPO_ROOT / "configs" / "models").glob("*.yaml"))
+    if not configs:
+        pytest.skip("no model configs yet")
+    for path in configs:
+        args = validate_args(parse_args(["--config", str(path)]), 1)
+        assert args.num_layers > 0, path
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived values
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world, flags, expected_ep", [
+    (1, [], 1),
+    (4, [], 4),  # torchrun --nproc-per-node 4 with 8 experts
+    (6, [], 2),
+    (12, [], 4),
+    (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4),
+    (4, ["--pipeline-model-parallel-size", "2"], 2),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--expert-tensor-parallel-size", "1"], 4),
+    (8, ["--num-experts", "6"], 2),
+])
+def test_expert_parallel_default(parse, world, flags, expected_ep):
+    args = validate_args(parse(*flags), world)
+    assert args.expert_model_parallel_size == expected_ep
+    assert args.expert_data_parallel_size == (
+        world // args.pipeline_model_parallel_size
+        // (args.expert_tensor_parallel_size * expected_ep))
+
+
+def test_expert_parallel_default_is_the_largest_valid_ep_brute_force(parse):
+    """The resolved EP equals the largest explicit EP that validate_args accepts."""
+    bases = {(tp, pp): parse("--tensor-model-parallel-size", str(tp),
+                             "--pipeline-model-parallel-size", str(pp), "--sequence-parallel")
+             for tp in (1, 2) for pp in (1, 2)}
+    checked = 0
+    for (tp, pp), base in bases.items():
+        for world in range(1, 9):
+            if world % (tp * pp):
+                continue
+            for experts in range(1, 13):
+                args = copy.deepcopy(base)
+                args.num_experts = experts
+                args.moe_router_topk = 1
+                accepted = []
+                for ep in range(1, experts + 1):
+                    trial = copy.deepcopy(args)
+                    trial.expert_model_parallel_size = ep
+                    try:
+                        validate_args(trial, world)
+                        accepted.append(ep)
+                    except ArgumentError:
+                        pass
+                resolved = validate_args(copy.deepcopy(args), world).expert_model_parallel_size
+                assert resolved == max(accepted), (tp, pp, world, experts)
+                checked += 1
+    assert checked > 100
+
+
+def test_derived_values(parse):
+    args = validate_args(parse("--global-batch-size", "32", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel", "--bf16"), 4)
+    assert args.data_parallel_size == 2 and args.num_micro_batches == 4  # 32 / (4 x 2)
+    assert args.expert_tensor_parallel_size == 2  # Megatron-LM: ETP defaults to TP
+    assert args.moe_ffn_hidden_size == MODEL["ffn_hidden_size"]
+    assert args.lr_decay_iters == args.train_iters
+    assert str(args.params_dtype) == "torch.bfloat16"
+    assert args.distributed_backend in ("gloo", "nccl") and args.world_size == 4
+    dense = parse("--num-experts", "0")
+    dense.ffn_hidden_size = dense.max_position_embeddings = None  # as if the YAML left them out
+    dense = validate_args(dense, 1)
+    assert dense.num_experts is None and dense.ffn_hidden_size == 4 * MODEL["hidden_size"]
+    assert dense.max_position_embeddings == MODEL["seq_length"]
+    assert dense.moe_ffn_hidden_size is None and dense.expert_model_parallel_size == 1
+
+
+def test_swiglu_ffn_default_is_megatrons(parse):
+    args = parse("--swiglu")
+    args.ffn_hidden_size = None
+    assert validate_args(args, 1).ffn_hidden_size == int(4 * 64 * 2 / 3 / 64) * 64  # 128
+
+
+def test_sequence_parallel_is_turned_off_at_tp1(parse):
+    assert validate_args(parse("--sequence-parallel"), 2).sequence_parallel is False
+
+
+def test_validate_twice_gives_the_same_namespace(parse, tmp_path):
+    args = validate_args(parse("--mock-data", "--save", str(tmp_path), "--save-interval", "5"), 4)
+    again = validate_args(copy.deepcopy(args), 4)
+    assert vars(again) == vars(args)
+
+
+def test_mock_data_defaults_to_the_null_tokenizer(parse):
+    assert validate_args(parse("--mock-data"), 1).tokenizer_type == "NullTokenizer"
+
+
+def test_moe_layer_freq_forms(parse, write_yaml):
+    assert A.moe_layer_freq("2") == 2
+    assert A.moe_layer_freq("([1]*3+[0]*1)*3") == [1, 1, 1, 0] * 3
+    assert A.moe_layer_freq([1, 0]) == [1, 0]
+    for bad in ("9**9", "__import__('os')", "[1]*1000000", "[1]+2"):
+        with pytest.raises(ValueError):
+            A.moe_layer_freq(bad)
+    args = validate_args(parse("--num-layers", "4", "--moe-layer-freq", "([1]+[0])*2"), 1)
+    assert args.moe_layer_freq == [1, 0, 1, 0]
+    config = write_yaml("freq.yaml", {**MODEL, "moe_layer_freq": [0, 1, 0, 1]})
+    assert parse_args(["--config", config]).moe_layer_freq == [0, 1, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: one test per rule
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--num-layers", "0"), ("--hidden-size", "-64"), ("--num-attention-heads", "0"),
+    ("--seq-length", "-1"), ("--micro-batch-size", "0"), ("--global-batch-size", "-4"),
+    ("--train-iters", "0"), ("--tensor-model-parallel-size", "0"),
+    ("--pipeline-model-parallel-size", "-1"), ("--expert-model-parallel-size", "0"),
+    ("--expert-tensor-parallel-size", "0"), ("--ffn-hidden-size", "0"),
+    ("--moe-ffn-hidden-size", "-8"), ("--moe-router-topk", "0"), ("--vocab-size", "0"),
+    ("--num-experts", "-2"), ("--eval-iters", "-1"), ("--num-workers", "-1"),
+    ("--lr-warmup-iters", "-5"),
+])
+def test_non_positive_sizes(parse, flag, value):
+    expect_error(parse(flag, value), 1, f"{flag}={value}")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--hidden-dropout", "1.0"), ("--attention-dropout", "-0.1"), ("--adam-beta1", "1.0"),
+    ("--adam-eps", "0"), ("--init-method-std", "0"), ("--weight-decay", "-0.1"),
+    ("--clip-grad", "-1"), ("--moe-aux-loss-coeff", "-0.01"),
+])
+def test_out_of_range_coefficients(parse, flag, value):
+    expect_error(parse(flag, value), 1, f"{flag}={float(value)}")
+
+
+def test_world_size_not_divisible_by_tp_times_pp(parse):
+    expect_error(parse("--tensor-model-parallel-size", "3", "--sequence-parallel"), 4,
+                 "--tensor-model-parallel-size=3", "world size 4", "[1, 2, 4]")
+
+
+def test_experts_not_divisible_by_ep(parse):
+    expect_error(parse("--expert-model-parallel-size", "3"), 6,
+                 "--expert-model-parallel-size=3", "--num-experts=8", "valid EP here: [1, 2]")
+
+
+def test_expert_grid_must_divide_world_over_pp(parse):
+    expect_error(parse("--expert-model-parallel-size", "8"), 4,
+                 "--expert-model-parallel-size=8", "ETP x EP = 1 x 8 = 8", "[1, 2, 4]")
+    expect_error(parse("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-model-parallel-size", "4"), 4,
+                 "--expert-model-parallel-size=4", "ETP x EP = 2 x 4 = 8", "[1, 2]")
+    expect_error(parse("--expert-tensor-parallel-size", "3"), 4,
+                 "--expert-tensor-parallel-size=3", "[1, 2, 4]")
+
+
+def test_ep_without_experts(parse):
+    expect_error(parse("--num-experts", "0", "--expert-model-parallel-size", "2"), 2,
+                 "--expert-model-parallel-size=2", "--num-experts")
+
+
+def test_global_batch_not_divisible_by_micro_batch_times_dp(parse):
+    expect_error(parse("--global-batch-size", "20"), 4,
+                 "--global-batch-size=20", "4 x 4 = 16", "multiples of 16")
+
+
+def test_heads_not_divisible_by_tp(parse):
+    expect_error(parse("--num-attention-heads", "2", "--tensor-model-parallel-size", "4",
+                       "--sequence-parallel"), 4,
+                 "--num-attention-heads=2", "--tensor-model-parallel-size=4")
+
+
+def test_hidden_not_divisible_by_heads(parse):
+    expect_error(parse("--num-attention-heads", "5"), 1, "--hidden-size=64",
+                 "--num-attention-heads=5")
+    validate_args(parse("--num-attention-heads", "5", "--kv-channels", "16"), 1)
+
+
+def test_ffn_not_divisible_by_tp(parse):
+    expect_error(parse("--ffn-hidden-size", "130", "--tensor-model-parallel-size", "4",
+                       "--sequence-parallel"), 4, "--ffn-hidden-size=130")
+
+
+def test_query_groups(parse):
+    expect_error(parse("--group-query-attention", "--num-query-groups", "3"), 1,
+                 "--num-query-groups=3", "[1, 2, 4]")
+    expect_error(parse("--group-query-attention", "--num-query-groups", "1",
+                       "--tensor-model-parallel-size", "2", "--sequence-parallel"), 2,
+                 "--num-query-groups=1", "--tensor-model-parallel-size=2")
+
+
+def test_layers_not_divisible_by_pp(parse):
+    expect_error(parse("--num-layers", "3", "--pipeline-model-parallel-size", "2"), 2,
+                 "--num-layers=3", "--pipeline-model-parallel-size=2", "[1, 3]")
+
+
+def test_seq_length_beyond_position_embeddings(parse):
+    expect_error(parse("--seq-length", "128"), 1, "--seq-length=128",
+                 "--max-position-embeddings=64")
+
+
+def test_sequence_parallel_needs_seq_divisible_by_tp(parse):
+    expect_error(parse("--seq-length", "33", "--tensor-model-parallel-size", "2",
+                       "--sequence-parallel"), 2, "--seq-length=33", "multiple of 2")
+
+
+def test_topk_beyond_experts(parse):
+    expect_error(parse("--moe-router-topk", "9"), 1, "--moe-router-topk=9", "1..8")
+
+
+def test_moe_layer_pattern_length(parse):
+    expect_error(parse("--moe-layer-freq", "[1,0]"), 1, "--moe-layer-freq=[1, 0]", "4 in all")
+    expect_error(parse("--moe-layer-freq", "0"), 1, "--moe-layer-freq=0")
+
+
+def test_tensor_parallel_moe_needs_sequence_parallel(parse):
+    expect_error(parse("--tensor-model-parallel-size", "2"), 2,
+                 "--tensor-model-parallel-size=2", "--sequence-parallel", "Megatron-Core")
+    validate_args(parse("--tensor-model-parallel-size", "2", "--num-experts", "0"), 2)
+
+
+def test_fp16_with_bf16(parse):
+    expect_error(parse("--fp16", "--bf16"), 1, "--fp16", "--bf16")
+
+
+def test_fp16_with_expert_parallelism(parse):
+    expect_error(parse("--fp16"), 2, "--expert-model-parallel-size=2", "--fp16")
+    validate_args(parse("--fp16"), 1)
+
+
+def test_grouped_gemm_needs_cuda_and_bf16(parse):
+    expect_error(parse("--moe-grouped-gemm", "--cpu"), 1, "--moe-grouped-gemm", "CUDA")
+
+
+def test_overlap_param_gather_needs_distributed_optimizer(parse):
+    expect_error(parse("--overlap-param-gather", "--overlap-grad-reduce"), 1,
+                 "--overlap-param-gather", "--use-distributed-optimizer")
+
+
+def test_missing_data_files(parse, tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    Path(f"{prefix}.bin").write_bytes(b"")
+    message = expect_error(parse("--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"),
+                           1, "--data-path", str(prefix), ".idx")
+    assert ".bin" not in message.split("missing")[1].split(";")[0]
+    Path(f"{prefix}.idx").write_bytes(b"")
+    validate_args(parse("--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"), 1)
+    # Megatron-LM's "weight prefix weight prefix" form: the second prefix is missing.
+    absent = tmp_path / "absent"
+    expect_error(parse("--data-path", "0.3", str(prefix), "0.7", str(absent),
+                       "--tokenizer-type", "NullTokenizer"), 1,
+                 f"--data-path={absent}", f"{absent}.bin and {absent}.idx")
+    # A list of prefixes.
+    expect_error(parse("--data-path", str(prefix), str(absent), "--tokenizer-type",
+                       "NullTokenizer"), 1, f"--data-path={absent}")
+
+
+def test_bad_data_path_forms(parse, tmp_path):
+    prefix = str(tmp_path / "p")
+    expect_error(parse("--data-path", "0.5", prefix, prefix, prefix,
+                       "--tokenizer-type", "NullTokenizer"), 1, "--data-path", "mixes")
+    expect_error(parse("--data-path", "-1", prefix, "--tokenizer-type", "NullTokenizer"), 1,
+                 "--data-path", "weight -1")
+    expect_error(parse("--data-path", "--tokenizer-type", "NullTokenizer"), 1, "--data-path")
+
+
+def test_data_path_with_mock_data(parse, tmp_path):
+    expect_error(parse("--data-path", str(tmp_path / "p"), "--mock-data"), 1,
+                 "--data-path", "--mock-data")
+
+
+def test_unknown_tokenizer_type(parse):
+    expect_error(parse("--tokenizer-type", "GPT3Tokenizer"), 1,
+                 "--tokenizer-type=GPT3Tokenizer", "GPT2BPETokenizer", "NullTokenizer",
+                 "SentencePieceTokenizer", "HuggingFaceTokenizer")
+
+
+def test_data_path_needs_a_tokenizer_type(parse, tmp_path):
+    prefix = tmp_path / "d"
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    expect_error(parse("--data-path", str(prefix)), 1, "--tokenizer-type is not set",
+                 "--data-path")
+
+
+def test_gpt2_bpe_without_vocab_and_merges(parse, tmp_path):
+    prefix = tmp_path / "d"
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").write_bytes(b"")
+    flags = ("--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer")
+    expect_error(parse(*flags), 1, "--tokenizer-type=GPT2BPETokenizer", "--vocab-file",
+                 "--merge-file")
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("{}")
+    message = expect_error(parse(*flags, "--vocab-file", str(vocab)), 1, "--merge-file")
+    assert "--vocab-file" not in message
+    expect_error(parse(*flags, "--vocab-file", str(vocab), "--merge-file",
+                       str(tmp_path / "nope.txt")), 1, "--merge-file=", "not found")
+    merges.write_text("#version: 0.2\n")
+    validate_args(parse(*flags, "--vocab-file", str(vocab), "--merge-file", str(merges)), 1)
+    # Without a data source the default corpus supplies the files.
+    validate_args(parse("--tokenizer-type", "GPT2BPETokenizer"), 1)
+
+
+def test_null_tokenizer_needs_vocab_size(parse):
+    args = parse("--mock-data")
+    args.vocab_size = None
+    expect_error(args, 1, "--tokenizer-type=NullTokenizer", "--vocab-size")
+
+
+@pytest.mark.parametrize("split", ["a,b,c", "1,2,3,4", "0,0,0", "-1,1,1", "90,,5"])
+def test_bad_split(parse, split):
+    expect_error(parse(f"--split={split}"), 1, f"--split={split}", "969,30,1")
+
+
+@pytest.mark.parametrize("split", ["90,5,5", "100", "98,2", "969, 30, 1"])
+def test_good_split(parse, split):
+    assert validate_args(parse("--split", split), 1).split == split
+
+
+def test_moe_parallel_mode_is_one_extensible_constant(parse, monkeypatch):
+    expect_error(parse("--moe-parallel-mode", "fssdp"), 1, "--moe-parallel-mode=fssdp",
+                 "valid: ep")
+    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp"))
+    assert validate_args(parse("--moe-parallel-mode", "fssdp"), 1).moe_parallel_mode == "fssdp"
+
+
+def test_model_family(parse):
+    expect_error(parse("--model-family", "t5"), 1, "--model-family=t5", "gpt, bert")
+
+
+def test_load_directory_missing(parse, tmp_path):
+    missing = tmp_path / "ckpt"
+    expect_error(parse("--load", str(missing)), 1, f"--load={missing}", "not found")
+    # --save DIR --load DIR: resume when a checkpoint exists, else start fresh.
+    validate_args(parse("--load", str(missing), "--save", str(missing), "--save-interval", "10"), 1)
+    missing.mkdir()
+    validate_args(parse("--load", str(missing)), 1)
+
+
+def test_save_needs_save_interval(parse, tmp_path):
+    expect_error(parse("--save", str(tmp_path)), 1, f"--save={tmp_path}", "--save-interval")
+
+
+@pytest.mark.parametrize("flag", ["--log-interval", "--eval-interval", "--save-interval"])
+@pytest.mark.parametrize("value", ["0", "-10"])
+def test_intervals_must_be_positive(parse, flag, value):
+    expect_error(parse(flag, value), 1, f"{flag}={value}", "positive")
+
+
+def test_negative_learning_rate(parse):
+    expect_error(parse("--lr", "-0.001"), 1, "--lr=-0.001")
+
+
+def test_min_lr_above_lr(parse):
+    expect_error(parse("--lr", "0.001", "--min-lr", "0.01"), 1, "--min-lr=0.01", "--lr=0.001")
+
+
+def test_warmup_not_below_decay(parse):
+    expect_error(parse("--train-iters", "10", "--lr-warmup-iters", "10"), 1,
+                 "--lr-warmup-iters=10", "--lr-decay-iters=10", "0..9")
+
+
+def test_unknown_lr_decay_style(parse):
+    expect_error(parse("--lr-decay-style", "cosin"), 1, "--lr-decay-style=cosin", "cosine")
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_capacity_factor_must_be_positive(parse, value):
+    expect_error(parse("--moe-expert-capacity-factor", value), 1,
+                 f"--moe-expert-capacity-factor={float(value)}")
+
+
+def test_padding_to_capacity_needs_a_capacity(parse):
+    expect_error(parse("--moe-pad-expert-input-to-capacity"), 1,
+                 "--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor")
+
+
+def test_capacity_with_sinkhorn(parse):
+    expect_error(parse("--moe-expert-capacity-factor", "1.0",
+                       "--moe-router-load-balancing-type", "sinkhorn"), 1,
+                 "--moe-router-load-balancing-type=sinkhorn")
+
+
+def test_unknown_load_balancing_type(parse):
+    expect_error(parse("--moe-router-load-balancing-type", "aux"), 1,
+                 "--moe-router-load-balancing-type=aux", "aux_loss")
+
+
+def test_unknown_dispatcher_type(parse):
+    expect_error(parse("--moe-token-dispatcher-type", "all2all"), 1,
+                 "--moe-token-dispatcher-type=all2all", "alltoall, allgather, flex")
+
+
+def test_flex_dispatcher_needs_cuda(parse):
+    expect_error(parse("--moe-token-dispatcher-type", "flex", "--cpu"), 2,
+                 "--moe-token-dispatcher-type=flex", "CUDA")
+
+
+def test_device_dependent_backends(parse):
+    expect_error(parse("--cpu", "--distributed-backend", "nccl"), 1,
+                 "--distributed-backend=nccl", "gloo")
+    expect_error(parse("--cpu", "--transformer-impl", "transformer_engine"), 1,
+                 "--transformer-impl=transformer_engine", "local")
+    expect_error(parse("--distributed-backend", "mpi"), 1, "--distributed-backend=mpi")
+    args = validate_args(parse("--cpu"), 1)
+    assert (args.use_cuda, args.distributed_backend, args.transformer_impl) == (False, "gloo", "local")
+
+
+@pytest.mark.parametrize("flag, value", [("--normalization", "BatchNorm"),
+                                         ("--position-embedding-type", "alibi")])
+def test_unknown_model_choices(parse, flag, value):
+    expect_error(parse(flag, value), 1, f"{flag}={value}")
+
+
+def test_bad_world_size(parse):
+    for world in (0, -1, 2.0):
+        expect_error(parse(), world, "world size")
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-Core cross-checks (read from the installed source, not imported: importing
+# megatron.core takes several seconds)
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_tokenizer_source():
+    path = importlib.metadata.distribution("megatron-core").locate_file(
+        "megatron/core/tokenizers/text/utils/build_tokenizer.py")
+    return ast.parse(Path(path).read_text())
+
+
+def test_tokenizer_types_are_those_megatron_core_build_tokenizer_supports():
+    tree = _build_tokenizer_source()
+    supported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List):
+            supported.update(element.value for element in node.value.elts)
+        if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                and node.left.attr == "tokenizer_type"):
+            supported.update(c.value for c in node.comparators if isinstance(c, ast.Constant))
+    assert supported == set(A.TOKENIZER_TYPES)
+
+
+def test_namespace_has_every_attribute_build_tokenizer_reads(parse):
+    read = {node.attr for node in ast.walk(_build_tokenizer_source())
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "args"}
+    assert read and read <= set(vars(validate_args(parse("--mock-data"), 1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing and documentation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_docs_flags_md_is_in_sync_with_the_parser():
+    docs = A.REPO_ROOT / "docs" / "flags.md"
+    assert docs.read_text() == flag_reference_markdown(), (
+        "docs/flags.md is stale: python -m megatron_patches.training.arguments > docs/flags.md")
+
+
+def test_flag_reference_lists_every_flag_and_dest():
+    text = flag_reference_markdown()
+    for action in build_parser()._actions:
+        if action.dest == "help":
+            continue
+        assert f"`{action.option_strings[0]}`" in text
+        assert action.dest == "config" or f"`{action.dest}`" in text
+    for name in A.DERIVED_VALUES:
+        assert f"`{name}`" in text
+
+
+def test_describe_args_lists_every_dest_grouped(parse):
+    args = validate_args(parse("--tensorboard-dir", "tb"), 4)
+    args.set_by_someone_else = 3
+    text = describe_args(args)
+    for dest, value in vars(args).items():
+        line = next(line for line in text.splitlines() if line.startswith(f"  {dest} ."))
+        assert line.endswith(A._show(value))
+    titles = [line for line in text.splitlines() if line and not line.startswith((" ", "-"))]
+    assert titles[:3] == ["config:", "model:", "moe:"]
+    assert titles[-2:] == ["derived (validate_args):", "other:"]
+    # Sorted within a group.
+    model_lines = text.split("model:\n")[1].split("\nmoe:")[0].splitlines()
+    names = [line.split()[0] for line in model_lines]
+    assert names == sorted(names)
