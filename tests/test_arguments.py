@@ -631,6 +631,16 @@ def test_device_dependent_backends(parse):
     assert (args.use_cuda, args.distributed_backend, args.transformer_impl) == (False, "gloo", "local")
 
 
+def test_cpu_flag_never_queries_cuda(parse, monkeypatch):
+    import torch
+
+    def refuse():
+        raise AssertionError("--cpu must not initialise CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    assert validate_args(parse("--cpu"), 1).use_cuda is False
+
+
 @pytest.mark.parametrize("flag, value", [("--normalization", "BatchNorm"),
                                          ("--position-embedding-type", "alibi")])
 def test_unknown_model_choices(parse, flag, value):

@@ -930,7 +930,9 @@ def _resolve_device(args):
     # Imported here so that building the parser and the docs stays torch-free.
     import torch
 
-    args.use_cuda = torch.cuda.is_available() and not args.cpu
+    # --cpu must not touch CUDA at all: the entry point hides the GPUs after validation, which
+    # only works while the CUDA runtime has not been initialised.
+    args.use_cuda = not args.cpu and torch.cuda.is_available()
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if args.use_cuda else "gloo"
     if args.distributed_backend == "nccl" and not args.use_cuda:
