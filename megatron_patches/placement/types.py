@@ -530,6 +530,23 @@ class DispatchPlan:
             object.__setattr__(self, name, arr)
 
     @classmethod
+    def trusted(cls, source_K, expert_K, dest_K, tokens_K, num_sources, num_experts, num_devices) -> DispatchPlan:
+        """Wrap entry arrays without validating or copying them (they are made read-only).
+
+        For planners whose output is valid by construction and large (validation and copies
+        would cost as much as planning). The arrays must be fresh int64 arrays the caller no
+        longer writes to.
+        """
+        plan = object.__new__(cls)
+        for name, arr in (("source_K", source_K), ("expert_K", expert_K), ("dest_K", dest_K), ("tokens_K", tokens_K)):
+            arr.setflags(write=False)
+            object.__setattr__(plan, name, arr)
+        object.__setattr__(plan, "num_sources", int(num_sources))
+        object.__setattr__(plan, "num_experts", int(num_experts))
+        object.__setattr__(plan, "num_devices", int(num_devices))
+        return plan
+
+    @classmethod
     def from_dense(cls, tokens_SED) -> DispatchPlan:
         """Build a plan from a dense int array [S, E, D] of tokens (non-zero entries only)."""
         tokens_SED = check_loads(tokens_SED, "tokens_SED", 3)
