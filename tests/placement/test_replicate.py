@@ -1,0 +1,255 @@
+"""Tests of replicate-mode planning (DESIGN 4.6): counts, slots, gradient sources, groups, capacity."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_patches.placement import (
+    InstancePlacement,
+    PlacementError,
+    assign_slots,
+    contiguous_rank_groups,
+    expert_rank_ranges,
+    gradient_source,
+    gradient_source_table,
+    instance_capacity,
+    replica_counts,
+    slot_placement,
+    spread_tokens,
+)
+
+FAST = settings(max_examples=80, deadline=None)
+
+
+def literal_replica_counts(p, G, s):
+    """DESIGN 4.6 steps 1-2 read literally: diff_i -= 1 even when count_i == 1 (reading B)."""
+    p = np.asarray(p, dtype=float)
+    if p.sum() == 0:
+        p = np.ones_like(p)
+    goal = p / p.sum() * G * s
+    count = np.floor(np.maximum(goal, 1)).astype(int)
+    diff = count - goal
+    steps = 0
+    while count.sum() > G * s:
+        i = int(np.argmax(diff))
+        if count[i] > 1:
+            count[i] -= 1
+        diff[i] -= 1
+        steps += 1
+        assert steps < 100000
+    while count.sum() < G * s:
+        i = int(np.argmin(diff))
+        count[i] += 1
+        diff[i] += 1
+    return count
+
+
+@st.composite
+def popularity_cases(draw):
+    G = draw(st.integers(1, 8))
+    s = draw(st.integers(1, 4))
+    E = draw(st.integers(1, G * s))
+    kind = draw(st.sampled_from(["random", "zero", "one-hot", "skewed"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if kind == "zero":
+        p = np.zeros(E)
+    elif kind == "one-hot":
+        p = np.zeros(E)
+        p[rng.integers(E)] = 1000
+    elif kind == "skewed":
+        p = rng.multinomial(5000, rng.permutation(1 / np.arange(1, E + 1) ** 2) / np.sum(1 / np.arange(1, E + 1) ** 2))
+    else:
+        p = rng.integers(0, 100, size=E)
+    return p, G, s
+
+
+# ---------------------------------------------------------------------------- counts
+
+
+def test_replica_counts_worked_example():
+    # 4 ranks x 2 slots = 8; p = [10, 0, 5, 85]: goals 0.8, 0, 0.4, 6.8 -> counts 1, 1, 1, 6
+    # (sum 9 > 8); only expert 3 has count > 1, so it drops to 5.
+    assert replica_counts([10, 0, 5, 85], 4, 2).tolist() == [1, 1, 1, 5]
+    # goals 2.4, 3.6, 2.0 -> floors 2, 3, 2 (sum 7 < 8); diffs -0.4, -0.6, 0 -> expert 1 +1
+    assert replica_counts([24, 36, 20], 4, 2).tolist() == [2, 4, 2]
+
+
+@FAST
+@given(case=popularity_cases())
+def test_replica_counts_invariants_and_literal_reading(case):
+    p, G, s = case
+    counts = replica_counts(p, G, s)
+    assert counts.sum() == G * s
+    assert counts.min() >= 1
+    goal = (p / p.sum() if p.sum() else np.full(p.size, 1 / p.size)) * G * s
+    # never more than the rounded-up share; fewer is possible: the one instance every class is
+    # owed comes out of the popular ones (p = [0, 0, 1000] on 3 slots gives [1, 1, 1])
+    assert np.all(counts <= np.maximum(np.ceil(goal - 1e-9), 1))
+    assert np.array_equal(counts, literal_replica_counts(p, G, s))
+
+
+def test_replica_counts_errors():
+    with pytest.raises(PlacementError, match="5 expert classes do not fit in 2 ranks x 2 slots = 4"):
+        replica_counts([1, 1, 1, 1, 1], 2, 2)
+    with pytest.raises(PlacementError, match=r"popularity_E\[1\]"):
+        replica_counts([1, -1], 2, 2)
+    assert replica_counts([0, 0, 0, 0], 2, 2).tolist() == [1, 1, 1, 1]  # E == G*s
+
+
+# ---------------------------------------------------------------------------- slots
+
+
+def test_assign_slots_worked_example():
+    slots = assign_slots([1, 1, 1, 5], 4, 2)
+    assert slots.tolist() == [[0, 1], [2, 3], [3, 3], [3, 3]]
+    placement = slot_placement(slots, 4)
+    assert placement.counts_ED.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 2, 2]]
+    assert expert_rank_ranges(placement).tolist() == [[0, 1], [0, 1], [1, 2], [1, 4]]
+    # rank 0 lacks expert 2 (held by rank 1 only) -> fetch from rank 1;
+    # rank 0 lacks expert 3 (holders [1, 2, 3]) -> holders[0 mod 3] = rank 1
+    table = gradient_source_table(placement)
+    assert table.tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 2, 3]]
+
+
+@FAST
+@given(case=popularity_cases())
+def test_slots_are_contiguous_and_full(case):
+    p, G, s = case
+    counts = replica_counts(p, G, s)
+    slots = assign_slots(counts, G, s)
+    assert slots.shape == (G, s)
+    assert np.all(np.diff(slots.ravel()) >= 0)  # expert 0's slots first, then expert 1, ...
+    placement = slot_placement(slots, p.size)
+    assert np.array_equal(placement.instances_E(), counts)
+    placement.check_slot_limit(s)
+    ranges = expert_rank_ranges(placement)
+    groups = set(contiguous_rank_groups(G))
+    for e in range(p.size):
+        start, stop = ranges[e]
+        assert placement.holders(e).tolist() == list(range(start, stop))
+        assert stop - start < 2 or (start, stop) in groups  # pre-registered group covers it
+
+
+def test_assign_slots_errors():
+    with pytest.raises(PlacementError, match="sum to 7, but there are 4 x 2 = 8 slots"):
+        assign_slots([2, 5], 4, 2)
+    with pytest.raises(PlacementError, match="expert 1 has 0 instances"):
+        assign_slots([8, 0], 4, 2)
+    with pytest.raises(PlacementError, match="slot 1 of rank 0 holds expert 3"):
+        slot_placement([[0, 3]], 2)
+
+
+# ---------------------------------------------------------------------------- gradient sources and groups
+
+
+@FAST
+@given(E=st.integers(1, 6), R=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+def test_gradient_source_table_matches_formula(E, R, seed):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 3, size=(E, R)) * (rng.random((E, R)) < 0.5)
+    counts[np.arange(E), rng.integers(0, R, size=E)] += 1
+    placement = InstancePlacement(counts)
+    table = gradient_source_table(placement)
+    for e in range(E):
+        holders = sorted(np.flatnonzero(counts[e]).tolist())
+        for r in range(R):
+            expected = r if counts[e, r] > 0 else holders[r % len(holders)]
+            assert table[e, r] == expected == gradient_source(placement, e, r)
+
+
+def test_contiguous_rank_groups():
+    assert contiguous_rank_groups(1) == []
+    assert contiguous_rank_groups(3) == [(0, 2), (0, 3), (1, 3)]
+    for n in range(1, 12):
+        groups = contiguous_rank_groups(n)
+        assert len(groups) == len(set(groups)) == n * (n - 1) // 2
+        assert all(stop - start >= 2 and 0 <= start and stop <= n for start, stop in groups)
+
+
+def test_expert_rank_ranges_rejects_gaps():
+    with pytest.raises(PlacementError, match=r"expert 0 is held by ranks \[0, 2\], which are not consecutive"):
+        expert_rank_ranges(InstancePlacement([[1, 0, 1]]))
+
+
+# ---------------------------------------------------------------------------- capacity and spreading
+
+
+def test_instance_capacity():
+    assert instance_capacity(1.0, 1000, 4, 2) == 125
+    assert instance_capacity(1.1, 1000, 10, 10) == 11  # 11.000000000000002 is not rounded up
+    assert instance_capacity(1.0, 1001, 4, 2) == 126
+    with pytest.raises(PlacementError, match="capacity_factor"):
+        instance_capacity(0.0, 10, 1, 1)
+
+
+def brute_force_spread(counts_ED, loads_RE, cap):
+    """The documented spreading rule, token by token, instance by instance."""
+    E, R = counts_ED.shape
+    # instance list per expert: (rank) entries with multiplicity, ranks ascending
+    inst = {e: [r for r in range(R) for _ in range(counts_ED[e, r])] for e in range(E)}
+    local = np.zeros((E, R), dtype=int)
+    arrivals = np.zeros((E, R), dtype=int)
+    dropped = np.zeros(E, dtype=int)
+    for r in range(R):
+        for e in range(E):
+            n = int(loads_RE[r, e])
+            take = min(n, cap * counts_ED[e, r])
+            local[e, r] += take
+            rest = n - take
+            remote = [x for x in inst[e] if x != r]
+            if not remote:
+                dropped[e] += rest
+                continue
+            k = len(remote)
+            for j in range(rest):
+                if j < k * (rest // k):
+                    arrivals[e, remote[j % k]] += 1
+                else:
+                    arrivals[e, remote[(r + j - k * (rest // k)) % k]] += 1
+    room = cap * counts_ED - local
+    remote_done = np.minimum(arrivals, room)
+    dropped += (arrivals - remote_done).sum(axis=1)
+    return local + remote_done, dropped
+
+
+@FAST
+@given(case=popularity_cases(), cf=st.sampled_from([0.5, 1.0, 1.3, 100.0]), seed=st.integers(0, 2**32 - 1))
+def test_spread_tokens_matches_brute_force(case, cf, seed):
+    p, G, s = case
+    placement = slot_placement(assign_slots(replica_counts(p, G, s), G, s), p.size)
+    rng = np.random.default_rng(seed)
+    loads = rng.integers(0, 30, size=(G, p.size))
+    spread = spread_tokens(placement, loads, cf, s)
+    processed, dropped = brute_force_spread(placement.counts_ED, loads, spread.capacity)
+    assert np.array_equal(spread.processed_ED, processed)
+    assert np.array_equal(spread.dropped_E, dropped)
+    assert np.array_equal(spread.processed_ED.sum(axis=1) + spread.dropped_E, loads.sum(axis=0))
+    assert np.all(spread.processed_ED <= spread.capacity * placement.counts_ED)
+    if cf == 100.0:
+        assert spread.dropped == 0 and spread.survival == 1.0
+
+
+def test_spread_tokens_worked_example():
+    # 4 ranks x 2 slots, counts [1, 1, 1, 5] (see test_assign_slots_worked_example); 95 tokens
+    # -> capacity ceil(95 / 8) = 12 per instance. Expert 3 has 5 instances (60 tokens of room)
+    # for 80 tokens: 20 dropped. Expert 0 (10 tokens, one instance on rank 0) fits.
+    placement = slot_placement(assign_slots([1, 1, 1, 5], 4, 2), 4)
+    loads = np.array([[3, 0, 1, 20], [2, 0, 2, 20], [3, 0, 1, 20], [2, 0, 1, 20]])
+    spread = spread_tokens(placement, loads, 1.0, 2)
+    assert spread.capacity == 12
+    assert spread.processed_ED[0].tolist() == [10, 0, 0, 0]
+    assert spread.processed_ED[3].tolist() == [0, 12, 24, 24]
+    assert spread.dropped_E.tolist() == [0, 0, 0, 20]
+    assert spread.survival == pytest.approx(75 / 95)
+
+
+def test_replication_drops_fewer_tokens_than_static_ep_under_skew():
+    # the claim of DESIGN 1 (2): adaptive replicas at the same capacity factor keep more tokens
+    rng = np.random.default_rng(1)
+    G, s, E = 8, 4, 16
+    w = 1 / np.arange(1, E + 1) ** 1.2
+    loads = rng.multinomial(2048, rng.permutation(w) / w.sum(), size=G)
+    adaptive = slot_placement(assign_slots(replica_counts(loads.sum(axis=0), G, s), G, s), E)
+    static = slot_placement(assign_slots(np.full(E, G * s // E), G, s), E)
+    assert spread_tokens(adaptive, loads, 1.0, s).survival > spread_tokens(static, loads, 1.0, s).survival + 0.1
