@@ -1,0 +1,655 @@
+"""Policy replay: every placement system behind one interface, replayed over a load trace.
+
+The plan CLI (`tools/plan.py`) and the simulator compare systems on the same trace. Each
+system is a `Policy` that is fed one iteration at a time:
+
+- `predicted_LE`: the loads it may plan from, predicted from *earlier* iterations only
+  (`LoadTracker`, window w);
+- `source_loads_LDE`: the tokens the gate actually routed this iteration, per source device.
+  Only dispatch (which follows the gate by construction), FSSDP's optional calibration and
+  FasterMoE's shadowing (both decided after the gate, on the critical path) look at them.
+
+`Policy.plan` returns a `PolicyStep`: per layer the instance placement, where the tokens were
+sent and how many were processed per (expert, device), plus the experts moved before the
+iteration (rearrangement). `Policy.traffic` turns a step into bytes per kind of
+communication, split intra- / inter-node. `replay` drives a policy over a trace and
+collects the DESIGN 5 metrics in a `ReplayResult`.
+
+Policies: ep, fssdp, replicate, static, fastermoe, smartmoe, flexmoe (`POLICIES`).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import numpy as np
+
+from megatron_patches.placement import fssdp
+from megatron_patches.placement.accounting import (
+    CommBytes,
+    dispatch_bytes,
+    imbalance,
+    sparse_all_gather_bytes,
+    sparse_reduce_scatter_bytes,
+)
+from megatron_patches.placement.baselines import (
+    ByteModel,
+    EPLayout,
+    ExpertMove,
+    MovedBytes,
+    ShadowCostModel,
+    ep_layout_moves,
+    fastermoe_shadow,
+    flexmoe_adjust,
+    moved_bytes,
+    smartmoe_swap,
+    split_evenly,
+    static_replication,
+)
+from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.replicate import (
+    assign_slots,
+    gradient_source_table,
+    instance_capacity,
+    replica_counts,
+    slot_placement,
+    spread_tokens,
+)
+from megatron_patches.placement.types import (
+    DispatchPlan,
+    ElementShardLayout,
+    InstancePlacement,
+    PlacementError,
+    ShardLayout,
+    Topology,
+    check_loads,
+)
+
+__all__ = [
+    "ReplayConfig",
+    "LayerPlan",
+    "PolicyStep",
+    "Policy",
+    "EPPolicy",
+    "FSSDPPolicy",
+    "ReplicatePolicy",
+    "StaticPolicy",
+    "FasterMoEPolicy",
+    "SmartMoEPolicy",
+    "FlexMoEPolicy",
+    "POLICIES",
+    "make_policy",
+    "even_source_loads",
+    "slot_dispatch",
+    "ReplayResult",
+    "replay",
+]
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Cluster, model and policy knobs shared by every policy of one comparison."""
+
+    topology: Topology
+    """The devices (D = nodes x devices per node) and link bandwidths."""
+    byte_model: ByteModel
+    """Bytes per expert (weights, gradients, optimizer state) and per token."""
+    overlap_degree: int = 8
+    """FSSDP's t: expert copies a device can receive while attention runs."""
+    memory_capacity: int = 4
+    """m: extra expert copies that fit on a device (FSSDP copies; FlexMoE's reserved slots)."""
+    slots_per_rank: int | None = None
+    """s for replicate / static; None means ceil(E / D) + memory_capacity, i.e. the same expert
+    memory per device as FlexMoE's base experts plus reserved slots."""
+    capacity_factor: float = 1.0
+    """Capacity factor of the capacity-based policies (replicate, static); the others are dropless."""
+    reshard_interval: int = 100
+    """Iterations between FSSDP re-sharding, SmartMoE swapping and FlexMoE's periodic adjustment."""
+    skew_threshold: float | None = 1.5
+    """FlexMoE also adjusts a layer whose predicted imbalance exceeds this; None = interval only."""
+    calibrate: bool = False
+    """FSSDP: run the calibration step after the gate (DESIGN 4.2 step 4)."""
+    device_flops: float = 100e12
+    """Sustained FLOP/s of one device, for the cost models of FasterMoE and FSSDP calibration."""
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_degree", "memory_capacity"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise PlacementError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.slots_per_rank is not None and (not isinstance(self.slots_per_rank, (int, np.integer)) or self.slots_per_rank < 1):
+            raise PlacementError(f"slots_per_rank must be a positive integer, got {self.slots_per_rank!r}")
+        if not np.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
+            raise PlacementError(f"capacity_factor must be > 0, got {self.capacity_factor!r}")
+        if isinstance(self.reshard_interval, bool) or not isinstance(self.reshard_interval, (int, np.integer)) or self.reshard_interval < 1:
+            raise PlacementError(f"reshard_interval must be a positive integer, got {self.reshard_interval!r}")
+        if self.skew_threshold is not None and not self.skew_threshold >= 1.0:
+            raise PlacementError(f"skew_threshold must be >= 1.0 (imbalance is max/mean) or None, got {self.skew_threshold!r}")
+
+    def slots(self, num_experts: int) -> int:
+        """s actually used for E experts."""
+        if self.slots_per_rank is not None:
+            return int(self.slots_per_rank)
+        return -(-num_experts // self.topology.num_devices) + self.memory_capacity
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """What a policy did in one layer and iteration."""
+
+    placement: InstancePlacement
+    """Instances per (expert, device) while the layer's experts ran."""
+    dispatch: DispatchPlan
+    """Where each source's tokens were sent (tokens dropped before sending are not in it)."""
+    processed_ED: np.ndarray
+    """Tokens processed per (expert, device) after any capacity limit; int64 [E, D]."""
+    shard: ShardLayout | None = None
+    """FSSDP: the owners the copies were gathered from and reduce back to; None otherwise."""
+    shadowed_E: np.ndarray | None = None
+    """FasterMoE: boolean [E], experts broadcast to every device of their EP group; None otherwise."""
+
+
+@dataclass(frozen=True, eq=False)
+class PolicyStep:
+    """One iteration of a policy: per-layer plans and the rearrangement done before it."""
+
+    iteration: int
+    """Trace iteration."""
+    layers: tuple[LayerPlan, ...]
+    """One plan per MoE layer."""
+    moves: tuple[ExpertMove, ...] = ()
+    """Experts whose weights and optimizer state were copied to another device before this iteration."""
+
+
+def _a2a(plan: DispatchPlan, topology: Topology, token_bytes: int) -> CommBytes:
+    """All-to-all bytes: dispatch + combine, forward + backward (each token crosses 4 times)."""
+    one = dispatch_bytes(plan, topology, token_bytes)
+    both = one + one.reversed()
+    return both + both
+
+
+def _ring_allreduce(placement: InstancePlacement, chunk_bytes: float, topology: Topology) -> CommBytes:
+    """Gradient all-reduce of every replicated expert as a ring over its holders (ascending ids).
+
+    A ring all-reduce of r participants sends 2 (r - 1) / r of the buffer over each of its r
+    edges: 2 (r - 1) buffers in total, DESIGN 3's AllReduce-equivalent volume.
+    """
+    holds_ED = placement.holds_ED()
+    e_H, d_H = np.nonzero(holds_ED)
+    r_E = holds_ED.sum(axis=1)
+    start_E = np.concatenate(([0], np.cumsum(r_E)[:-1]))
+    pos_H = np.arange(e_H.size) - start_E[e_H]
+    next_H = d_H[start_E[e_H] + (pos_H + 1) % r_E[e_H]]
+    bytes_H = 2.0 * (r_E[e_H] - 1) / r_E[e_H] * chunk_bytes
+    return CommBytes.from_transfers(d_H, next_H, bytes_H, topology)
+
+
+def _total(comms: list[CommBytes], topology: Topology) -> CommBytes:
+    zero = np.zeros(topology.num_devices, dtype=np.int64)
+    out = CommBytes(zero, zero, zero, zero)
+    for c in comms:
+        out = out + c
+    return out
+
+
+def even_source_loads(loads_LE, num_devices: int) -> np.ndarray:
+    """Split each expert's tokens evenly over D source devices; int64 [L, D, E].
+
+    For traces without per-rank loads (or recorded at another scale): every device gets
+    n // D of an expert's n tokens and the n mod D left over go to devices e, e+1, ... (mod D),
+    so the remainders of different experts land on different devices.
+    """
+    loads_LE = check_loads(loads_LE, "loads_LE", 2)
+    D = int(num_devices)
+    base_LE, rem_LE = loads_LE // D, loads_LE % D
+    E = loads_LE.shape[1]
+    offset_DE = (np.arange(D)[:, None] - np.arange(E)[None, :]) % D  # position of device d after expert e's start
+    return base_LE[:, None, :] + (offset_DE[None, :, :] < rem_LE[:, None, :])
+
+
+def slot_dispatch(placement: InstancePlacement, source_loads_RE, capacity: int) -> DispatchPlan:
+    """Where replicate mode's token spreading sends tokens (steps 1-2 of `replicate.spread_tokens`).
+
+    `spread_tokens` returns only processed and dropped counts; the all-to-all bytes need the
+    transfers too. Local tokens up to the local instances' capacity stay; the rest of
+    (rank r, expert e) is split evenly over e's instances on other ranks, counted with
+    multiplicity, the remainder going to positions (r + i) mod k; tokens of an expert with no
+    instance elsewhere are dropped at the source and not in the plan. The receiving
+    instances then cap what they process, so `accounting.apply_capacity` of this plan equals
+    `spread_tokens` (checked in the tests).
+    """
+    loads_RE = check_loads(source_loads_RE, "source_loads_RE", 2)
+    counts_ED = placement.counts_ED
+    E, R = counts_ED.shape
+    if loads_RE.shape != (R, E):
+        raise PlacementError(f"source_loads_RE must have shape ({R}, {E}), got {loads_RE.shape}")
+    local_ER = np.minimum(loads_RE.T, capacity * counts_ED)
+    over_ER = loads_RE.T - local_ER
+    inst_rank = np.repeat(np.tile(np.arange(R, dtype=np.int64), E), counts_ED.ravel())
+    inst_E = counts_ED.sum(axis=1)
+    start_E = np.concatenate(([0], np.cumsum(inst_E)[:-1]))
+    own_start_ER = np.cumsum(counts_ED, axis=1) - counts_ED  # r's own run inside e's instance list
+    e, r = np.nonzero(over_ER)
+    n = over_ER[e, r]
+    k = inst_E[e] - counts_ED[e, r]
+    has_remote = k > 0
+    e, r, n, k = e[has_remote], r[has_remote], n[has_remote], k[has_remote]
+    q = np.minimum(n, k)
+    rep = np.repeat(np.arange(e.size), q)
+    i = np.arange(rep.size) - np.repeat(np.cumsum(q) - q, q)
+    e_r, r_r, n_r, k_r = e[rep], r[rep], n[rep], k[rep]
+    pos = (r_r + i) % k_r
+    pos = pos + np.where(pos >= own_start_ER[e_r, r_r], counts_ED[e_r, r_r], 0)
+    dest = inst_rank[start_E[e_r] + pos]
+    share = n_r // k_r + (i < n_r % k_r)
+    le, lr = np.nonzero(local_ER)
+    return DispatchPlan(
+        np.concatenate((lr, r_r)),
+        np.concatenate((le, e_r)),
+        np.concatenate((lr, dest)),
+        np.concatenate((local_ER[le, lr], share)),
+        R,
+        E,
+        R,
+    )
+
+
+class Policy(ABC):
+    """A placement system replayed over a trace. Subclasses set `name` and implement `plan`.
+
+    Attributes:
+        config: the shared knobs.
+        num_layers: L.
+        num_experts: E.
+    """
+
+    name: ClassVar[str] = ""
+    default_window: ClassVar[int] = 5
+    """Prediction window the system uses unless the caller overrides it."""
+    moves_optimizer: ClassVar[bool] = True
+    """Whether its rearrangements carry optimizer state along with the weights."""
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        self.config = config
+        self.num_layers = int(num_layers)
+        self.num_experts = int(num_experts)
+        self.topology = config.topology
+        self.bytes = config.byte_model
+
+    @abstractmethod
+    def plan(self, iteration: int, predicted_LE: np.ndarray, source_loads_LDE: np.ndarray) -> PolicyStep:
+        """Plan one iteration from the prediction (float [L, E]); dispatch the actual tokens (int [L, D, E])."""
+
+    def traffic(self, step: PolicyStep) -> dict[str, CommBytes]:
+        """Bytes of one iteration by kind (all layers). The base class counts the all-to-all."""
+        return {"all_to_all": _total([_a2a(lp.dispatch, self.topology, self.bytes.token_bytes) for lp in step.layers], self.topology)}
+
+    def rearrangement(self, step: PolicyStep) -> MovedBytes:
+        """Weight and optimizer bytes of the step's moves."""
+        return moved_bytes(list(step.moves), self.topology, self.bytes, with_optimizer=self.moves_optimizer)
+
+    def _dropless(self, placement: InstancePlacement, plan: DispatchPlan, **extra) -> LayerPlan:
+        return LayerPlan(placement, plan, plan.received_ED(), **extra)
+
+
+class EPPolicy(Policy):
+    """Megatron EP: static, even expert layout; tokens go to the expert's device in their EP group."""
+
+    name = "ep"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        self.layout = EPLayout.even(num_experts, self.topology.num_devices)
+        self._placement = self.layout.placement()
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        return PolicyStep(iteration, tuple(self._dropless(self._placement, self.layout.dispatch(src)) for src in source_loads_LDE))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        return out
+
+
+class FSSDPPolicy(Policy):
+    """FSSDP: sparse materialization per layer and iteration, heterogeneous re-sharding every k.
+
+    Starts from the even shard layout; every `reshard_interval` iterations it computes the
+    heterogeneous sharding of the predicted loads and adopts it if it differs, moving the
+    weights and optimizer state of every expert whose owner changed.
+    """
+
+    name = "fssdp"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        self.shard = fssdp.even_shard(num_layers, num_experts, self.topology.num_devices)
+        self._cost = fssdp.CalibrationCost(
+            seconds_per_token=6.0 * self.bytes.params_per_expert / config.device_flops,
+            expert_bytes=self.bytes.expert_weight_bytes,
+        )
+        self.calibrations = 0
+        """Layer-iterations in which calibration did the extra gather."""
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        cfg = self.config
+        moves: list[ExpertMove] = []
+        if iteration > 0 and iteration % cfg.reshard_interval == 0:
+            new = fssdp.heterogeneous_shard(predicted_LE, cfg.overlap_degree, self.topology)
+            if new != self.shard:
+                l_M, e_M = np.nonzero(new.owners_LE != self.shard.owners_LE)
+                moves = [
+                    ExpertMove(int(l), int(e), int(self.shard.owners_LE[l, e]), int(new.owners_LE[l, e])) for l, e in zip(l_M, e_M)
+                ]
+                self.shard = new
+        layers = []
+        for l in range(self.num_layers):
+            shard = self.shard.layer(l)
+            placement = fssdp.materialize(shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity, self.topology)
+            if cfg.calibrate:
+                remaining_D = np.maximum(cfg.memory_capacity - placement.extra_copies_D(shard), 0)
+                placement, gathered = fssdp.calibrate(
+                    placement, shard, source_loads_LDE[l].sum(axis=0), remaining_D, self.topology, self._cost
+                )
+                self.calibrations += int(gathered)
+            layers.append(self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology), shard=shard))
+        return PolicyStep(iteration, tuple(layers), tuple(moves))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        gathers, reduces = [], []
+        for lp in step.layers:
+            gathers.append(sparse_all_gather_bytes(lp.shard, lp.placement, self.bytes.expert_weight_bytes, self.topology))
+            reduces.append(sparse_reduce_scatter_bytes(lp.placement, lp.shard, self.bytes.expert_grad_bytes, self.topology))
+        out["spag"] = _total(gathers, self.topology)
+        out["sprs"] = _total(reduces, self.topology)
+        return out
+
+
+class _SlotPolicy(Policy):
+    """Shared by replicate and static: G ranks x s slots, capacity per instance, token spreading."""
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        self.slots_per_rank = config.slots(num_experts)
+        D = self.topology.num_devices
+        if num_experts > D * self.slots_per_rank:
+            raise PlacementError(
+                f"{self.name}: {num_experts} experts do not fit in {D} ranks x {self.slots_per_rank} slots; "
+                f"use --slots-per-rank >= {-(-num_experts // D)}"
+            )
+
+    def _spread(self, placement: InstancePlacement, src_DE: np.ndarray) -> LayerPlan:
+        D, s = self.topology.num_devices, self.slots_per_rank
+        cap = instance_capacity(self.config.capacity_factor, int(src_DE.sum()), D, s)
+        spread = spread_tokens(placement, src_DE, self.config.capacity_factor, s)
+        return LayerPlan(placement, slot_dispatch(placement, src_DE, cap), spread.processed_ED)
+
+
+class ReplicatePolicy(_SlotPolicy):
+    """Adaptive replication with a decoupled optimizer (DESIGN 4.6).
+
+    Replica counts follow the predicted popularity every iteration (window 1 by default:
+    "mimic the previous iteration"). Optimizer state is partitioned element-wise over all
+    ranks and never moves, so there is no rearrangement; per iteration, gradients are
+    all-reduced among each expert's holders, every rank fetches its gradient slice from
+    `gradient_source`, and the updated slices are sent into the slots of the placement.
+    """
+
+    name = "replicate"
+    default_window = 1
+    moves_optimizer = False
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        D, s = self.topology.num_devices, self.slots_per_rank
+        layers = []
+        for l in range(self.num_layers):
+            counts_E = replica_counts(predicted_LE[l], D, s)
+            placement = slot_placement(assign_slots(counts_E, D, s), self.num_experts)
+            layers.append(self._spread(placement, source_loads_LDE[l]))
+        return PolicyStep(iteration, tuple(layers))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        D = self.topology.num_devices
+        size_R = ElementShardLayout(self.bytes.params_per_expert, D).sizes_D().astype(np.float64)
+        ranks = np.arange(D, dtype=np.int64)
+        allreduce, fetch, scatter = [], [], []
+        for lp in step.layers:
+            allreduce.append(_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology))
+            src_ER = gradient_source_table(lp.placement)
+            fetch.append(CommBytes.from_transfers(src_ER.ravel(), np.tile(ranks, self.num_experts), np.tile(size_R, self.num_experts) * self.bytes.grad_bytes_per_param, self.topology))
+            _, h_H = np.nonzero(lp.placement.holds_ED())
+            scatter.append(CommBytes.from_transfers(np.tile(ranks, h_H.size), np.repeat(h_H, D), np.tile(size_R, h_H.size) * self.bytes.weight_bytes_per_param, self.topology))
+        out["grad_allreduce"] = _total(allreduce, self.topology)
+        out["grad_fetch"] = _total(fetch, self.topology)
+        out["weight_scatter"] = _total(scatter, self.topology)
+        return out
+
+
+class StaticPolicy(_SlotPolicy):
+    """DeepSpeed-style static replication: a fixed, even number of instances per expert, capacity-limited."""
+
+    name = "static"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        self._placement = static_replication(num_experts, self.topology.num_devices, self.slots_per_rank)
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        return PolicyStep(iteration, tuple(self._spread(self._placement, src) for src in source_loads_LDE))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        return out
+
+
+class FasterMoEPolicy(Policy):
+    """FasterMoE-style shadowing on top of EP, decided per layer after the gate (actual loads).
+
+    Shadows are transient copies: weights are broadcast from the expert's holder in each EP
+    group to the group's other devices and the gradients reduced back the same way; no
+    optimizer state moves.
+    """
+
+    name = "fastermoe"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        self.layout = EPLayout.even(num_experts, self.topology.num_devices)
+        self.cost = ShadowCostModel.from_hardware(self.bytes, self.topology, config.device_flops)
+        self._ep_placement = self.layout.placement()
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        decisions = [fastermoe_shadow(self.layout, src, self.cost) for src in source_loads_LDE]
+        return PolicyStep(iteration, tuple(self._dropless(d.placement, d.dispatch, shadowed_E=d.shadowed_E) for d in decisions))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        g = self.layout.group_size
+        holders_EG = self.layout.devices_E_G()
+        broadcasts, reduces, allreduce = [], [], []
+        for lp in step.layers:
+            # shadowed expert e: in group k, its holder sends to every other device of the group
+            e_S = np.flatnonzero(lp.shadowed_E)
+            src = np.repeat(holders_EG[e_S], g, axis=1).ravel()
+            dst = np.tile(np.arange(self.topology.num_devices), e_S.size)
+            broadcasts.append(CommBytes.from_transfers(src, dst, self.bytes.expert_weight_bytes, self.topology))
+            reduces.append(CommBytes.from_transfers(dst, src, self.bytes.expert_grad_bytes, self.topology))
+            allreduce.append(_ring_allreduce(self._ep_placement, self.bytes.expert_grad_bytes, self.topology))
+        out["shadow_broadcast"] = _total(broadcasts, self.topology)
+        out["shadow_reduce"] = _total(reduces, self.topology)
+        out["grad_allreduce"] = _total(allreduce, self.topology)
+        return out
+
+
+class SmartMoEPolicy(Policy):
+    """SmartMoE-style periodic swapping on top of EP (one layout per layer), every k iterations."""
+
+    name = "smartmoe"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        even = EPLayout.even(num_experts, self.topology.num_devices)
+        self.layouts = [even] * num_layers
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        moves: list[ExpertMove] = []
+        if iteration > 0 and iteration % self.config.reshard_interval == 0:
+            for l in range(self.num_layers):
+                new, swaps = smartmoe_swap(self.layouts[l], predicted_LE[l])
+                if swaps:
+                    moves += ep_layout_moves(self.layouts[l], new, l)
+                    self.layouts[l] = new
+        layers = tuple(self._dropless(lay.placement(), lay.dispatch(src)) for lay, src in zip(self.layouts, source_loads_LDE))
+        return PolicyStep(iteration, layers, tuple(moves))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        return out
+
+
+class FlexMoEPolicy(Policy):
+    """FlexMoE-style incremental replicate / relocate on top of EP's layout.
+
+    Each device has E/g base slots (EP's experts) plus `memory_capacity` reserved slots. A
+    layer is adjusted every `reshard_interval` iterations, and also whenever its predicted
+    imbalance under the current placement exceeds `skew_threshold`. Replicas are full
+    copies with their own optimizer state, kept in sync by a gradient all-reduce; tokens are
+    split evenly over the replicas.
+    """
+
+    name = "flexmoe"
+
+    def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
+        super().__init__(config, num_layers, num_experts)
+        base = EPLayout.even(num_experts, self.topology.num_devices)
+        self.slots_per_device = num_experts // base.group_size + config.memory_capacity
+        self.placements = [base.placement()] * num_layers
+
+    def _predicted_imbalance(self, placement: InstancePlacement, loads_E: np.ndarray) -> float:
+        holds_ED = placement.holds_ED()
+        return imbalance((loads_E / holds_ED.sum(axis=1)) @ holds_ED)
+
+    def plan(self, iteration, predicted_LE, source_loads_LDE):
+        cfg = self.config
+        periodic = iteration > 0 and iteration % cfg.reshard_interval == 0
+        moves: list[ExpertMove] = []
+        layers = []
+        for l in range(self.num_layers):
+            skewed = cfg.skew_threshold is not None and self._predicted_imbalance(self.placements[l], predicted_LE[l]) > cfg.skew_threshold
+            if periodic or skewed:
+                self.placements[l], added = flexmoe_adjust(self.placements[l], predicted_LE[l], self.slots_per_device, self.topology, layer=l)
+                moves += added
+            placement = self.placements[l]
+            layers.append(self._dropless(placement, split_evenly(source_loads_LDE[l], placement.holds_ED())))
+        return PolicyStep(iteration, tuple(layers), tuple(moves))
+
+    def traffic(self, step):
+        out = super().traffic(step)
+        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        return out
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (EPPolicy, FSSDPPolicy, ReplicatePolicy, FasterMoEPolicy, SmartMoEPolicy, FlexMoEPolicy, StaticPolicy)
+}
+"""Policy classes by CLI name."""
+
+
+def make_policy(name: str, config: ReplayConfig, num_layers: int, num_experts: int) -> Policy:
+    """Instantiate a policy by name; PlacementError naming the valid names otherwise."""
+    if name not in POLICIES:
+        raise PlacementError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    return POLICIES[name](config, num_layers, num_experts)
+
+
+@dataclass
+class ReplayResult:
+    """Per-iteration, per-layer metrics of one policy over a trace (DESIGN 5 definitions)."""
+
+    policy: str
+    """Policy name."""
+    window: int
+    """Prediction window used."""
+    imbalance_IL: np.ndarray
+    """max / mean device load (processed tokens) per iteration and layer; float [I, L]."""
+    survival_IL: np.ndarray
+    """Tokens processed / tokens routed; float [I, L]."""
+    replicas_IL: np.ndarray
+    """Mean distinct devices holding an expert; float [I, L]."""
+    extra_copies_IL: np.ndarray
+    """Expert instances beyond one per expert, per device: (sum of instances - E) / D; float [I, L]."""
+    planner_s_I: np.ndarray
+    """Wall time of `Policy.plan` per iteration (all layers), seconds; float [I]."""
+    traffic: dict[str, np.ndarray] = field(default_factory=dict)
+    """Bytes by kind summed over the replay: kind -> float [2] (intra-node, inter-node)."""
+    rearrange: MovedBytes = field(default_factory=MovedBytes)
+    """Everything rearrangement moved over the replay."""
+    rearrange_events: int = 0
+    """Iterations in which something moved."""
+
+
+def replay(
+    policy: Policy,
+    loads_ILE,
+    source_loads_ILDE=None,
+    window: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReplayResult:
+    """Replay `policy` over a trace, predicting each iteration from the previous ones only.
+
+    Args:
+        policy: a fresh policy (it keeps state across iterations).
+        loads_ILE: tokens per expert; int [I, L, E].
+        source_loads_ILDE: the same split by source device, int [I, L, D, E]; None splits
+            the loads evenly over the D devices (`even_source_loads`).
+        window: prediction window; None uses the policy's default.
+        progress: called as progress(done, total) after every iteration.
+    """
+    loads_ILE = check_loads(loads_ILE, "loads_ILE", 3)
+    I, L, E = loads_ILE.shape
+    D = policy.topology.num_devices
+    if (L, E) != (policy.num_layers, policy.num_experts):
+        raise PlacementError(f"trace has {L} layers x {E} experts but the policy was built for {policy.num_layers} x {policy.num_experts}")
+    if source_loads_ILDE is not None:
+        source_loads_ILDE = check_loads(source_loads_ILDE, "source_loads_ILDE", 4)
+        if source_loads_ILDE.shape != (I, L, D, E):
+            raise PlacementError(f"source loads have shape {source_loads_ILDE.shape}, expected {(I, L, D, E)}")
+    w = policy.default_window if window is None else int(window)
+    tracker = LoadTracker(L, E, w)
+    result = ReplayResult(
+        policy.name, w, np.ones((I, L)), np.ones((I, L)), np.ones((I, L)), np.zeros((I, L)), np.zeros(I)
+    )
+    totals: dict[str, np.ndarray] = {}
+    for i in range(I):
+        src_LDE = even_source_loads(loads_ILE[i], D) if source_loads_ILDE is None else source_loads_ILDE[i]
+        predicted_LE = tracker.predict()
+        start = time.perf_counter()
+        step = policy.plan(i, predicted_LE, src_LDE)
+        result.planner_s_I[i] = time.perf_counter() - start
+        for l, lp in enumerate(step.layers):
+            routed = int(loads_ILE[i, l].sum())
+            result.imbalance_IL[i, l] = imbalance(lp.processed_ED.sum(axis=0))
+            result.survival_IL[i, l] = 1.0 if routed == 0 else lp.processed_ED.sum() / routed
+            result.replicas_IL[i, l] = lp.placement.replicas_E().mean()
+            result.extra_copies_IL[i, l] = (lp.placement.counts_ED.sum() - E) / D
+        for kind, comm in policy.traffic(step).items():
+            totals.setdefault(kind, np.zeros(2))
+            totals[kind] += (comm.intra, comm.inter)
+        if step.moves:
+            moved = policy.rearrangement(step)
+            result.rearrange = result.rearrange + moved
+            result.rearrange_events += 1
+        tracker.observe(loads_ILE[i])
+        if progress is not None:
+            progress(i + 1, I)
+    moved = result.rearrange
+    totals["rearrange"] = np.array([moved.param_intra + moved.optimizer_intra, moved.param_inter + moved.optimizer_inter])
+    result.traffic = totals
+    return result
