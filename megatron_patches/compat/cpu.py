@@ -15,6 +15,7 @@ shared/notes/megatron-cpu.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 from dataclasses import dataclass
@@ -372,6 +373,34 @@ def _shim_optimizer_type_checks() -> None:
         optimizer.clip_grad_by_total_norm_fp32 = clip
 
 
+# ----------------------------------------------------------------------------------------
+# 7. Sequence parallel with torch LayerNorm (no Apex / TE on CPU)
+# ----------------------------------------------------------------------------------------
+
+
+def _shim_torch_norm_sequence_parallel() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__dict__["__new__"]
+    if getattr(original_new, "_megatron_patches_cpu", False):
+        return
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        # torch_norm.py:32 refuses sequence parallel. The norm itself is token-wise, so it
+        # computes the same on a sequence shard; what SP needs is that its weight grads
+        # (partial per TP rank) are summed over TP, which finalize_model_grads does for
+        # params tagged `sequence_parallel` -- exactly what Megatron's fused norms tag.
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    __new__._megatron_patches_cpu = True
+    WrappedTorchNorm.__new__ = __new__
+
+
 SHIMS: list[Shim] = [
     Shim(
         "device_and_streams",
@@ -408,6 +437,15 @@ SHIMS: list[Shim] = [
         _shim_optimizer_type_checks,
     ),
 ]
+
+
+SHIMS.append(
+    Shim(
+        "torch_norm_sequence_parallel",
+        "transformer/torch_norm.py:32 (WrappedTorchNorm refuses --sequence-parallel without Apex/TE)",
+        _shim_torch_norm_sequence_parallel,
+    )
+)
 
 
 def apply_cpu_shims() -> list[str]:

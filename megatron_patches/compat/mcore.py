@@ -25,6 +25,7 @@ from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
+    LNImpl,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
@@ -35,6 +36,11 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_patches.compat import fixes
 
@@ -94,6 +100,12 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        moe_layer_freq=args.moe_layer_freq,
         add_bias_linear=args.add_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -124,55 +136,64 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
     )
 
 
-def moe_layer_spec(family: str, num_experts: int, grouped_gemm: bool, use_te: bool) -> ModuleSpec:
-    """The transformer-layer spec with Megatron's MoE block as its MLP.
+def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[ModuleSpec, ModuleSpec]:
+    """(dense layer spec, MoE layer spec) of one transformer layer.
 
-    GPT: Megatron's own GPT layer spec (TE on GPU when available, local modules otherwise).
-    BERT: Megatron's BERT local layer spec (padding attention mask) with its dense MLP
-    replaced by the same MoE block the GPT spec uses.
+    GPT: Megatron's own GPT layer specs (TE on GPU when available, local modules otherwise).
+    BERT: Megatron's BERT local layer spec (padding attention mask) with the MLP taken from
+    the GPT spec of the same kind (dense MLP or Megatron's MoE block).
     """
+    kwargs = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if use_te:
-        gpt_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+        dense = get_gpt_layer_with_transformer_engine_spec()
+        moe = get_gpt_layer_with_transformer_engine_spec(**kwargs)
     else:
-        gpt_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
+        dense = get_gpt_layer_local_spec(normalization=config.normalization)
+        moe = get_gpt_layer_local_spec(normalization=config.normalization, **kwargs)
     if family == "gpt":
-        return gpt_spec
-    submodules = dataclasses.replace(bert_layer_local_spec.submodules, mlp=gpt_spec.submodules.mlp)
-    return dataclasses.replace(bert_layer_local_spec, submodules=submodules)
+        return dense, moe
+
+    def bert_with_mlp_of(spec: ModuleSpec) -> ModuleSpec:
+        submodules = dataclasses.replace(bert_layer_local_spec.submodules, mlp=spec.submodules.mlp)
+        return dataclasses.replace(bert_layer_local_spec, submodules=submodules)
+
+    return bert_with_mlp_of(dense), bert_with_mlp_of(moe)
 
 
-def language_model(
-    family: str,
-    config: TransformerConfig,
-    layer_spec: ModuleSpec,
-    vocab_size: int,
-    max_sequence_length: int,
-    pre_process: bool,
-    post_process: bool,
-    bert_binary_head: bool,
-):
-    if family == "gpt":
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=True,
-            position_embedding_type="learned_absolute",
-        )
-    return BertModel(
+def moe_layer_pattern(config: TransformerConfig) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer (Megatron's --moe-layer-freq rule)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, use_te: bool) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage: MoE where the pattern says so, dense elsewhere."""
+    specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
+    offset = get_transformer_layer_offset(config)
+    local = specs[offset : offset + get_num_layers_to_build(config)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=local, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=LNImpl)
+
+
+def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_process: bool, post_process: bool):
+    common = dict(
         config=config,
-        num_tokentypes=2 if bert_binary_head else 0,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=True,
-        add_binary_head=bert_binary_head,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
     )
+    if args.model_family == "gpt":
+        return GPTModel(rotary_base=args.rotary_base, **common)
+    return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head, **common)
 
 
 def pipeline_stage_flags() -> tuple[bool, bool]:

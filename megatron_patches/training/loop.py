@@ -28,7 +28,7 @@ from megatron_patches.compat import mcore, prepare_megatron
 from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, data, metrics
 from megatron_patches.training.arguments import describe_args
-from megatron_patches.training.model import build_model, moe_layers
+from megatron_patches.training.model import build_model
 
 
 def log0(message: str) -> None:
@@ -41,7 +41,7 @@ def log0(message: str) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def init_distributed(use_cuda: bool) -> None:
+def init_distributed(use_cuda: bool, backend: str) -> None:
     """torch.distributed from torchrun's environment, or a world of one for a plain process."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -50,7 +50,7 @@ def init_distributed(use_cuda: bool) -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
 
 
 # ----------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def _masked_mean(losses_BS: torch.Tensor, mask_BS: torch.Tensor) -> torch.Tensor
 
 def gpt_loss(mask_BS, output_BS):
     loss = _masked_mean(output_BS, mask_BS)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # clone: Megatron divides `loss` in place
 
 
 def gpt_forward_step(data_iterator, model):
@@ -100,10 +100,10 @@ def bert_loss(mask_BS, is_random_B, output):
     lm_losses_BS, binary_logits_B2 = output
     lm = _masked_mean(lm_losses_BS, mask_BS)
     if binary_logits_B2 is None:
-        return lm, {"lm loss": lm.detach()}
+        return lm, {"lm loss": lm.detach().clone()}
     sop = F.cross_entropy(binary_logits_B2.view(-1, 2).float(), is_random_B.view(-1), ignore_index=-1)
     loss = lm + sop
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # clone: Megatron divides `loss` in place
 
 
 def bert_forward_step(data_iterator, model, binary_head: bool):
@@ -142,8 +142,8 @@ class Summary:
 
 
 def pretrain(args) -> Summary:
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    init_distributed(use_cuda)
+    use_cuda = args.use_cuda
+    init_distributed(use_cuda, args.distributed_backend)
     shims = prepare_megatron(use_cuda)
     log0(describe_args(args))
     log0(f"device: {'cuda' if use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
@@ -167,7 +167,9 @@ def pretrain(args) -> Summary:
     train_ds, valid_ds, _ = data.build_datasets(args, tokenizer)
 
     model, config = build_model(args, vocab, on_gpu=use_cuda)
-    layer_numbers = [number for number, _ in moe_layers(model)]
+    # All MoE layers of the model (1-based global numbers), not only this stage's: the load
+    # metrics and the trace cover the whole model.
+    layer_numbers = [i + 1 for i, is_moe in enumerate(mcore.moe_layer_pattern(config)) if is_moe]
     ddp = mcore.wrap_ddp(config, model, args)
     optimizer = mcore.optimizer(args, [ddp])
     scheduler = mcore.scheduler(args, optimizer)

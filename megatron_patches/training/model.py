@@ -19,25 +19,22 @@ from megatron.core import parallel_state
 from megatron_patches.compat import mcore
 
 
-def default_layer_spec(args, use_te: bool):
-    return mcore.moe_layer_spec(args.model_family, args.num_experts, args.moe_grouped_gemm, use_te)
+def stock_moe_spec(moe_spec, args):
+    """`ep` mode: Megatron's own MoE layer, unchanged (the baseline)."""
+    return moe_spec
 
 
-def build_model(args, vocab_size: int, on_gpu: bool, layer_spec_fn: Callable = default_layer_spec):
-    """The (unwrapped) model chunk of this pipeline stage, on the training device."""
+def build_model(args, vocab_size: int, on_gpu: bool, moe_spec_fn: Callable = stock_moe_spec):
+    """The (unwrapped) model chunk of this pipeline stage, on the training device.
+
+    `moe_spec_fn(megatron_moe_layer_spec, args)` lets a parallel mode inject its own MoE layer.
+    """
     config = mcore.transformer_config(args, on_gpu)
-    use_te = on_gpu and mcore.have_transformer_engine()
+    use_te = args.transformer_impl == "transformer_engine"
+    dense_spec, moe_spec = mcore.layer_specs(args.model_family, config, use_te)
+    spec = mcore.block_spec(config, dense_spec, moe_spec_fn(moe_spec, args), use_te)
     pre_process, post_process = mcore.pipeline_stage_flags()
-    model = mcore.language_model(
-        args.model_family,
-        config,
-        layer_spec_fn(args, use_te),
-        vocab_size=vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        bert_binary_head=args.bert_binary_head,
-    )
+    model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process)
     init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
