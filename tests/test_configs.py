@@ -114,7 +114,7 @@ def test_parameter_counts_match_published_sizes():
         table.append(f"{name:<14} {key:<17} {ours:>15,} published {published:>6}  {100 * rel:+.2f}%")
         if abs(rel) > TOLERANCE:
             failures.append(name)
-    assert not failures, "parameter counts off by more than 3%:\n" + "\n".join(table)
+    assert not failures, f"parameter counts off by more than {TOLERANCE:.0%}:\n" + "\n".join(table)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
