@@ -482,6 +482,9 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
             instances of an expert counts once, since it processes them in one batch).
         source_loads_DE: tokens per (source device, expert), int [D, E], >= 0.
         topology: the devices; D must match the placement.
+    Returns:
+        A DispatchPlan with one entry per (source, expert) that needs no split (possibly with 0
+        tokens) plus one entry per (source, expert, holder) share of the split pairs.
     """
     loads_SE = check_loads(source_loads_DE, "source_loads_DE", 2)
     E, D = placement.num_experts, placement.num_devices
@@ -491,52 +494,59 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         raise PlacementError(f"source_loads_DE must have shape ({D}, {E}) (sources are the devices), got {loads_SE.shape}")
     N = topology.nodes
     node_of = topology.node_of
-    holds_SE = placement.counts_ED.T > 0
-    has_SE = loads_SE > 0
-    local_s, local_e = np.nonzero(has_SE & holds_SE)
-    remote = np.flatnonzero(has_SE & ~holds_SE)  # flat (source, expert) indices
+    holds_ED = placement.counts_ED > 0
+    holds_SE = np.ascontiguousarray(holds_ED.T)
+    replicas_E = holds_ED.sum(axis=1)
+    first_holder_E = np.argmax(holds_ED, axis=1)
+
+    # Direct pairs need no splitting: s holds e (local), or e has a single holder. They get one
+    # entry per (source, expert) in grid order, possibly with 0 tokens, which is cheaper at
+    # D = 1024 than searching for the non-zero pairs.
+    split_SE = ~holds_SE & (replicas_E > 1)[None, :] & (loads_SE > 0)
+    devices = np.arange(D, dtype=np.int64)
+
+    # Split pairs: tokens go evenly over the holders on the source's node, else over all.
+    remote = np.flatnonzero(split_SE)  # flat (source, expert) indices
     rs, re_ = np.divmod(remote, E)
     rn = loads_SE.ravel()[remote]
-
     # holder lists in CSR form: flat (expert, device) pairs, expert-major, devices ascending,
     # so the holders of e on node n are one contiguous run and all holders of e are one too
-    hold_e, hold_dev = np.nonzero(placement.counts_ED > 0)
+    hold_e, hold_dev = np.nonzero(holds_ED)
     k_EN = np.bincount(hold_e * N + node_of[hold_dev], minlength=E * N)
     start_EN = np.cumsum(k_EN) - k_EN
-    k_E = k_EN.reshape(E, N).sum(axis=1)
-
-    # per (source, expert) pair needing remote holders: run [base, base + k) of the holder list
     group = re_ * N + node_of[rs]
     k = k_EN[group]
     base = start_EN[group]
     off_node = np.flatnonzero(k == 0)  # no copy on the source's node: all holders of e
-    k[off_node] = k_E[re_[off_node]]
+    k[off_node] = replicas_E[re_[off_node]]
     base[off_node] = start_EN[re_[off_node] * N]
     quot, rem = np.divmod(rn, k)
-    offset = rs % k
-
     # one entry per holder that gets a non-zero share: min(n, k) per pair
     q = np.minimum(rn, k)
     rep = np.repeat(np.arange(remote.size), q)
     i = np.arange(rep.size) - np.repeat(np.cumsum(q) - q, q)
-    pos = offset[rep] + i  # rotated position within the run, wrapped once below
+    pos = (rs % k)[rep] + i  # rotated position within the run, wrapped once below
     k_rep = k[rep]
     pos -= np.where(pos >= k_rep, k_rep, 0)
 
-    n_local = local_s.size
-    K = n_local + rep.size
+    G = D * E
+    K = G + rep.size
     source_K = np.empty(K, dtype=np.int64)
     expert_K = np.empty(K, dtype=np.int64)
     dest_K = np.empty(K, dtype=np.int64)
     tokens_K = np.empty(K, dtype=np.int64)
-    source_K[:n_local] = local_s
-    expert_K[:n_local] = local_e
-    dest_K[:n_local] = local_s
-    tokens_K[:n_local] = loads_SE[local_s, local_e]
-    source_K[n_local:] = rs[rep]
-    expert_K[n_local:] = re_[rep]
-    dest_K[n_local:] = hold_dev[base[rep] + pos]
-    tokens_K[n_local:] = quot[rep] + (i < rem[rep])
+    source_K[:G] = np.repeat(devices, E)
+    expert_K[:G].reshape(D, E)[:] = np.arange(E, dtype=np.int64)
+    grid_dest = dest_K[:G].reshape(D, E)
+    grid_dest[:] = first_holder_E
+    np.copyto(grid_dest, devices[:, None], where=holds_SE)
+    grid_tokens = tokens_K[:G].reshape(D, E)
+    grid_tokens[:] = loads_SE
+    np.copyto(grid_tokens, 0, where=split_SE)
+    source_K[G:] = rs[rep]
+    expert_K[G:] = re_[rep]
+    dest_K[G:] = hold_dev[base[rep] + pos]
+    tokens_K[G:] = quot[rep] + (i < rem[rep])
     # valid by construction (tests check every plan with DispatchPlan.check), so skip the
     # O(K) re-validation that would dominate the cost at D = 1024
     return DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, D, E, D)

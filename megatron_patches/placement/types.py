@@ -487,8 +487,8 @@ class DispatchPlan:
     Stored sparsely as parallel arrays of (source, expert, destination, tokens) entries,
     because the dense [S, E, D] tensor is too large at scale (S = D = 1024, E = 256 would be
     2 GiB of int64) while a plan has only a few entries per (source, expert). Entries may come
-    in any order; the same (source, expert, destination) may appear more than once, in which
-    case the counts add up. `to_dense()` / `from_dense()` convert for small cases and tests.
+    in any order and may carry 0 tokens; the same (source, expert, destination) may appear
+    more than once, in which case the counts add up. `to_dense()` / `from_dense()` convert for small cases and tests.
 
     Sources are the devices the tokens sit on after the router (usually the same D devices
     that hold experts; zebra's attention ranks are a different set, hence a separate S).

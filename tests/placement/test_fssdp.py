@@ -383,7 +383,7 @@ def test_dispatch_zero_tokens_and_validation():
     topo = Topology(1, 2, 1.0, 1.0)
     placement = InstancePlacement([[1, 0]])
     plan = dispatch(placement, np.zeros((2, 1), dtype=int), topo)
-    assert plan.tokens_K.size == 0 and plan.device_loads_D().tolist() == [0, 0]
+    assert plan.tokens_K.sum() == 0 and plan.device_loads_D().tolist() == [0, 0]
     with pytest.raises(PlacementError, match=r"source_loads_DE must have shape \(2, 1\)"):
         dispatch(placement, np.zeros((1, 1), dtype=int), topo)
 
