@@ -539,9 +539,10 @@ def flexmoe_adjust(
     one that does not ends the call, and `max_ops` (default E * D) bounds it. Every kept
     operation strictly lowers a quantity over finitely many placements, so the loop ends.
 
-    A new replica's weights and optimizer state are copied from an existing holder, on the
-    same node when there is one (lowest device id first). Returns the new placement and the
-    moves.
+    Moves are the net change: a replica that exists afterwards but not before is copied
+    (weights and optimizer state) from a device that held the expert before, on the same
+    node when there is one (lowest device id first); a replica added and dropped again within
+    the call moves nothing. Returns the new placement and the moves.
     """
     E, D = placement.num_experts, placement.num_devices
     if topology.num_devices != D:
@@ -559,7 +560,6 @@ def flexmoe_adjust(
         dev_D = (loads_E / h_ED.sum(axis=1)) @ h_ED
         return float(dev_D.max()), float((dev_D**2).sum())
 
-    moves: list[ExpertMove] = []
     current = objective(holds_ED)
     for _ in range(limit):
         r_E = holds_ED.sum(axis=1)
@@ -589,11 +589,13 @@ def flexmoe_adjust(
         candidate = objective(trial)
         if candidate >= current:
             break
-        holders = np.flatnonzero(holds_ED[hot])
-        local = holders[topology.same_node(holders, dst)]
-        src = int(local[0]) if local.size else int(holders[0])
-        moves.append(ExpertMove(layer, hot, src, dst))
         holds_ED, current = trial, candidate
+    before_ED = placement.holds_ED()
+    moves = []
+    for e, dst in zip(*np.nonzero(holds_ED & ~before_ED)):
+        holders = np.flatnonzero(before_ED[e])
+        local = holders[topology.same_node(holders, dst)]
+        moves.append(ExpertMove(layer, int(e), int(local[0]) if local.size else int(holders[0]), int(dst)))
     return InstancePlacement(holds_ED.astype(np.int64)), moves
 
 
