@@ -8,6 +8,8 @@ run with any other megatron-core version.
 
 from __future__ import annotations
 
+import torch
+
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings
@@ -81,9 +83,52 @@ def use_expert_tp_group_for_expert_optimizer(optimizer) -> bool:
     return False
 
 
+# ----------------------------------------------------------------------------------------
+# Fix 4: loading a distributed-optimizer checkpoint with plain torch Adam (no Apex / TE)
+# ----------------------------------------------------------------------------------------
+# DistributedOptimizer.load_state_dict (optimizer/distrib_optimizer.py:817-825) gives every
+# parameter the *same* `step` tensor; torch Adam increments `state["step"]` in place per
+# parameter, so after a resume the shared counter advances once per parameter per iteration
+# and the bias correction is wrong (resumed losses drift). Then
+# load_parameter_state_from_fully_reshardable skips "step" in the source tensors
+# (:2101) while _set_main_param_and_optimizer_states copies every key of the destination
+# state (:940): KeyError 'step'. We keep each parameter's own step through the copy and
+# give every parameter a private step tensor after loading.
+
+
+def _fix_torch_adam_step_on_load() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(set_states, "_megatron_patches_fix", False):
+        return
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = dict(tensors, step=step)
+        return set_states(self, model_param, tensors)
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict_with_private_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+
+    _set_main_param_and_optimizer_states._megatron_patches_fix = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict_with_private_steps
+
+
 def apply_global_fixes() -> None:
-    """Install the module-level fixes (fix 1). Fixes 2-3 apply per model / optimizer."""
+    """Install the module-level fixes (1 and 4). Fixes 2-3 apply per model / optimizer."""
     _fix_single_rank_reduce()
+    _fix_torch_adam_step_on_load()
 
 
 __all__ = [
