@@ -41,6 +41,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
+from functools import cached_property, lru_cache
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -555,12 +556,12 @@ class Task:
     deps: tuple[str, ...] = field(default=())
     """Ids of the tasks whose outputs this task consumes."""
 
-    @property
+    @cached_property
     def label(self) -> str:
         """Role-free name, e.g. "A_F(1,0)"."""
         return f"{self.kind}_{self.phase}({self.layer},{self.microbatch})"
 
-    @property
+    @cached_property
     def id(self) -> str:
         """Unique id: compute tasks are prefixed by their role ("expert:E_F(0,1)"), all-to-alls
         are shared by both roles ("D_F(0,1)")."""
@@ -766,6 +767,12 @@ def simulate_schedule(
     """
     tasks, preds, order = _topological_order(schedule)
     duration_of = durations if callable(durations) else (lambda task: durations[task.id])
+    return _longest_paths(tasks, preds, order, duration_of)
+
+
+def _longest_paths(
+    tasks: dict[str, Task], preds: dict[str, list[str]], order: list[str], duration_of: Callable[[Task], float]
+) -> dict[str, tuple[float, float]]:
     times: dict[str, tuple[float, float]] = {}
     for t in order:
         start = max((times[p][1] for p in preds[t]), default=0.0)
@@ -829,10 +836,18 @@ def iteration_time(
     forward_fraction: float = 1.0 / 3.0,
 ) -> float:
     """Makespan in s of one iteration of the zig-zag pipeline with the given offload counts."""
-    offloaded = [l for l, o in enumerate(offload_chunks_L) if o > 0]
-    schedule = build_schedule(profile.shape.num_layers, num_microbatches, offloaded)
+    offloaded = tuple(l for l, o in enumerate(offload_chunks_L) if o > 0)
     durations = zebra_durations(
         profile, offload_chunks_L, t_comm=t_comm, t_head=t_head, forward_fraction=forward_fraction
     )
-    times = simulate_schedule(schedule, durations)
+    times = _longest_paths(*_compiled_schedule(profile.shape.num_layers, num_microbatches, offloaded), durations)
     return max(end for _, end in times.values())
+
+
+@lru_cache(maxsize=64)
+def _compiled_schedule(
+    num_layers: int, num_microbatches: int, offloaded_layers: tuple[int, ...]
+) -> tuple[dict[str, Task], dict[str, list[str]], list[str]]:
+    """The task graph and a topological order of ``build_schedule``, kept because searches over
+    offload vectors simulate the same few schedules many times (read-only; never handed out)."""
+    return _topological_order(build_schedule(num_layers, num_microbatches, offloaded_layers))
