@@ -22,6 +22,7 @@ from megatron_patches.placement.types import (
     PlacementError,
     ShardLayout,
     Topology,
+    check_int,
     check_loads,
 )
 
@@ -76,8 +77,7 @@ def apply_capacity(plan: DispatchPlan, placement: InstancePlacement, capacity: i
     Returns:
         (processed_ED, dropped_E): int64 [E, D] and int64 [E].
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
-        raise PlacementError(f"capacity must be a non-negative integer, got {capacity!r}")
+    capacity = check_int(capacity, "capacity")
     received_ED = plan.received_ED()
     if received_ED.shape != placement.counts_ED.shape:
         raise PlacementError(

@@ -28,7 +28,9 @@ from megatron_patches.placement.types import (
     PlacementError,
     ShardLayout,
     Topology,
+    check_int,
     check_loads,
+    even_shares,
 )
 
 __all__ = [
@@ -44,12 +46,6 @@ __all__ = [
     "proportional_copies",
     "shard_slots_D",
 ]
-
-
-def _check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise PlacementError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
 
 
 def _check_weights(weights, name: str, size: int | None = None) -> np.ndarray:
@@ -107,11 +103,10 @@ def overlap_degree(t_non_moe_s: float, bandwidth: float, expert_bytes: float, nu
     ):
         if not np.isfinite(value) or value < 0 or (positive and value == 0):
             raise PlacementError(f"overlap_degree: {name} must be finite and {'> 0' if positive else '>= 0'}, got {value!r}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
-        raise PlacementError(f"overlap_degree: num_experts must be a positive integer, got {num_experts!r}")
+    num_experts = check_int(num_experts, "overlap_degree: num_experts", 1)
     # a relative epsilon so that e.g. 0.3 s * 10 B/s / 1 B = 2.9999999999999996 counts as 3
     t = int(np.floor(t_non_moe_s * bandwidth / expert_bytes * (1 + 1e-12)))
-    return min(t, int(num_experts))
+    return min(t, num_experts)
 
 
 def memory_capacity(free_bytes, expert_bytes: float):
@@ -152,7 +147,7 @@ def proportional_copies(weights, total: int, cap) -> np.ndarray:
         int64 [K] copies per expert.
     """
     weights = _check_weights(weights, "weights")
-    total = _check_count(total, "total")
+    total = check_int(total, "total")
     cap_K = np.broadcast_to(np.asarray(cap, dtype=np.int64), weights.shape).copy()
     if np.any(cap_K < 0):
         raise PlacementError(f"cap must be >= 0, got {cap!r}")
@@ -250,8 +245,8 @@ def materialize(
     placed by `_place_copies`. Ties in load go to the lower expert id.
     """
     loads_E = _check_layer_inputs(shard, topology, predicted_loads_E, "predicted_loads_E")
-    t = min(_check_count(t, "overlap degree t"), shard.num_experts)
-    m = min(_check_count(m, "memory capacity m"), t)
+    t = min(check_int(t, "overlap degree t"), shard.num_experts)
+    m = min(check_int(m, "memory capacity m"), t)
     D = shard.num_devices
     holds_ED = shard.holds_ED().astype(bool)
     top = _descending(loads_E)[:t]
@@ -423,7 +418,7 @@ def heterogeneous_shard(loads_LE, t: int, topology: Topology) -> ModelShardLayou
     for l in range(loads_LE.shape[0]):
         _check_weights(loads_LE[l], f"loads_LE[{l}]")
     L, E = loads_LE.shape
-    t = min(_check_count(t, "overlap degree t"), E)
+    t = min(check_int(t, "overlap degree t"), E)
     N, P, D = topology.nodes, topology.devices_per_node, topology.num_devices
     free_D = shard_slots_D(L, E, D)
     node_free_N = free_D.reshape(N, P).sum(axis=1)
@@ -503,7 +498,6 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     # entry per (source, expert) in grid order, possibly with 0 tokens, which is cheaper at
     # D = 1024 than searching for the non-zero pairs.
     split_SE = ~holds_SE & (replicas_E > 1)[None, :] & (loads_SE > 0)
-    devices = np.arange(D, dtype=np.int64)
 
     # Split pairs: tokens go evenly over the holders on the source's node, else over all.
     remote = np.flatnonzero(split_SE)  # flat (source, expert) indices
@@ -520,17 +514,11 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     off_node = np.flatnonzero(k == 0)  # no copy on the source's node: all holders of e
     k[off_node] = replicas_E[re_[off_node]]
     base[off_node] = start_EN[re_[off_node] * N]
-    quot, rem = np.divmod(rn, k)
-    # one entry per holder that gets a non-zero share: min(n, k) per pair
-    q = np.minimum(rn, k)
-    rep = np.repeat(np.arange(remote.size), q)
-    i = np.arange(rep.size) - np.repeat(np.cumsum(q) - q, q)
-    pos = (rs % k)[rep] + i  # rotated position within the run, wrapped once below
-    k_rep = k[rep]
-    pos -= np.where(pos >= k_rep, k_rep, 0)
+    pair, pos, share = even_shares(rn, k, rs % k)
 
     G = D * E
-    K = G + rep.size
+    K = G + pair.size
+    devices = np.arange(D, dtype=np.int64)
     source_K = np.empty(K, dtype=np.int64)
     expert_K = np.empty(K, dtype=np.int64)
     dest_K = np.empty(K, dtype=np.int64)
@@ -543,10 +531,10 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     grid_tokens = tokens_K[:G].reshape(D, E)
     grid_tokens[:] = loads_SE
     np.copyto(grid_tokens, 0, where=split_SE)
-    source_K[G:] = rs[rep]
-    expert_K[G:] = re_[rep]
-    dest_K[G:] = hold_dev[base[rep] + pos]
-    tokens_K[G:] = quot[rep] + (i < rem[rep])
+    source_K[G:] = rs[pair]
+    expert_K[G:] = re_[pair]
+    dest_K[G:] = hold_dev[base[pair] + pos]
+    tokens_K[G:] = share
     # valid by construction (tests check every plan with DispatchPlan.check), so skip the
     # O(K) re-validation that would dominate the cost at D = 1024
     return DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, D, E, D)

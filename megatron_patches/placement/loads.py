@@ -14,7 +14,7 @@ from collections import deque
 
 import numpy as np
 
-from megatron_patches.placement.types import PlacementError, check_loads
+from megatron_patches.placement.types import PlacementError, check_int, check_loads
 
 __all__ = ["LoadTracker"]
 
@@ -29,12 +29,9 @@ class LoadTracker:
     """
 
     def __init__(self, num_layers: int, num_experts: int, window: int = 5) -> None:
-        for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("window", window)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise PlacementError(f"LoadTracker {name} must be a positive integer, got {value!r}")
-        self.num_layers = int(num_layers)
-        self.num_experts = int(num_experts)
-        self.window = int(window)
+        self.num_layers = check_int(num_layers, "LoadTracker num_layers", 1)
+        self.num_experts = check_int(num_experts, "LoadTracker num_experts", 1)
+        self.window = check_int(window, "LoadTracker window", 1)
         self._history: deque[np.ndarray] = deque(maxlen=self.window)  # int64 [L, E] each, oldest first
         self._observed = 0
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_patches.placement.types import InstancePlacement, PlacementError, check_loads
+from megatron_patches.placement.types import InstancePlacement, PlacementError, check_int, check_loads, even_shares
 
 __all__ = [
     "TokenSpread",
@@ -28,12 +28,6 @@ __all__ = [
     "slot_placement",
     "spread_tokens",
 ]
-
-
-def _check_positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise PlacementError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def replica_counts(popularity_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
@@ -67,8 +61,8 @@ def replica_counts(popularity_E, num_ranks: int, slots_per_rank: int) -> np.ndar
     Returns:
         int64 [E], each >= 1, summing to G*s.
     """
-    G = _check_positive(num_ranks, "num_ranks")
-    s = _check_positive(slots_per_rank, "slots_per_rank")
+    G = check_int(num_ranks, "num_ranks", 1)
+    s = check_int(slots_per_rank, "slots_per_rank", 1)
     p = np.asarray(popularity_E, dtype=np.float64)
     if p.ndim != 1 or p.size == 0:
         raise PlacementError(f"popularity_E must be a non-empty 1-D array, got shape {p.shape}")
@@ -105,8 +99,8 @@ def assign_slots(counts_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
     before moving to the next rank. Each expert's instances therefore sit on consecutive
     ranks, and a rank may hold the same expert in several slots.
     """
-    G = _check_positive(num_ranks, "num_ranks")
-    s = _check_positive(slots_per_rank, "slots_per_rank")
+    G = check_int(num_ranks, "num_ranks", 1)
+    s = check_int(slots_per_rank, "slots_per_rank", 1)
     counts_E = check_loads(counts_E, "counts_E", 1)
     zero = np.flatnonzero(counts_E == 0)
     if zero.size:
@@ -121,7 +115,7 @@ def slot_placement(slot_expert_RS, num_experts: int) -> InstancePlacement:
     slots = np.asarray(slot_expert_RS, dtype=np.int64)
     if slots.ndim != 2:
         raise PlacementError(f"slot_expert_RS must be [ranks, slots], got shape {slots.shape}")
-    E = _check_positive(num_experts, "num_experts")
+    E = check_int(num_experts, "num_experts", 1)
     bad = np.argwhere((slots < 0) | (slots >= E))
     if bad.size:
         r, j = (int(i) for i in bad[0])
@@ -164,7 +158,7 @@ def contiguous_rank_groups(num_ranks: int) -> list[tuple[int, int]]:
     contiguous slot assignment every expert's holders form one of them, so no group is ever
     created during training. Ordered by start, then stop.
     """
-    N = _check_positive(num_ranks, "num_ranks")
+    N = check_int(num_ranks, "num_ranks", 1)
     return [(a, b) for a in range(N) for b in range(a + 2, N + 1)]
 
 
@@ -196,12 +190,11 @@ def instance_capacity(capacity_factor: float, tokens_per_batch: int, num_ranks: 
     Rounded up as in GShard / DeepSpeed, so capacity factor 1.0 with perfectly balanced
     loads drops nothing.
     """
-    G = _check_positive(num_ranks, "num_ranks")
-    s = _check_positive(slots_per_rank, "slots_per_rank")
+    G = check_int(num_ranks, "num_ranks", 1)
+    s = check_int(slots_per_rank, "slots_per_rank", 1)
     if not np.isfinite(capacity_factor) or capacity_factor <= 0:
         raise PlacementError(f"capacity_factor must be finite and > 0, got {capacity_factor!r}")
-    if isinstance(tokens_per_batch, bool) or not isinstance(tokens_per_batch, (int, np.integer)) or tokens_per_batch < 0:
-        raise PlacementError(f"tokens_per_batch must be a non-negative integer, got {tokens_per_batch!r}")
+    check_int(tokens_per_batch, "tokens_per_batch")
     # round the product first so e.g. 1.1 * 1000 / 100 = 11.000000000000002 does not become 12
     return int(np.ceil(round(capacity_factor * tokens_per_batch / (G * s), 9)))
 
@@ -278,8 +271,8 @@ def spread_tokens(
     inst_rank = np.repeat(np.tile(np.arange(R, dtype=np.int64), E), counts_ED.ravel())
     inst_E = placement.instances_E()
     start_E = np.concatenate(([0], np.cumsum(inst_E)[:-1]))
-    # position of rank r's own run inside expert e's instance list
-    own_start_ED = start_E[:, None] + np.cumsum(counts_ED, axis=1) - counts_ED
+    # where rank r's own run of instances starts inside expert e's list
+    own_start_ED = np.cumsum(counts_ED, axis=1) - counts_ED
 
     e, r = np.nonzero(over_ER)
     n = over_ER[e, r]
@@ -287,16 +280,11 @@ def spread_tokens(
     no_remote = k == 0
     dropped_E = np.bincount(e[no_remote], weights=n[no_remote], minlength=E).astype(np.int64)
     e, r, n, k = e[~no_remote], r[~no_remote], n[~no_remote], k[~no_remote]
-    q = np.minimum(n, k)
-    rep = np.repeat(np.arange(e.size), q)
-    i = np.arange(rep.size) - np.repeat(np.cumsum(q) - q, q)
-    e_r, r_r, n_r, k_r = e[rep], r[rep], n[rep], k[rep]
-    pos = (r_r + i) % k_r  # among remote instances
-    own = own_start_ED[e_r, r_r] - start_E[e_r]
-    pos = pos + np.where(pos >= own, counts_ED[e_r, r_r], 0)  # skip r's own run
-    dest = inst_rank[start_E[e_r] + pos]
-    share = n_r // k_r + (i < n_r % k_r)
-    arrivals_ED = np.bincount(e_r * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
+    pair, pos, share = even_shares(n, k, r % k)  # pos counts the remote instances only
+    e_p, r_p = e[pair], r[pair]
+    pos += np.where(pos >= own_start_ED[e_p, r_p], counts_ED[e_p, r_p], 0)  # skip r's own run of instances
+    dest = inst_rank[start_E[e_p] + pos]
+    arrivals_ED = np.bincount(e_p * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
     remote_ED = np.minimum(arrivals_ED, cap_ED - local_ED)
     dropped_E += (arrivals_ED - remote_ED).sum(axis=1)
     return TokenSpread(local_ED + remote_ED, dropped_E, cap)

@@ -25,14 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_patches.placement.trace import Trace
-from megatron_patches.placement.types import PlacementError
+from megatron_patches.placement.types import PlacementError, check_int
 
 __all__ = ["popularity_weights", "synthetic_trace"]
 
 
-def _check(name: str, value, low: float, integer: bool = False) -> None:
-    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-        raise PlacementError(f"{name} must be an integer, got {value!r}")
+def _check(name: str, value, low: float) -> None:
     if not np.isfinite(value) or value < low:
         raise PlacementError(f"{name} must be >= {low}, got {value!r}")
 
@@ -101,8 +99,8 @@ def synthetic_trace(
         metadata: extra JSON-serialisable metadata stored with the trace (e.g. model, topk).
     """
     for name, value in (("iterations", iterations), ("layers", layers), ("experts", experts)):
-        _check(name, value, 1, integer=True)
-    _check("tokens", tokens, 0, integer=True)
+        check_int(value, name, 1)
+    check_int(tokens, "tokens")
     _check("zipf", zipf, 0.0)
     _check("drift", drift, 0.0)
     _check("spike_factor", spike_factor, 1.0)
@@ -112,7 +110,7 @@ def synthetic_trace(
     if not 0.0 <= layer_variation <= 1.0:
         raise PlacementError(f"layer_variation must be in [0, 1], got {layer_variation!r}")
     if ranks is not None:
-        _check("ranks", ranks, 1, integer=True)
+        check_int(ranks, "ranks", 1)
     rng = np.random.default_rng(seed)
     p_ILE = popularity_weights(
         iterations, layers, experts, zipf, drift, spike_prob, spike_factor, layer_variation, rng

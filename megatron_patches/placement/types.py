@@ -28,7 +28,9 @@ __all__ = [
     "ElementShardLayout",
     "InstancePlacement",
     "DispatchPlan",
+    "check_int",
     "check_loads",
+    "even_shares",
 ]
 
 
@@ -79,6 +81,36 @@ def check_loads(loads, name: str = "loads", ndim: int | None = None) -> np.ndarr
     return out
 
 
+def check_int(value, name: str, minimum: int = 0) -> int:
+    """Return `value` as an int if it is an integer >= minimum, else raise PlacementError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise PlacementError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def even_shares(n_P: np.ndarray, k_P: np.ndarray, offset_P: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split n tokens evenly over k targets, for many pairs at once (no per-token loop).
+
+    Pair p splits n_P[p] tokens over its targets 0..k_P[p]-1: every target gets n // k, and
+    the n mod k targets (offset + i) mod k, i < n mod k, get one more. Rotating the remainder
+    by a per-pair offset (e.g. the source id) keeps the remainders of different sources from
+    all landing on target 0. Requires k >= 1 and 0 <= offset < k.
+
+    Returns:
+        (pair_K, target_K, share_K): one entry per target with a non-zero share, i.e.
+        min(n, k) entries per pair, all int64.
+    """
+    q_P = np.minimum(n_P, k_P)
+    pair_K = np.repeat(np.arange(n_P.size), q_P)
+    i_K = np.arange(pair_K.size) - np.repeat(np.cumsum(q_P) - q_P, q_P)  # index within the pair
+    k_K = k_P[pair_K]
+    target_K = offset_P[pair_K] + i_K
+    target_K -= np.where(target_K >= k_K, k_K, 0)  # offset + i < 2k: one wrap is enough
+    quot_P, rem_P = np.divmod(n_P, k_P)
+    share_K = quot_P[pair_K] + (i_K < rem_P[pair_K])
+    return pair_K, target_K, share_K
+
+
 @dataclass(frozen=True)
 class Topology:
     """The devices taking part in expert placement and the links between them.
@@ -102,10 +134,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise PlacementError(f"Topology.{name} must be a positive integer, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int(getattr(self, name), f"Topology.{name}", 1))
         for name in ("intra_node_bw", "inter_node_bw"):
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value) or value <= 0:
@@ -185,9 +214,7 @@ class ShardLayout:
     """D, the number of devices the layer is sharded over; >= 1."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, (int, np.integer)) or self.num_devices < 1:
-            raise PlacementError(f"ShardLayout.num_devices must be a positive integer, got {self.num_devices!r}")
-        object.__setattr__(self, "num_devices", int(self.num_devices))
+        object.__setattr__(self, "num_devices", check_int(self.num_devices, "ShardLayout.num_devices", 1))
         owner_E = _frozen_int_array(self.owner_E, "ShardLayout.owner_E", 1)
         if owner_E.size == 0:
             raise PlacementError("ShardLayout.owner_E must list at least one expert")
@@ -252,9 +279,7 @@ class ModelShardLayout:
     """D, the number of devices; >= 1."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_devices, bool) or not isinstance(self.num_devices, (int, np.integer)) or self.num_devices < 1:
-            raise PlacementError(f"ModelShardLayout.num_devices must be a positive integer, got {self.num_devices!r}")
-        object.__setattr__(self, "num_devices", int(self.num_devices))
+        object.__setattr__(self, "num_devices", check_int(self.num_devices, "ModelShardLayout.num_devices", 1))
         owners = _frozen_int_array(self.owners_LE, "ModelShardLayout.owners_LE", 2)
         if owners.size == 0:
             raise PlacementError(f"ModelShardLayout.owners_LE must have >= 1 layer and >= 1 expert, got shape {owners.shape}")
@@ -325,10 +350,7 @@ class ElementShardLayout:
 
     def __post_init__(self) -> None:
         for name, low in (("num_elements", 0), ("num_devices", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise PlacementError(f"ElementShardLayout.{name} must be an integer >= {low}, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int(getattr(self, name), f"ElementShardLayout.{name}", low))
 
     def sizes_D(self) -> np.ndarray:
         """Elements per rank; int64 [D]."""
@@ -511,10 +533,7 @@ class DispatchPlan:
 
     def __post_init__(self) -> None:
         for name in ("num_sources", "num_experts", "num_devices"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise PlacementError(f"DispatchPlan.{name} must be a positive integer, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int(getattr(self, name), f"DispatchPlan.{name}", 1))
         arrays = {}
         for name, bound in (("source_K", self.num_sources), ("expert_K", self.num_experts), ("dest_K", self.num_devices)):
             arr = _frozen_int_array(getattr(self, name), f"DispatchPlan.{name}", 1)

@@ -193,7 +193,7 @@ def test_materialize_rejects_mismatched_inputs():
         materialize(ShardLayout([0, 1], 2), [1, 1, 1], 1, 1, topo)
     with pytest.raises(PlacementError, match=r"predicted_loads_E\[1\]"):
         materialize(ShardLayout([0, 1], 2), [1, -1], 1, 1, topo)
-    with pytest.raises(PlacementError, match="memory capacity m must be a non-negative integer"):
+    with pytest.raises(PlacementError, match="memory capacity m must be an integer >= 0, got -1"):
         materialize(ShardLayout([0, 1], 2), [1, 1], 1, -1, topo)
 
 

@@ -115,7 +115,7 @@ def test_synthetic_trace_knobs_do_what_they_say():
 def test_synthetic_trace_validates_arguments():
     with pytest.raises(PlacementError, match="spike_prob must be in"):
         synthetic_trace(spike_prob=2.0)
-    with pytest.raises(PlacementError, match="experts must be >= 1"):
+    with pytest.raises(PlacementError, match="experts must be an integer >= 1, got 0"):
         synthetic_trace(experts=0)
 
 

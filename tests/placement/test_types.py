@@ -40,7 +40,7 @@ def test_topology_device_types_and_errors():
     assert topo.device_types == ("A100", "V100")
     with pytest.raises(PlacementError, match="one type per device"):
         Topology(1, 2, 1.0, 1.0, device_types=("A100",))
-    with pytest.raises(PlacementError, match="nodes must be a positive integer"):
+    with pytest.raises(PlacementError, match="Topology.nodes must be an integer >= 1, got 0"):
         Topology(0, 2, 1.0, 1.0)
     with pytest.raises(PlacementError, match="inter_node_bw"):
         Topology(1, 2, 1.0, -5.0)
@@ -248,5 +248,5 @@ def test_load_tracker_window_one_mimics_previous_iteration_and_validates():
         tracker.observe([2, 9])
     with pytest.raises(PlacementError, match="non-negative"):
         tracker.observe([[-1, 0]])
-    with pytest.raises(PlacementError, match="window must be a positive integer"):
+    with pytest.raises(PlacementError, match="LoadTracker window must be an integer >= 1, got 0"):
         LoadTracker(1, 2, window=0)
