@@ -58,7 +58,9 @@ from megatron_patches.placement.types import (
     PlacementError,
     ShardLayout,
     Topology,
+    check_int,
     check_loads,
+    even_shares,
 )
 
 __all__ = [
@@ -79,12 +81,14 @@ __all__ = [
     "apply_capacity",
     "assign_slots",
     "calibrate",
+    "check_int",
     "check_loads",
     "contiguous_rank_groups",
     "device_loads",
     "dispatch",
     "dispatch_bytes",
     "even_shard",
+    "even_shares",
     "expert_rank_ranges",
     "extra_memory_bytes",
     "gather_bandwidth",
