@@ -376,6 +376,11 @@ def asym_ea(profile: ZebraProfile) -> AsymEAPlan:
     ``max_chunks_per_layer`` the rest of the bubble is carried to the next layer.
     When attention is the slower side (T_gather <= 0) there is no bubble to fill and only the
     memory floor n_min is offloaded, spread evenly over the layers.
+
+    Quality (brute force against ``iteration_time``, R >= 2, tests/placement/test_zebra.py): the
+    plan is within (R + 1) * L * max(n1*tau_A, n2*tau_E) of the best offload vector and exactly
+    best on about 60% of random tiny cases. The floor rounding loses most when a chunk is coarse
+    (T_squeeze > T_gather): it then offloads nothing although one chunk would shorten the layer.
     """
     shape = profile.shape
     n1, n2 = chunk_sizes(shape)
@@ -555,6 +560,15 @@ class Task:
     collective over both roles' queues)."""
     deps: tuple[str, ...] = field(default=())
     """Ids of the tasks whose outputs this task consumes."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS or self.phase not in PHASES or self.stream not in STREAMS:
+            raise ValueError(
+                f"task ({self.kind!r}, {self.phase!r}, stream {self.stream!r}): kind must be one of "
+                f"{KINDS}, phase one of {PHASES}, stream one of {STREAMS}"
+            )
+        if self.role not in (*ROLES, "group"):
+            raise ValueError(f"task role must be one of {(*ROLES, 'group')}, got {self.role!r}")
 
     @cached_property
     def label(self) -> str:
