@@ -421,8 +421,9 @@ def fastermoe_shadow(layout: EPLayout, source_loads_SE, cost: ShadowCostModel) -
     # per-expert contribution to device compute and to remote tokens received, under EP
     load_ED = ep_plan.received_ED().astype(np.float64)
     remote = ep_plan.source_K != ep_plan.dest_K
-    remote_ED = np.zeros((E, D), dtype=np.float64)
-    np.add.at(remote_ED, (ep_plan.expert_K[remote], ep_plan.dest_K[remote]), ep_plan.tokens_K[remote])
+    remote_ED = np.bincount(
+        ep_plan.expert_K[remote] * D + ep_plan.dest_K[remote], weights=ep_plan.tokens_K[remote], minlength=E * D
+    ).reshape(E, D)
     local_ED = source_loads_SE.T.astype(np.float64)  # a shadowed expert runs on each source's own tokens
     order = np.argsort(-source_loads_SE.sum(axis=0), kind="stable")
     zeros = np.zeros((1, D))

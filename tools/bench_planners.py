@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Time the per-iteration and per-reshard planners against their targets (issue 3, item 12).
+
+    python tools/bench_planners.py [--repeats 20] [--profile sharding]
+
+Cases (loads are Zipf-skewed, exponent 1.2, with per-device source loads; fixed seed):
+- materialize + dispatch, E=64 experts over D=32 devices (4 x 8): target < 1 ms per layer;
+- materialize + dispatch, E=256 over D=1024 (128 x 8): target < 20 ms per layer;
+- heterogeneous sharding of L=61 layers x E=256 over D=1024: target < 1 s per call;
+- replication (replica counts + contiguous slots + placement), E=256 over 4096 slots
+  (1024 ranks x 4): target < 5 ms per call.
+Materialization runs with t=8 > m=4, the memory-bound branch; a row with t=4 <= m=4 (top-t
+copied everywhere) is shown too. Times are the median and the minimum over --repeats calls
+after one warm-up call; the verdict uses the median. The minimum is the better estimate of
+the code's own cost on a busy machine: the load average is printed, and a load above the core
+count means other processes inflated the times. The breakdown column times the two halves of
+materialize + dispatch (and of replication) separately. --profile NAME prints the cProfile
+top functions of one case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from megatron_patches.placement import fssdp
+from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement
+from megatron_patches.placement.types import ShardLayout, Topology
+
+
+@dataclass
+class Case:
+    """One benchmark row."""
+
+    name: str
+    """Short name (for --profile)."""
+    what: str
+    """Description printed in the table."""
+    target_ms: float | None
+    """Target time per call, ms; None for informational rows."""
+    call: Callable[[], object]
+    """The timed call."""
+    parts: dict[str, Callable[[], object]]
+    """Sub-steps timed separately for the breakdown column."""
+
+
+def zipf_loads(rng: np.random.Generator, experts: int, tokens: int, exponent: float = 1.2) -> np.ndarray:
+    """Tokens per expert, Zipf-distributed over a random expert order; int64 [E]."""
+    weights = (np.arange(experts) + 1.0) ** -exponent
+    return rng.multinomial(tokens, rng.permutation(weights / weights.sum()))
+
+
+def layer_case(name: str, experts: int, nodes: int, per_node: int, t: int, m: int, target, rng) -> Case:
+    topology = Topology(nodes, per_node, 300e9, 12.5e9)
+    D = topology.num_devices
+    shard = ShardLayout.even(experts, D)
+    tokens_per_device = 4096 * 2  # 4096 tokens x top-2 per device
+    source_DE = np.stack([zipf_loads(rng, experts, tokens_per_device) for _ in range(D)])
+    predicted_E = source_DE.sum(axis=0).astype(np.float64)
+    placement = fssdp.materialize(shard, predicted_E, t, m, topology)
+
+    def both():
+        p = fssdp.materialize(shard, predicted_E, t, m, topology)
+        return fssdp.dispatch(p, source_DE, topology)
+
+    return Case(
+        name,
+        f"materialize + dispatch, E={experts}, D={D}, t={t}, m={m}",
+        target,
+        both,
+        {
+            "materialize": lambda: fssdp.materialize(shard, predicted_E, t, m, topology),
+            "dispatch": lambda: fssdp.dispatch(placement, source_DE, topology),
+        },
+    )
+
+
+def build_cases() -> list[Case]:
+    rng = np.random.default_rng(0)
+    cases = [
+        layer_case("layer-small", 64, 4, 8, 8, 4, 1.0, rng),
+        layer_case("layer-small-t<=m", 64, 4, 8, 4, 4, None, rng),
+        layer_case("layer-large", 256, 128, 8, 8, 4, 20.0, rng),
+        layer_case("layer-large-t<=m", 256, 128, 8, 4, 4, None, rng),
+    ]
+    big = Topology(128, 8, 300e9, 12.5e9)
+    loads_LE = np.stack([zipf_loads(rng, 256, 1 << 22) for _ in range(61)]).astype(np.float64)
+    cases.append(Case("sharding", "heterogeneous sharding, L=61 x E=256, D=1024, t=8", 1000.0,
+                      lambda: fssdp.heterogeneous_shard(loads_LE, 8, big), {}))
+    popularity_E = zipf_loads(rng, 256, 1 << 22)
+
+    def replicate():
+        counts_E = replica_counts(popularity_E, 1024, 4)
+        return slot_placement(assign_slots(counts_E, 1024, 4), 256)
+
+    cases.append(Case("replication", "replica counts + slots + placement, E=256, 1024 x 4 slots", 5.0, replicate, {
+        "counts": lambda: replica_counts(popularity_E, 1024, 4),
+        "slots+placement": lambda: slot_placement(assign_slots(replica_counts(popularity_E, 1024, 4), 1024, 4), 256),
+    }))
+    return cases
+
+
+def time_ms(call: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(median, minimum) wall time of `call` in ms over `repeats` calls after a warm-up call."""
+    call()  # first-call allocations are not the steady state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e3), float(np.min(times) * 1e3)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (default 20; the sharding case uses at most 3)")
+    parser.add_argument("--profile", default=None, help="print a cProfile of one case instead of the table")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        print(f"bench_planners: error: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    cases = build_cases()
+    if args.profile is not None:
+        chosen = [c for c in cases if c.name == args.profile]
+        if not chosen:
+            print(f"bench_planners: error: unknown case {args.profile!r}; cases: {', '.join(c.name for c in cases)}", file=sys.stderr)
+            return 2
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(min(args.repeats, 3) if chosen[0].name == "sharding" else args.repeats):
+            chosen[0].call()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(15)
+        return 0
+
+    load = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    print(f"load average {load:.1f} on {cores} cores" + ("  (busy machine: times are inflated, see min ms)" if load > cores else ""))
+    header = f"{'case':<18} {'what':<58} {'median ms':>10} {'min ms':>8} {'target ms':>9}  {'verdict':<14} breakdown (median)"
+    print(header)
+    print("-" * len(header))
+    missed = 0
+    for case in cases:
+        repeats = min(args.repeats, 3) if case.name == "sharding" else args.repeats
+        ms, best = time_ms(case.call, repeats)
+        parts = ", ".join(f"{k} {time_ms(f, repeats)[0]:.2f} ms" for k, f in case.parts.items())
+        if case.target_ms is None:
+            verdict = "(info)"
+        elif ms < case.target_ms:
+            verdict = "ok"
+        else:
+            verdict = f"MISS x{ms / case.target_ms:.1f}"
+            missed += 1
+        target = "-" if case.target_ms is None else f"{case.target_ms:g}"
+        print(f"{case.name:<18} {case.what:<58} {ms:>10.2f} {best:>8.2f} {target:>9}  {verdict:<14} {parts}", flush=True)
+    print(f"{missed} target(s) missed (by the median)" if missed else "all targets met (by the median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
