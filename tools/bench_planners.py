@@ -93,18 +93,35 @@ def build_cases() -> list[Case]:
     ]
     big = Topology(128, 8, 300e9, 12.5e9)
     loads_LE = np.stack([zipf_loads(rng, 256, 1 << 22) for _ in range(61)]).astype(np.float64)
-    cases.append(Case("sharding", "heterogeneous sharding, L=61 x E=256, D=1024, t=8", 1000.0,
-                      lambda: fssdp.heterogeneous_shard(loads_LE, 8, big), {}))
+    cases.append(
+        Case(
+            "sharding",
+            "heterogeneous sharding, L=61 x E=256, D=1024, t=8",
+            1000.0,
+            lambda: fssdp.heterogeneous_shard(loads_LE, 8, big),
+            {},
+        )
+    )
     popularity_E = zipf_loads(rng, 256, 1 << 22)
 
     def replicate():
         counts_E = replica_counts(popularity_E, 1024, 4)
         return slot_placement(assign_slots(counts_E, 1024, 4), 256)
 
-    cases.append(Case("replication", "replica counts + slots + placement, E=256, 1024 x 4 slots", 5.0, replicate, {
-        "counts": lambda: replica_counts(popularity_E, 1024, 4),
-        "slots+placement": lambda: slot_placement(assign_slots(replica_counts(popularity_E, 1024, 4), 1024, 4), 256),
-    }))
+    cases.append(
+        Case(
+            "replication",
+            "replica counts + slots + placement, E=256, 1024 x 4 slots",
+            5.0,
+            replicate,
+            {
+                "counts": lambda: replica_counts(popularity_E, 1024, 4),
+                "slots+placement": lambda: slot_placement(
+                    assign_slots(replica_counts(popularity_E, 1024, 4), 1024, 4), 256
+                ),
+            },
+        )
+    )
     return cases
 
 
@@ -121,7 +138,9 @@ def time_ms(call: Callable[[], object], repeats: int) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (default 20; the sharding case uses at most 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=20, help="timed calls per case (default 20; the sharding case uses at most 3)"
+    )
     parser.add_argument("--profile", default=None, help="print a cProfile of one case instead of the table")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -131,7 +150,10 @@ def main(argv=None) -> int:
     if args.profile is not None:
         chosen = [c for c in cases if c.name == args.profile]
         if not chosen:
-            print(f"bench_planners: error: unknown case {args.profile!r}; cases: {', '.join(c.name for c in cases)}", file=sys.stderr)
+            print(
+                f"bench_planners: error: unknown case {args.profile!r}; cases: {', '.join(c.name for c in cases)}",
+                file=sys.stderr,
+            )
             return 2
         profiler = cProfile.Profile()
         profiler.enable()
@@ -143,7 +165,10 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()[0]
     cores = os.cpu_count() or 1
-    print(f"load average {load:.1f} on {cores} cores" + ("  (busy machine: times are inflated, see min ms)" if load > cores else ""))
+    print(
+        f"load average {load:.1f} on {cores} cores"
+        + ("  (busy machine: times are inflated, see min ms)" if load > cores else "")
+    )
     header = f"{'case':<18} {'what':<58} {'median ms':>10} {'min ms':>8} {'target ms':>9}  {'verdict':<14} breakdown (median)"
     print(header)
     print("-" * len(header))
@@ -160,7 +185,9 @@ def main(argv=None) -> int:
             verdict = f"MISS x{ms / case.target_ms:.1f}"
             missed += 1
         target = "-" if case.target_ms is None else f"{case.target_ms:g}"
-        print(f"{case.name:<18} {case.what:<58} {ms:>10.2f} {best:>8.2f} {target:>9}  {verdict:<14} {parts}", flush=True)
+        print(
+            f"{case.name:<18} {case.what:<58} {ms:>10.2f} {best:>8.2f} {target:>9}  {verdict:<14} {parts}", flush=True
+        )
     print(f"{missed} target(s) missed (by the median)" if missed else "all targets met (by the median)")
     return 0
 

@@ -46,31 +46,66 @@ GPT_MOE_S_EXPERT_BYTES = 2 * 768 * 1536 * 2  # two 768x1536 matrices, bf16
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="policies: " + ", ".join(POLICIES),
     )
     parser.add_argument("--trace", required=True, help=".npz trace (tools/make_trace.py or training's --moe-log-loads)")
     parser.add_argument("--policy", required=True, help=f"comma-separated policies to compare: {','.join(POLICIES)}")
     parser.add_argument("--nodes", type=int, required=True, help="nodes N")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node G; D = N x G devices")
-    parser.add_argument("--overlap-degree", type=int, default=8, help="FSSDP's t, copies received during attention (default 8)")
-    parser.add_argument("--memory-capacity", type=int, default=4,
-                        help="m, extra expert copies per device: FSSDP copies and FlexMoE's reserved slots (default 4)")
-    parser.add_argument("--slots-per-rank", type=int, default=None,
-                        help="s for replicate / static (default ceil(E / D) + m: the same expert memory as FlexMoE)")
-    parser.add_argument("--capacity-factor", type=float, default=1.0,
-                        help="capacity factor of replicate / static; the other policies are dropless (default 1.0)")
-    parser.add_argument("--window", type=int, default=None,
-                        help="load-prediction window for every policy (default: 1 for replicate, 5 for the others)")
-    parser.add_argument("--reshard-interval", type=int, default=100,
-                        help="iterations between FSSDP re-sharding, SmartMoE swaps and FlexMoE adjustments (default 100)")
-    parser.add_argument("--skew-threshold", type=float, default=1.5,
-                        help="FlexMoE also adjusts a layer whose predicted imbalance exceeds this; 0 disables (default 1.5)")
+    parser.add_argument(
+        "--overlap-degree", type=int, default=8, help="FSSDP's t, copies received during attention (default 8)"
+    )
+    parser.add_argument(
+        "--memory-capacity",
+        type=int,
+        default=4,
+        help="m, extra expert copies per device: FSSDP copies and FlexMoE's reserved slots (default 4)",
+    )
+    parser.add_argument(
+        "--slots-per-rank",
+        type=int,
+        default=None,
+        help="s for replicate / static (default ceil(E / D) + m: the same expert memory as FlexMoE)",
+    )
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        help="capacity factor of replicate / static; the other policies are dropless (default 1.0)",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="load-prediction window for every policy (default: 1 for replicate, 5 for the others)",
+    )
+    parser.add_argument(
+        "--reshard-interval",
+        type=int,
+        default=100,
+        help="iterations between FSSDP re-sharding, SmartMoE swaps and FlexMoE adjustments (default 100)",
+    )
+    parser.add_argument(
+        "--skew-threshold",
+        type=float,
+        default=1.5,
+        help="FlexMoE also adjusts a layer whose predicted imbalance exceeds this; 0 disables (default 1.5)",
+    )
     parser.add_argument("--calibrate", action="store_true", help="FSSDP: calibrate the placement after the gate")
-    parser.add_argument("--expert-bytes", type=int, default=GPT_MOE_S_EXPERT_BYTES,
-                        help=f"bf16 bytes of one expert's weights (default {GPT_MOE_S_EXPERT_BYTES}, GPT-MoE-S)")
-    parser.add_argument("--intra-node-bw", type=float, default=300.0, help="intra-node bandwidth, GB/s (default 300, NVLink)")
-    parser.add_argument("--inter-node-bw", type=float, default=12.5, help="inter-node bandwidth, GB/s (default 12.5 = 100 Gbps)")
+    parser.add_argument(
+        "--expert-bytes",
+        type=int,
+        default=GPT_MOE_S_EXPERT_BYTES,
+        help=f"bf16 bytes of one expert's weights (default {GPT_MOE_S_EXPERT_BYTES}, GPT-MoE-S)",
+    )
+    parser.add_argument(
+        "--intra-node-bw", type=float, default=300.0, help="intra-node bandwidth, GB/s (default 300, NVLink)"
+    )
+    parser.add_argument(
+        "--inter-node-bw", type=float, default=12.5, help="inter-node bandwidth, GB/s (default 12.5 = 100 Gbps)"
+    )
     parser.add_argument("--iterations", type=int, default=None, help="replay only the first ITERATIONS iterations")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the metrics as JSON to OUT")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -103,14 +138,24 @@ def validate(args: argparse.Namespace, num_experts: int | None = None) -> list[s
     ):
         if value < low:
             problems.append(f"{flag} must be >= {low}, got {value}")
-    for flag, value in (("--slots-per-rank", args.slots_per_rank), ("--window", args.window), ("--iterations", args.iterations)):
+    for flag, value in (
+        ("--slots-per-rank", args.slots_per_rank),
+        ("--window", args.window),
+        ("--iterations", args.iterations),
+    ):
         if value is not None and value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
-    for flag, value in (("--capacity-factor", args.capacity_factor), ("--intra-node-bw", args.intra_node_bw), ("--inter-node-bw", args.inter_node_bw)):
+    for flag, value in (
+        ("--capacity-factor", args.capacity_factor),
+        ("--intra-node-bw", args.intra_node_bw),
+        ("--inter-node-bw", args.inter_node_bw),
+    ):
         if not np.isfinite(value) or value <= 0:
             problems.append(f"{flag} must be > 0, got {value}")
     if args.skew_threshold != 0 and not args.skew_threshold >= 1.0:
-        problems.append(f"--skew-threshold must be >= 1.0 (imbalance is max / mean) or 0 to disable, got {args.skew_threshold}")
+        problems.append(
+            f"--skew-threshold must be >= 1.0 (imbalance is max / mean) or 0 to disable, got {args.skew_threshold}"
+        )
     if problems or num_experts is None:
         return problems
     D = args.nodes * args.gpus_per_node
@@ -158,7 +203,9 @@ def summarize(result: ReplayResult) -> dict:
         "survival_mean": float(result.survival_IL.mean()),
         "replicas_per_expert": float(result.replicas_IL.mean()),
         "extra_copies_per_device": float(result.extra_copies_IL.mean()),
-        "bytes": {kind: {"intra": float(v[0] / I), "inter": float(v[1] / I)} for kind, v in sorted(result.traffic.items())},
+        "bytes": {
+            kind: {"intra": float(v[0] / I), "inter": float(v[1] / I)} for kind, v in sorted(result.traffic.items())
+        },
         "rearrange_bytes": float(moved.total),
         "rearrange": {
             "param_bytes": float(moved.param),
@@ -217,7 +264,11 @@ def main(argv=None) -> int:
     if trace.source_loads is not None and trace.num_ranks == D:
         source = trace.source_loads[: loads.shape[0]]
     elif not args.quiet:
-        why = "has no per-rank loads" if trace.source_loads is None else f"has per-rank loads for {trace.num_ranks} ranks, not {D}"
+        why = (
+            "has no per-rank loads"
+            if trace.source_loads is None
+            else f"has per-rank loads for {trace.num_ranks} ranks, not {D}"
+        )
         print(f"plan: the trace {why}; splitting each expert's tokens evenly over the {D} devices", file=sys.stderr)
     topology = Topology(args.nodes, args.gpus_per_node, args.intra_node_bw * 1e9, args.inter_node_bw * 1e9)
     config = ReplayConfig(
@@ -234,7 +285,10 @@ def main(argv=None) -> int:
     I, L, E = loads.shape
     names = [p.strip() for p in args.policy.split(",") if p.strip()]
     if not args.quiet:
-        print(f"plan: {args.trace}: {I} iterations x {L} layers x {E} experts on {args.nodes} x {args.gpus_per_node} devices", file=sys.stderr)
+        print(
+            f"plan: {args.trace}: {I} iterations x {L} layers x {E} experts on {args.nodes} x {args.gpus_per_node} devices",
+            file=sys.stderr,
+        )
     metrics: dict[str, dict] = {}
     for name in names:
         try:
@@ -246,7 +300,11 @@ def main(argv=None) -> int:
 
         def progress(done: int, total: int, name=name, started=started, every=every) -> None:
             if not args.quiet and (done % every == 0 or done == total):
-                print(f"  {name}: {done}/{total} iterations, {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"  {name}: {done}/{total} iterations, {time.perf_counter() - started:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         metrics[name] = summarize(replay(policy, loads, source, args.window, progress))
 

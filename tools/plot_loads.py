@@ -38,15 +38,23 @@ from megatron_patches.placement.types import PlacementError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trace", default=None, help=".npz trace for the heatmap and the replica plot")
-    parser.add_argument("--plan-json", default=None, help="JSON written by tools/plan.py --json, for the imbalance plot")
+    parser.add_argument(
+        "--plan-json", default=None, help="JSON written by tools/plan.py --json, for the imbalance plot"
+    )
     parser.add_argument("--out-dir", required=True, help="directory for the PNG files")
-    parser.add_argument("--max-layers", type=int, default=12, help="heatmap: plot at most this many layers (default 12)")
+    parser.add_argument(
+        "--max-layers", type=int, default=12, help="heatmap: plot at most this many layers (default 12)"
+    )
     parser.add_argument("--layer", type=int, default=0, help="replica plot: the layer to replay (default 0)")
     parser.add_argument("--gpus", type=int, default=32, help="replica plot: ranks G (default 32)")
     parser.add_argument("--slots-per-rank", type=int, default=4, help="replica plot: slots per rank s (default 4)")
-    parser.add_argument("--window", type=int, default=1, help="replica plot: prediction window (default 1, as replicate mode)")
+    parser.add_argument(
+        "--window", type=int, default=1, help="replica plot: prediction window (default 1, as replicate mode)"
+    )
     parser.add_argument("--top", type=int, default=4, help="replica plot: hottest experts drawn over time (default 4)")
     return parser.parse_args(argv)
 
@@ -71,8 +79,13 @@ def plot_heatmap(loads_ILE: np.ndarray, path: str, max_layers: int) -> None:
             ax.axis("off")
             continue
         image = ax.imshow(
-            np.maximum(share_ILE[:, l, :].T, vmin), aspect="auto", origin="lower", cmap="magma", norm=norm,
-            extent=(-0.5, I - 0.5, -0.5, E - 0.5), interpolation="nearest",
+            np.maximum(share_ILE[:, l, :].T, vmin),
+            aspect="auto",
+            origin="lower",
+            cmap="magma",
+            norm=norm,
+            extent=(-0.5, I - 0.5, -0.5, E - 0.5),
+            interpolation="nearest",
         )
         ax.set_title(f"layer {l}", fontsize=10)
         ax.set_xlabel("iteration")
@@ -100,7 +113,9 @@ def plot_replicas(loads_IE: np.ndarray, path: str, layer: int, gpus: int, slots:
     counts_IE, goal_IE = replicate_counts(loads_IE, gpus, slots, window)
     I, E = loads_IE.shape
     hottest = np.argsort(-loads_IE.sum(axis=0), kind="stable")[:top]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 4.5), constrained_layout=True, gridspec_kw={"width_ratios": [2, 1]})
+    fig, (ax_t, ax_s) = plt.subplots(
+        1, 2, figsize=(13, 4.5), constrained_layout=True, gridspec_kw={"width_ratios": [2, 1]}
+    )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     it = np.arange(I)
     for k, e in enumerate(hottest):
@@ -109,7 +124,9 @@ def plot_replicas(loads_IE: np.ndarray, path: str, layer: int, gpus: int, slots:
         ax_t.step(it, counts_IE[:, e], where="mid", color=c, lw=1.6, label=f"expert {e}")
     ax_t.set_xlabel("iteration")
     ax_t.set_ylabel("instances (slots)")
-    ax_t.set_title(f"layer {layer}: replicas (solid) vs popularity x G*s (dashed), G={gpus}, s={slots}, window {window}")
+    ax_t.set_title(
+        f"layer {layer}: replicas (solid) vs popularity x G*s (dashed), G={gpus}, s={slots}, window {window}"
+    )
     ax_t.legend(fontsize=8, ncol=2)
     ax_t.grid(alpha=0.3)
     lim = max(float(goal_IE.max()), float(counts_IE.max())) * 1.05 + 0.5
@@ -150,7 +167,9 @@ def plot_imbalance(plan: dict, path: str) -> None:
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("imbalance = max / mean device load (log)")
     setup = plan.get("setup", {})
-    where = f"{setup.get('nodes', '?')} x {setup.get('gpus_per_node', '?')} devices, {setup.get('experts', '?')} experts"
+    where = (
+        f"{setup.get('nodes', '?')} x {setup.get('gpus_per_node', '?')} devices, {setup.get('experts', '?')} experts"
+    )
     ax.set_title(f"Imbalance per layer vs EP ({where}); band: mean to p95")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3, which="both")
@@ -167,8 +186,13 @@ def main(argv=None) -> int:
         if path is not None and not os.path.isfile(path):
             print(f"plot_loads: error: {flag} file {path!r} does not exist", file=sys.stderr)
             return 2
-    for flag, value in (("--max-layers", args.max_layers), ("--gpus", args.gpus), ("--slots-per-rank", args.slots_per_rank),
-                        ("--window", args.window), ("--top", args.top)):
+    for flag, value in (
+        ("--max-layers", args.max_layers),
+        ("--gpus", args.gpus),
+        ("--slots-per-rank", args.slots_per_rank),
+        ("--window", args.window),
+        ("--top", args.top),
+    ):
         if value < 1:
             print(f"plot_loads: error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
@@ -194,7 +218,9 @@ def main(argv=None) -> int:
         plot_heatmap(trace.loads, path, args.max_layers)
         written.append(path)
         path = os.path.join(args.out_dir, "replicas_vs_popularity.png")
-        plot_replicas(trace.loads[:, args.layer, :], path, args.layer, args.gpus, args.slots_per_rank, args.window, args.top)
+        plot_replicas(
+            trace.loads[:, args.layer, :], path, args.layer, args.gpus, args.slots_per_rank, args.window, args.top
+        )
         written.append(path)
     if args.plan_json is not None:
         with open(args.plan_json) as f:
@@ -204,7 +230,10 @@ def main(argv=None) -> int:
                 print(f"plot_loads: error: {args.plan_json} is not JSON ({err})", file=sys.stderr)
                 return 2
         if not isinstance(plan, dict) or "policies" not in plan:
-            print(f"plot_loads: error: {args.plan_json} has no 'policies' (write it with tools/plan.py --json)", file=sys.stderr)
+            print(
+                f"plot_loads: error: {args.plan_json} has no 'policies' (write it with tools/plan.py --json)",
+                file=sys.stderr,
+            )
             return 2
         path = os.path.join(args.out_dir, "imbalance_per_layer.png")
         plot_imbalance(plan, path)

@@ -75,8 +75,14 @@ class ByteModel:
     """Bytes of one token's activation sent by the all-to-all (hidden size x 2 for bf16)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.params_per_expert, bool) or not isinstance(self.params_per_expert, (int, np.integer)) or self.params_per_expert < 1:
-            raise PlacementError(f"ByteModel.params_per_expert must be a positive integer, got {self.params_per_expert!r}")
+        if (
+            isinstance(self.params_per_expert, bool)
+            or not isinstance(self.params_per_expert, (int, np.integer))
+            or self.params_per_expert < 1
+        ):
+            raise PlacementError(
+                f"ByteModel.params_per_expert must be a positive integer, got {self.params_per_expert!r}"
+            )
         object.__setattr__(self, "params_per_expert", int(self.params_per_expert))
         for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
             value = getattr(self, name)
@@ -85,7 +91,11 @@ class ByteModel:
             object.__setattr__(self, name, float(value))
         if self.weight_bytes_per_param <= 0:
             raise PlacementError(f"ByteModel.weight_bytes_per_param must be > 0, got {self.weight_bytes_per_param}")
-        if isinstance(self.token_bytes, bool) or not isinstance(self.token_bytes, (int, np.integer)) or self.token_bytes < 1:
+        if (
+            isinstance(self.token_bytes, bool)
+            or not isinstance(self.token_bytes, (int, np.integer))
+            or self.token_bytes < 1
+        ):
             raise PlacementError(f"ByteModel.token_bytes must be a positive integer, got {self.token_bytes!r}")
         object.__setattr__(self, "token_bytes", int(self.token_bytes))
 
@@ -179,7 +189,9 @@ class MovedBytes:
         )
 
 
-def moved_bytes(moves: list[ExpertMove], topology: Topology, byte_model: ByteModel, with_optimizer: bool = True) -> MovedBytes:
+def moved_bytes(
+    moves: list[ExpertMove], topology: Topology, byte_model: ByteModel, with_optimizer: bool = True
+) -> MovedBytes:
     """Bytes of a list of expert moves, split by intra- / inter-node link.
 
     `with_optimizer=False` is for systems whose optimizer state never moves (only weights
@@ -284,7 +296,9 @@ class EPLayout:
         source_loads_SE = _check_sources(source_loads_SE, self.num_experts, self.num_devices)
         s_K, e_K = np.nonzero(source_loads_SE)
         dest_K = (s_K // self.group_size) * self.group_size + self.owner_E[e_K]
-        return DispatchPlan(s_K, e_K, dest_K, source_loads_SE[s_K, e_K], self.num_devices, self.num_experts, self.num_devices)
+        return DispatchPlan(
+            s_K, e_K, dest_K, source_loads_SE[s_K, e_K], self.num_devices, self.num_experts, self.num_devices
+        )
 
 
 def ep_group_size(num_experts: int, num_devices: int) -> int:
@@ -428,7 +442,9 @@ def fastermoe_shadow(layout: EPLayout, source_loads_SE, cost: ShadowCostModel) -
     order = np.argsort(-source_loads_SE.sum(axis=0), kind="stable")
     zeros = np.zeros((1, D))
     # rows k = 0..E: device loads with the top-k experts shadowed; [E+1, D]
-    compute_KD = load_ED.sum(axis=0)[None, :] + np.concatenate((zeros, np.cumsum(local_ED[order] - load_ED[order], axis=0)))
+    compute_KD = load_ED.sum(axis=0)[None, :] + np.concatenate(
+        (zeros, np.cumsum(local_ED[order] - load_ED[order], axis=0))
+    )
     inbound_KD = remote_ED.sum(axis=0)[None, :] - np.concatenate((zeros, np.cumsum(remote_ED[order], axis=0)))
     time_K = (
         cost.seconds_per_token * compute_KD.max(axis=1)

@@ -120,14 +120,22 @@ class ReplayConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
                 raise PlacementError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.slots_per_rank is not None and (not isinstance(self.slots_per_rank, (int, np.integer)) or self.slots_per_rank < 1):
+        if self.slots_per_rank is not None and (
+            not isinstance(self.slots_per_rank, (int, np.integer)) or self.slots_per_rank < 1
+        ):
             raise PlacementError(f"slots_per_rank must be a positive integer, got {self.slots_per_rank!r}")
         if not np.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
             raise PlacementError(f"capacity_factor must be > 0, got {self.capacity_factor!r}")
-        if isinstance(self.reshard_interval, bool) or not isinstance(self.reshard_interval, (int, np.integer)) or self.reshard_interval < 1:
+        if (
+            isinstance(self.reshard_interval, bool)
+            or not isinstance(self.reshard_interval, (int, np.integer))
+            or self.reshard_interval < 1
+        ):
             raise PlacementError(f"reshard_interval must be a positive integer, got {self.reshard_interval!r}")
         if self.skew_threshold is not None and not self.skew_threshold >= 1.0:
-            raise PlacementError(f"skew_threshold must be >= 1.0 (imbalance is max/mean) or None, got {self.skew_threshold!r}")
+            raise PlacementError(
+                f"skew_threshold must be >= 1.0 (imbalance is max/mean) or None, got {self.skew_threshold!r}"
+            )
 
     def slots(self, num_experts: int) -> int:
         """s actually used for E experts."""
@@ -285,7 +293,11 @@ class Policy(ABC):
 
     def traffic(self, step: PolicyStep) -> dict[str, CommBytes]:
         """Bytes of one iteration by kind (all layers). The base class counts the all-to-all."""
-        return {"all_to_all": _total([_a2a(lp.dispatch, self.topology, self.bytes.token_bytes) for lp in step.layers], self.topology)}
+        return {
+            "all_to_all": _total(
+                [_a2a(lp.dispatch, self.topology, self.bytes.token_bytes) for lp in step.layers], self.topology
+            )
+        }
 
     def rearrangement(self, step: PolicyStep) -> MovedBytes:
         """Weight and optimizer bytes of the step's moves."""
@@ -306,11 +318,16 @@ class EPPolicy(Policy):
         self._placement = self.layout.placement()
 
     def plan(self, iteration, predicted_LE, source_loads_LDE):
-        return PolicyStep(iteration, tuple(self._dropless(self._placement, self.layout.dispatch(src)) for src in source_loads_LDE))
+        return PolicyStep(
+            iteration, tuple(self._dropless(self._placement, self.layout.dispatch(src)) for src in source_loads_LDE)
+        )
 
     def traffic(self, step):
         out = super().traffic(step)
-        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        out["grad_allreduce"] = _total(
+            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            self.topology,
+        )
         return out
 
 
@@ -342,28 +359,37 @@ class FSSDPPolicy(Policy):
             if new != self.shard:
                 l_M, e_M = np.nonzero(new.owners_LE != self.shard.owners_LE)
                 moves = [
-                    ExpertMove(int(l), int(e), int(self.shard.owners_LE[l, e]), int(new.owners_LE[l, e])) for l, e in zip(l_M, e_M)
+                    ExpertMove(int(l), int(e), int(self.shard.owners_LE[l, e]), int(new.owners_LE[l, e]))
+                    for l, e in zip(l_M, e_M)
                 ]
                 self.shard = new
         layers = []
         for l in range(self.num_layers):
             shard = self.shard.layer(l)
-            placement = fssdp.materialize(shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity, self.topology)
+            placement = fssdp.materialize(
+                shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity, self.topology
+            )
             if cfg.calibrate:
                 remaining_D = np.maximum(cfg.memory_capacity - placement.extra_copies_D(shard), 0)
                 placement, gathered = fssdp.calibrate(
                     placement, shard, source_loads_LDE[l].sum(axis=0), remaining_D, self.topology, self._cost
                 )
                 self.calibrations += int(gathered)
-            layers.append(self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology), shard=shard))
+            layers.append(
+                self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology), shard=shard)
+            )
         return PolicyStep(iteration, tuple(layers), tuple(moves))
 
     def traffic(self, step):
         out = super().traffic(step)
         gathers, reduces = [], []
         for lp in step.layers:
-            gathers.append(sparse_all_gather_bytes(lp.shard, lp.placement, self.bytes.expert_weight_bytes, self.topology))
-            reduces.append(sparse_reduce_scatter_bytes(lp.placement, lp.shard, self.bytes.expert_grad_bytes, self.topology))
+            gathers.append(
+                sparse_all_gather_bytes(lp.shard, lp.placement, self.bytes.expert_weight_bytes, self.topology)
+            )
+            reduces.append(
+                sparse_reduce_scatter_bytes(lp.placement, lp.shard, self.bytes.expert_grad_bytes, self.topology)
+            )
         out["spag"] = _total(gathers, self.topology)
         out["sprs"] = _total(reduces, self.topology)
         return out
@@ -421,9 +447,23 @@ class ReplicatePolicy(_SlotPolicy):
         for lp in step.layers:
             allreduce.append(_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology))
             src_ER = gradient_source_table(lp.placement)
-            fetch.append(CommBytes.from_transfers(src_ER.ravel(), np.tile(ranks, self.num_experts), np.tile(size_R, self.num_experts) * self.bytes.grad_bytes_per_param, self.topology))
+            fetch.append(
+                CommBytes.from_transfers(
+                    src_ER.ravel(),
+                    np.tile(ranks, self.num_experts),
+                    np.tile(size_R, self.num_experts) * self.bytes.grad_bytes_per_param,
+                    self.topology,
+                )
+            )
             _, h_H = np.nonzero(lp.placement.holds_ED())
-            scatter.append(CommBytes.from_transfers(np.tile(ranks, h_H.size), np.repeat(h_H, D), np.tile(size_R, h_H.size) * self.bytes.weight_bytes_per_param, self.topology))
+            scatter.append(
+                CommBytes.from_transfers(
+                    np.tile(ranks, h_H.size),
+                    np.repeat(h_H, D),
+                    np.tile(size_R, h_H.size) * self.bytes.weight_bytes_per_param,
+                    self.topology,
+                )
+            )
         out["grad_allreduce"] = _total(allreduce, self.topology)
         out["grad_fetch"] = _total(fetch, self.topology)
         out["weight_scatter"] = _total(scatter, self.topology)
@@ -444,7 +484,10 @@ class StaticPolicy(_SlotPolicy):
 
     def traffic(self, step):
         out = super().traffic(step)
-        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        out["grad_allreduce"] = _total(
+            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            self.topology,
+        )
         return out
 
 
@@ -466,7 +509,9 @@ class FasterMoEPolicy(Policy):
 
     def plan(self, iteration, predicted_LE, source_loads_LDE):
         decisions = [fastermoe_shadow(self.layout, src, self.cost) for src in source_loads_LDE]
-        return PolicyStep(iteration, tuple(self._dropless(d.placement, d.dispatch, shadowed_E=d.shadowed_E) for d in decisions))
+        return PolicyStep(
+            iteration, tuple(self._dropless(d.placement, d.dispatch, shadowed_E=d.shadowed_E) for d in decisions)
+        )
 
     def traffic(self, step):
         out = super().traffic(step)
@@ -505,12 +550,17 @@ class SmartMoEPolicy(Policy):
                 if swaps:
                     moves += ep_layout_moves(self.layouts[l], new, l)
                     self.layouts[l] = new
-        layers = tuple(self._dropless(lay.placement(), lay.dispatch(src)) for lay, src in zip(self.layouts, source_loads_LDE))
+        layers = tuple(
+            self._dropless(lay.placement(), lay.dispatch(src)) for lay, src in zip(self.layouts, source_loads_LDE)
+        )
         return PolicyStep(iteration, layers, tuple(moves))
 
     def traffic(self, step):
         out = super().traffic(step)
-        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        out["grad_allreduce"] = _total(
+            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            self.topology,
+        )
         return out
 
 
@@ -542,9 +592,14 @@ class FlexMoEPolicy(Policy):
         moves: list[ExpertMove] = []
         layers = []
         for l in range(self.num_layers):
-            skewed = cfg.skew_threshold is not None and self._predicted_imbalance(self.placements[l], predicted_LE[l]) > cfg.skew_threshold
+            skewed = (
+                cfg.skew_threshold is not None
+                and self._predicted_imbalance(self.placements[l], predicted_LE[l]) > cfg.skew_threshold
+            )
             if periodic or skewed:
-                self.placements[l], added = flexmoe_adjust(self.placements[l], predicted_LE[l], self.slots_per_device, self.topology, layer=l)
+                self.placements[l], added = flexmoe_adjust(
+                    self.placements[l], predicted_LE[l], self.slots_per_device, self.topology, layer=l
+                )
                 moves += added
             placement = self.placements[l]
             layers.append(self._dropless(placement, split_evenly(source_loads_LDE[l], placement.holds_ED())))
@@ -552,12 +607,16 @@ class FlexMoEPolicy(Policy):
 
     def traffic(self, step):
         out = super().traffic(step)
-        out["grad_allreduce"] = _total([_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers], self.topology)
+        out["grad_allreduce"] = _total(
+            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            self.topology,
+        )
         return out
 
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (EPPolicy, FSSDPPolicy, ReplicatePolicy, FasterMoEPolicy, SmartMoEPolicy, FlexMoEPolicy, StaticPolicy)
+    cls.name: cls
+    for cls in (EPPolicy, FSSDPPolicy, ReplicatePolicy, FasterMoEPolicy, SmartMoEPolicy, FlexMoEPolicy, StaticPolicy)
 }
 """Policy classes by CLI name."""
 
@@ -616,7 +675,9 @@ def replay(
     I, L, E = loads_ILE.shape
     D = policy.topology.num_devices
     if (L, E) != (policy.num_layers, policy.num_experts):
-        raise PlacementError(f"trace has {L} layers x {E} experts but the policy was built for {policy.num_layers} x {policy.num_experts}")
+        raise PlacementError(
+            f"trace has {L} layers x {E} experts but the policy was built for {policy.num_layers} x {policy.num_experts}"
+        )
     if source_loads_ILDE is not None:
         source_loads_ILDE = check_loads(source_loads_ILDE, "source_loads_ILDE", 4)
         if source_loads_ILDE.shape != (I, L, D, E):
@@ -650,6 +711,8 @@ def replay(
         if progress is not None:
             progress(i + 1, I)
     moved = result.rearrange
-    totals["rearrange"] = np.array([moved.param_intra + moved.optimizer_intra, moved.param_inter + moved.optimizer_inter])
+    totals["rearrange"] = np.array(
+        [moved.param_intra + moved.optimizer_intra, moved.param_inter + moved.optimizer_inter]
+    )
     result.traffic = totals
     return result

@@ -200,7 +200,11 @@ def test_fastermoe_picks_the_cheapest_prefix_brute_force(shape, seed):
             dest = s if shadowed[e] else (s // ep.group_size) * ep.group_size + ep.owner_E[e]
             compute[dest] += src[s, e]
             inbound[dest] += src[s, e] if dest != s else 0
-        times.append(cost.seconds_per_token * compute.max() + cost.a2a_seconds_per_token * inbound.max() + cost.shadow_seconds * k)
+        times.append(
+            cost.seconds_per_token * compute.max()
+            + cost.a2a_seconds_per_token * inbound.max()
+            + cost.shadow_seconds * k
+        )
     d = fastermoe_shadow(ep, src, cost)
     best = int(np.argmin(times))
     assert d.shadowed_E.sum() == best
@@ -375,8 +379,18 @@ def test_ring_allreduce_volume_is_the_allreduce_equivalent(E, D, seed):
 @pytest.fixture(scope="module")
 def small_trace():
     return synthetic_trace(
-        iterations=12, layers=2, experts=8, tokens=4000, zipf=1.2, drift=0.1, spike_prob=0.0,
-        spike_factor=5.0, layer_variation=0.2, ranks=4, source_noise=0.1, seed=3,
+        iterations=12,
+        layers=2,
+        experts=8,
+        tokens=4000,
+        zipf=1.2,
+        drift=0.1,
+        spike_prob=0.0,
+        spike_factor=5.0,
+        layer_variation=0.2,
+        ranks=4,
+        source_noise=0.1,
+        seed=3,
     )
 
 
@@ -387,7 +401,7 @@ def test_every_policy_produces_consistent_plans(name, small_trace):
     policy = make_policy(name, config, 2, 8)
     tracker_loads = small_trace.loads.astype(float)
     for i in range(small_trace.num_iterations):
-        predicted = tracker_loads[max(0, i - 5): i].mean(axis=0) if i else np.ones((2, 8))
+        predicted = tracker_loads[max(0, i - 5) : i].mean(axis=0) if i else np.ones((2, 8))
         src = small_trace.source_loads[i]
         step = policy.plan(i, predicted, src)
         for l, lp in enumerate(step.layers):
@@ -414,7 +428,7 @@ def test_replay_moved_bytes_match_the_moves(small_trace):
     policy = make_policy("smartmoe", config, 2, 8)
     moves = []
     for i in range(small_trace.num_iterations):
-        predicted = small_trace.loads[max(0, i - 5): i].mean(axis=0) if i else np.ones((2, 8))
+        predicted = small_trace.loads[max(0, i - 5) : i].mean(axis=0) if i else np.ones((2, 8))
         step = policy.plan(i, predicted, small_trace.source_loads[i])
         moves += step.moves
     result = replay(make_policy("smartmoe", config, 2, 8), small_trace.loads, small_trace.source_loads)
@@ -449,11 +463,23 @@ def test_replay_fastermoe_broadcast_bytes(small_trace):
 
 def test_replay_fssdp_beats_ep_on_a_skewed_trace():
     trace = synthetic_trace(
-        iterations=30, layers=2, experts=16, tokens=20000, zipf=1.5, drift=0.02, spike_prob=0.0,
-        spike_factor=5.0, layer_variation=0.1, ranks=8, source_noise=0.1, seed=0,
+        iterations=30,
+        layers=2,
+        experts=16,
+        tokens=20000,
+        zipf=1.5,
+        drift=0.02,
+        spike_prob=0.0,
+        spike_factor=5.0,
+        layer_variation=0.1,
+        ranks=8,
+        source_noise=0.1,
+        seed=0,
     )
     topology = Topology(nodes=2, devices_per_node=4, intra_node_bw=1e11, inter_node_bw=1e10)
-    config = ReplayConfig(topology, ByteModel(params_per_expert=1000, token_bytes=8), overlap_degree=4, memory_capacity=2)
+    config = ReplayConfig(
+        topology, ByteModel(params_per_expert=1000, token_bytes=8), overlap_degree=4, memory_capacity=2
+    )
     ep = replay(make_policy("ep", config, 2, 16), trace.loads, trace.source_loads)
     fs = replay(make_policy("fssdp", config, 2, 16), trace.loads, trace.source_loads)
     assert ep.imbalance_IL.mean() > 2.5

@@ -15,7 +15,11 @@ def run_tool(script, *args):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", script), *map(str, args)],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
 
 
@@ -23,8 +27,27 @@ def run_tool(script, *args):
 def skewed_trace(tmp_path_factory):
     path = tmp_path_factory.mktemp("traces") / "skewed.npz"
     done = run_tool(
-        "make_trace.py", "--out", path, "--iterations", 30, "--layers", 2, "--experts", 16, "--tokens", 20000,
-        "--zipf", 1.5, "--drift", 0.02, "--layer-variation", 0.1, "--ranks", 8, "--seed", 0,
+        "make_trace.py",
+        "--out",
+        path,
+        "--iterations",
+        30,
+        "--layers",
+        2,
+        "--experts",
+        16,
+        "--tokens",
+        20000,
+        "--zipf",
+        1.5,
+        "--drift",
+        0.02,
+        "--layer-variation",
+        0.1,
+        "--ranks",
+        8,
+        "--seed",
+        0,
     )
     assert done.returncode == 0, done.stderr
     return path
@@ -34,8 +57,23 @@ def skewed_trace(tmp_path_factory):
 def plan_json(skewed_trace, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     done = run_tool(
-        "plan.py", "--trace", skewed_trace, "--policy", ALL, "--nodes", 2, "--gpus-per-node", 4,
-        "--memory-capacity", 2, "--overlap-degree", 4, "--reshard-interval", 10, "--json", out,
+        "plan.py",
+        "--trace",
+        skewed_trace,
+        "--policy",
+        ALL,
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        4,
+        "--memory-capacity",
+        2,
+        "--overlap-degree",
+        4,
+        "--reshard-interval",
+        10,
+        "--json",
+        out,
     )
     assert done.returncode == 0, done.stderr
     return out, done
@@ -51,8 +89,16 @@ def test_plan_prints_a_table_and_writes_the_json(plan_json):
     assert result["setup"]["source_loads"] == "trace"
     assert set(result["policies"]) == set(ALL.split(","))
     for name, m in result["policies"].items():
-        for key in ("imbalance_mean", "imbalance_p95", "survival_mean", "extra_copies_per_device", "bytes",
-                    "rearrange_bytes", "planner_ms_mean", "per_layer"):
+        for key in (
+            "imbalance_mean",
+            "imbalance_p95",
+            "survival_mean",
+            "extra_copies_per_device",
+            "bytes",
+            "rearrange_bytes",
+            "planner_ms_mean",
+            "per_layer",
+        ):
             assert key in m, (name, key)
         assert len(m["per_layer"]) == 2
         assert 1.0 <= m["imbalance_mean"] <= m["imbalance_p95"] + 1e-9 <= m["imbalance_max"] + 1e-9
@@ -83,8 +129,14 @@ def test_plan_fssdp_beats_ep_and_accounts_bytes(plan_json):
     [
         (["--trace", "/nonexistent/t.npz", "--policy", "ep"], "does not exist"),
         (["--policy", "ep,deepspeed"], "unknown policy 'deepspeed'; valid policies: ep, fssdp, replicate"),
-        (["--policy", "ep", "--nodes", 3, "--gpus-per-node", 2], "6 devices and the trace has 16 experts; valid device counts: 1, 2, 4, 8, 16"),
-        (["--policy", "replicate", "--slots-per-rank", 1, "--gpus-per-node", 2], "cannot hold 16 experts; use --slots-per-rank >= 4"),
+        (
+            ["--policy", "ep", "--nodes", 3, "--gpus-per-node", 2],
+            "6 devices and the trace has 16 experts; valid device counts: 1, 2, 4, 8, 16",
+        ),
+        (
+            ["--policy", "replicate", "--slots-per-rank", 1, "--gpus-per-node", 2],
+            "cannot hold 16 experts; use --slots-per-rank >= 4",
+        ),
         (["--policy", "fssdp", "--memory-capacity", -1], "--memory-capacity must be >= 0"),
     ],
 )
@@ -102,9 +154,16 @@ def test_plan_rejects_bad_input_with_clear_messages(skewed_trace, args, message)
 
 def test_plan_without_source_loads_splits_evenly(tmp_path):
     trace = tmp_path / "plain.npz"
-    assert run_tool("make_trace.py", "--out", trace, "--iterations", 5, "--layers", 1, "--experts", 8, "--tokens", 800).returncode == 0
+    assert (
+        run_tool(
+            "make_trace.py", "--out", trace, "--iterations", 5, "--layers", 1, "--experts", 8, "--tokens", 800
+        ).returncode
+        == 0
+    )
     out = tmp_path / "p.json"
-    done = run_tool("plan.py", "--trace", trace, "--policy", "ep,fssdp", "--nodes", 1, "--gpus-per-node", 4, "--json", out)
+    done = run_tool(
+        "plan.py", "--trace", trace, "--policy", "ep,fssdp", "--nodes", 1, "--gpus-per-node", 4, "--json", out
+    )
     assert done.returncode == 0, done.stderr
     assert "splitting each expert's tokens evenly over the 4 devices" in done.stderr
     assert json.loads(out.read_text())["setup"]["source_loads"] == "even split"
@@ -112,7 +171,19 @@ def test_plan_without_source_loads_splits_evenly(tmp_path):
 
 def test_plot_script_writes_the_three_plots(skewed_trace, plan_json, tmp_path):
     out, _ = plan_json
-    done = run_tool("plot_loads.py", "--trace", skewed_trace, "--plan-json", out, "--out-dir", tmp_path, "--gpus", 8, "--slots-per-rank", 3)
+    done = run_tool(
+        "plot_loads.py",
+        "--trace",
+        skewed_trace,
+        "--plan-json",
+        out,
+        "--out-dir",
+        tmp_path,
+        "--gpus",
+        8,
+        "--slots-per-rank",
+        3,
+    )
     assert done.returncode == 0, done.stderr
     for name in ("loads_heatmap.png", "replicas_vs_popularity.png", "imbalance_per_layer.png"):
         data = (tmp_path / name).read_bytes()
