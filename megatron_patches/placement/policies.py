@@ -84,6 +84,7 @@ __all__ = [
     "make_policy",
     "even_source_loads",
     "slot_dispatch",
+    "ring_allreduce_bytes",
     "ReplayResult",
     "replay",
 ]
@@ -179,7 +180,7 @@ def _a2a(plan: DispatchPlan, topology: Topology, token_bytes: int) -> CommBytes:
     return both + both
 
 
-def _ring_allreduce(placement: InstancePlacement, chunk_bytes: float, topology: Topology) -> CommBytes:
+def ring_allreduce_bytes(placement: InstancePlacement, chunk_bytes: float, topology: Topology) -> CommBytes:
     """Gradient all-reduce of every replicated expert as a ring over its holders (ascending ids).
 
     A ring all-reduce of r participants sends 2 (r - 1) / r of the buffer over each of its r
@@ -325,7 +326,7 @@ class EPPolicy(Policy):
     def traffic(self, step):
         out = super().traffic(step)
         out["grad_allreduce"] = _total(
-            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            [ring_allreduce_bytes(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
             self.topology,
         )
         return out
@@ -445,7 +446,7 @@ class ReplicatePolicy(_SlotPolicy):
         ranks = np.arange(D, dtype=np.int64)
         allreduce, fetch, scatter = [], [], []
         for lp in step.layers:
-            allreduce.append(_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology))
+            allreduce.append(ring_allreduce_bytes(lp.placement, self.bytes.expert_grad_bytes, self.topology))
             src_ER = gradient_source_table(lp.placement)
             fetch.append(
                 CommBytes.from_transfers(
@@ -485,7 +486,7 @@ class StaticPolicy(_SlotPolicy):
     def traffic(self, step):
         out = super().traffic(step)
         out["grad_allreduce"] = _total(
-            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            [ring_allreduce_bytes(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
             self.topology,
         )
         return out
@@ -525,7 +526,7 @@ class FasterMoEPolicy(Policy):
             dst = np.tile(np.arange(self.topology.num_devices), e_S.size)
             broadcasts.append(CommBytes.from_transfers(src, dst, self.bytes.expert_weight_bytes, self.topology))
             reduces.append(CommBytes.from_transfers(dst, src, self.bytes.expert_grad_bytes, self.topology))
-            allreduce.append(_ring_allreduce(self._ep_placement, self.bytes.expert_grad_bytes, self.topology))
+            allreduce.append(ring_allreduce_bytes(self._ep_placement, self.bytes.expert_grad_bytes, self.topology))
         out["shadow_broadcast"] = _total(broadcasts, self.topology)
         out["shadow_reduce"] = _total(reduces, self.topology)
         out["grad_allreduce"] = _total(allreduce, self.topology)
@@ -558,7 +559,7 @@ class SmartMoEPolicy(Policy):
     def traffic(self, step):
         out = super().traffic(step)
         out["grad_allreduce"] = _total(
-            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            [ring_allreduce_bytes(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
             self.topology,
         )
         return out
@@ -608,7 +609,7 @@ class FlexMoEPolicy(Policy):
     def traffic(self, step):
         out = super().traffic(step)
         out["grad_allreduce"] = _total(
-            [_ring_allreduce(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
+            [ring_allreduce_bytes(lp.placement, self.bytes.expert_grad_bytes, self.topology) for lp in step.layers],
             self.topology,
         )
         return out

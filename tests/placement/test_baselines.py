@@ -37,7 +37,7 @@ from megatron_patches.placement.baselines import (
 from megatron_patches.placement.policies import (
     POLICIES,
     ReplayConfig,
-    _ring_allreduce,
+    ring_allreduce_bytes,
     even_source_loads,
     make_policy,
     replay,
@@ -362,13 +362,13 @@ def test_slot_dispatch_matches_spread_tokens(E, R, s, cf, seed):
 
 @FAST
 @given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**32 - 1))
-def test_ring_allreduce_volume_is_the_allreduce_equivalent(E, D, seed):
+def testring_allreduce_bytes_volume_is_the_allreduce_equivalent(E, D, seed):
     rng = np.random.default_rng(seed)
     holds = rng.random((E, D)) < 0.5
     holds[np.arange(E), rng.integers(0, D, E)] = True
     placement = InstancePlacement(holds.astype(np.int64))
     topology = Topology.single_node(D)
-    comm = _ring_allreduce(placement, 1000.0, topology)
+    comm = ring_allreduce_bytes(placement, 1000.0, topology)
     assert comm.total == pytest.approx(allreduce_equivalent_bytes(placement, 1000.0), abs=D * E)
 
 
