@@ -82,6 +82,7 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 # Megatron-LM's split when --data-path is given without --split.
 DEFAULT_SPLIT = "969,30,1"
+EMBEDDED_CORPUS_SPLIT = "949,51,0"
 
 # Values that validate_args() adds to the namespace (not flags); describe_args() lists them
 # in their own group.
@@ -1010,7 +1011,10 @@ def _resolve_data(args):
                       f"missing {' and '.join(missing)}; each prefix must name a Megatron indexed "
                       "dataset <prefix>.bin + <prefix>.idx (tools/prepare_data.py builds one)")
     if args.split is None:
-        args.split = DEFAULT_SPLIT
+        # The embedded corpus has 269 documents: Megatron-LM's 969,30,1 would give its test
+        # split none (and Megatron's sampler then loops forever); the test split is unused here.
+        embedded = not args.data_path and not args.mock_data
+        args.split = EMBEDDED_CORPUS_SPLIT if embedded else DEFAULT_SPLIT
     parts = [part.strip() for part in str(args.split).split(",")]
     try:
         proportions = [float(part) for part in parts]

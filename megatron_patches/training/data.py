@@ -16,12 +16,27 @@ import torch
 
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
 
 
 def build_tokenizer(args):
-    """Megatron's tokenizer for `--tokenizer-type` (the same builder Megatron-LM uses)."""
+    """Megatron's tokenizer for `--tokenizer-type`.
+
+    GPT2BPETokenizer and BertWordPieceLowerCase are built from the given local vocab/merge
+    files (Megatron's own builder would fetch "gpt2"/"bert" from the HuggingFace hub, which
+    offline machines cannot reach and which would ignore --vocab-file); every other type goes
+    through the same builder Megatron-LM uses.
+    """
+    from megatron_patches.training import corpus
+
+    if args.tokenizer_type in ("GPT2BPETokenizer", "BertWordPieceLowerCase") and args.vocab_file:
+        return corpus.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     namespace = SimpleNamespace(
         tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file,
@@ -54,6 +69,26 @@ def _data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     return list(data_path[1::2]), weights
 
 
+def check_split_documents(prefixes: list[str], split: str) -> None:
+    """Every split with a nonzero share must get at least one document of every prefix.
+
+    Megatron rounds split boundaries to whole documents; an empty split that is asked for
+    samples makes GPTDataset._get_num_epochs loop forever, so refuse it up front.
+    """
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        documents = IndexedDataset(prefix).document_indices.shape[0] - 1
+        for name, bounds in zip(("train", "validation", "test"), matrix):
+            if bounds is None:
+                continue
+            count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+            if count <= 0:
+                raise ValueError(
+                    f"--split {split}: the {name} split of {prefix} gets 0 of its {documents} documents; "
+                    f"give it a larger share or 0 (e.g. --split 949,51,0)"
+                )
+
+
 def build_datasets(args, tokenizer):
     """(train, valid, test) Megatron datasets sized for the whole run."""
     train_samples = args.train_iters * args.global_batch_size
@@ -61,6 +96,8 @@ def build_datasets(args, tokenizer):
     eval_samples = eval_runs * args.eval_iters * args.global_batch_size
     sizes = [train_samples, eval_samples, args.eval_iters * args.global_batch_size]
     blend = None if args.mock_data else _data_blend(args.data_path)
+    if blend is not None:
+        check_split_documents(blend[0], args.split)
     if args.model_family == "gpt":
         config = GPTDatasetConfig(
             random_seed=args.seed,

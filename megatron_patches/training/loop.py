@@ -69,10 +69,10 @@ def resolve_default_corpus(args) -> None:
     dist.barrier()
     if dist.get_rank() != 0:
         paths = ensure_default_corpus(args.model_family)
-    args.data_path = [paths.data_prefix]
+    args.data_path = [str(paths.data_prefix)]
     args.tokenizer_type = paths.tokenizer_type
-    args.vocab_file = paths.vocab_file
-    args.merge_file = paths.merge_file
+    args.vocab_file = str(paths.vocab_file)
+    args.merge_file = str(paths.merge_file) if paths.merge_file else None
     log0(f"data: embedded corpus {paths.data_prefix} ({paths.num_documents} documents, {paths.num_tokens} tokens)")
 
 
