@@ -30,6 +30,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from _mp import run_forked, run_ranks, single_rank_group
 from megatron_patches.compat import cpu
@@ -70,16 +71,24 @@ def _ensure_model_parallel() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def _tiny_gpt_with_distributed_optimizer():
-    """A 1-layer GPT wrapped in Megatron DDP with Megatron's DistributedOptimizer (plain torch Adam)."""
+def _tiny_gpt_and_optimizer(distributed: bool, bf16: bool = False):
+    """A 1-layer GPT in Megatron DDP with Megatron's optimizer over plain torch Adam:
+    DistributedOptimizer (distributed=True) or, for bf16, Float16OptimizerWithFloat16Params."""
     _ensure_model_parallel()
-    config = _config()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = _config(bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=8)
+    if bf16:
+        model = Float16Module(config, model)  # as Megatron-LM wraps half-precision models
     ddp = DistributedDataParallel(
-        config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True), module=model
+        config=config,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=bf16),
+        module=model,
     )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=True), [ddp]
+        OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=distributed, bf16=bf16, params_dtype=dtype),
+        [ddp],
     )
     return ddp, optimizer
 
@@ -158,7 +167,11 @@ def _clip_grad_by_total_norm():
 
 
 def _build_distributed_optimizer():
-    _tiny_gpt_with_distributed_optimizer()
+    _tiny_gpt_and_optimizer(distributed=True)
+
+
+def _build_bf16_optimizer():
+    _tiny_gpt_and_optimizer(distributed=False, bf16=True)
 
 
 def _torch_norm_with_sequence_parallel():
@@ -197,6 +210,7 @@ NECESSITY_CHECKS = {
         [
             ("clip_grads.clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm, "== 'torch.cuda.FloatTensor'"),
             ("DistributedOptimizer()", _build_distributed_optimizer, "Wrapped parameters must be one of"),
+            ("Float16OptimizerWithFloat16Params() (bf16)", _build_bf16_optimizer, "Wrapped parameters must be one of"),
         ],
     ),
     "torch_norm_sequence_parallel": (
@@ -346,7 +360,7 @@ def test_refuses_when_cuda_is_available(monkeypatch, apply):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     call = cpu.apply_cpu_shims if apply == "apply_cpu_shims" else lambda: prepare_megatron(use_cuda=False)
-    with pytest.raises(RuntimeError, match="CUDA"):
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES" if apply == "prepare_megatron" else "never change GPU behaviour"):
         call()
 
 
@@ -540,16 +554,20 @@ def test_tensor_cuda_and_pin_memory_are_identity_only_in_wrapped_sites(shims):
 # --- 6. optimizer_type_checks -------------------------------------------------------------
 
 
-def test_distributed_optimizer_builds_and_steps_on_cpu(shims):
-    ddp, optimizer = _tiny_gpt_with_distributed_optimizer()
-    assert type(optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer).__name__ == "DistributedOptimizer"
+@pytest.mark.parametrize(
+    "distributed, bf16, optimizer_type",
+    [(True, False, "DistributedOptimizer"), (False, True, "Float16OptimizerWithFloat16Params")],
+)
+def test_megatron_optimizers_build_and_step_on_cpu(shims, distributed, bf16, optimizer_type):
+    ddp, optimizer = _tiny_gpt_and_optimizer(distributed=distributed, bf16=bf16)
+    assert [type(sub).__name__ for sub in optimizer.chained_optimizers] == [optimizer_type]
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(8).expand(2, 8)
     losses = []
     for _ in range(3):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = ddp(tokens, positions, None, labels=tokens).mean()
+        loss = ddp(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
         finalize_model_grads([ddp])
         update_successful, grad_norm, _ = optimizer.step()
@@ -558,14 +576,17 @@ def test_distributed_optimizer_builds_and_steps_on_cpu(shims):
     assert losses[2] < losses[0], losses
     # The type-name redirect is scoped to the wrapped calls.
     assert torch.ones(1).type() == "torch.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
 
 
 def test_clip_grad_by_total_norm_scales_cpu_grads(shims):
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     params[0].grad = torch.tensor([3.0, 0.0, 4.0])
     params[1].grad = torch.tensor([0.0, 0.0])
-    cpu_clip = _patched_objects()["clip"]
-    cpu_clip(params, max_norm=1.0, total_norm=5.0)
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)
     torch.testing.assert_close(params[0].grad, torch.tensor([0.6, 0.0, 0.8]), rtol=1e-5, atol=0)
     assert torch.ones(1).type() == "torch.FloatTensor"
 
