@@ -639,6 +639,8 @@ def write_gpt2_vocab_and_merges(tiktoken_path: Path, out_dir: Path) -> tuple[Pat
 
     vocab = {render(token): rank for token, rank in ranks.items()}
     vocab[ENDOFTEXT] = ENDOFTEXT_ID
+    if len(vocab) != GPT2_VOCAB_SIZE:
+        raise ValueError(f"{tiktoken_path}: tokens render to {len(vocab)} distinct strings, expected {GPT2_VOCAB_SIZE}")
     merges = recover_bpe_merges(ranks)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_path, merges_path = out_dir / "vocab.json", out_dir / "merges.txt"
