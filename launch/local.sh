@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Local launcher: set up the environment (once), then train with torchrun on this machine.
+#
+#   bash launch/local.sh                       # embedded default: tiny GPT-MoE, real text, 4 CPU ranks
+#   NPROC=2 bash launch/local.sh --train-iters 50 --log-json runs/local.jsonl
+#   DEVICE=gpu NPROC=8 bash launch/local.sh --config configs/models/gpt_moe_s.yaml --data-path ...
+#
+# Knobs (environment): NPROC ranks (default 4), DEVICE cpu|gpu (default cpu: CUDA is hidden
+# so the run uses gloo and the CPU shims), OMP_NUM_THREADS per rank (default 1: the ranks
+# share the cores). Every other argument goes to pretrain_gpt_moe.py unchanged.
+set -eo pipefail
+cd "$(dirname "$0")/.."
+
+NPROC=${NPROC:-4}
+DEVICE=${DEVICE:-cpu}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+bash tools/setup_env.sh
+
+launcher_args=(--standalone --nproc-per-node "$NPROC")
+device_args=()
+if [ "$DEVICE" = cpu ]; then
+  device_args=(--cpu)
+elif [ "$DEVICE" != gpu ]; then
+  echo "launch/local.sh: DEVICE=$DEVICE is not valid; use cpu or gpu" >&2
+  exit 2
+fi
+
+echo "[local] git revision $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $NPROC ranks on $DEVICE, started $(date -Is)"
+.venv/bin/python -m torch.distributed.run "${launcher_args[@]}" pretrain_gpt_moe.py "${device_args[@]}" "$@"
+echo "[local] finished $(date -Is)"
