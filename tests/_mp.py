@@ -11,6 +11,8 @@ fails or the ranks run past the timeout:
   inherit its imports (a fork costs milliseconds) and its module state, so a process that has
   imported Megatron but changed nothing can fork many isolated experiments from that state.
   Linux only; the parent must not have initialised a process group or a thread pool.
+- `single_rank_group()`: a context manager making *this* process a gloo world of one rank,
+  for in-process tests of code that needs a default process group.
 
 Every rank initialises the default gloo process group from a file store in a private
 temporary directory (no TCP port to pick, so no port races between concurrent test runs).
@@ -110,8 +112,9 @@ def run_ranks(
 ) -> list:
     """Runs `module.fn_name(*args)` on `world_size` new processes; returns each rank's result.
 
-    module: a dotted module name or a .py file path. With gloo=False no process group is
-    initialised (a clean process to run `fn` in, e.g. one that then calls `run_forked`).
+    module: a dotted module name or a .py file path; args: JSON-serialisable positional
+    arguments. With gloo=False no process group is initialised (a clean process to run `fn`
+    in, e.g. one that then calls `run_forked`).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")

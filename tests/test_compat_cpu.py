@@ -14,7 +14,6 @@ CUDA is available.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 from pathlib import Path
@@ -406,7 +405,8 @@ def test_alltoall_dispatcher_runs_its_stream_code_on_cpu(shims):
     output, _ = layer(hidden)
     output.square().sum().backward()
     assert output.shape == hidden.shape and torch.isfinite(hidden.grad).all()
-    assert layer.token_dispatcher.cuda_dtoh_stream.__class__ is cpu.CpuStream
+    assert type(layer.token_dispatcher.cuda_dtoh_stream) is cpu.CpuStream
+    assert type(layer.token_dispatcher.d2h_event) is cpu.CpuEvent, "the side-stream copy path did not run"
 
 
 # --- 2. rng_tracker ------------------------------------------------------------------------
@@ -441,9 +441,12 @@ def test_rng_tracker_named_states_fork_the_cpu_generator(shims):
         second = torch.rand(3)
     with tracker.fork("expert-parallel-rng"):
         expert = torch.rand(3)
+    with tracker.fork("data-parallel-rng"):
+        data = torch.rand(3)
     assert torch.equal(first, _draws(seed + 2718, 3))
     assert torch.equal(second, _draws(seed + 2718, 3, skip=3)), "fork() must advance its named state"
     assert torch.equal(expert, _draws(seed + 1024, 3))
+    assert torch.equal(data, _draws(seed, 3))
     # The default (outer) CPU generator continued as if no fork had happened.
     assert torch.equal(outer, _draws(99, 3))
     with pytest.raises(Exception, match="not added"):
@@ -527,9 +530,40 @@ def test_megatron_cuda_literals_create_cpu_tensors(shims):
     assert scaler.scale.device.type == "cpu" and scaler.scale.item() == 4.0
 
 
+def test_no_pipelining_schedule_counts_tokens_on_cpu(shims):
+    """schedules.py:596 creates its token counter with device='cuda'."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp, _ = _tiny_gpt_and_optimizer(distributed=False)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8).expand(2, 8)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch, positions, None, labels=batch)
+        return output, lambda output: (output.mean(), {"loss": output.mean().detach()})
+
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([tokens]),
+        model=[ddp],
+        num_microbatches=1,
+        seq_length=8,
+        micro_batch_size=2,
+        forward_only=True,
+    )
+    with torch.no_grad():
+        expected = ddp(tokens, positions, None, labels=tokens).mean()
+    torch.testing.assert_close(results[0]["loss"], expected)
+
+
 def test_cuda_literals_are_redirected_only_inside_megatron_modules(shims):
+    import importlib
+
     from megatron.core.transformer import utils as transformer_utils
 
+    for module_name in cpu._CUDA_LITERAL_MODULES:
+        assert isinstance(importlib.import_module(module_name).torch, cpu._CpuTorchNamespace), module_name
     namespace = transformer_utils.torch
     assert isinstance(namespace, cpu._CpuTorchNamespace)
     assert namespace.empty(2, device="cuda:0", pin_memory=True).device.type == "cpu"

@@ -548,6 +548,7 @@ def test_fix4_without_private_steps_all_params_share_one_step_and_drift(world2):
         for num_states, distinct_steps in shared["per_optimizer"]:
             assert num_states > 1 and distinct_steps == 1
         assert shared["losses"][0] == result["losses_uninterrupted"][0], "same weights before the first resumed step"
+        assert shared["losses"][1] != result["losses_uninterrupted"][1], "the resumed run drifts"
         assert shared["max_param_diff"] > 0, "the shared step must change the updates"
 
 
