@@ -36,13 +36,12 @@ into place with a manifest written last, so a half-written cache is never used.
 from __future__ import annotations
 
 import base64
-import bz2
 import fcntl
 import gzip
 import hashlib
 import heapq
+import importlib.util
 import json
-import lzma
 import os
 import re
 import shutil
@@ -168,11 +167,11 @@ class RSymbol:
 
 
 # SEXP type codes from R's Rinternals.h / serialize.c.
-_NILSXP, _SYMSXP, _LISTSXP, _LANGSXP, _CHARSXP = 0, 1, 2, 6, 9
+_SYMSXP, _LISTSXP, _LANGSXP, _CHARSXP = 1, 2, 6, 9
 _LGLSXP, _INTSXP, _REALSXP, _STRSXP, _VECSXP, _RAWSXP = 10, 13, 14, 16, 19, 24
 _REFSXP, _NILVALUE_SXP = 255, 254
 _NA_INTEGER = -(2**31)
-_IS_OBJECT, _HAS_ATTR, _HAS_TAG = 1 << 8, 1 << 9, 1 << 10
+_HAS_ATTR, _HAS_TAG = 1 << 9, 1 << 10
 _LATIN1_MASK = 1 << 2
 
 
@@ -301,9 +300,9 @@ def read_r_lazyload_db(prefix: Path) -> dict[str, object]:
     """Every object in an R lazy-load database `<prefix>.rdx` / `<prefix>.rdb`.
 
     The .rdx is a gzip-compressed serialized list(variables = list(name = c(offset, length)),
-    references, compressed); each .rdb entry at (offset, length) is a 4-byte big-endian
-    uncompressed size followed by the compressed serialized object (zlib when `compressed` is
-    TRUE/1; for 2 and 3 a type byte follows the size: 'Z' zlib, '2' bzip2, 'X' xz, '0' none).
+    references, compressed); with compressed = TRUE (R's default, which janeaustenr uses) each
+    .rdb entry at (offset, length) is a 4-byte big-endian uncompressed size followed by the
+    zlib-compressed serialized object.
     """
     rdx_path, rdb_path = Path(f"{prefix}.rdx"), Path(f"{prefix}.rdb")
     for path in (rdx_path, rdb_path):
@@ -314,22 +313,17 @@ def read_r_lazyload_db(prefix: Path) -> dict[str, object]:
         raise ValueError(f"{rdx_path} does not hold an R list")
     fields = index.named()
     (compression,) = fields["compressed"]
+    if compression not in (True, 1):
+        raise ValueError(
+            f"{rdx_path}: compression {compression!r} (bzip2/xz) is not supported; only R's "
+            "default zlib lazy-load databases (compressed = TRUE) are"
+        )
     blob = rdb_path.read_bytes()
     objects = {}
     for name, (offset, length) in fields["variables"].named().items():
         entry = blob[offset : offset + length]
         size = int.from_bytes(entry[:4], "big")
-        if compression in (True, 1):
-            payload = zlib.decompress(entry[4:])
-        elif compression in (2, 3):
-            kind, body = entry[4:5], entry[5:]
-            decoders = {b"Z": zlib.decompress, b"2": bz2.decompress, b"X": lzma.decompress,
-                        b"0": bytes}
-            if kind not in decoders:
-                raise ValueError(f"{rdb_path}: entry {name!r} has unknown compression {kind!r}")
-            payload = decoders[kind](body)
-        else:
-            raise ValueError(f"{rdx_path}: compression {compression!r} is not supported (1, 2, 3)")
+        payload = zlib.decompress(entry[4:])
         if len(payload) != size:
             raise ValueError(
                 f"{rdb_path}: entry {name!r} decompressed to {len(payload)} bytes, header says {size}"
@@ -410,8 +404,13 @@ def fetch_austen_package(source_dir: Path, package: str = AUSTEN_DEB_PACKAGE) ->
                 f"apt-get download {package} left {len(debs)} .deb files in {staging}, expected 1; "
                 f"retry, {_FIX_HINT}"
             )
-        version = _run(["dpkg-deb", "-f", str(debs[0]), "Version"], "dpkg-deb -f", "").strip()
-        _run(["dpkg-deb", "-x", str(debs[0]), str(staging / "root")], "dpkg-deb -x", "")
+        version = _run(
+            ["dpkg-deb", "-f", str(debs[0]), "Version"], "dpkg-deb -f", "check dpkg-deb works,"
+        ).strip()
+        _run(
+            ["dpkg-deb", "-x", str(debs[0]), str(staging / "root")], "dpkg-deb -x",
+            "check the disk space under the cache directory,",
+        )
         unpacked = staging / "root" / _R_PACKAGE_SUBDIR
         if not (unpacked / "data" / "Rdata.rdb").is_file():
             raise CorpusError(
@@ -568,7 +567,9 @@ def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
         except ValueError:
-            raise ValueError(f"{path}:{line_no}: expected `base64token rank`, got {line[:60]!r}")
+            raise ValueError(
+                f"{path}:{line_no}: expected `base64token rank`, got {line[:60]!r}"
+            ) from None
     return ranks
 
 
@@ -640,7 +641,10 @@ def write_gpt2_vocab_and_merges(tiktoken_path: Path, out_dir: Path) -> tuple[Pat
     vocab = {render(token): rank for token, rank in ranks.items()}
     vocab[ENDOFTEXT] = ENDOFTEXT_ID
     if len(vocab) != GPT2_VOCAB_SIZE:
-        raise ValueError(f"{tiktoken_path}: tokens render to {len(vocab)} distinct strings, expected {GPT2_VOCAB_SIZE}")
+        raise ValueError(
+            f"{tiktoken_path}: tokens render to {len(vocab)} distinct strings, "
+            f"expected {GPT2_VOCAB_SIZE}"
+        )
     merges = recover_bpe_merges(ranks)
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab_path, merges_path = out_dir / "vocab.json", out_dir / "merges.txt"
@@ -778,16 +782,16 @@ def _tokenizer_files(tokenizer_type: str, vocab_file: Path, merge_file: Path | N
 def _staged_tokenizer_dir(tokenizer_type: str, vocab_file: Path, merge_file: Path | None) -> Path:
     """A directory in the standard HF layout with copies of the given files.
 
-    Its name is a digest of the contents, so the same files always give the same path: Megatron
-    hashes the tokenizer path into its dataset-index cache keys.
+    Its name is a digest of the contents and settings, so the same files always give the same
+    path: Megatron hashes the tokenizer path into its dataset-index cache keys.
     """
     files, config = _tokenizer_files(tokenizer_type, vocab_file, merge_file)
-    digest = hashlib.sha256(tokenizer_type.encode())
+    digest = hashlib.sha256(json.dumps([tokenizer_type, config], sort_keys=True).encode())
     for name, path in sorted(files.items()):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{tokenizer_type} {name} file {path} does not exist")
         digest.update(name.encode() + b"\0" + Path(path).read_bytes())
-    root = Path(tempfile.gettempdir()) / "megatron_patches_tokenizers"
+    root = Path(tempfile.gettempdir()) / f"megatron_patches_tokenizers-{os.getuid()}"
     target = root / f"{tokenizer_type}-{digest.hexdigest()[:16]}"
     if not (target / "tokenizer_config.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
@@ -808,13 +812,12 @@ def build_tokenizer(tokenizer_type: str, vocab_file: str | Path, merge_file: str
     directory = _staged_tokenizer_dir(
         tokenizer_type, Path(vocab_file), Path(merge_file) if merge_file is not None else None
     )
-    try:
-        import transformers  # noqa: F401  (Megatron's HF wrapper needs it but imports it softly)
-    except ModuleNotFoundError:
+    # Megatron's HF wrapper imports transformers softly and fails later with a vaguer error.
+    if importlib.util.find_spec("transformers") is None:
         raise CorpusError(
             f"Megatron's {tokenizer_type} tokenizer needs the `transformers` package: "
             "pip install transformers"
-        ) from None
+        )
     from megatron.core.tokenizers import MegatronTokenizer
 
     model_type = "gpt" if tokenizer_type == "GPT2BPETokenizer" else "bert"
@@ -956,15 +959,19 @@ def _source_description(sources: Path) -> str:
     return f"the installed Debian {AUSTEN_DEB_PACKAGE}"
 
 
-def _build(family: str, directory: Path, chapters: list[Chapter], sources: Path) -> None:
-    """Write the vocab files, the indexed dataset and (last) the manifest into `directory`."""
+def _build(
+    family: str, directory: Path, all_chapters: list[Chapter], num_documents: int, sources: Path
+) -> None:
+    """Write the vocab files, the dataset of the first `num_documents` chapters and (last) the
+    manifest into `directory`."""
     started = time.perf_counter()
     tokenizer_type = TOKENIZER_TYPES[family]
+    chapters = all_chapters[:num_documents]
     if family == "gpt":
         vocab, merges = write_gpt2_vocab_and_merges(fetch_gpt2_tiktoken(sources), directory)
         prefix_name = "austen_text_document"
     else:
-        all_chapters = austen_chapters(sources)  # the vocabulary never depends on the slice
+        # Trained on every chapter, so that a slice is exactly a prefix of the full dataset.
         _log(f"training a {BERT_VOCAB_SIZE}-piece lower-case WordPiece vocabulary")
         trained = time.perf_counter()
         pieces = train_wordpiece_vocab(s for c in all_chapters for s in c.paragraphs)
@@ -1023,17 +1030,15 @@ def prepare_corpus(
         started = time.perf_counter()
         _log(f"preparing the {family} corpus in {directory} (once; later runs reuse it)")
         chapters = austen_chapters(sources)
-        if max_documents is not None:
-            if max_documents > len(chapters):
-                raise ValueError(
-                    f"max_documents={max_documents} exceeds the {len(chapters)} chapters of the "
-                    f"corpus; pass at most {len(chapters)} or None"
-                )
-            chapters = chapters[:max_documents]
+        if max_documents is not None and max_documents > len(chapters):
+            raise ValueError(
+                f"max_documents={max_documents} exceeds the {len(chapters)} chapters of the "
+                f"corpus; pass at most {len(chapters)} or None"
+            )
         staging = cache_dir / f".{directory.name}.tmp-{os.getpid()}"
         staging.mkdir()
         try:
-            _build(family, staging, chapters, sources)
+            _build(family, staging, chapters, max_documents or len(chapters), sources)
             os.rename(staging, directory)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
