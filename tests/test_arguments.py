@@ -156,7 +156,27 @@ def test_the_no_flag_run_validates(default_config, world):
     expected_ep = max(e for e in range(1, experts + 1) if experts % e == 0 and world % e == 0)
     assert args.expert_model_parallel_size == expected_ep
     assert args.data_parallel_size == world and args.global_batch_size == 4 * world
-    assert args.num_micro_batches == 1 and args.split == "969,30,1"
+    # The embedded corpus (269 chapters) gets a split whose test share is 0 (it would be empty).
+    assert args.num_micro_batches == 1 and args.split == "949,51,0"
+
+
+def test_default_split_is_megatron_lm_s_when_data_is_given(default_config):
+    args = validate_args(parse_args(["--mock-data", "--vocab-size", "1000"]), 1)
+    assert args.split == "969,30,1"
+
+
+def test_bert_needs_moe_in_every_layer(parse):
+    expect_error(parse("--model-family=bert", "--moe-layer-freq=2"), 1, "--moe-layer-freq=2", "valid: 1")
+
+
+def test_moe_biases_need_etp_1(parse):
+    expect_error(
+        parse("--tensor-model-parallel-size=2", "--sequence-parallel", "--expert-tensor-parallel-size=2"),
+        2, "--expert-tensor-parallel-size=2", "--disable-bias-linear",
+    )
+    args = validate_args(parse("--tensor-model-parallel-size=2", "--sequence-parallel",
+                               "--expert-tensor-parallel-size=2", "--disable-bias-linear"), 2)
+    assert args.expert_tensor_parallel_size == 2
 
 
 def test_yaml_values_are_converted_to_the_flag_types(write_yaml):
@@ -237,7 +257,7 @@ def test_every_model_config_in_the_repository_parses_and_validates():
     (4, [], 4),  # torchrun --nproc-per-node 4 with 8 experts
     (6, [], 2),
     (12, [], 4),
-    (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4),
+    (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear"], 4),
     (4, ["--pipeline-model-parallel-size", "2"], 2),
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--expert-tensor-parallel-size", "1"], 4),
@@ -254,7 +274,8 @@ def test_expert_parallel_default(parse, world, flags, expected_ep):
 def test_expert_parallel_default_is_the_largest_valid_ep_brute_force(parse):
     """The resolved EP equals the largest explicit EP that validate_args accepts."""
     bases = {(tp, pp): parse("--tensor-model-parallel-size", str(tp),
-                             "--pipeline-model-parallel-size", str(pp), "--sequence-parallel")
+                             "--pipeline-model-parallel-size", str(pp), "--sequence-parallel",
+                             "--disable-bias-linear")
              for tp in (1, 2) for pp in (1, 2)}
     checked = 0
     for (tp, pp), base in bases.items():
@@ -282,7 +303,7 @@ def test_expert_parallel_default_is_the_largest_valid_ep_brute_force(parse):
 
 def test_derived_values(parse):
     args = validate_args(parse("--global-batch-size", "32", "--tensor-model-parallel-size", "2",
-                               "--sequence-parallel", "--bf16"), 4)
+                               "--sequence-parallel", "--disable-bias-linear", "--bf16"), 4)
     assert args.data_parallel_size == 2 and args.num_micro_batches == 4  # 32 / (4 x 2)
     assert args.expert_tensor_parallel_size == 2  # Megatron-LM: ETP defaults to TP
     assert args.moe_ffn_hidden_size == MODEL["ffn_hidden_size"]

@@ -94,7 +94,6 @@ def _shim_device_and_streams() -> None:
     torch.cuda.Event = CpuEvent
     torch.cuda.current_stream = lambda device=None: _DEFAULT_CPU_STREAM
     torch.cuda.default_stream = lambda device=None: _DEFAULT_CPU_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.synchronize = lambda device=None: None
     if not getattr(torch.Tensor.record_stream, "_megatron_patches_cpu", False):
         original_record_stream = torch.Tensor.record_stream

@@ -862,6 +862,10 @@ def _resolve_moe(args):
         _fail("--moe-layer-freq", freq,
               f"a layer pattern needs one 0 (dense) or 1 (MoE) per layer, {args.num_layers} in "
               "all, with at least one 1")
+    if args.model_family == "bert" and freq != 1:
+        _fail("--moe-layer-freq", freq,
+              "with --model-family bert every layer must be MoE: Megatron-Core's BertModel takes one "
+              "layer spec for all layers; valid: 1")
     if args.moe_router_topk > experts:
         _fail("--moe-router-topk", args.moe_router_topk,
               f"exceeds --num-experts={experts}; valid: 1..{experts}")
@@ -876,6 +880,11 @@ def _resolve_moe(args):
               "MoE with tensor parallelism needs --sequence-parallel: Megatron-Core's MoELayer "
               "refuses to train with TP > 1 without it; add --sequence-parallel or use "
               "--tensor-model-parallel-size=1")
+    if args.add_bias_linear and etp > 1:
+        _fail("--expert-tensor-parallel-size", etp,
+              "Megatron-Core 0.16.1 supports MoE biases only with ETP=1 (transformer_config.py:1591 "
+              "asserts it; ETP defaults to TP); "
+              "use --expert-tensor-parallel-size=1 or --disable-bias-linear")
     capacity = args.moe_expert_capacity_factor
     if capacity is not None and not capacity > 0:
         _fail("--moe-expert-capacity-factor", capacity,

@@ -16,10 +16,7 @@ import torch
 
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
@@ -75,14 +72,14 @@ def check_split_documents(prefixes: list[str], split: str) -> None:
     Megatron rounds split boundaries to whole documents; an empty split that is asked for
     samples makes GPTDataset._get_num_epochs loop forever, so refuse it up front.
     """
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    from megatron_patches.training.corpus import split_document_counts
+
+    shares = parse_and_normalize_split(split)
     for prefix in prefixes:
         documents = IndexedDataset(prefix).document_indices.shape[0] - 1
-        for name, bounds in zip(("train", "validation", "test"), matrix):
-            if bounds is None:
-                continue
-            count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
-            if count <= 0:
+        counts = split_document_counts(split, documents)
+        for name, share, count in zip(("train", "validation", "test"), shares, counts):
+            if share > 0 and count == 0:
                 raise ValueError(
                     f"--split {split}: the {name} split of {prefix} gets 0 of its {documents} documents; "
                     f"give it a larger share or 0 (e.g. --split 949,51,0)"

@@ -73,7 +73,7 @@ def resolve_default_corpus(args) -> None:
     args.tokenizer_type = paths.tokenizer_type
     args.vocab_file = str(paths.vocab_file)
     args.merge_file = str(paths.merge_file) if paths.merge_file else None
-    log0(f"data: embedded corpus {paths.data_prefix} ({paths.num_documents} documents, {paths.num_tokens} tokens)")
+    log0(f"data: embedded corpus {paths.data_prefix} ({paths.num_documents} documents, {paths.num_tokens} tokens, {paths.tokenizer_type})")
 
 
 # ----------------------------------------------------------------------------------------

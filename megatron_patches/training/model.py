@@ -32,7 +32,9 @@ def build_model(args, vocab_size: int, on_gpu: bool, moe_spec_fn: Callable = sto
     config = mcore.transformer_config(args, on_gpu)
     use_te = args.transformer_impl == "transformer_engine"
     dense_spec, moe_spec = mcore.layer_specs(args.model_family, config, use_te)
-    spec = mcore.block_spec(config, dense_spec, moe_spec_fn(moe_spec, args), use_te)
+    moe_spec = moe_spec_fn(moe_spec, args)
+    # BertModel takes one layer spec for all layers (every layer MoE; arguments enforce it).
+    spec = moe_spec if args.model_family == "bert" else mcore.block_spec(config, dense_spec, moe_spec, use_te)
     pre_process, post_process = mcore.pipeline_stage_flags()
     model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process)
     init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
