@@ -407,7 +407,8 @@ SHIMS: list[Shim] = [
         "tensor_parallel/layers.py:261-1218, mappings.py:91-442, utils.py:631 (GlobalMemoryBuffer), "
         "distributed/param_and_grad_buffer.py:783-806; torch.cuda.Stream/stream/current_stream: "
         "transformer/moe/token_dispatcher.py:445,871-874, shared_experts.py:123-277; "
-        "record_stream: moe/moe_utils.py:1098",
+        "record_stream: moe/moe_utils.py:1098; default_stream: distributed/param_and_grad_buffer.py:422,529 "
+        "(--overlap-grad-reduce); synchronize: pipeline_parallel/p2p_communication.py:242,398",
         _shim_device_and_streams,
     ),
     Shim(
