@@ -64,7 +64,7 @@ def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int 
     return Run(output, records)
 
 
-def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers: int, ep: int) -> None:
+def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers: int, ep: int, dropless: bool = True) -> None:
     for record in run.records:
         if "loss" not in record:
             continue
@@ -73,13 +73,17 @@ def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers
         assert len(record["moe_layers"]) == num_layers
         for layer in record["moe_layers"]:
             assert set(layer) >= {"layer", "expert_tokens", "device_tokens", "imbalance", "survival"}
-            # Dropless: every token reaches exactly topk experts.
-            assert sum(layer["expert_tokens"]) == tokens_per_iteration * topk
-            assert sum(layer["device_tokens"]) == tokens_per_iteration * topk
+            # Every token is routed to exactly topk experts (counted before capacity dropping).
+            routed, processed = sum(layer["expert_tokens"]), sum(layer["device_tokens"])
+            assert routed == tokens_per_iteration * topk
             assert len(layer["device_tokens"]) == ep
-            mean = sum(layer["device_tokens"]) / ep
+            mean = processed / ep
             assert layer["imbalance"] == pytest.approx(max(layer["device_tokens"]) / mean)
-            assert layer["survival"] == 1.0
+            assert layer["survival"] == pytest.approx(processed / routed)
+            if dropless:
+                assert processed == routed and layer["survival"] == 1.0
+            else:
+                assert processed <= routed
 
 
 def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):
@@ -113,22 +117,29 @@ def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name,flags,ep",
+    "name,flags,dp",
     [
         ("tp2_sp_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2),
         ("pp2_ep2", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
+        ("ep2_capacity_allgather", ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
+                                    "--moe-token-dispatcher-type", "allgather"], 4),
     ],
 )
-def test_model_parallel_layouts_train(tmp_path, name, flags, ep):
-    """TP2 x SP x EP2 and PP2 x EP2 (several micro-batches) on 4 ranks: training runs, loss falls."""
-    run = launch(4, [*MOCK, "--train-iters", "8", *flags], tmp_path, name)
+def test_model_parallel_layouts_train(tmp_path, name, flags, dp):
+    """TP2 x SP x EP2, PP2 x EP2 (several micro-batches) and EP2 with a capacity factor and
+    Megatron's allgather dispatcher, on 4 ranks: training runs, loss falls, metrics add up."""
+    run = launch(4, [*MOCK, "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb"), *flags], tmp_path, name)
     losses = run.losses
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
-    dp = 4 // 2
     assert f"micro-batches of 2 x DP {dp}" in run.output
-    check_moe_records(run, tokens_per_iteration=8 * 64, topk=2, num_layers=2, ep=ep)
+    capacity = "--moe-expert-capacity-factor" in flags
+    check_moe_records(run, tokens_per_iteration=8 * 64, topk=2, num_layers=2, ep=2, dropless=not capacity)
+    if capacity:
+        # Capacity 1.0 with uneven routing drops some token copies.
+        assert min(layer["survival"] for r in run.records for layer in r["moe_layers"]) < 1.0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 
 def test_bert_moe_on_real_text(tmp_path):

@@ -271,14 +271,19 @@ class _TensorCudaToCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _on_cpu_in(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _TensorCudaToCpu():
-            return fn(*args, **kwargs)
+def _inside(context) -> Callable:
+    """Wrapper factory: `fn` runs inside a fresh `context()`; the wrapper is marked as a shim."""
 
-    wrapper._megatron_patches_cpu = True
-    return wrapper
+    def make(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with context():
+                return fn(*args, **kwargs)
+
+        wrapper._megatron_patches_cpu = True
+        return wrapper
+
+    return make
 
 
 def _wrap_methods(targets, make_wrapper) -> None:
@@ -310,7 +315,7 @@ def _shim_cuda_literals() -> None:
             # distrib_optimizer.py:1089 send_tensor.cuda() when gathering optimizer state
             (DistributedOptimizer, "get_parameter_state_dp_zero"),
         ],
-        _on_cpu_in,
+        _inside(_TensorCudaToCpu),
     )
 
 
@@ -343,16 +348,6 @@ def _cuda_type_names():
         torch.Tensor.type = original
 
 
-def _with_cuda_type_names(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _cuda_type_names():
-            return fn(*args, **kwargs)
-
-    wrapper._megatron_patches_cpu = True
-    return wrapper
-
-
 def _shim_optimizer_type_checks() -> None:
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
@@ -361,13 +356,13 @@ def _shim_optimizer_type_checks() -> None:
             (distrib_optimizer.DistributedOptimizer, "__init__"),  # :361, :420, :582
             (optimizer.Float16OptimizerWithFloat16Params, "__init__"),  # :671, :690
         ],
-        _with_cuda_type_names,
+        _inside(_cuda_type_names),
     )
     # clip_grads.py:167 asserts every grad is a 'torch.cuda.FloatTensor'; optimizer.py imported
     # the function by name, so both bindings are replaced.
     clip = clip_grads.clip_grad_by_total_norm_fp32
     if not getattr(clip, "_megatron_patches_cpu", False):
-        clip = _with_cuda_type_names(clip)
+        clip = _inside(_cuda_type_names)(clip)
         clip_grads.clip_grad_by_total_norm_fp32 = clip
         optimizer.clip_grad_by_total_norm_fp32 = clip
 
