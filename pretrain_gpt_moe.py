@@ -19,7 +19,9 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ArgumentError as error:
-        print(f"pretrain_gpt_moe.py: error: {error}", file=sys.stderr)
+        # Every rank validates and exits; one of them says why.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt_moe.py: error: {error}", file=sys.stderr)
         return 2
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.

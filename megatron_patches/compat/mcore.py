@@ -131,7 +131,7 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        persist_layer_norm=False,  # needs Apex's FusedLayerNorm (Megatron-LM: --no-persist-layer-norm)
         apply_rope_fusion=False,
     )
 

@@ -365,9 +365,8 @@ def _add_learning_rate_args(parser):
     group.add_argument("--lr-decay-style", type=str, default="cosine",
                        help=f"Learning rate decay function: {', '.join(LR_DECAY_STYLES)}. "
                        "Default cosine (Megatron-LM: linear).")
-    group.add_argument("--lr-warmup-iters", type=int, default=20,
-                       help="Number of iterations to linearly warmup learning rate over. "
-                       "Default 20 (Megatron-LM: 0): a tenth of the default 200 iterations.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0,
+                       help="Number of iterations to linearly warmup learning rate over.")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Number of iterations to decay learning rate over. If None defaults "
                        "to --train-iters.")
