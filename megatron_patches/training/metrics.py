@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 
 from megatron_patches.compat import mcore
 from megatron_patches.placement.accounting import imbalance as imbalance_of
+from megatron_patches.training.model import moe_layers
 
 
 @dataclass
@@ -66,8 +67,6 @@ class MoELoadRecorder:
         per_rank = num_experts // ep_size
         self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool)
         self.remote_mask_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = False
-        from megatron_patches.training.model import moe_layers
-
         for chunk in model_chunks:
             for number, moe_layer in moe_layers(_unwrap(chunk)):
                 row = self.layer_index[number]
