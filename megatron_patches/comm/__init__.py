@@ -1,0 +1,27 @@
+"""Communication mechanisms over torch.distributed for the placement modes (DESIGN 2, 3).
+
+`sparse` (SparseAllGather / SparseReduceScatter with async handles), `transfers` (the pure,
+deterministic per-rank plan of who sends which rows and columns to whom), `streams` (the
+dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per rank,
+intra/inter-node). Imports `placement`; never `training` or the modes.
+"""
+
+from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
+from megatron_patches.comm.streams import CommStream, comm_stream
+from megatron_patches.comm.traffic import LinkBytes, TrafficCounter, default_counter
+from megatron_patches.comm.transfers import Ownership, PeerTransfer, RankTransfers, plan_rank_transfers
+
+__all__ = [
+    "CollectiveHandle",
+    "CommStream",
+    "LinkBytes",
+    "Ownership",
+    "PeerTransfer",
+    "RankTransfers",
+    "SparseAllGather",
+    "SparseReduceScatter",
+    "TrafficCounter",
+    "comm_stream",
+    "default_counter",
+    "plan_rank_transfers",
+]

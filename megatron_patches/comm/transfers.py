@@ -1,0 +1,300 @@
+"""Pure planning of the sparse collectives: which rank sends which rows and columns to whom.
+
+A logical buffer is C equal chunks of N elements (one chunk = one expert's flat parameters,
+or its gradients). Two things describe where the data lives:
+
+- the **ownership** P0 (`Ownership`): a partition of every chunk's elements over devices.
+  Device d owns the columns [start_d, stop_d) of every chunk it owns. Two layouts of the
+  placement engine are expressible this way:
+  * expert-granular (FSSDP, `ShardLayout`): d owns whole chunks, columns [0, N), of the
+    experts assigned to it;
+  * element-granular (replicate mode, `ElementShardLayout`): every device owns slice d of
+    *every* chunk (np.array_split bounds; a slice may be empty when N < D).
+  Device d stores what it owns as an **owned buffer** of shape [O_d, stop_d - start_d]:
+  one row per owned chunk, chunks ascending.
+- the **instances** P1 (`InstancePlacement`): which devices hold a whole copy of which
+  chunk. Device d stores its copies as a **held buffer** of shape [H_d, N]: one row per
+  distinct chunk it holds, chunks ascending (the owned chunks included, so the MoE layer
+  finds all its local experts in one packed tensor). Multiplicity in P1 (replicate mode's
+  several slots of one expert on a rank) does not add rows: one copy serves all slots.
+
+SparseAllGather(P0 -> P1) fills every held row: device o sends columns [start_o, stop_o) of
+chunk c to every other device holding c. SparseReduceScatter(P1 -> P0) runs the same
+transfers reversed: every holder of c sends those columns of its copy to o, which sums.
+
+Between two devices r and p, everything of one collective travels as one message, rows in
+ascending chunk order. Every rank derives its own part of the plan (`RankTransfers`) from
+the same P0 and P1, so the sender's packing order and the receiver's unpacking order agree
+without any metadata exchange. Planning is O(C x D) numpy per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.placement.types import (
+    ElementShardLayout,
+    InstancePlacement,
+    PlacementError,
+    ShardLayout,
+    check_int,
+)
+
+__all__ = ["Ownership", "PeerTransfer", "RankTransfers", "plan_rank_transfers"]
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Ownership:
+    """P0 of the sparse collectives: which device owns which columns of which chunk.
+
+    Build it with `Ownership.of(layout, ...)`; the constructors below guarantee that the
+    owned column ranges of every chunk tile [0, chunk_numel) exactly once, which is what makes
+    every held row complete after a gather and every owned element a full sum after a reduce.
+    """
+
+    owns_CD: np.ndarray
+    """owns_CD[c, d]: device d owns columns [start_D[d], stop_D[d]) of chunk c; bool [C, D], read-only."""
+    start_D: np.ndarray
+    """First column each device owns (of every chunk it owns); int64 [D], read-only."""
+    stop_D: np.ndarray
+    """One past the last column each device owns; int64 [D], read-only (stop == start: owns no elements)."""
+    chunk_numel: int
+    """N, elements per chunk."""
+    element_granular: bool
+    """True for slices of every chunk (ElementShardLayout), False for whole chunks (ShardLayout)."""
+
+    @classmethod
+    def of(cls, layout, num_chunks: int, chunk_numel: int) -> Ownership:
+        """P0 from a placement-engine layout.
+
+        Args:
+            layout: a ShardLayout (whole chunks, one owner each), an InstancePlacement that is
+                a partition (every chunk on exactly one device, once), or an ElementShardLayout
+                (slice d of every chunk on device d; its num_elements must equal chunk_numel).
+            num_chunks: C, the number of chunks (experts) of the buffer.
+            chunk_numel: N, elements per chunk; >= 1.
+        """
+        num_chunks = check_int(num_chunks, "num_chunks", 1)
+        chunk_numel = check_int(chunk_numel, "chunk_numel", 1)
+        if isinstance(layout, InstancePlacement):
+            layout = _partition_of(layout)
+        if isinstance(layout, ShardLayout):
+            if layout.num_experts != num_chunks:
+                raise PlacementError(f"P0 covers {layout.num_experts} chunks but the buffer has {num_chunks}")
+            owns_CD = layout.holds_ED().astype(bool)
+            D = layout.num_devices
+            return cls(
+                _read_only(owns_CD),
+                _read_only(np.zeros(D, dtype=np.int64)),
+                _read_only(np.full(D, chunk_numel, dtype=np.int64)),
+                chunk_numel,
+                False,
+            )
+        if isinstance(layout, ElementShardLayout):
+            if layout.num_elements != chunk_numel:
+                raise PlacementError(
+                    f"P0 slices chunks of {layout.num_elements} elements but the chunks have {chunk_numel}; "
+                    "the ElementShardLayout must be built with num_elements = chunk_numel"
+                )
+            offsets = layout.offsets()
+            return cls(
+                _read_only(np.ones((num_chunks, layout.num_devices), dtype=bool)),
+                _read_only(offsets[:-1].copy()),
+                _read_only(offsets[1:].copy()),
+                chunk_numel,
+                True,
+            )
+        raise PlacementError(
+            f"P0 must be a ShardLayout, an InstancePlacement that is a partition, or an ElementShardLayout; "
+            f"got {type(layout).__name__}"
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        """C."""
+        return int(self.owns_CD.shape[0])
+
+    @property
+    def num_devices(self) -> int:
+        """D."""
+        return int(self.owns_CD.shape[1])
+
+    @property
+    def width_D(self) -> np.ndarray:
+        """Columns owned per chunk by each device (the owned buffer's row length); int64 [D]."""
+        return self.stop_D - self.start_D
+
+    def owned_chunks(self, device: int) -> np.ndarray:
+        """Chunks whose columns `device` owns, ascending (the rows of its owned buffer); int64."""
+        return np.flatnonzero(self.owns_CD[:, device]).astype(np.int64)
+
+    def require_contained_in(self, placement: InstancePlacement) -> None:
+        """Raise PlacementError naming the first chunk whose owner holds no copy of it in P1.
+
+        SparseAllGather requires P1 ⊇ P0 for whole-chunk ownership (FSSDP: an owner always
+        keeps its expert usable). Slices of every chunk (replicate mode) are not instances, so
+        nothing is required of them.
+        """
+        if placement.num_experts != self.num_chunks or placement.num_devices != self.num_devices:
+            raise PlacementError(
+                f"P1 has {placement.num_experts} chunks x {placement.num_devices} devices but P0 has "
+                f"{self.num_chunks} chunks x {self.num_devices} devices"
+            )
+        if self.element_granular:
+            return
+        lacking = np.argwhere(self.owns_CD & ~placement.holds_ED())
+        if lacking.size:
+            c, d = (int(i) for i in lacking[0])
+            raise PlacementError(
+                f"chunk {c} is owned by device {d} in P0 but P1 holds no copy of it on device {d}; "
+                "P1 must contain P0 (add the owner to the chunk's instances)"
+            )
+
+
+def _partition_of(placement: InstancePlacement) -> ShardLayout:
+    """The ShardLayout of a placement that holds every chunk on exactly one device, once."""
+    counts_ED = placement.counts_ED
+    over = np.argwhere(counts_ED > 1)
+    if over.size:
+        c, d = (int(i) for i in over[0])
+        raise PlacementError(
+            f"chunk {c} has {int(counts_ED[c, d])} instances on device {d} in P0; "
+            "P0 must assign every chunk to exactly one device, once"
+        )
+    shared = np.flatnonzero(counts_ED.sum(axis=1) > 1)
+    if shared.size:
+        c = int(shared[0])
+        raise PlacementError(
+            f"chunk {c} is on devices {np.flatnonzero(counts_ED[c]).tolist()} in P0; "
+            "P0 must assign every chunk to exactly one device (a partition)"
+        )
+    return ShardLayout(np.argmax(counts_ED, axis=1), placement.num_devices)
+
+
+@dataclass(frozen=True, eq=False)
+class PeerTransfer:
+    """What one rank exchanges with one peer in a SparseAllGather (a reduce-scatter reverses it).
+
+    Rows index the rank's own buffers; both lists follow ascending chunk order, which is the
+    order the peer packs or unpacks the same chunks in.
+    """
+
+    peer: int
+    """The other device (group rank); never the rank itself."""
+    owned_rows: np.ndarray
+    """Rows of my owned buffer whose chunk the peer holds: gather sends them, reduce receives
+    the peer's gradient for them. int64, read-only."""
+    held_rows: np.ndarray
+    """Rows of my held buffer whose chunk the peer owns: gather receives the peer's columns of
+    them, reduce sends my gradient's columns of them. int64, read-only."""
+    peer_start: int
+    """First column the peer owns (of every chunk it owns)."""
+    peer_stop: int
+    """One past the last column the peer owns."""
+
+
+@dataclass(frozen=True, eq=False)
+class RankTransfers:
+    """One rank's part of the plan SparseAllGather(P0 -> P1); SparseReduceScatter(P1 -> P0) reverses it."""
+
+    rank: int
+    """The device (group rank) this plan is for."""
+    chunk_numel: int
+    """N, elements per chunk (the held buffer's row length)."""
+    owned_chunks: np.ndarray
+    """Chunk of each row of the owned buffer, ascending; int64 [O], read-only."""
+    held_chunks: np.ndarray
+    """Chunk of each row of the held buffer, ascending; int64 [H], read-only."""
+    start: int
+    """First column this rank owns (of every chunk it owns)."""
+    stop: int
+    """One past the last column this rank owns."""
+    local_owned_rows: np.ndarray
+    """Owned-buffer rows of chunks this rank also holds (copied locally, no transfer); int64, read-only."""
+    local_held_rows: np.ndarray
+    """The held-buffer rows of the same chunks, in the same order; int64, read-only."""
+    peers: tuple[PeerTransfer, ...]
+    """One entry per peer with anything to exchange, ascending by peer."""
+
+    @property
+    def owned_shape(self) -> tuple[int, int]:
+        """Shape of the owned buffer: [owned chunks, owned columns per chunk]."""
+        return (int(self.owned_chunks.size), self.stop - self.start)
+
+    @property
+    def held_shape(self) -> tuple[int, int]:
+        """Shape of the held buffer: [held chunks, chunk_numel]."""
+        return (int(self.held_chunks.size), self.chunk_numel)
+
+    def gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Elements exchanged with each peer in the gather (the reduce swaps sent and received).
+
+        Returns (peer_P, send_numel_P, recv_numel_P), int64 [P] over `peers`. A peer's row list
+        is empty exactly when its message is empty (empty column ranges are planned out).
+        """
+        peer_P = np.array([p.peer for p in self.peers], dtype=np.int64)
+        send_numel_P = np.array([p.owned_rows.size for p in self.peers], dtype=np.int64) * (self.stop - self.start)
+        recv_numel_P = np.array([p.held_rows.size * (p.peer_stop - p.peer_start) for p in self.peers], dtype=np.int64)
+        return peer_P, send_numel_P, recv_numel_P
+
+
+def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank: int) -> RankTransfers:
+    """Rank `rank`'s transfers for SparseAllGather(ownership -> placement).
+
+    Checks P1 ⊇ P0 for whole-chunk ownership. Deterministic: every rank computing every
+    other rank's plan would find the same messages (tests/comm/test_comm_transfers.py checks
+    that the sends of one rank match the receives of the other).
+    """
+    ownership.require_contained_in(placement)
+    D = ownership.num_devices
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < D:
+        raise PlacementError(f"rank {rank!r} is not a device of the placement, which has devices [0, {D})")
+    rank = int(rank)
+    owns_CD = ownership.owns_CD
+    holds_CD = placement.holds_ED()
+    nonempty_D = ownership.width_D > 0
+
+    owned_chunks = ownership.owned_chunks(rank)
+    held_chunks = np.flatnonzero(holds_CD[:, rank]).astype(np.int64)
+    owned_row_C = np.full(ownership.num_chunks, -1, dtype=np.int64)
+    owned_row_C[owned_chunks] = np.arange(owned_chunks.size)
+    held_row_C = np.full(ownership.num_chunks, -1, dtype=np.int64)
+    held_row_C[held_chunks] = np.arange(held_chunks.size)
+
+    # send_CP[c, p]: I own columns of c and p holds c; recv_CP[c, p]: I hold c and p owns columns of it.
+    # Empty column ranges move nothing, so they take no part in any message.
+    send_CP = owns_CD[:, rank, None] & holds_CD & nonempty_D[rank]
+    recv_CP = holds_CD[:, rank, None] & owns_CD & nonempty_D[None, :]
+    send_CP[:, rank] = False
+    recv_CP[:, rank] = False
+    local_C = owns_CD[:, rank] & holds_CD[:, rank] & nonempty_D[rank]
+
+    peers = []
+    for p in np.flatnonzero(send_CP.any(axis=0) | recv_CP.any(axis=0)):
+        peers.append(
+            PeerTransfer(
+                peer=int(p),
+                owned_rows=_read_only(owned_row_C[send_CP[:, p]]),
+                held_rows=_read_only(held_row_C[recv_CP[:, p]]),
+                peer_start=int(ownership.start_D[p]),
+                peer_stop=int(ownership.stop_D[p]),
+            )
+        )
+    return RankTransfers(
+        rank=rank,
+        chunk_numel=ownership.chunk_numel,
+        owned_chunks=_read_only(owned_chunks),
+        held_chunks=_read_only(held_chunks),
+        start=int(ownership.start_D[rank]),
+        stop=int(ownership.stop_D[rank]),
+        local_owned_rows=_read_only(owned_row_C[local_C]),
+        local_held_rows=_read_only(held_row_C[local_C]),
+        peers=tuple(peers),
+    )
