@@ -104,6 +104,7 @@ class _SparseCollective:
         if not isinstance(placement, InstancePlacement):
             raise PlacementError(f"the instance placement must be an InstancePlacement, got {type(placement).__name__}")
         ownership = Ownership.of(owners, placement.num_experts, chunk_numel)
+        ownership.require_contained_in(placement)  # P0/P1 errors first: they are the caller's likelier mistake
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(
                 f"pass the process group explicitly (the ranks the placement's devices map to), got {group!r}"
