@@ -31,8 +31,9 @@ materialises one layer's experts as one tensor per weight and indexes it by loca
 `held_chunks[i]` is the expert of row i. The held buffer includes the owned chunks.
 
 Asynchrony: calling a collective packs the send buffers, copies the local rows and posts
-all sends and receives (gloo: async work on gloo's threads; NCCL: kernels on the dedicated
-communication stream of `streams`), then returns a `CollectiveHandle`. The results are
+all sends and receives (gloo: async work on gloo's threads; NCCL: packing and unpacking
+on the dedicated communication stream of `streams`, NCCL's kernels on its internal stream
+ordered after it), then returns a `CollectiveHandle`. The results are
 valid only after `handle.wait()`, which unpacks the received rows (and, for the reduce,
 sums). Inputs must stay unchanged until then. Several collectives may be in flight at once
 on different buffers, provided every rank launches them in the same order.
@@ -40,6 +41,10 @@ on different buffers, provided every rank launches them in the same order.
 Reduction: in the gradients' dtype, in ascending device order of the contributing copies
 (the owner's own copy at its place), regardless of message arrival order, so results are
 bitwise reproducible run to run.
+
+GPU: as for any NCCL P2P, each process must have called `torch.cuda.set_device` for its
+GPU. The first call on an NCCL group runs one tiny all-reduce on every rank to create the
+communicator (batched P2P must not be a group's first call unless every rank takes part).
 
 Bytes: every call records this rank's sent/received bytes per peer into a `TrafficCounter`,
 split intra/inter-node by the topology (by default one node). Ranks of the group are
@@ -102,7 +107,9 @@ class _SparseCollective:
 
     def __init__(self, owners, placement: InstancePlacement, group, chunk_numel: int, topology, traffic, kind: str):
         if not isinstance(placement, InstancePlacement):
-            raise PlacementError(f"the instance placement must be an InstancePlacement, got {type(placement).__name__}")
+            raise PlacementError(
+                f"the instance placement must be an InstancePlacement, got {type(placement).__name__}"
+            )
         ownership = Ownership.of(owners, placement.num_experts, chunk_numel)
         ownership.require_contained_in(placement)  # P0/P1 errors first: they are the caller's likelier mistake
         if group is None or not isinstance(group, dist.ProcessGroup):
@@ -121,7 +128,9 @@ class _SparseCollective:
         self.topology = Topology.single_node(world) if topology is None else topology
         """Devices and nodes; classifies traffic as intra- or inter-node."""
         if self.topology.num_devices != world:
-            raise ValueError(f"the topology has {self.topology.num_devices} devices but the process group {world} ranks")
+            raise ValueError(
+                f"the topology has {self.topology.num_devices} devices but the process group {world} ranks"
+            )
         self.group = group
         """The process group the transfers run in."""
         self.plan: RankTransfers = plan_rank_transfers(ownership, placement, rank)
@@ -166,11 +175,13 @@ class _SparseCollective:
                 f"got {tensor.dtype} on {tensor.device}"
             )
 
-    def _record(self, send_numel_P: np.ndarray, recv_numel_P: np.ndarray, element_size: int) -> None:
-        peer_P = np.array([p.peer for p in self.plan.peers], dtype=np.int64)
-        self.traffic.record(
-            self.kind, self.rank, self.topology, peer_P, send_numel_P * element_size, recv_numel_P * element_size
-        )
+    def _record(self, element_size: int, reverse: bool) -> None:
+        """Record this rank's bytes of one call: the gather's messages, or (reverse) the reduce's."""
+        peer_P, send_numel_P, recv_numel_P = self.plan.gather_numel()
+        if reverse:
+            send_numel_P, recv_numel_P = recv_numel_P, send_numel_P
+        sent_P, recv_P = send_numel_P * element_size, recv_numel_P * element_size
+        self.traffic.record(self.kind, self.rank, self.topology, peer_P, sent_P, recv_P)
 
 
 class SparseAllGather(_SparseCollective):
@@ -232,8 +243,7 @@ class SparseAllGather(_SparseCollective):
             if self._local_owned.numel():
                 local = owned.index_select(0, self._local_owned.to(device))
                 out[:, plan.start : plan.stop].index_copy_(0, self._local_held.to(device), local)
-        _, send_numel_P, recv_numel_P = plan.gather_numel()
-        self._record(send_numel_P, recv_numel_P, owned.element_size())
+        self._record(owned.element_size(), reverse=False)
 
         def finish() -> torch.Tensor:
             for work in works:
@@ -297,8 +307,7 @@ class SparseReduceScatter(_SparseCollective):
                     ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=peer.peer))
                     contributions.append((peer.peer, owned_rows.to(device), recv))
             works = _post(ops, self.group, device)
-        _, send_numel_P, recv_numel_P = plan.gather_numel()
-        self._record(recv_numel_P, send_numel_P, held.element_size())
+        self._record(held.element_size(), reverse=True)
 
         def finish() -> torch.Tensor:
             for work in works:

@@ -32,6 +32,7 @@ from megatron_patches.placement import (
 )
 
 FAST = settings(max_examples=60, deadline=None)
+OWNER_LACKS_COPY = "chunk 1 is owned by device 1 in P0 but P1 holds no copy of it on device 1;"
 
 
 @st.composite
@@ -121,6 +122,11 @@ def test_plans_gather_every_held_chunk_and_reduce_every_copy(case):
         np.testing.assert_allclose(out, dense_sum_CN[plan.owned_chunks, plan.start : plan.stop], rtol=1e-12, atol=1e-12)
 
 
+def link_rows(comm):
+    """A CommBytes as rows [sent_intra_D, sent_inter_D, recv_intra_D, recv_inter_D]."""
+    return [comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D]
+
+
 def plan_bytes(plans, topo, element_size):
     """Per-device [sent_intra, sent_inter, recv_intra, recv_inter] of the gather, via TrafficCounter."""
     rows = []
@@ -150,11 +156,12 @@ def test_plan_bytes_equal_accounting_formulas(case):
                     expected[2 + k, d] += size_D[r]
         np.testing.assert_array_equal(got, expected)
         return
-    shard = owners if isinstance(owners, ShardLayout) else ShardLayout(np.argmax(owners.counts_ED, axis=1), topo.num_devices)
-    formula = sparse_all_gather_bytes(shard, placement, N * 4, topo)
-    np.testing.assert_array_equal(got, [formula.sent_intra_D, formula.sent_inter_D, formula.recv_intra_D, formula.recv_inter_D])
-    reduce = sparse_reduce_scatter_bytes(placement, shard, N * 4, topo)
-    np.testing.assert_array_equal(got[[2, 3, 0, 1]], [reduce.sent_intra_D, reduce.sent_inter_D, reduce.recv_intra_D, reduce.recv_inter_D])
+    if isinstance(owners, InstancePlacement):
+        owners = ShardLayout(np.argmax(owners.counts_ED, axis=1), topo.num_devices)
+    gather = sparse_all_gather_bytes(owners, placement, N * 4, topo)
+    np.testing.assert_array_equal(got, link_rows(gather))
+    reduce = sparse_reduce_scatter_bytes(placement, owners, N * 4, topo)
+    np.testing.assert_array_equal(got, link_rows(reduce.reversed()))
     # spAG + spRS together move the AllReduce-equivalent volume (DESIGN 3).
     assert 2 * int(got[:2].sum()) == allreduce_equivalent_bytes(placement, N * 4)
 
@@ -169,8 +176,10 @@ def test_worked_example_whole_chunks():
     assert p1.owned_chunks.tolist() == [1, 2] and p1.held_chunks.tolist() == [0, 1, 2]
     assert (p0.owned_shape, p0.held_shape, p1.owned_shape, p1.held_shape) == ((1, 4), (2, 4), (2, 4), (3, 4))
     (to1,), (to0,) = p0.peers, p1.peers
-    assert to1.peer == 1 and to1.owned_rows.tolist() == [0] and to1.held_rows.tolist() == [1]  # send chunk 0, get chunk 2
-    assert to0.peer == 0 and to0.owned_rows.tolist() == [1] and to0.held_rows.tolist() == [0]  # send chunk 2, get chunk 0
+    # Device 0 sends chunk 0 (its owned row 0) and receives chunk 2 (its held row 1).
+    assert to1.peer == 1 and to1.owned_rows.tolist() == [0] and to1.held_rows.tolist() == [1]
+    # Device 1 sends chunk 2 (its owned row 1) and receives chunk 0 (its held row 0).
+    assert to0.peer == 0 and to0.owned_rows.tolist() == [1] and to0.held_rows.tolist() == [0]
     assert p0.local_owned_rows.tolist() == [0] and p0.local_held_rows.tolist() == [0]
     assert p1.local_owned_rows.tolist() == [0, 1] and p1.local_held_rows.tolist() == [1, 2]
     assert [a.tolist() for a in p0.gather_numel()] == [[1], [4], [4]]
@@ -199,7 +208,7 @@ def test_worked_example_element_slices():
 
 def test_errors_name_the_chunk_and_device():
     shard = ShardLayout([0, 1, 1], 2)
-    with pytest.raises(PlacementError, match="chunk 1 is owned by device 1 in P0 but P1 holds no copy of it on device 1"):
+    with pytest.raises(PlacementError, match=OWNER_LACKS_COPY):
         plan_rank_transfers(Ownership.of(shard, 3, 4), InstancePlacement([[1, 0], [1, 0], [0, 1]]), 0)
     with pytest.raises(PlacementError, match=r"chunk 1 is on devices \[0, 1\] in P0; P0 must assign every chunk"):
         Ownership.of(InstancePlacement([[1, 0], [1, 1], [0, 1]]), 3, 4)
