@@ -248,9 +248,9 @@ class RankTransfers:
 def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank: int) -> RankTransfers:
     """Rank `rank`'s transfers for SparseAllGather(ownership -> placement).
 
-    Checks P1 ⊇ P0 for whole-chunk ownership. Deterministic: every rank computing every
-    other rank's plan would find the same messages (tests/comm/test_comm_transfers.py checks
-    that the sends of one rank match the receives of the other).
+    Checks the pre-condition P1 ⊇ P0 (whole-chunk ownership) and that the plan meets the
+    post-conditions (`_check_postconditions`). Deterministic: rank r's message to p lists the
+    same chunks in the same order as p's message from r (tests/comm checks all pairs).
     """
     ownership.require_contained_in(placement)
     D = ownership.num_devices
@@ -287,7 +287,7 @@ def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank
                 peer_stop=int(ownership.stop_D[p]),
             )
         )
-    return RankTransfers(
+    plan = RankTransfers(
         rank=rank,
         chunk_numel=ownership.chunk_numel,
         owned_chunks=_read_only(owned_chunks),
@@ -298,3 +298,36 @@ def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank
         local_held_rows=_read_only(held_row_C[local_C]),
         peers=tuple(peers),
     )
+    _check_postconditions(plan, placement)
+    return plan
+
+
+def _check_postconditions(plan: RankTransfers, placement: InstancePlacement) -> None:
+    """Raise RuntimeError unless the plan fills every held row and sums every copy, exactly once.
+
+    Gather: each held row's columns, local and received, must add up to N (the owners' column
+    ranges tile a chunk). Reduce: each owned row with columns must receive one contribution per
+    distinct holder of its chunk. Cheap (O(H + O + messages)); guards the planner, not the caller.
+    """
+    covered_H = np.zeros(plan.held_chunks.size, dtype=np.int64)
+    covered_H[plan.local_held_rows] += plan.stop - plan.start
+    copies_O = np.zeros(plan.owned_chunks.size, dtype=np.int64)
+    copies_O[plan.local_owned_rows] += 1
+    for peer in plan.peers:
+        covered_H[peer.held_rows] += peer.peer_stop - peer.peer_start
+        copies_O[peer.owned_rows] += 1
+    short = np.flatnonzero(covered_H != plan.chunk_numel)
+    if short.size:
+        h = int(short[0])
+        raise RuntimeError(
+            f"transfer plan bug: chunk {int(plan.held_chunks[h])} on device {plan.rank} would get "
+            f"{int(covered_H[h])} of {plan.chunk_numel} elements"
+        )
+    expected_O = placement.replicas_E()[plan.owned_chunks] if plan.stop > plan.start else copies_O
+    wrong = np.flatnonzero(copies_O != expected_O)
+    if wrong.size:
+        o = int(wrong[0])
+        raise RuntimeError(
+            f"transfer plan bug: device {plan.rank} would sum {int(copies_O[o])} copies of chunk "
+            f"{int(plan.owned_chunks[o])}, which has {int(expected_O[o])}"
+        )

@@ -5,6 +5,8 @@ messages are exchanged in numpy, and the result must be the gathered chunks / th
 copies; the plans' bytes must equal placement.accounting's formulas.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from megatron_patches.comm import (
     default_counter,
     plan_rank_transfers,
 )
+from megatron_patches.comm.transfers import _check_postconditions
 from megatron_patches.placement import (
     ElementShardLayout,
     InstancePlacement,
@@ -226,6 +229,21 @@ def test_errors_name_the_chunk_and_device():
         plan_rank_transfers(Ownership.of(shard, 3, 4), InstancePlacement(np.ones((3, 3))), 0)
     with pytest.raises(PlacementError, match=r"rank 2 is not a device of the placement, which has devices \[0, 2\)"):
         plan_rank_transfers(Ownership.of(shard, 3, 4), InstancePlacement.from_shard(shard), 2)
+
+
+def test_postcondition_guard_rejects_a_plan_that_misses_a_message():
+    shard = ShardLayout([0, 1, 1], 2)
+    placement = InstancePlacement([[1, 1], [0, 1], [1, 1]])
+    plan = plan_rank_transfers(Ownership.of(shard, 3, 4), placement, 0)
+    _check_postconditions(plan, placement)
+    with pytest.raises(RuntimeError, match="chunk 2 on device 0 would get 0 of 4 elements"):
+        _check_postconditions(dataclasses.replace(plan, peers=()), placement)
+    # Device 0 holds only its own chunk 0 (gather complete without peers), but device 1 holds a
+    # copy too: without the peer, the reduce would miss that copy.
+    copy_on_1 = InstancePlacement([[2, 1], [0, 1], [0, 1]])
+    plan = plan_rank_transfers(Ownership.of(shard, 3, 4), copy_on_1, 0)
+    with pytest.raises(RuntimeError, match="device 0 would sum 1 copies of chunk 0, which has 2"):
+        _check_postconditions(dataclasses.replace(plan, peers=()), copy_on_1)
 
 
 def test_traffic_counter_splits_links_and_kinds():
