@@ -1,0 +1,588 @@
+"""Cost model of the simulator: compute, communication and memory of one training step.
+
+Compute: every kernel class (dense GEMMs, expert GEMMs, attention core, memory-bound element-wise
+work, the optimizer step) takes max(FLOPs / (peak x efficiency), bytes / (memory bandwidth x
+efficiency)) on the device that runs it, the peak rates coming from the cluster config's GPU
+types. The efficiencies are `KernelEfficiency` parameters with the defaults justified below; a
+measured profile overrides them (`KernelEfficiency.with_overrides`).
+
+Communication: a collective moves `CommBytes` (per device: bytes sent / received, intra- and
+inter-node, as the placement engine's accounting counts them). It takes a launch latency plus
+the busiest of: any device's intra-node outbound or inbound bytes over its link, and any node's
+inter-node outbound or inbound bytes (summed over the node's devices, who share one NIC) over
+the NIC. Collectives in this model finish on all members at once.
+
+Memory: parameters, gradients and optimizer state (Adam, bf16 mixed precision, Megatron's
+distributed optimizer for the dense parameters), expert instances and copies, and activations
+(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
+Table 2, without recomputation), plus a fixed reserve for the CUDA context and workspaces.
+
+Units: seconds, bytes, FLOP; per-device arrays carry the suffix `_D`, per-node `_N`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.config import ClusterConfig, ConfigError, ModelConfig, count_parameters, expert_parameter_count
+from megatron_patches.config.models import padded_vocab_size
+from megatron_patches.placement.accounting import CommBytes
+from megatron_patches.placement.baselines import ByteModel
+from megatron_patches.placement.policies import ring_allreduce_bytes
+from megatron_patches.placement.types import InstancePlacement, Topology
+
+__all__ = [
+    "SimError",
+    "KernelEfficiency",
+    "LinkParameters",
+    "Hardware",
+    "select_devices",
+    "Workload",
+    "ComputeModel",
+    "CommModel",
+    "MemoryModel",
+    "OPTIMIZER_STEP_BYTES_PER_PARAM",
+    "ring_broadcast_bytes",
+]
+
+
+class SimError(ValueError):
+    """A simulator input is invalid or the simulated setup is impossible; the message says what would be valid."""
+
+
+OPTIMIZER_STEP_BYTES_PER_PARAM = 30.0
+"""Bytes the fused Adam step reads and writes per parameter: fp32 main gradient read (4), master
+weight, m and v read and written (3 x 8), bf16 weight written (2). The step is memory-bound."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters of the cost model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelEfficiency:
+    """Achieved fraction of the device's peak rates per kernel class, plus a launch overhead.
+
+    Defaults are set from published measurements rather than tuned to any result of this
+    simulator: cuBLAS FP16/BF16 GEMMs with K, N of 768-4096 reach 50-70% of the tensor-core
+    peak on V100 / A100 (NVIDIA's "Matrix multiplication background" guide; Megatron-LM reports
+    47-52% model FLOPs utilisation end to end on A100, which includes the slower non-GEMM work);
+    FlashAttention-2 reaches 50-73% of peak forward and ~45-65% backward on A100 (Dao, 2023);
+    element-wise PyTorch kernels stream at 60-80% of HBM bandwidth.
+    """
+
+    dense_gemm: float = 0.55
+    """Fraction of peak FLOP/s of the dense GEMMs (QKV, output projection, gate, dense MLP,
+    head) and of the unfused attention GEMMs."""
+    expert_gemm: float = 0.55
+    """Fraction of peak FLOP/s an expert GEMM approaches when it processes many tokens."""
+    expert_half_tokens: float = 128.0
+    """Tokens at which an expert GEMM reaches half of `expert_gemm`: efficiency is
+    expert_gemm x n / (n + expert_half_tokens) for n tokens. A GEMM with M = n rows fills the
+    tensor cores' 128-256 row tiles only for n in the hundreds, which is where cuBLAS reaches
+    half of its large-matrix rate."""
+    flash_attention: float = 0.45
+    """Fraction of peak FLOP/s of fused (FlashAttention-2) attention, forward and backward."""
+    memory: float = 0.7
+    """Fraction of peak memory bandwidth of memory-bound kernels (softmax without fused
+    attention, norms, residuals, activations, token permutation, the optimizer step)."""
+    kernel_launch_s: float = 8e-6
+    """Fixed cost per expert GEMM group (launches and synchronisation of one expert's fc1,
+    activation and fc2), seconds; CUDA kernel launches cost 3-10 us each."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+                raise SimError(f"KernelEfficiency.{f.name} must be a finite number, got {value!r}")
+            if f.name in ("dense_gemm", "expert_gemm", "flash_attention", "memory") and not 0 < value <= 1:
+                raise SimError(f"KernelEfficiency.{f.name} is a fraction of peak and must be in (0, 1], got {value!r}")
+            if value < 0:
+                raise SimError(f"KernelEfficiency.{f.name} must be >= 0, got {value!r}")
+            object.__setattr__(self, f.name, float(value))
+
+    def with_overrides(self, overrides: dict[str, float]) -> KernelEfficiency:
+        """A copy with some fields replaced; SimError naming an unknown field and the valid ones."""
+        valid = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise SimError(f"unknown kernel efficiency parameter(s) {unknown}; valid: {valid}")
+        return dataclasses.replace(self, **overrides)
+
+
+@dataclass(frozen=True)
+class LinkParameters:
+    """Achieved fraction of link bandwidth and per-collective latencies.
+
+    NCCL's bus bandwidth in nccl-tests reaches ~80-90% of the NVLink / NVSwitch line rate and
+    ~85-95% of an InfiniBand / RoCE NIC's rate for messages of several MB; small-message
+    latencies are ~5-15 us inside a node and ~15-30 us across nodes.
+    """
+
+    intra_efficiency: float = 0.8
+    """Fraction of the intra-node link bandwidth a collective achieves."""
+    inter_efficiency: float = 0.85
+    """Fraction of the NIC line rate a collective achieves."""
+    intra_latency_s: float = 10e-6
+    """Launch latency of a collective (or one ring step) that stays inside nodes, seconds."""
+    inter_latency_s: float = 25e-6
+    """Launch latency of a collective (or one ring step) that crosses nodes, seconds."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise SimError(f"LinkParameters.{f.name} must be a finite number >= 0, got {value!r}")
+            if f.name.endswith("efficiency") and not 0 < value <= 1:
+                raise SimError(f"LinkParameters.{f.name} must be in (0, 1], got {value!r}")
+            object.__setattr__(self, f.name, float(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware: the simulated devices
+# ---------------------------------------------------------------------------------------------
+
+
+def select_devices(cluster: ClusterConfig, gpus: int) -> ClusterConfig:
+    """The first `gpus` devices of the cluster as a cluster of their own.
+
+    Valid counts: up to one node's GPUs on the first node, or a whole number of nodes taken
+    in the config's order (the placement Topology needs the same device count on every node).
+    """
+    layout = ", ".join(f"{g.count} x {g.gpus_per_node} {g.gpu}" for g in cluster.nodes)
+    whole = []
+    total = 0
+    for g in cluster.nodes:
+        for _ in range(g.count):
+            total += g.gpus_per_node
+            whole.append(total)
+    first = cluster.nodes[0]
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise SimError(f"--gpus must be a positive integer, got {gpus!r}")
+    if gpus > cluster.num_devices:
+        raise SimError(
+            f"--gpus {gpus}: cluster {cluster.name} has only {cluster.num_devices} GPUs ({layout} per node group); "
+            f"valid: 1..{first.gpus_per_node} on one node or whole nodes {whole}"
+        )
+    if gpus <= first.gpus_per_node:
+        return dataclasses.replace(cluster, nodes=(dataclasses.replace(first, count=1, gpus_per_node=gpus),))
+    if gpus not in whole:
+        raise SimError(
+            f"--gpus {gpus}: cluster {cluster.name} ({layout}) cannot be cut at {gpus} GPUs; "
+            f"valid: 1..{first.gpus_per_node} on one node or whole nodes {whole}"
+        )
+    groups, left = [], gpus
+    for g in cluster.nodes:
+        take = min(g.count, left // g.gpus_per_node)
+        if take:
+            groups.append(dataclasses.replace(g, count=take))
+        left -= take * g.gpus_per_node
+    return dataclasses.replace(cluster, nodes=tuple(groups))
+
+
+@dataclass(frozen=True, eq=False)
+class Hardware:
+    """Per-device rates and links of the simulated devices (device d = rank d, node-major)."""
+
+    cluster: ClusterConfig
+    """The selected devices as a cluster (see `select_devices`)."""
+    topology: Topology
+    """The placement engine's view of the same devices (what the planners see)."""
+    peak_flops_D: np.ndarray
+    """Dense FP16/BF16 tensor peak per device, FLOP/s; float [D]."""
+    hbm_bw_D: np.ndarray
+    """Memory bandwidth per device, bytes/s; float [D]."""
+    memory_D: np.ndarray
+    """Device memory, bytes; float [D]."""
+    flash_D: np.ndarray
+    """Whether fused (flash) attention runs on the device; bool [D]."""
+    intra_bw_D: np.ndarray
+    """Intra-node link bandwidth per device and direction, bytes/s; float [D]."""
+    nic_bw_N: np.ndarray
+    """NIC line rate per node and direction, bytes/s; float [N]."""
+    node_of_D: np.ndarray
+    """Node of each device; int64 [D]."""
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterConfig, gpus: int) -> Hardware:
+        """The first `gpus` devices of `cluster` (validated by `select_devices`)."""
+        sub = select_devices(cluster, gpus)
+        try:
+            topology = sub.to_topology()
+        except ConfigError as err:
+            raise SimError(str(err)) from None
+        gpu_D = [sub.gpu_types[t] for t in sub.device_types]
+        nic_N, intra_D = [], []
+        for g in sub.nodes:
+            nic_N += [g.inter_node_gbps * 1e9 / 8] * g.count
+            intra_D += [g.intra_node_bw_gb_s * 1e9] * g.num_devices
+        return cls(
+            cluster=sub,
+            topology=topology,
+            peak_flops_D=np.array([g.peak_fp16_tflops * 1e12 for g in gpu_D]),
+            hbm_bw_D=np.array([g.hbm_gb_s * 1e9 for g in gpu_D]),
+            memory_D=np.array([g.memory_gb * 1e9 for g in gpu_D]),
+            flash_D=np.array([g.flash_attention for g in gpu_D], dtype=bool),
+            intra_bw_D=np.array(intra_D, dtype=np.float64),
+            nic_bw_N=np.array(nic_N, dtype=np.float64),
+            node_of_D=topology.node_of.copy(),
+        )
+
+    @property
+    def num_devices(self) -> int:
+        """D."""
+        return int(self.peak_flops_D.size)
+
+    @property
+    def device_types(self) -> tuple[str, ...]:
+        """GPU type name per device."""
+        return self.cluster.device_types
+
+    def describe(self) -> str:
+        """e.g. "cluster_a: 4 x 8 V100-SXM2-32GB"."""
+        return f"{self.cluster.name}: " + " + ".join(f"{g.count} x {g.gpus_per_node} {g.gpu}" for g in self.cluster.nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload: what one device computes per iteration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Workload:
+    """The model and the batch one training iteration processes on D data-parallel devices."""
+
+    model: ModelConfig
+    """The model (Megatron-LM flag names)."""
+    num_devices: int
+    """D: every device is a data-parallel rank and an expert-parallel rank."""
+    micro_batch_size: int
+    """Sequences per device per iteration (no gradient accumulation)."""
+    seq_length: int
+    """Tokens per sequence."""
+
+    def __post_init__(self) -> None:
+        if self.model.num_experts is None:
+            raise SimError("the model config has num_experts = None; the simulator needs an MoE model")
+        for name in ("num_devices", "micro_batch_size", "seq_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise SimError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def tokens_per_device(self) -> int:
+        """Tokens each device embeds and runs attention on: micro_batch_size x seq_length."""
+        return self.micro_batch_size * self.seq_length
+
+    @property
+    def routed_tokens_per_layer(self) -> int:
+        """Tokens routed to experts per MoE layer over all devices: D x tokens x top-k."""
+        return self.num_devices * self.tokens_per_device * self.model.moe_router_topk
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert."""
+        return expert_parameter_count(self.model)
+
+    @property
+    def byte_model(self) -> ByteModel:
+        """Expert and token sizes for the placement engine (bf16 tokens of width hidden_size)."""
+        return ByteModel(params_per_expert=self.expert_params, token_bytes=2 * self.model.hidden_size)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Transformer layer index of every MoE layer, ascending (trace layer k is moe_layers[k])."""
+        return tuple(i for i, moe in enumerate(self.model.moe_layer_pattern) if moe)
+
+    def dense_params(self) -> dict[str, int]:
+        """Non-expert parameters: per transformer layer ("per_layer", a list) and the rest ("outer":
+        embeddings, output layer, final norm, BERT heads)."""
+        m = self.model
+        counts = count_parameters(m)
+        h = m.hidden_size
+        norm = 2 * h if m.normalization == "LayerNorm" else h
+        per_layer = []
+        attention = counts["attention"] // m.num_layers
+        router = m.num_experts * h + (m.num_experts if m.add_bias_linear else 0)
+        dense_layers = m.num_layers - m.num_moe_layers
+        dense_mlp = counts["dense_mlp"] // dense_layers if dense_layers else 0
+        for moe in m.moe_layer_pattern:
+            per_layer.append(attention + 2 * norm + (router if moe else dense_mlp))
+        outer = counts["total"] - counts["experts"] - sum(per_layer)
+        return {"per_layer": per_layer, "outer": outer}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute
+# ---------------------------------------------------------------------------------------------
+
+
+class ComputeModel:
+    """Forward and backward time of every kernel class on every device.
+
+    Backward costs twice the forward FLOPs and bytes (a GEMM's input gradient and weight
+    gradient are each a GEMM of the forward's size) except fused attention, whose backward
+    recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2's count).
+    """
+
+    BACKWARD = 2.0
+    FLASH_BACKWARD = 2.5
+    SCORE_PASSES = 4
+    """Passes over the s x s score matrix per head in unfused attention forward: QK^T writes it,
+    the softmax reads and writes it, the AV GEMM reads it."""
+    ELEMENTWISE_BYTES_PER_HIDDEN = 32
+    """Bytes per token and hidden unit of a layer's element-wise work in forward (bf16): two
+    norms (read + write: 8), two residual adds (read 2, write 1: 12), two bias/dropout passes
+    (read, write, mask: ~12)."""
+    PERMUTE_BYTES_PER_HIDDEN = 8
+    """Bytes per routed token and hidden unit to permute tokens into expert order and back
+    (read + write, twice, bf16)."""
+    LOSS_BYTES_PER_VOCAB = 12
+    """Bytes per token and vocabulary entry of the fp32 softmax cross-entropy (3 passes x 4 B)."""
+
+    def __init__(self, workload: Workload, hardware: Hardware, efficiency: KernelEfficiency) -> None:
+        if workload.num_devices != hardware.num_devices:
+            raise SimError(f"workload has {workload.num_devices} devices, hardware {hardware.num_devices}")
+        self.workload = workload
+        self.hw = hardware
+        self.eff = efficiency
+        self._gemm_rate_D = hardware.peak_flops_D * efficiency.dense_gemm
+        self._mem_rate_D = hardware.hbm_bw_D * efficiency.memory
+
+    def _roofline(self, flops: float, bytes_: float) -> np.ndarray:
+        """max(FLOPs at the dense GEMM rate, bytes at the memory rate) per device; float [D]."""
+        return np.maximum(flops / self._gemm_rate_D, bytes_ / self._mem_rate_D)
+
+    def _attention_parts_D(self) -> tuple[np.ndarray, np.ndarray]:
+        """(projections, core attention) forward time of one layer per device; float [D] each."""
+        m, n = self.workload.model, self.workload.tokens_per_device
+        s, h = self.workload.seq_length, m.hidden_size
+        q_width = m.num_attention_heads * m.kv_channels
+        kv_width = 2 * m.query_groups * m.kv_channels
+        projections = (2.0 * n * h * (q_width + kv_width) + 2.0 * n * q_width * h) / self._gemm_rate_D
+        core_full = 4.0 * n * s * q_width  # QK^T and AV over all s keys, per token
+        causal = m.model_family == "gpt"  # fused kernels skip the masked half; unfused ones compute it
+        flash_core = core_full * (0.5 if causal else 1.0) / (self.hw.peak_flops_D * self.eff.flash_attention)
+        score_bytes = n * m.num_attention_heads * s * 2.0 * self.SCORE_PASSES
+        unfused_core = np.maximum(core_full / self._gemm_rate_D, score_bytes / self._mem_rate_D)
+        return projections, np.where(self.hw.flash_D, flash_core, unfused_core)
+
+    def attention_fwd_D(self) -> np.ndarray:
+        """One layer's attention block forward (QKV, core attention, output projection) per device; float [D]."""
+        projections, core = self._attention_parts_D()
+        return projections + core
+
+    def attention_bwd_D(self) -> np.ndarray:
+        """One layer's attention block backward per device; float [D]."""
+        projections, core = self._attention_parts_D()
+        return self.BACKWARD * projections + np.where(self.hw.flash_D, self.FLASH_BACKWARD, self.BACKWARD) * core
+
+    def other_fwd_D(self, moe: bool) -> np.ndarray:
+        """One layer's non-attention, non-expert forward per device: norms, residuals, and the
+        gate plus token permutation (MoE layer) or the dense MLP (dense layer); float [D]."""
+        m, n = self.workload.model, self.workload.tokens_per_device
+        h = m.hidden_size
+        t = self._roofline(0.0, n * h * self.ELEMENTWISE_BYTES_PER_HIDDEN)
+        if moe:
+            gate = self._roofline(2.0 * n * h * m.num_experts, 2.0 * n * h)
+            permute = self._roofline(0.0, n * m.moe_router_topk * h * self.PERMUTE_BYTES_PER_HIDDEN)
+            return t + gate + permute
+        ffn = m.ffn_hidden_size
+        fc1_out = 2 * ffn if m.swiglu else ffn
+        mlp = self._roofline(2.0 * n * h * (fc1_out + ffn), n * 2.0 * (fc1_out + ffn) * 2)
+        return t + mlp
+
+    def head_fwd_D(self) -> np.ndarray:
+        """Embedding lookup, final norm, output projection and loss forward per device; float [D]."""
+        m, n = self.workload.model, self.workload.tokens_per_device
+        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+        projection = 2.0 * n * m.hidden_size * vocab / self._gemm_rate_D
+        loss = n * vocab * self.LOSS_BYTES_PER_VOCAB / self._mem_rate_D
+        return projection + loss
+
+    def expert_fwd(self, tokens_ED: np.ndarray) -> np.ndarray:
+        """Expert forward time per device for tokens per (expert, device); float [..., D].
+
+        Accepts any leading shape [..., E, D]. Per expert with n > 0 tokens on a device: a
+        launch overhead, max(GEMM time at efficiency expert_gemm x n / (n + n_half), time to
+        stream the expert's bf16 weights), and the activation function's memory traffic.
+        """
+        m = self.workload.model
+        n = np.asarray(tokens_ED, dtype=np.float64)
+        P = float(self.workload.expert_params)
+        peak = self.hw.peak_flops_D * self.eff.expert_gemm
+        # 2P n FLOP at efficiency n / (n + n_half) is 2P (n + n_half) FLOP at full efficiency
+        gemm = 2.0 * P * (n + self.eff.expert_half_tokens) / peak
+        weights = 2.0 * P / self._mem_rate_D
+        act_bytes_per_token = (6.0 if m.swiglu else 4.0) * m.moe_ffn_hidden_size
+        act = n * act_bytes_per_token / self._mem_rate_D
+        per_expert = np.where(n > 0, self.eff.kernel_launch_s + np.maximum(gemm, weights) + act, 0.0)
+        return per_expert.sum(axis=-2)
+
+    def optimizer_D(self, params_D) -> np.ndarray:
+        """Adam step time per device for the parameters it updates; float [D]."""
+        return np.asarray(params_D, dtype=np.float64) * OPTIMIZER_STEP_BYTES_PER_PARAM / self._mem_rate_D
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------
+
+
+class CommModel:
+    """Time of a collective from the bytes every device sends and receives (see module docstring)."""
+
+    def __init__(self, hardware: Hardware, links: LinkParameters) -> None:
+        self.hw = hardware
+        self.links = links
+        D, N = hardware.num_devices, hardware.nic_bw_N.size
+        self._node_DN = np.zeros((D, N))
+        self._node_DN[np.arange(D), hardware.node_of_D] = 1.0
+        self._intra_D = hardware.intra_bw_D * links.intra_efficiency
+        self._nic_N = hardware.nic_bw_N * links.inter_efficiency
+
+    def transfer_time(self, sent_intra, sent_inter, recv_intra, recv_inter, steps=1) -> np.ndarray:
+        """Seconds of collectives given per-device bytes, each array of shape [..., D].
+
+        latency x steps + max(device intra-node out / in over its link, node NIC out / in over
+        the NIC). The latency is the inter-node one when any byte crosses nodes, the intra-node
+        one when bytes move only inside nodes, and 0 when nothing moves. Returns shape [...].
+        """
+        sent_intra, sent_inter, recv_intra, recv_inter = (
+            np.asarray(x, dtype=np.float64) for x in (sent_intra, sent_inter, recv_intra, recv_inter)
+        )
+        intra = np.maximum(sent_intra, recv_intra) / self._intra_D
+        nic = np.maximum(sent_inter @ self._node_DN, recv_inter @ self._node_DN) / self._nic_N
+        busiest = np.maximum(intra.max(axis=-1), nic.max(axis=-1))
+        crosses = sent_inter.sum(axis=-1) > 0
+        moves = crosses | (sent_intra.sum(axis=-1) > 0)
+        latency = np.where(crosses, self.links.inter_latency_s, np.where(moves, self.links.intra_latency_s, 0.0))
+        return latency * steps + busiest
+
+    def time(self, comm: CommBytes, steps=1) -> float:
+        """Seconds of one collective moving `comm`."""
+        return float(self.transfer_time(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D, steps))
+
+    def dense_allreduce(self, buffer_bytes: float) -> tuple[CommBytes, float]:
+        """A ring all-reduce of `buffer_bytes` over all devices (ascending ids) and its time.
+
+        The ring's transfers come from the placement engine's `ring_allreduce_bytes` (one
+        "expert" held by every device); the ring runs 2 (D - 1) steps, each paying the latency.
+        """
+        D = self.hw.num_devices
+        comm = ring_allreduce_bytes(InstancePlacement(np.ones((1, D), dtype=np.int64)), buffer_bytes, self.hw.topology)
+        return comm, self.time(comm, steps=max(2 * (D - 1), 1))
+
+
+def ring_broadcast_bytes(holds_RD, root_R, buffer_bytes, topology: Topology) -> CommBytes:
+    """Bytes of pipelined ring broadcasts (NCCL's algorithm), one per row.
+
+    Row r broadcasts a buffer from device root_R[r] to every device d with holds_RD[r, d]: the
+    holders, in ascending id order (node-major, so a ring crosses each node boundary once),
+    form a ring rotated to start at the root, and the buffer travels over its k - 1 edges
+    root -> next -> ... (each holder receives it once and forwards it once, the last one only
+    receives). A ring reduce to the root moves the same bytes backwards: `.reversed()`. The
+    total equals k - 1 point-to-point copies from the root; only the links that carry them differ.
+
+    Args:
+        holds_RD: bool [rows, D]; every row's root must be among its holders.
+        root_R: int [rows].
+        buffer_bytes: bytes per row's buffer: a number or float [rows].
+        topology: the devices.
+    """
+    holds = np.asarray(holds_RD, dtype=bool)
+    root = np.asarray(root_R, dtype=np.int64)
+    rows, D = holds.shape
+    if not np.all(holds[np.arange(rows), root]):
+        raise SimError("ring_broadcast_bytes: every root must be one of its row's holders")
+    size_R = np.broadcast_to(np.asarray(buffer_bytes, dtype=np.float64), (rows,))
+    r_H, d_H = np.nonzero(holds)  # row-major, devices ascending within a row
+    k_R = holds.sum(axis=1)
+    start_R = np.cumsum(k_R) - k_R
+    pos_H = np.arange(r_H.size) - start_R[r_H]
+    root_pos_R = np.cumsum(holds, axis=1)[np.arange(rows), root] - 1  # root's position in its ring
+    # ring position relative to the root: 0 = root, k - 1 = the last receiver
+    rel_H = (pos_H - root_pos_R[r_H]) % k_R[r_H]
+    sends = rel_H < k_R[r_H] - 1
+    nxt_H = d_H[start_R[r_H] + (pos_H + 1) % k_R[r_H]]
+    return CommBytes.from_transfers(d_H[sends], nxt_H[sends], size_R[r_H[sends]], topology)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+
+class MemoryModel:
+    """Bytes resident on each device at the peak of an iteration (end of the forward pass)."""
+
+    RESERVED_BYTES = 1.5e9
+    """Default reserve: CUDA context (~0.3-0.5 GB), NCCL buffers, cuBLAS workspaces and
+    allocator fragmentation."""
+
+    def __init__(self, workload: Workload, hardware: Hardware, reserved_bytes: float = RESERVED_BYTES) -> None:
+        self.workload = workload
+        self.hw = hardware
+        self.reserved_bytes = float(reserved_bytes)
+
+    def dense_bytes(self) -> float:
+        """Non-expert parameters: weights and gradients on every device, optimizer state sharded
+        over the D data-parallel ranks by the distributed optimizer."""
+        dense = self.workload.dense_params()
+        params = sum(dense["per_layer"]) + dense["outer"]
+        b = self.workload.byte_model
+        return params * (b.weight_bytes_per_param + b.grad_bytes_per_param + b.optimizer_bytes_per_param / self.workload.num_devices)
+
+    def activation_bytes(self, processed_tokens_LD) -> np.ndarray:
+        """Activations kept for the backward pass per device; float [..., D] for tokens [..., L, D].
+
+        Per transformer layer and token (Korthikanti et al. Table 2, bf16, no recomputation):
+        attention 11 h + 5 a s (the a s scores per token vanish with fused attention, which
+        keeps only O(1) statistics per row), norms 4 h; per token routed to an expert on the
+        device: its input (2 h), fc1 output and activation output (4 f, 6 f with swiglu).
+        Dense layers store 19 h per token for a 4h MLP, scaled by ffn / 4h. Plus the fp32
+        logits of the loss (4 V per token).
+        """
+        m, n = self.workload.model, self.workload.tokens_per_device
+        h, s, a = m.hidden_size, self.workload.seq_length, m.num_attention_heads
+        attn_D = n * (11.0 * h + np.where(self.hw.flash_D, 0.0, 5.0 * a * s)) + 4.0 * n * h
+        dense_layers = m.num_layers - m.num_moe_layers
+        mlp_dense = 19.0 * n * h * m.ffn_hidden_size / (4 * h) * (1.5 if m.swiglu else 1.0)
+        experts_D = self.expert_activation_bytes(np.asarray(processed_tokens_LD, dtype=np.float64).sum(axis=-2))
+        return m.num_layers * attn_D + dense_layers * mlp_dense + experts_D + self.logits_bytes(n)
+
+    def logits_bytes(self, tokens: float) -> float:
+        """The fp32 logits the loss keeps for `tokens` tokens (4 B per vocabulary entry)."""
+        m = self.workload.model
+        return 4.0 * tokens * padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+
+    def expert_activation_bytes(self, routed_tokens) -> np.ndarray:
+        """Activations of `routed_tokens` processed by experts (any shape): input 2 h, fc1 and
+        activation outputs 4 f (6 f with swiglu) per token."""
+        m = self.workload.model
+        per_token = 2.0 * m.hidden_size + (6.0 if m.swiglu else 4.0) * m.moe_ffn_hidden_size
+        return np.asarray(routed_tokens, dtype=np.float64) * per_token
+
+    def expert_bytes_per_instance(self, with_optimizer: bool) -> float:
+        """One expert's weights and gradients, plus its optimizer state when it owns one
+        (bytes per parameter from the placement engine's ByteModel)."""
+        b = self.workload.byte_model
+        per_param = b.weight_bytes_per_param + b.grad_bytes_per_param
+        if with_optimizer:
+            per_param += b.optimizer_bytes_per_param
+        return self.workload.expert_params * per_param
+
+    def free_bytes_D(self, expert_instances_D, processed_tokens_LD) -> np.ndarray:
+        """Device memory left after the dense model, owned experts (with optimizer state),
+        activations and the reserve; float [D] (negative when over budget)."""
+        used = (
+            self.dense_bytes()
+            + np.asarray(expert_instances_D, dtype=np.float64) * self.expert_bytes_per_instance(True)
+            + self.activation_bytes(processed_tokens_LD)
+            + self.reserved_bytes
+        )
+        return self.hw.memory_D - used

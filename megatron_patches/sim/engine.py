@@ -1,0 +1,202 @@
+"""Event engine: in-order streams per device, tasks with dependencies, vectorised over iterations.
+
+Every device has one compute stream and any number of communication streams ("a2a",
+"sparse", "grad", ...). A task starts when its stream is free and every task it depends on
+has ended; a stream runs its tasks in the order they were issued (as CUDA streams do). Compute
+tasks run per device with their own durations; collectives run on all devices at once: they
+start when the last device is ready (its stream free and its dependencies done) and end
+together. This is where overlap appears (FSSDP's gather on the "sparse" stream runs while the
+compute stream does attention) and where stragglers appear (a combine all-to-all cannot start
+before the busiest device has finished its experts).
+
+The iterations of a trace are independent (each starts at time 0 after the previous one's
+optimizer step), so every quantity is an array over iterations, [I, D] per device or [I] for a
+collective, and one program of `compute` / `collective` calls simulates all iterations at once.
+
+Time accounting. Every second of every device's compute stream is either busy (by the task's
+category) or idle. Idle time before a task is blamed on the dependency that ended last: if that
+is a collective, the part of the wait during the collective goes to the collective's category
+and the part before it started goes to whatever held the collective back (`wait_blame_I`:
+"straggler_wait" when another device's compute arrived last, else the category of the
+communication that was in the way). So per device, busy + idle over all categories equals the
+iteration time exactly, and averaging over devices gives an additive breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["CATEGORIES", "COMPUTE_CATEGORIES", "COMM_CATEGORIES", "Event", "Timeline"]
+
+COMPUTE_CATEGORIES = ("attention", "other", "expert", "optimizer")
+"""Categories of compute tasks: attention blocks; norms, gate, dense MLPs, embedding and head;
+expert FFNs; the optimizer step."""
+COMM_CATEGORIES = ("all_to_all", "exposed_collectives", "rearrangement")
+"""Categories of collectives: token all-to-alls; every other collective (sparse gather /
+reduce, gradient synchronisation, shadow broadcasts, weight scatter); moving experts between
+iterations."""
+STRAGGLER = "straggler_wait"
+"""Idle time waiting for another device to reach a collective."""
+CATEGORIES = COMPUTE_CATEGORIES + COMM_CATEGORIES + (STRAGGLER,)
+_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
+
+
+@dataclass(frozen=True, eq=False)
+class Event:
+    """A task that has been scheduled (on every device, for every iteration)."""
+
+    start_ID: np.ndarray
+    """Start time per iteration and device, seconds from the iteration's start; float [I, D]."""
+    end_ID: np.ndarray
+    """End time; float [I, D]."""
+    category: int
+    """Index into CATEGORIES."""
+    collective: bool
+    """True for collectives (same start and end on every device)."""
+    wait_blame_I: np.ndarray | None = None
+    """Collectives: category index that delayed the start past a device's own readiness; int [I]."""
+
+
+class Timeline:
+    """The streams of D devices over I iterations, plus the time accounting.
+
+    Attributes:
+        busy: seconds each device's compute stream spent per category; float [C, I, D].
+        idle: seconds each device's compute stream waited, by blamed category; float [C, I, D].
+        max_busy: per compute category, sum over tasks of the slowest device's duration; float [C, I].
+        comm: per communication category, summed collective durations (hidden or not); float [C, I].
+    """
+
+    def __init__(self, num_iterations: int, num_devices: int) -> None:
+        self.I, self.D = int(num_iterations), int(num_devices)
+        C = len(CATEGORIES)
+        self.busy = np.zeros((C, self.I, self.D))
+        self.idle = np.zeros((C, self.I, self.D))
+        self.max_busy = np.zeros((C, self.I))
+        self.comm = np.zeros((C, self.I))
+        self._compute_free = np.zeros((self.I, self.D))
+        self._streams: dict[str, Event] = {}
+        self._events: list[Event] = []
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def compute(self, category: str, duration_ID, after=()) -> Event:
+        """Run a compute task on every device's compute stream after the events in `after`.
+
+        duration_ID: seconds, broadcastable to [I, D] (e.g. [D] for the same time every iteration).
+        """
+        cat = self._category(category, COMPUTE_CATEGORIES)
+        duration = np.broadcast_to(np.asarray(duration_ID, dtype=np.float64), (self.I, self.D))
+        free = self._compute_free
+        start = free.copy()
+        deps = [e for e in after if e is not None]
+        if deps:
+            ends = np.stack([e.end_ID for e in deps])  # [k, I, D]
+            latest = ends.max(axis=0)
+            start = np.maximum(free, latest)
+            self._blame(free, start, deps, np.argmax(ends, axis=0))
+        end = start + duration
+        self.busy[cat] += duration
+        self.max_busy[cat] += duration.max(axis=1)
+        self._compute_free = end
+        event = Event(start, end, cat, False)
+        self._events.append(event)
+        return event
+
+    def collective(self, stream: str, category: str, duration_I, after=()) -> Event:
+        """Run a collective over all devices on `stream` after the events in `after`.
+
+        duration_I: seconds per iteration, broadcastable to [I]. The collective starts when
+        every device is ready and ends `duration` later on all of them.
+        """
+        cat = self._category(category, COMM_CATEGORIES)
+        duration = np.broadcast_to(np.asarray(duration_I, dtype=np.float64), (self.I,))
+        candidates = [e for e in after if e is not None]
+        previous = self._streams.get(stream)
+        if previous is not None:
+            candidates.append(previous)
+        if candidates:
+            ends = np.stack([e.end_ID for e in candidates])  # [k, I, D]
+            ready_I = ends.max(axis=(0, 2))
+            # which candidate, on which device, arrived last: it decides who is blamed for the wait
+            k_I = np.argmax(ends.transpose(1, 0, 2).reshape(self.I, -1), axis=1) // self.D
+            blame_of = np.array([_INDEX[STRAGGLER] if not c.collective else c.category for c in candidates])
+            wait_blame = blame_of[k_I]
+        else:
+            ready_I = np.zeros(self.I)
+            wait_blame = np.full(self.I, cat)
+        start = np.repeat(ready_I[:, None], self.D, axis=1)
+        end = start + duration[:, None]
+        self.comm[cat] += duration
+        event = Event(start, end, cat, True, wait_blame)
+        self._streams[stream] = event
+        self._events.append(event)
+        return event
+
+    def last(self, stream: str) -> Event | None:
+        """The last collective issued on `stream`, or None if the stream was never used."""
+        return self._streams.get(stream)
+
+    def finish(self) -> np.ndarray:
+        """End the iteration when every stream is done; returns the iteration time, float [I].
+
+        The compute streams' final idle time is blamed like a wait on the last event to end.
+        """
+        ends = [self._compute_free.max(axis=1, keepdims=True) * np.ones((1, self.D))]
+        sources: list[Event | None] = [None]
+        for event in self._streams.values():
+            ends.append(event.end_ID)
+            sources.append(event)
+        stacked = np.stack(ends)
+        total_I = stacked.max(axis=(0, 2))
+        target = np.repeat(total_I[:, None], self.D, axis=1)
+        gap = target - self._compute_free
+        k = np.argmax(stacked.max(axis=2), axis=0)  # [I] which source ends last
+        straggler = _INDEX[STRAGGLER]
+        for j, source in enumerate(sources):
+            mask = (k == j)[:, None] & (gap > 0)
+            if not mask.any():
+                continue
+            if source is None:
+                self.idle[straggler] += np.where(mask, gap, 0.0)
+            else:
+                self._split_wait(self._compute_free, target, source, mask)
+        self._compute_free = target
+        return total_I
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def _blame(self, free: np.ndarray, start: np.ndarray, deps: list[Event], latest_k: np.ndarray) -> None:
+        """Attribute the idle time [free, start] of each device to the dependency that ended last."""
+        gap = start - free
+        if not (gap > 0).any():
+            return
+        for j, dep in enumerate(deps):
+            mask = (latest_k == j) & (gap > 0)
+            if not mask.any():
+                continue
+            # a compute dependency is a device's own earlier task on its one compute stream, so it
+            # ended by `free` and never causes a wait; only collectives can
+            if dep.collective:
+                self._split_wait(free, start, dep, mask)
+
+    def _split_wait(self, free: np.ndarray, until: np.ndarray, dep: Event, mask: np.ndarray) -> None:
+        """Split a wait [free, until] on collective `dep`: before its start -> its wait blame, after -> its category."""
+        gap = np.where(mask, until - free, 0.0)
+        before = np.clip(dep.start_ID - free, 0.0, None)
+        before = np.minimum(np.where(mask, before, 0.0), gap)
+        self.idle[dep.category] += gap - before
+        self.idle[dep.wait_blame_I, np.arange(self.I), :] += before
+
+    @staticmethod
+    def _category(name: str, allowed: tuple[str, ...]) -> int:
+        if name not in allowed:
+            raise ValueError(f"category {name!r} is not one of {allowed}")
+        return _INDEX[name]
+
+    def breakdown(self) -> dict[str, np.ndarray]:
+        """Per category: busy + idle seconds averaged over devices; float [I] each. Sums to the iteration time."""
+        total = (self.busy + self.idle).mean(axis=2)
+        return {name: total[i] for i, name in enumerate(CATEGORIES)}

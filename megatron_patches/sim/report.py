@@ -1,0 +1,203 @@
+"""Results of simulated systems and their presentation: table, JSON document and plots.
+
+`SystemResult` holds one system's per-iteration arrays; `summarize` turns a set of results into
+the JSON layout of issue 8 (top-level "systems" -> name -> iteration_s, speedup_vs_ep,
+breakdown_s, imbalance_mean, memory_gb_max, survival_mean, per_layer_speedup, ...);
+`format_table` prints the same numbers for people; `plot` draws the speedup and breakdown bars
+and the per-layer speedups.
+
+Breakdown (seconds per iteration, mean over the trace): the parts attention, other,
+expert_compute_mean, straggler_wait, all_to_all, exposed_collectives, rearrangement and
+optimizer add up to iteration_s (each is the time the devices' compute streams spent on it or
+waited for it, averaged over devices; see `engine`). expert_compute_max is not a part: it is the
+expert compute of the busiest device, summed over layers and passes, for comparison with
+expert_compute_mean (their ratio is the cost of imbalance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["BREAKDOWN_PARTS", "SystemResult", "summarize", "format_table", "write_json", "plot"]
+
+BREAKDOWN_PARTS = (
+    "attention",
+    "other",
+    "expert_compute_mean",
+    "straggler_wait",
+    "all_to_all",
+    "exposed_collectives",
+    "rearrangement",
+    "optimizer",
+)
+"""The breakdown entries that add up to the iteration time."""
+
+
+@dataclass
+class SystemResult:
+    """One system simulated over a trace."""
+
+    name: str
+    """System name (as on the command line)."""
+    description: str
+    """One line saying what the system is."""
+    iteration_s_I: np.ndarray
+    """Simulated time of every iteration, seconds; float [I]."""
+    breakdown_I: dict[str, np.ndarray]
+    """BREAKDOWN_PARTS plus expert_compute_max, seconds per iteration; float [I] each."""
+    layer_s_IL: np.ndarray
+    """Time of each MoE layer's transformer layer (forward + backward), seconds; float [I, L]."""
+    imbalance_IL: np.ndarray
+    """max / mean device load (processed tokens) per iteration and MoE layer; float [I, L]."""
+    survival_IL: np.ndarray
+    """Tokens processed / routed; float [I, L]."""
+    memory_D: np.ndarray
+    """Peak bytes per device over the trace; float [D]."""
+    memory_limit_D: np.ndarray
+    """Device memory, bytes; float [D]."""
+    traffic: dict[str, np.ndarray] = field(default_factory=dict)
+    """Bytes by kind of communication, mean per iteration: kind -> float [2] (intra-node, inter-node)."""
+    details: dict = field(default_factory=dict)
+    """System-specific facts (chosen t, m, slots, shadows per layer, rearrangements, ...), JSON-able."""
+    planner_s: float = 0.0
+    """Wall time the placement planners took over the whole trace, seconds."""
+
+    @property
+    def iteration_s(self) -> float:
+        """Mean iteration time over the trace."""
+        return float(self.iteration_s_I.mean())
+
+    @property
+    def fits(self) -> bool:
+        """Whether the peak memory of every device stays within its capacity."""
+        return bool(np.all(self.memory_D <= self.memory_limit_D))
+
+
+def _mean(x) -> float:
+    return float(np.mean(x))
+
+
+def summarize(results: list[SystemResult], setup: dict, reference: str = "ep") -> dict:
+    """The JSON document: {"setup": setup, "systems": {name: metrics}} (see the module docstring).
+
+    speedup_vs_ep and per_layer_speedup are relative to the result named `reference`, which
+    must be among `results`.
+    """
+    by_name = {r.name: r for r in results}
+    if reference not in by_name:
+        raise ValueError(f"the reference system {reference!r} was not simulated (have {sorted(by_name)})")
+    ref = by_name[reference]
+    ref_layer_L = ref.layer_s_IL.mean(axis=0)
+    systems = {}
+    for r in results:
+        layer_L = r.layer_s_IL.mean(axis=0)
+        systems[r.name] = {
+            "description": r.description,
+            "iteration_s": r.iteration_s,
+            "iteration_s_p95": float(np.percentile(r.iteration_s_I, 95)),
+            "speedup_vs_ep": ref.iteration_s / r.iteration_s,
+            "breakdown_s": {k: _mean(v) for k, v in r.breakdown_I.items()},
+            "imbalance_mean": _mean(r.imbalance_IL),
+            "imbalance_max": float(np.max(r.imbalance_IL)),
+            "memory_gb_max": float(r.memory_D.max() / 1e9),
+            "memory_gb_per_device": (r.memory_D / 1e9).round(3).tolist(),
+            "memory_gb_capacity": float(r.memory_limit_D.min() / 1e9),
+            "fits_in_memory": r.fits,
+            "survival_mean": _mean(r.survival_IL),
+            "per_layer_s": layer_L.tolist(),
+            "per_layer_speedup": (ref_layer_L / layer_L).tolist(),
+            "traffic_bytes_per_iteration": {k: {"intra": float(v[0]), "inter": float(v[1])} for k, v in r.traffic.items()},
+            "planner_s": r.planner_s,
+            "details": r.details,
+        }
+    return {"setup": setup, "systems": systems}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f}"
+
+
+def format_table(summary: dict) -> str:
+    """A fixed-width table of the summary, one row per system, times in milliseconds."""
+    head = (
+        f"{'system':<14} {'iter ms':>8} {'speedup':>7} {'attn':>8} {'other':>8} {'exp mean':>8} {'exp max':>8} "
+        f"{'strag':>8} {'a2a':>8} {'coll':>8} {'rearr':>8} {'optim':>8} {'imbal':>6} {'surv':>6} {'mem GB':>7}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, s in summary["systems"].items():
+        b = s["breakdown_s"]
+        mem = f"{s['memory_gb_max']:6.1f}" + ("!" if not s["fits_in_memory"] else " ")
+        lines.append(
+            f"{name:<14} {_ms(s['iteration_s'])} {s['speedup_vs_ep']:7.2f} {_ms(b['attention'])} {_ms(b['other'])} "
+            f"{_ms(b['expert_compute_mean'])} {_ms(b['expert_compute_max'])} {_ms(b['straggler_wait'])} "
+            f"{_ms(b['all_to_all'])} {_ms(b['exposed_collectives'])} {_ms(b['rearrangement'])} {_ms(b['optimizer'])} "
+            f"{s['imbalance_mean']:6.2f} {s['survival_mean']:6.3f} {mem}"
+        )
+    lines.append(
+        "times: ms per iteration (mean over the trace); attn..optim except 'exp max' add up to 'iter ms'; "
+        "'exp max' = busiest device's expert compute; '!' = exceeds device memory"
+    )
+    for name, s in summary["systems"].items():
+        per_layer = " ".join(f"{x:.2f}" for x in s["per_layer_speedup"])
+        lines.append(f"per-layer speedup vs ep, {name}: {per_layer}")
+    return "\n".join(lines)
+
+
+def write_json(summary: dict, path: str) -> None:
+    """Write the summary as indented JSON at `path` (directories created)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=False, allow_nan=False, default=_json_default)
+        f.write("\n")
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def plot(summary: dict, path: str) -> None:
+    """Save a figure: speedup over EP, stacked breakdown, per-layer speedup (PNG/PDF by suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["systems"])
+    systems = [summary["systems"][n] for n in names]
+    fig, (ax_speed, ax_break, ax_layer) = plt.subplots(1, 3, figsize=(18, 5))
+    x = np.arange(len(names))
+    ax_speed.bar(x, [s["speedup_vs_ep"] for s in systems], color="tab:blue")
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    ax_speed.set_xticks(x, names, rotation=45, ha="right")
+    ax_speed.set_ylabel("speedup over EP")
+    ax_speed.set_title("iteration time speedup")
+    bottom = np.zeros(len(names))
+    for part in BREAKDOWN_PARTS:
+        values = np.array([s["breakdown_s"][part] for s in systems]) * 1e3
+        ax_break.bar(x, values, bottom=bottom, label=part)
+        bottom += values
+    ax_break.set_xticks(x, names, rotation=45, ha="right")
+    ax_break.set_ylabel("ms per iteration")
+    ax_break.set_title("breakdown (adds up to the iteration time)")
+    ax_break.legend(fontsize=7)
+    for name, s in zip(names, systems):
+        ax_layer.plot(np.arange(len(s["per_layer_speedup"])), s["per_layer_speedup"], marker="o", label=name)
+    ax_layer.axhline(1.0, color="black", linewidth=0.8)
+    ax_layer.set_xlabel("MoE layer")
+    ax_layer.set_ylabel("speedup over EP")
+    ax_layer.set_title("per-layer speedup")
+    ax_layer.legend(fontsize=7)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

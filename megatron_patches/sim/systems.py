@@ -1,0 +1,671 @@
+"""The simulated systems: their names, how each is planned and how its iteration is scheduled.
+
+Every placement-based system is the placement engine's own policy (`placement.policies`),
+replayed iteration by iteration on the scaled trace exactly as training would plan it: loads
+predicted from earlier iterations only (`LoadTracker`, the policy's window), the gate's actual
+per-source tokens for dispatch and post-gate decisions. From each iteration's plan the
+simulator takes the tokens processed per (expert, device), the dispatch all-to-all, the other
+traffic by kind (`Policy.traffic` of that layer alone) and the experts moved before the
+iteration, prices them with the cost model and runs one event-driven schedule of forward and
+backward per transformer layer (`_schedule`), vectorised over all iterations.
+
+Where each kind of traffic runs in the schedule:
+- all-to-all (dispatch, combine; forward and backward): "a2a" stream, on the critical path;
+- "shadow_broadcast" (FasterMoE): "a2a" stream after the gate, before dispatch (on the path);
+  priced as NCCL's pipelined ring broadcast inside each EP group (`costs.ring_broadcast_bytes`),
+  as FasterMoE broadcasts shadows and as its own cost model assumes (expert bytes / bandwidth
+  per shadow), not as the holder's point-to-point fan-out `Policy.traffic` counts; likewise
+  "shadow_reduce" as a ring reduce;
+- "spag" (FSSDP): "sparse" stream, launched when the layer's attention starts (hidden behind
+  it when short enough); with re-materialization again in backward, launched after the
+  layer above's expert backward. Priced as the placement engine counts it (point-to-point
+  from each owner to every holder, SimOptions.sparse_collectives = "p2p") or as pipelined
+  ring broadcasts over the holders ("ring": the same bytes in total, but an owner's node
+  sends each copy across the network once instead of once per receiving device);
+- "sprs", and every gradient synchronisation ("grad_allreduce", "shadow_reduce",
+  "grad_fetch"): after the layer's expert backward, on "sparse" (sprs) or "grad";
+- dense (non-expert) gradients: a ring all-reduce per layer on "grad" after its attention
+  backward (Megatron DDP's overlapped bucket reduction);
+- "weight_scatter" (replicate): after the optimizer step, on the path;
+- rearrangement (moved experts with their optimizer state): before the iteration, on the path.
+The optimizer step waits for all gradient traffic. Kinds a future policy adds are scheduled
+like gradient synchronisation and listed in the result's details.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import multiprocessing
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.placement import fssdp
+from megatron_patches.placement.accounting import CommBytes, dispatch_bytes, imbalance
+from megatron_patches.placement.baselines import EPLayout
+from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, make_policy
+from megatron_patches.placement.types import PlacementError
+from megatron_patches.sim.costs import SimError, ring_broadcast_bytes
+from megatron_patches.sim.engine import Timeline
+from megatron_patches.sim.report import SystemResult
+from megatron_patches.sim.scenario import Scenario
+
+__all__ = [
+    "SystemSpec",
+    "SYSTEMS",
+    "check_memory",
+    "resolve_systems",
+    "simulate",
+    "simulate_all",
+    "simulate_placement_system",
+    "replay_config",
+]
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """A simulated system: which planner, with which knobs, scheduled how."""
+
+    name: str
+    """Name on the command line."""
+    description: str
+    """One line for --list-systems and the JSON."""
+    family: str
+    """"placement" (a placement-engine policy on homogeneous roles) or "zebra" (disaggregated pools)."""
+    policy: str = ""
+    """Placement family: the `placement.policies.POLICIES` key."""
+    interval: int | None = None
+    """Rearrangement interval in iterations (FlexMoE, SmartMoE); None: the scenario's reshard_interval."""
+    fssdp_mode: str = ""
+    """FSSDP: "both" (materialization + heterogeneous sharding), "materialize" or "shard"."""
+    remat: bool = False
+    """FSSDP: free copies after forward use and gather them again for backward."""
+    ideal: bool = False
+    """EP-Ideal: every compute task takes the device-mean time (no stragglers of speed or load)."""
+    zebra_mode: str = ""
+    """Zebra family: "naive" (disaggregation, one micro-batch), "zp" (zig-zag) or "asym" (zig-zag + Asym-EA)."""
+
+
+SYSTEMS: dict[str, SystemSpec] = {
+    s.name: s
+    for s in (
+        SystemSpec("ep", "Megatron expert parallelism: static even expert layout, dropless", "placement", "ep"),
+        SystemSpec(
+            "ep-ideal",
+            "EP with every compute task at the device-mean time: no straggler from load or device speed (a bound)",
+            "placement",
+            "ep",
+            ideal=True,
+        ),
+        SystemSpec(
+            "fastermoe",
+            "FasterMoE-style shadowing: popular experts broadcast after the gate when the cost model says it pays",
+            "placement",
+            "fastermoe",
+        ),
+        SystemSpec(
+            "smartmoe",
+            "SmartMoE-style swapping of experts between devices every reshard interval (moves optimizer state)",
+            "placement",
+            "smartmoe",
+        ),
+        *(
+            SystemSpec(
+                f"flexmoe-{k}",
+                f"FlexMoE-style replicate/relocate every {k} iterations into reserved slots (moves optimizer state)",
+                "placement",
+                "flexmoe",
+                interval=k,
+            )
+            for k in (10, 50, 100)
+        ),
+        SystemSpec(
+            "fssdp",
+            "FSSDP: per-iteration sparse materialization overlapped with attention + heterogeneous re-sharding",
+            "placement",
+            "fssdp",
+            fssdp_mode="both",
+        ),
+        SystemSpec(
+            "fssdp-mat", "FSSDP materialization only (even sharding, never re-sharded)", "placement", "fssdp",
+            fssdp_mode="materialize",
+        ),
+        SystemSpec(
+            "fssdp-shard", "FSSDP heterogeneous sharding only (no materialized copies)", "placement", "fssdp",
+            fssdp_mode="shard",
+        ),
+        SystemSpec(
+            "fssdp-remat",
+            "FSSDP with re-materialization: copies freed after forward use and gathered again for backward",
+            "placement",
+            "fssdp",
+            fssdp_mode="both",
+            remat=True,
+        ),
+        SystemSpec(
+            "replicate",
+            "adaptive per-iteration replication with a decoupled optimizer, capacity-limited (drops tokens)",
+            "placement",
+            "replicate",
+        ),
+        SystemSpec(
+            "static",
+            "DeepSpeed-style static replication with an expert capacity (drops tokens)",
+            "placement",
+            "static",
+        ),
+        SystemSpec(
+            "zebra-naive",
+            "attention on the newer GPUs, experts on the older ones, one micro-batch (no zig-zag)",
+            "zebra",
+            zebra_mode="naive",
+        ),
+        SystemSpec("zebra", "zebra parallelism: disaggregated pools with the zig-zag micro-batch schedule", "zebra",
+                   zebra_mode="zp"),
+        SystemSpec("zebra-asym", "zebra parallelism with asymmetric expert assignment (Asym-EA)", "zebra",
+                   zebra_mode="asym"),
+    )
+}
+"""The fixed system names; `flexmoe-N` and `smartmoe-N` take any interval N >= 1."""
+
+_INTERVAL = re.compile(r"^(flexmoe|smartmoe)-([0-9]+)$")
+
+
+def resolve_systems(names) -> list[SystemSpec]:
+    """Specs for a list of names (duplicates dropped, order kept); SimError naming an unknown one."""
+    specs = []
+    for raw in names:
+        name = raw.strip()
+        if not name or name in [s.name for s in specs]:
+            continue
+        if name in SYSTEMS:
+            specs.append(SYSTEMS[name])
+            continue
+        match = _INTERVAL.match(name)
+        if match and int(match.group(2)) >= 1:
+            kind, k = match.group(1), int(match.group(2))
+            base = SYSTEMS["flexmoe-10"] if kind == "flexmoe" else SYSTEMS["smartmoe"]
+            what = "replicate/relocate" if kind == "flexmoe" else "swapping"
+            specs.append(dataclasses.replace(
+                base, name=name, interval=k, description=f"{kind} {what} every {k} iterations (moves optimizer state)"
+            ))
+            continue
+        raise SimError(
+            f"unknown system {name!r}; valid systems: {', '.join(SYSTEMS)}, flexmoe-N, smartmoe-N (N >= 1 iterations)"
+        )
+    if not specs:
+        raise SimError(f"no system given; valid systems: {', '.join(SYSTEMS)}")
+    return specs
+
+
+def simulate(scn: Scenario, spec: SystemSpec) -> SystemResult:
+    """Simulate one system over the scenario's trace."""
+    if spec.family == "zebra":
+        from megatron_patches.sim.zebra import simulate_zebra_system
+
+        return simulate_zebra_system(scn, spec)
+    return simulate_placement_system(scn, spec)
+
+
+_FORKED_SCENARIO: Scenario | None = None
+"""The scenario worker processes of `simulate_all` inherit (fork), so it is not pickled per system."""
+
+
+def _simulate_forked(spec: SystemSpec) -> tuple[SystemResult, float]:
+    start = time.perf_counter()
+    return simulate(_FORKED_SCENARIO, spec), time.perf_counter() - start
+
+
+def simulate_all(scn: Scenario, specs: list[SystemSpec], jobs: int = 1, progress=None) -> list[SystemResult]:
+    """Simulate several systems, in `jobs` forked worker processes when jobs > 1 (results in spec order).
+
+    progress(name, seconds) is called as each system finishes.
+    """
+    global _FORKED_SCENARIO
+    if jobs <= 1 or len(specs) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        results = []
+        for spec in specs:
+            result, seconds = _timed(scn, spec)
+            results.append(result)
+            if progress:
+                progress(spec.name, seconds)
+        return results
+    _FORKED_SCENARIO = scn
+    try:
+        context = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(specs)), mp_context=context) as pool:
+            futures = [pool.submit(_simulate_forked, spec) for spec in specs]
+            results = []
+            for spec, future in zip(specs, futures):
+                result, seconds = future.result()
+                results.append(result)
+                if progress:
+                    progress(spec.name, seconds)
+    finally:
+        _FORKED_SCENARIO = None
+    return results
+
+
+def _timed(scn: Scenario, spec: SystemSpec) -> tuple[SystemResult, float]:
+    start = time.perf_counter()
+    return simulate(scn, spec), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning knobs: t, m, slots
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_bytes(scn: Scenario) -> float:
+    """Free memory of the tightest device under EP with perfectly balanced loads, bytes."""
+    L, E, D = scn.num_layers, scn.num_experts, scn.num_devices
+    per_device = max(E // D, 1) * L
+    balanced_LD = np.full((L, D), scn.workload.routed_tokens_per_layer / D)
+    return float(scn.memory.free_bytes_D(np.full(D, per_device), balanced_LD).min())
+
+
+def check_memory(scn: Scenario) -> None:
+    """SimError unless the model fits under EP with perfectly balanced loads on every device.
+
+    Every placement system owns at least EP's experts per device, so a model that does not fit
+    this way cannot be trained by any of them on these devices. The message gives the parts.
+    """
+    free = _free_bytes(scn)
+    if free >= 0:
+        return
+    L, E, D = scn.num_layers, scn.num_experts, scn.num_devices
+    mem = scn.memory
+    balanced_LD = np.full((L, D), scn.workload.routed_tokens_per_layer / D)
+    d = int(np.argmin(scn.hardware.memory_D))
+    experts = max(E // D, 1) * L * mem.expert_bytes_per_instance(True)
+    acts = float(mem.activation_bytes(balanced_LD)[d])
+    need = mem.dense_bytes() + experts + acts + mem.reserved_bytes
+    raise SimError(
+        f"the model does not fit: {scn.workload.model.num_layers} layers x {E} experts on {D} x "
+        f"{scn.hardware.device_types[d]} need {need / 1e9:.1f} GB per device under EP with balanced loads "
+        f"(dense weights/grads/optimizer {mem.dense_bytes() / 1e9:.1f} GB, experts {experts / 1e9:.1f} GB, "
+        f"activations {acts / 1e9:.1f} GB, reserve {mem.reserved_bytes / 1e9:.1f} GB) but the device has "
+        f"{scn.hardware.memory_D[d] / 1e9:.0f} GB; use more GPUs, a smaller --micro-batch-size or --seq-length"
+    )
+
+
+def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
+    """The policy knobs of a placement system, derived from the cost and memory model.
+
+    - t (FSSDP overlap degree): DESIGN 4.2, floor(T_nonMoE x bw / expert bytes), with T_nonMoE
+      the forward of a layer's attention block, norms and gate on the slowest device.
+    - m (FSSDP copies per device and layer): the free memory under EP (balanced loads) over the
+      bytes of one copy (weights + gradients) times the layers whose copies are alive at once
+      (all L without re-materialization, 1 with it).
+    - FlexMoE's reserved slots: free memory over L full expert instances (weights, gradients,
+      optimizer state): the replicas of every layer are resident.
+    - replicate / static slots: ceil(E / D) + FlexMoE's reserved slots (the same memory budget).
+    Every value can be fixed by SimOptions instead. Returns the ReplayConfig and the chosen values.
+    """
+    o = scn.options
+    bm = scn.workload.byte_model
+    topo = scn.hardware.topology
+    L, E, D = scn.num_layers, scn.num_experts, scn.num_devices
+    compute = scn.compute
+    t_non_moe = float(np.max(compute.attention_fwd_D() + compute.other_fwd_D(True)))
+    free = max(_free_bytes(scn), 0.0)
+    copy_bytes = bm.expert_weight_bytes + bm.expert_grad_bytes
+    t = o.overlap_degree
+    if t is None:
+        t = fssdp.overlap_degree(t_non_moe, fssdp.gather_bandwidth(topo), bm.expert_weight_bytes, E)
+    m = o.memory_capacity
+    if m is None:
+        m = min(fssdp.memory_capacity(free / (1 if spec.remat else L), copy_bytes), E)
+    reserved = o.reserved_slots
+    if reserved is None:
+        reserved = min(fssdp.memory_capacity(free / L, scn.memory.expert_bytes_per_instance(True)), E)
+    slots = o.slots_per_rank if o.slots_per_rank is not None else -(-E // D) + reserved
+    interval = o.reshard_interval
+    knobs: dict = {}
+    memory_capacity = 0
+    overlap = t
+    if spec.policy == "fssdp":
+        if spec.fssdp_mode == "shard":
+            overlap, memory_capacity = 0, 0
+        else:
+            memory_capacity = m
+        if spec.fssdp_mode == "materialize":
+            interval = scn.num_iterations + 1  # never re-shard: even sharding throughout
+        knobs = {"overlap_degree_t": overlap, "memory_capacity_m": memory_capacity, "t_non_moe_s": t_non_moe,
+                 "reshard_interval": interval if spec.fssdp_mode != "materialize" else None}
+    elif spec.policy == "flexmoe":
+        memory_capacity = reserved
+        interval = spec.interval or interval
+        knobs = {"reserved_slots": reserved, "interval": interval}
+    elif spec.policy == "smartmoe":
+        interval = spec.interval or interval
+        knobs = {"interval": interval}
+    elif spec.policy in ("replicate", "static"):
+        knobs = {"slots_per_rank": slots, "capacity_factor": scn.capacity_factor}
+    device_flops = float(np.min(scn.hardware.peak_flops_D)) * scn.efficiency.expert_gemm
+    try:
+        config = ReplayConfig(
+            topology=topo,
+            byte_model=bm,
+            overlap_degree=int(overlap),
+            memory_capacity=int(memory_capacity),
+            slots_per_rank=int(slots),
+            capacity_factor=scn.capacity_factor,
+            reshard_interval=int(interval),
+            skew_threshold=None,
+            calibrate=False,
+            device_flops=device_flops,
+        )
+    except PlacementError as err:
+        raise SimError(f"{spec.name}: {err}") from None
+    return config, knobs
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay: plan every iteration, collect what the schedule needs
+# ---------------------------------------------------------------------------------------------
+
+
+_BYTE_FIELDS = ("sent_intra_D", "sent_inter_D", "recv_intra_D", "recv_inter_D")
+
+
+class _Bytes:
+    """Per-device bytes of one kind of collective for every iteration and layer; float [I, L, 4, D]."""
+
+    def __init__(self, I: int, L: int, D: int) -> None:
+        self.data = np.zeros((I, L, 4, D))
+        self.steps = np.ones((I, L))
+
+    def put(self, i: int, k: int, comm: CommBytes, steps: float = 1.0) -> None:
+        for j, name in enumerate(_BYTE_FIELDS):
+            self.data[i, k, j] = getattr(comm, name)
+        self.steps[i, k] = steps
+
+    def times_IL(self, scn: Scenario) -> np.ndarray:
+        d = self.data
+        return scn.comm.transfer_time(d[:, :, 0], d[:, :, 1], d[:, :, 2], d[:, :, 3], self.steps)
+
+    def totals(self) -> np.ndarray:
+        """Mean bytes per iteration over all layers: [intra, inter] (counted at the sender)."""
+        return np.array([self.data[:, :, 0].sum(axis=(1, 2)).mean(), self.data[:, :, 1].sum(axis=(1, 2)).mean()])
+
+
+@dataclass
+class _Replayed:
+    """What one system's replay produced (arrays over iterations I, MoE layers L, devices D)."""
+
+    expert_fwd_ILD: np.ndarray
+    processed_ILD: np.ndarray
+    a2a: _Bytes
+    kinds: dict[str, _Bytes]
+    moves_I4D: np.ndarray
+    resident_ILD: np.ndarray
+    transient_ILD: np.ndarray
+    optimizer_params_ILD: np.ndarray
+    imbalance_IL: np.ndarray
+    survival_IL: np.ndarray
+    shadowed_IL: np.ndarray
+    moves_I: np.ndarray
+    planner_s: float
+
+
+def _shadow_rings(layout: EPLayout, shadowed_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One ring per (shadowed expert, EP group): the group's devices, rooted at the expert's holder."""
+    g, D = layout.group_size, layout.num_devices
+    roots_R = layout.devices_E_G()[shadowed_E].ravel()
+    holds_RD = (np.arange(D)[None, :] // g) == (roots_R[:, None] // g)
+    return holds_RD, roots_R
+
+
+def _replay(scn: Scenario, policy: Policy) -> _Replayed:
+    I, L, E, D = scn.num_iterations, scn.num_layers, scn.num_experts, scn.num_devices
+    topo = scn.hardware.topology
+    bm = scn.workload.byte_model
+    P = float(bm.params_per_expert)
+    full = scn.memory.expert_bytes_per_instance(True) / P  # bytes per parameter of an owned instance
+    copy = scn.memory.expert_bytes_per_instance(False) / P  # weights + gradients only
+    ep_layout = EPLayout.even(E, D)
+    ep_owned_D = ep_layout.placement().counts_ED.sum(axis=0)
+    out = _Replayed(
+        expert_fwd_ILD=np.zeros((I, L, D)),
+        processed_ILD=np.zeros((I, L, D)),
+        a2a=_Bytes(I, L, D),
+        kinds={},
+        moves_I4D=np.zeros((I, 4, D)),
+        resident_ILD=np.zeros((I, L, D)),
+        transient_ILD=np.zeros((I, L, D)),
+        optimizer_params_ILD=np.zeros((I, L, D)),
+        imbalance_IL=np.ones((I, L)),
+        survival_IL=np.ones((I, L)),
+        shadowed_IL=np.zeros((I, L)),
+        moves_I=np.zeros(I),
+        planner_s=0.0,
+    )
+    ring_sparse = scn.options.sparse_collectives == "ring"
+    tracker = LoadTracker(L, E, policy.default_window)
+    for i in range(I):
+        start = time.perf_counter()
+        step = policy.plan(i, tracker.predict(), scn.source_ILDE[i])
+        out.planner_s += time.perf_counter() - start
+        processed_LED = np.stack([lp.processed_ED for lp in step.layers])
+        out.expert_fwd_ILD[i] = scn.compute.expert_fwd(processed_LED)
+        out.processed_ILD[i] = processed_LED.sum(axis=1)
+        for k, lp in enumerate(step.layers):
+            out.a2a.put(i, k, dispatch_bytes(lp.dispatch, topo, bm.token_bytes))
+            traffic = policy.traffic(PolicyStep(i, (lp,)))
+            traffic.pop("all_to_all", None)
+            if lp.shadowed_E is not None:
+                holds_RD, root_R = _shadow_rings(ep_layout, lp.shadowed_E)
+                traffic["shadow_broadcast"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_weight_bytes, topo)
+                traffic["shadow_reduce"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_grad_bytes, topo).reversed()
+            if lp.shard is not None and ring_sparse:
+                holds_ED = lp.placement.holds_ED()
+                owner_E = lp.shard.owner_E
+                traffic["spag"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_weight_bytes, topo)
+                traffic["sprs"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_grad_bytes, topo).reversed()
+            for kind, comm in traffic.items():
+                # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
+                steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
+                out.kinds.setdefault(kind, _Bytes(I, L, D)).put(i, k, comm, max(steps, 1.0))
+            held_D = lp.placement.counts_ED.sum(axis=0)
+            if lp.shard is not None:
+                owned_D = lp.shard.counts_D()
+                out.transient_ILD[i, k] = lp.placement.extra_copies_D(lp.shard) * P * copy
+            elif lp.shadowed_E is not None:
+                owned_D = ep_owned_D
+                out.transient_ILD[i, k] = (lp.placement.holds_ED().sum(axis=0) - owned_D) * P * copy
+                out.shadowed_IL[i, k] = int(lp.shadowed_E.sum())
+            elif policy.name == "replicate":
+                owned_D = None
+                slice_params = E * P / D  # decoupled optimizer: every rank owns 1/D of every expert
+                out.resident_ILD[i, k] = held_D * P * copy + slice_params * (full - copy)
+                out.optimizer_params_ILD[i, k] = slice_params
+            else:
+                owned_D = held_D
+            if owned_D is not None:
+                out.resident_ILD[i, k] = owned_D * P * full
+                out.optimizer_params_ILD[i, k] = owned_D * P
+            routed = int(scn.loads_ILE[i, k].sum())
+            out.imbalance_IL[i, k] = imbalance(lp.processed_ED.sum(axis=0))
+            out.survival_IL[i, k] = 1.0 if routed == 0 else float(lp.processed_ED.sum()) / routed
+        if step.moves:
+            moved = policy.rearrangement(step)
+            per_move = bm.expert_weight_bytes + (bm.expert_optimizer_bytes if policy.moves_optimizer else 0.0)
+            src = np.array([m.src for m in step.moves], dtype=np.int64)
+            dst = np.array([m.dst for m in step.moves], dtype=np.int64)
+            comm = CommBytes.from_transfers(src, dst, per_move, topo)
+            if not math.isclose(comm.total, moved.total, rel_tol=1e-9, abs_tol=1.0):
+                raise SimError(
+                    f"{policy.name}: rearrangement bytes {comm.total} differ from the placement engine's {moved.total}"
+                )
+            out.moves_I4D[i] = [getattr(comm, name) for name in _BYTE_FIELDS]
+            out.moves_I[i] = len(step.moves)
+        tracker.observe(scn.loads_ILE[i])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule
+# ---------------------------------------------------------------------------------------------
+
+_FORWARD_KINDS = ("spag", "shadow_broadcast")
+_AFTER_OPTIMIZER_KINDS = ("weight_scatter",)
+_SPARSE_KINDS = ("sprs",)
+
+
+def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[str, np.ndarray],
+              a2a_IL: np.ndarray, rearrange_I: np.ndarray, after_optimizer_I: np.ndarray):
+    """Run the forward/backward program of every iteration; returns (timeline, iteration_s_I, layer_s_IL)."""
+    I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
+    c = scn.compute
+    wl = scn.workload
+
+    def even(duration):
+        """EP-Ideal: every device takes the device-mean time."""
+        d = np.broadcast_to(np.asarray(duration, dtype=np.float64), (I, D))
+        return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.ideal else d
+
+    att_fwd, att_bwd = even(c.attention_fwd_D()), even(c.attention_bwd_D())
+    other_moe, other_dense = even(c.other_fwd_D(True)), even(c.other_fwd_D(False))
+    head = even(c.head_fwd_D() * (1.0 + c.BACKWARD))
+    expert_fwd = [even(rep.expert_fwd_ILD[:, k]) for k in range(L)]
+    dense = wl.dense_params()
+    grad_bytes = wl.byte_model.grad_bytes_per_param
+    dense_grad_s = [scn.comm.dense_allreduce(p * grad_bytes)[1] for p in dense["per_layer"]]
+    outer_grad_s = scn.comm.dense_allreduce(dense["outer"] * grad_bytes)[1]
+    optimizer_params = sum(dense["per_layer"]) + dense["outer"]
+    optimizer = even(c.optimizer_D(optimizer_params / D + rep.optimizer_params_ILD.sum(axis=1)))
+    grad_kinds = [k for k in kind_times if k not in _FORWARD_KINDS + _AFTER_OPTIMIZER_KINDS + _SPARSE_KINDS]
+
+    tl = Timeline(I, D)
+    prev = tl.collective("a2a", "rearrangement", rearrange_I) if rearrange_I.any() else None
+    moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
+    fwd_span = np.zeros((I, L))
+    bwd_span = np.zeros((I, L))
+    gathers: dict[int, object] = {}
+    for j in range(wl.model.num_layers):
+        k = moe_index.get(j)
+        if k is not None and "spag" in kind_times:
+            gathers[k] = tl.collective("sparse", "exposed_collectives", kind_times["spag"][:, k], after=[prev])
+        att = tl.compute("attention", att_fwd, after=[prev])
+        if k is None:
+            prev = tl.compute("other", other_dense, after=[att])
+            continue
+        gate = tl.compute("other", other_moe, after=[att])
+        shadow = None
+        if "shadow_broadcast" in kind_times:
+            shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate])
+        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[gate, shadow, gathers.get(k)])
+        experts = tl.compute("expert", expert_fwd[k], after=[dispatch])
+        prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
+        fwd_span[:, k] = prev.end_ID.max(axis=1) - att.start_ID.min(axis=1)
+    prev = tl.compute("other", head, after=[prev])
+    regather: dict[int, object] = {}
+    for j in reversed(range(wl.model.num_layers)):
+        k = moe_index.get(j)
+        if k is None:
+            first = tl.compute("other", c.BACKWARD * other_dense, after=[prev])
+        else:
+            combine_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
+            experts_b = tl.compute("expert", c.BACKWARD * expert_fwd[k], after=[combine_b, regather.get(k)])
+            dispatch_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts_b])
+            below = [m for m in moe_index.values() if m < k]
+            if spec.remat and below and "spag" in kind_times:
+                # copies of the next MoE layer down were freed after its forward: gather them again
+                regather[below[-1]] = tl.collective(
+                    "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b]
+                )
+            for kind in _SPARSE_KINDS:
+                if kind in kind_times:
+                    tl.collective("sparse", "exposed_collectives", kind_times[kind][:, k], after=[experts_b])
+            for kind in grad_kinds:
+                tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b])
+            first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b])
+        attention_b = tl.compute("attention", att_bwd, after=[first])
+        tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b])
+        if k is not None:
+            bwd_span[:, k] = attention_b.end_ID.max(axis=1) - combine_b.start_ID.min(axis=1)
+        prev = attention_b
+    tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev])
+    waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
+    opt = tl.compute("optimizer", optimizer, after=waits)
+    if after_optimizer_I.any():
+        tl.collective("a2a", "exposed_collectives", after_optimizer_I, after=[opt])
+    total_I = tl.finish()
+    return tl, total_I, fwd_span + bwd_span
+
+
+def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
+    """Replay a placement-engine policy over the trace and schedule every iteration."""
+    config, knobs = replay_config(scn, spec)
+    try:
+        policy = make_policy(spec.policy, config, scn.num_layers, scn.num_experts)
+        rep = _replay(scn, policy)
+    except PlacementError as err:
+        raise SimError(f"{spec.name}: {err}") from None
+    a2a_IL = rep.a2a.times_IL(scn)
+    kind_times = {kind: b.times_IL(scn) for kind, b in rep.kinds.items()}
+    m = rep.moves_I4D
+    rearrange_I = np.where(rep.moves_I > 0, scn.comm.transfer_time(m[:, 0], m[:, 1], m[:, 2], m[:, 3]), 0.0)
+    after_optimizer_I = sum((kind_times.pop(k).sum(axis=1) for k in _AFTER_OPTIMIZER_KINDS if k in kind_times),
+                            np.zeros(scn.num_iterations))
+    tl, total_I, layer_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I, after_optimizer_I)
+
+    breakdown = tl.breakdown()
+    expert_index = list(breakdown).index("expert")
+    breakdown_I = {
+        "attention": breakdown["attention"],
+        "other": breakdown["other"],
+        "expert_compute_mean": breakdown["expert"],
+        "expert_compute_max": tl.max_busy[expert_index],
+        "straggler_wait": breakdown["straggler_wait"],
+        "all_to_all": breakdown["all_to_all"],
+        "exposed_collectives": breakdown["exposed_collectives"],
+        "rearrangement": breakdown["rearrangement"],
+        "optimizer": breakdown["optimizer"],
+    }
+    transient = rep.transient_ILD.max(axis=1) if spec.remat else rep.transient_ILD.sum(axis=1)
+    memory_ID = (
+        scn.memory.dense_bytes()
+        + scn.memory.reserved_bytes
+        + scn.memory.activation_bytes(rep.processed_ILD)
+        + rep.resident_ILD.sum(axis=1)
+        + transient
+    )
+    traffic = {"all_to_all": 4.0 * rep.a2a.totals()}
+    traffic.update({kind: b.totals() for kind, b in rep.kinds.items()})
+    dense = scn.workload.dense_params()
+    dense_comm = scn.comm.dense_allreduce(
+        (sum(dense["per_layer"]) + dense["outer"]) * scn.workload.byte_model.grad_bytes_per_param
+    )[0]
+    traffic["dense_grad_allreduce"] = np.array([dense_comm.intra, dense_comm.inter], dtype=np.float64)
+    traffic["rearrange"] = np.array([rep.moves_I4D[:, 0].sum(axis=1).mean(), rep.moves_I4D[:, 1].sum(axis=1).mean()])
+    details = dict(knobs)
+    details["prediction_window"] = policy.default_window
+    details["rearrangement_events"] = int(np.count_nonzero(rep.moves_I))
+    details["experts_moved"] = int(rep.moves_I.sum())
+    if spec.policy == "fastermoe":
+        details["shadowed_experts_per_layer_mean"] = float(rep.shadowed_IL.mean())
+    unknown = sorted(set(rep.kinds) - set(_FORWARD_KINDS + _AFTER_OPTIMIZER_KINDS + _SPARSE_KINDS)
+                     - {"grad_allreduce", "shadow_reduce", "grad_fetch"})
+    if unknown:
+        details["kinds_scheduled_as_gradient_sync"] = unknown
+    return SystemResult(
+        name=spec.name,
+        description=spec.description,
+        iteration_s_I=total_I,
+        breakdown_I=breakdown_I,
+        layer_s_IL=layer_s_IL,
+        imbalance_IL=rep.imbalance_IL,
+        survival_IL=rep.survival_IL,
+        memory_D=memory_ID.max(axis=0),
+        memory_limit_D=scn.hardware.memory_D,
+        traffic=traffic,
+        details=details,
+        planner_s=rep.planner_s,
+    )

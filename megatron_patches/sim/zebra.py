@@ -1,0 +1,299 @@
+"""Zebra systems on heterogeneous pools: naive disaggregation, zig-zag (ZP) and ZP + Asym-EA.
+
+The pool's first GPU type (the config lists the newer GPUs first) holds the M attention ranks,
+the other type the N expert ranks (DESIGN 4.7). The global batch is the one EP processes on the
+same pool (D x micro_batch_size sequences), split evenly over the attention ranks and into R
+micro-batches; every micro-batch carries the iteration's trace loads / R.
+
+Planning and scheduling are the placement engine's: `placement.zebra.build_schedule` gives the
+Theorem-1 task order of both roles and `simulate_schedule` runs it; `asym_ea` plans the
+offloading from a profile that this module derives from the cost model (`zebra_profile`:
+per-micro-batch attention and expert times on each GPU type, expert slots from free memory),
+and `expert_owners` places the experts. The cost model supplies the task durations per
+iteration and layer: attention blocks on the attention GPU type, each role's expert work as the
+busiest rank of the role computes it with the trace's loads, and the bipartite all-to-alls from
+the bytes between attention ranks and expert owners. After the schedule come the parts it does
+not model: the gradient all-reduce of the first layer's and the embedding's dense parameters
+among the attention ranks (the rest overlaps the backward) and the optimizer step.
+
+Breakdown: a role's compute-stream idle time is blamed on the dependency that ended last: the
+all-to-all it waited for ("all_to_all") or, before that all-to-all could start, the other role
+("straggler_wait", i.e. pipeline bubbles); idle at the end of the iteration is "straggler_wait".
+Per-layer times are each layer's span from its first to its last task, forward plus backward;
+with the zig-zag, spans of neighbouring layers overlap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_patches.placement import zebra as zp
+from megatron_patches.placement.policies import ring_allreduce_bytes
+from megatron_patches.placement.types import InstancePlacement
+from megatron_patches.sim.costs import SimError
+from megatron_patches.sim.report import SystemResult
+from megatron_patches.sim.scenario import Scenario
+
+__all__ = ["ZebraPools", "zebra_pools", "zebra_profile", "simulate_zebra_system"]
+
+
+class ZebraPools:
+    """Which devices are attention ranks and which expert ranks."""
+
+    def __init__(self, scn: Scenario) -> None:
+        types = scn.hardware.device_types
+        kinds = list(dict.fromkeys(types))
+        if len(kinds) != 2:
+            raise SimError(
+                f"zebra systems need a pool of two GPU types (attention GPUs listed first), but "
+                f"{scn.hardware.describe()} has {len(kinds)} type(s): {kinds}"
+            )
+        model = scn.workload.model
+        if model.num_moe_layers != model.num_layers:
+            raise SimError(f"zebra systems need every layer to be MoE; the model has {model.num_moe_layers} of "
+                           f"{model.num_layers} (moe_layer_freq {model.moe_layer_freq})")
+        self.attention_type, self.expert_type = kinds
+        self.M = types.count(self.attention_type)
+        self.N = types.count(self.expert_type)
+        if types[: self.M] != (self.attention_type,) * self.M:
+            raise SimError(f"zebra needs the {self.attention_type} GPUs first in the pool's device order")
+        self.attention = np.arange(self.M)
+        self.expert = np.arange(self.M, self.M + self.N)
+        try:
+            self.shape = zp.ZebraShape(scn.num_layers, scn.num_experts, self.M, self.N)
+        except ValueError as err:
+            raise SimError(f"zebra on {scn.hardware.describe()}: {err}") from None
+
+
+def zebra_pools(scn: Scenario) -> ZebraPools:
+    """The attention / expert split of the scenario's pool (SimError if it is not a two-type pool)."""
+    return ZebraPools(scn)
+
+
+def _tokens_per_microbatch(scn: Scenario, pools: ZebraPools, R: int) -> float:
+    """Tokens one attention rank processes in one micro-batch."""
+    return scn.workload.num_devices * scn.workload.tokens_per_device / (pools.M * R)
+
+
+def _attention_rank_bytes(scn: Scenario, pools: ZebraPools, R: int) -> float:
+    """Memory of an attention rank without experts: the dense model (optimizer state sharded over
+    the M attention ranks), attention activations of all its micro-batches, the logits of one
+    micro-batch (the head runs forward and backward back to back), the reserve."""
+    mem = scn.memory
+    dense = scn.workload.dense_params()
+    params = sum(dense["per_layer"]) + dense["outer"]
+    b = scn.workload.byte_model
+    weights = params * (b.weight_bytes_per_param + b.grad_bytes_per_param + b.optimizer_bytes_per_param / pools.M)
+    per_mb = _tokens_per_microbatch(scn, pools, R)
+    n = scn.workload.tokens_per_device
+    no_experts = np.zeros((scn.workload.model.num_layers, scn.num_devices))
+    layers = mem.activation_bytes(no_experts)[pools.attention[0]] - mem.logits_bytes(n)
+    return weights + layers * (per_mb * R / n) + mem.logits_bytes(per_mb) + mem.reserved_bytes
+
+
+def zebra_profile(scn: Scenario, pools: ZebraPools, R: int) -> zp.ZebraProfile:
+    """The Asym-EA profile as the cost model predicts it (what a profiler run would measure).
+
+    Per micro-batch, forward + backward: attention block + norms + gate on each GPU type; one
+    expert rank's n/N experts with balanced loads (the tokens of all M attention ranks) on each
+    type. Slots: experts (weights, gradients, optimizer state) that fit in the free memory of a
+    GPU of each role after its other residents and activations (balanced loads).
+    """
+    c, mem = scn.compute, scn.memory
+    per_mb = _tokens_per_microbatch(scn, pools, R)
+    scale = per_mb / scn.workload.tokens_per_device
+    attn_D = (c.attention_fwd_D() + c.attention_bwd_D() + (1 + c.BACKWARD) * c.other_fwd_D(True)) * scale
+    per_rank = pools.shape.experts_per_expert_rank
+    tokens_per_expert = per_mb * pools.M * scn.workload.model.moe_router_topk / scn.num_experts
+    experts_D = c.expert_fwd(np.full((per_rank, scn.num_devices), tokens_per_expert)) * (1 + c.BACKWARD)
+    a, e = int(pools.attention[0]), int(pools.expert[0])
+    expert_bytes = mem.expert_bytes_per_instance(True)
+    free_attention = scn.hardware.memory_D[a] - _attention_rank_bytes(scn, pools, R)
+    expert_acts = mem.expert_activation_bytes(tokens_per_expert * R * per_rank * scn.num_layers)
+    free_expert = scn.hardware.memory_D[e] - expert_acts - mem.reserved_bytes
+
+    def device(index: int, slots_as_attention: float, slots_as_expert: float) -> zp.DeviceProfile:
+        return zp.DeviceProfile(
+            device_type=scn.hardware.device_types[index],
+            t_attention_s=float(attn_D[index]),
+            t_experts_s=float(experts_D[index]),
+            expert_slots_as_attention=int(max(slots_as_attention, 0) // expert_bytes),
+            expert_slots_as_expert=int(max(slots_as_expert, 0) // expert_bytes),
+        )
+
+    try:
+        return zp.profile_from_devices(
+            pools.shape, device(a, free_attention, free_expert), device(e, free_attention, free_expert)
+        )
+    except ValueError as err:
+        raise SimError(f"zebra profile: {err}") from None
+
+
+def _plan(scn: Scenario, pools: ZebraPools, mode: str, R: int) -> tuple[zp.AsymEAPlan, zp.ZebraProfile]:
+    profile = zebra_profile(scn, pools, R)
+    try:
+        if mode == "asym":
+            return zp.asym_ea(profile), profile
+        return zp.resolve_asym_ea("off", pools.shape, profile), profile
+    except ValueError as err:
+        hint = "" if mode == "asym" else "; zebra-asym offloads experts to the attention GPUs"
+        raise SimError(f"zebra ({mode}) on {scn.hardware.describe()}: {err}{hint}") from None
+
+
+def _comm_counters(scn: Scenario, pools: ZebraPools, owners_E: np.ndarray, R: int) -> np.ndarray:
+    """Bytes per routed token of each expert in each per-device counter of one all-to-all; float [4, E, D].
+
+    Every attention rank sends 1/M of an expert's tokens (of one micro-batch) to the expert's
+    owner; tokens that stay on an attention rank owning the expert are free. Counters: sent
+    intra-node, sent inter-node, received intra-node, received inter-node.
+    """
+    E, D, M = scn.num_experts, scn.num_devices, pools.M
+    per_token = scn.workload.byte_model.token_bytes / (M * R)
+    e = np.repeat(np.arange(E), M)
+    src = np.tile(pools.attention, E)
+    dst = owners_E[e]
+    moved = src != dst
+    intra = moved & scn.hardware.topology.same_node(src, dst)
+    inter = moved & ~intra
+    out = np.zeros((4, E, D))
+    for c, (mask, device) in enumerate(((intra, src), (inter, src), (intra, dst), (inter, dst))):
+        np.add.at(out[c], (e[mask], device[mask]), per_token)
+    return out
+
+
+def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
+    """Simulate zebra-naive (R = 1), zebra (ZP) or zebra-asym (ZP + Asym-EA) over the trace."""
+    pools = ZebraPools(scn)
+    R = 1 if spec.zebra_mode == "naive" else scn.options.zebra_microbatches
+    plan, profile = _plan(scn, pools, spec.zebra_mode, R)
+    I, L, E, D = scn.num_iterations, scn.num_layers, scn.num_experts, scn.num_devices
+    c = scn.compute
+    scale = _tokens_per_microbatch(scn, pools, R) / scn.workload.tokens_per_device
+    a_rank = pools.attention
+    attention_f = scale * c.attention_fwd_D()[a_rank].max()
+    att_f = float((scale * (c.attention_fwd_D() + c.other_fwd_D(True)))[a_rank].max())
+    att_b = float((scale * (c.attention_bwd_D() + c.BACKWARD * c.other_fwd_D(True)))[a_rank].max())
+    head = c.head_fwd_D() * scale
+    head_f, head_b = float(head[a_rank].max()), float((c.BACKWARD * head)[a_rank].max())
+    att_share = float(attention_f) / att_f  # attention's part of an A task, the rest is norms and gate
+
+    owners_LE = np.stack([zp.expert_owners(plan, l) for l in range(L)])  # group-local rank = device id
+    tokens_ILE = scn.loads_ILE / R  # every micro-batch carries 1/R of the iteration's tokens
+    tokens_ILED = np.zeros((I, L, E, D))
+    tokens_ILED[:, np.arange(L)[:, None], np.arange(E)[None, :], owners_LE] = tokens_ILE
+    expert_ILD = c.expert_fwd(tokens_ILED)  # forward, one micro-batch
+    e_exp_IL = expert_ILD[:, :, pools.expert].max(axis=2)
+    e_att_IL = expert_ILD[:, :, pools.attention].max(axis=2)
+    comm_IL = np.zeros((I, L))
+    a2a_bytes = np.zeros(2)
+    for l in range(L):
+        counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), _comm_counters(scn, pools, owners_LE[l], R))
+        comm_IL[:, l] = scn.comm.transfer_time(*counters)
+        # dispatch and combine, forward and backward, R micro-batches; counted at the sender
+        a2a_bytes += 4.0 * R * np.array([counters[0].sum(axis=1).mean(), counters[1].sum(axis=1).mean()])
+    schedule = zp.build_schedule(L, R, [l for l, o in enumerate(plan.offload_chunks_L) if o > 0])
+    all_ids = list({t.id: None for queue in schedule.values() for t in queue})
+    layer_ids = {(l, ph): [t for t in all_ids if f"_{ph}({l}," in t] for l in range(L) for ph in ("F", "B")}
+
+    iteration_I = np.zeros(I)
+    busy = {name: np.zeros((I, D)) for name in ("attention", "other", "expert")}
+    idle = {name: np.zeros((I, D)) for name in ("all_to_all", "straggler_wait")}
+    layer_IL = np.zeros((I, L))
+    for i in range(I):
+
+        def duration(task: zp.Task) -> float:
+            if task.kind == "A":
+                if task.layer == L:
+                    return head_f if task.phase == "F" else head_b
+                return att_f if task.phase == "F" else att_b
+            if task.kind == "E":
+                t = e_exp_IL[i, task.layer] if task.role == "expert" else e_att_IL[i, task.layer]
+                return t if task.phase == "F" else c.BACKWARD * t
+            return comm_IL[i, task.layer]
+
+        times = zp.simulate_schedule(schedule, duration)
+        makespan = max(end for _, end in times.values())
+        iteration_I[i] = makespan
+        for role, ranks in (("attention", pools.attention), ("expert", pools.expert)):
+            free = 0.0
+            for task in schedule[(role, "compute")]:
+                start, end = times[task.id]
+                gap = start - free
+                if gap > 0:
+                    # the dependency that ended last is an all-to-all: the compute stream's own
+                    # predecessor ended at `free`; before the all-to-all started, the other role was busy
+                    comm_start = times[max(task.deps, key=lambda d: times[d][1])][0]
+                    before = min(max(comm_start - free, 0.0), gap)
+                    idle["straggler_wait"][i, ranks] += before
+                    idle["all_to_all"][i, ranks] += gap - before
+                span = end - start
+                if task.kind == "E":
+                    busy["expert"][i, ranks] += span
+                elif task.layer == L:
+                    busy["other"][i, ranks] += span
+                else:
+                    busy["attention"][i, ranks] += span * att_share
+                    busy["other"][i, ranks] += span * (1 - att_share)
+                free = end
+            idle["straggler_wait"][i, ranks] += makespan - free
+        for (l, _), ids in layer_ids.items():
+            layer_IL[i, l] += max(times[t][1] for t in ids) - min(times[t][0] for t in ids)
+
+    # after the schedule: dense gradients of the first layer and the embeddings among the
+    # attention ranks (the other layers' reduction overlaps the backward), then the optimizer
+    dense = scn.workload.dense_params()
+    holders = np.zeros((1, D), dtype=np.int64)
+    holders[0, pools.attention] = 1
+    grad_bytes = (dense["per_layer"][0] + dense["outer"]) * scn.workload.byte_model.grad_bytes_per_param
+    ring = ring_allreduce_bytes(InstancePlacement(holders), grad_bytes, scn.hardware.topology)
+    grad_s = scn.comm.time(ring, steps=2 * (pools.M - 1)) if pools.M > 1 else 0.0
+    P = float(scn.workload.expert_params)
+    owned_D = np.stack([np.bincount(owners_LE[l], minlength=D) for l in range(L)]).sum(axis=0)
+    params_D = owned_D * P
+    params_D[pools.attention] += (sum(dense["per_layer"]) + dense["outer"]) / pools.M
+    optimizer_D = c.optimizer_D(params_D)
+    optimizer_s = float(optimizer_D.max())
+    iteration_I = iteration_I + grad_s + optimizer_s
+
+    breakdown_I = {
+        "attention": busy["attention"].mean(axis=1),
+        "other": busy["other"].mean(axis=1),
+        "expert_compute_mean": busy["expert"].mean(axis=1),
+        "expert_compute_max": busy["expert"].max(axis=1),
+        "straggler_wait": idle["straggler_wait"].mean(axis=1) + float((optimizer_s - optimizer_D).mean()),
+        "all_to_all": idle["all_to_all"].mean(axis=1),
+        "exposed_collectives": np.full(I, grad_s),
+        "rearrangement": np.zeros(I),
+        "optimizer": np.full(I, float(optimizer_D.mean())),
+    }
+    # device load of a layer: tokens processed by the experts on each device that holds some
+    processed_ILD = tokens_ILED.sum(axis=2) * R
+    holds_LD = np.stack([np.bincount(owners_LE[l], minlength=D) > 0 for l in range(L)])
+    load = np.where(holds_LD[None], processed_ILD, np.nan)
+    mean_IL = np.nanmean(load, axis=2)
+    imbalance_IL = np.where(mean_IL > 0, np.nanmax(load, axis=2) / np.where(mean_IL > 0, mean_IL, 1.0), 1.0)
+    memory_D = owned_D * scn.memory.expert_bytes_per_instance(True)
+    memory_D += scn.memory.expert_activation_bytes(processed_ILD.sum(axis=1)).max(axis=0)
+    memory_D[pools.attention] += _attention_rank_bytes(scn, pools, R)
+    memory_D[pools.expert] += scn.memory.reserved_bytes
+    return SystemResult(
+        name=spec.name,
+        description=spec.description,
+        iteration_s_I=iteration_I,
+        breakdown_I=breakdown_I,
+        layer_s_IL=layer_IL,
+        imbalance_IL=imbalance_IL,
+        survival_IL=np.ones((I, L)),
+        memory_D=memory_D,
+        memory_limit_D=scn.hardware.memory_D,
+        traffic={"all_to_all": a2a_bytes, "dense_grad_allreduce": np.array([ring.intra, ring.inter], dtype=float)},
+        details={
+            "attention_ranks": pools.M,
+            "attention_gpu": pools.attention_type,
+            "expert_ranks": pools.N,
+            "expert_gpu": pools.expert_type,
+            "microbatches": R,
+            "offload_chunks_per_layer": list(plan.offload_chunks_L),
+            "profile": profile.to_dict(),
+        },
+    )
