@@ -1,0 +1,914 @@
+"""Build, check and submit the Slurm job of a run config (configs/runs/*.yaml).
+
+    python launch/submit.py --run configs/runs/fssdp_gpt_moe_s_a16.yaml --dry-run   # print the script
+    python launch/submit.py --run configs/runs/fssdp_gpt_moe_s_a16.yaml             # sbatch it
+    python launch/submit.py --run configs/runs/fssdp_gpt_moe_s_a16.yaml --mode ep   # the ep baseline
+    python launch/submit.py --run R.yaml --nodes 1 --train-iters 50 --wait         # overrides; wait for the end
+
+A run config (`RunConfig`) names a model config, a cluster config, the MoE parallel mode, the
+nodes to use and the training flags, so `--run FILE` alone describes the job. Overrides:
+`--model`, `--cluster`, `--mode`, `--nodes`, `--gpus-per-node`, `--output-dir`, and any flag of
+pretrain_gpt_moe.py (e.g. `--train-iters 50`), which replaces the run config's value.
+
+Everything is checked before sbatch, each error naming the value and what would be valid:
+the run config's keys, the model and cluster names, that the mode exists (a mode of a later
+issue fails with "mode X is not available yet (available: ep)"), that the job asks for no more
+nodes or GPUs per node than the cluster has, the training flags and their TP x PP x DP x EP
+arithmetic (megatron_patches.training.arguments.validate_args on the exact command line the
+job will run, at the job's world size), that the model state fits the GPUs' memory, and for
+zebra the attention/expert rank split of the hetjob components.
+
+The job script comes from launch/templates/job.sbatch.in, one template for both layouts so
+they cannot drift apart; submit.py fills in what differs:
+- a cluster with one node group gives a homogeneous job (`--nodes`, `--ntasks-per-node`);
+- a cluster with several node groups (zebra pools: attention GPUs first) gives a
+  heterogeneous job, one `#SBATCH hetjob` component per group, launched with
+  `srun --het-group=0,1,...` so that the ranks of component 0 come first (with several zebra
+  ZP groups, launch/templates/task_env.sh interleaves them so each group is [M attention ranks,
+  N expert ranks]).
+The template is a plain file with @name@ placeholders (autoconf's .in convention) rather than
+a Python template engine: bash's own `${VAR:-default}` syntax stays untouched, and every
+placeholder must be filled (an unfilled one is an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import difflib
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    # `python launch/submit.py` puts launch/ on sys.path, not the repository.
+    sys.path.insert(0, str(REPO))
+
+from megatron_patches.config import (  # noqa: E402
+    ClusterConfig,
+    ConfigError,
+    GpuType,
+    count_parameters,
+    load_cluster_config,
+    model_config_from_dict,
+)
+from megatron_patches.config.models import MODELS_DIR, read_yaml_mapping, resolve_config_path, available_models  # noqa: E402
+from megatron_patches.config.models import ModelConfig  # noqa: E402
+from megatron_patches.training import arguments  # noqa: E402
+
+TEMPLATES = REPO / "launch" / "templates"
+RUNS_DIR = REPO / "configs" / "runs"
+
+KNOWN_MODES = ("ep", "fssdp", "replicate", "zebra")
+"""Every mode of the design (DESIGN.md section 1). Which of them exist today is
+arguments.MOE_PARALLEL_MODES; a run of a planned mode that does not exist yet is refused with
+a clear message, a name outside this list as unknown."""
+
+# Flags the launcher sets itself (output layout) or that the run config holds under its own key.
+RESERVED_FLAGS = {
+    "config": "name the model with the run config's `model` key (or --model)",
+    "moe_parallel_mode": "use the run config's `mode` key (or --mode)",
+    "save": "the launcher saves to <output_dir>/checkpoints when save_interval is set",
+    "load": "the launcher resumes from <output_dir>/checkpoints when save_interval is set",
+    "log_json": "the launcher writes <output_dir>/<job id>/metrics.jsonl",
+    "tensorboard_dir": "set `tensorboard: true` (writes <output_dir>/<job id>/tensorboard)",
+    "moe_log_loads": "set `trace: true` (writes <output_dir>/<job id>/loads.npz)",
+}
+
+# Shell variables of the job script that launcher-set flag values refer to.
+SCRIPT_VARIABLES = ("$RUN_DIR", "$CKPT_DIR")
+
+
+class SubmitError(ValueError):
+    """A run that cannot be submitted; the message names the value and what would be valid."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """sbatch options of the job (or of one hetjob component); None = the cluster's default."""
+
+    time: str | None = None
+    """Wall-clock limit, e.g. "04:00:00" (`--time`)."""
+    partition: str | None = None
+    """Partition (`--partition`)."""
+    account: str | None = None
+    """Account to charge (`--account`)."""
+    qos: str | None = None
+    """Quality of service (`--qos`)."""
+    constraint: str | None = None
+    """Node features, e.g. "a40" to pick a hetjob component's GPU type (`--constraint`)."""
+    reservation: str | None = None
+    """Reservation (`--reservation`)."""
+    exclusive: bool = False
+    """Whole nodes, shared with no other job (`--exclusive`)."""
+    cpus_per_task: int | None = None
+    """CPU cores per rank (`--cpus-per-task`; also given to srun, which does not inherit it)."""
+    mem: str | None = None
+    """Memory per node, e.g. "0" = all of it (`--mem`)."""
+
+    def sbatch_lines(self) -> list[str]:
+        """The `#SBATCH` lines of the options that are set, in field order."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            option = "--" + f.name.replace("_", "-")
+            if value is True:
+                lines.append(f"#SBATCH {option}")
+            elif value not in (None, False):
+                lines.append(f"#SBATCH {option}={value}")
+        return lines
+
+    def merged(self, other: "SlurmOptions") -> "SlurmOptions":
+        """These options with every option that `other` sets replaced by its value."""
+        changes = {f.name: getattr(other, f.name) for f in dataclasses.fields(other)
+                   if getattr(other, f.name) not in (None, False)}
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One experiment: what to train, where, how; a YAML file under configs/runs/."""
+
+    name: str
+    """Job name and default output folder (runs/<name>); letters, digits, '.', '_', '-'."""
+    description: str
+    """What the run reproduces (paper, table/figure, setting); printed at the top of the script."""
+    model: str
+    """Model config: a name under configs/models or a .yaml path (relative: to the repository)."""
+    cluster: str
+    """Cluster config: a name under configs/clusters or a .yaml path (relative: to the repository)."""
+    mode: str = "ep"
+    """--moe-parallel-mode: one of KNOWN_MODES; must exist in arguments.MOE_PARALLEL_MODES to submit."""
+    nodes: tuple[int, ...] | None = None
+    """Nodes to use per node group of the cluster (an int for a one-group cluster); None = all."""
+    gpus_per_node: tuple[int, ...] | None = None
+    """Ranks per node per node group; None = every GPU of the node."""
+    output_dir: str | None = None
+    """Where the job writes (relative: to the repository); None = runs/<name>."""
+    trace: bool = False
+    """Write the expert-load trace (--moe-log-loads <job dir>/loads.npz)."""
+    tensorboard: bool = False
+    """Write TensorBoard events (--tensorboard-dir <job dir>/tensorboard)."""
+    train: Mapping[str, Any] = field(default_factory=dict)
+    """pretrain_gpt_moe.py flags by dest name (as in a --config YAML): parallel sizes, batch,
+    iterations, data, precision, ... They override the model config."""
+    mode_flags: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per mode, flags used only when the run trains in that mode (so `--mode ep` gives the
+    baseline on otherwise identical settings)."""
+    slurm: SlurmOptions = SlurmOptions()
+    """sbatch options of the job (every component of a hetjob)."""
+    slurm_components: tuple[SlurmOptions, ...] = ()
+    """Per hetjob component (node group order), options replacing `slurm`'s, e.g. a partition
+    or constraint that selects the component's GPU type."""
+    source: str = "<dict>"
+    """The file this config was read from, for messages."""
+
+
+_RUN_FIELDS = [f.name for f in dataclasses.fields(RunConfig) if f.name != "source"]
+_RUN_REQUIRED = [f.name for f in dataclasses.fields(RunConfig) if f.default is dataclasses.MISSING
+                 and f.default_factory is dataclasses.MISSING]
+_SLURM_FIELDS = [f.name for f in dataclasses.fields(SlurmOptions)]
+
+
+def _unknown_key(where: str, key: Any, valid: list[str]) -> SubmitError:
+    close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return SubmitError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(valid)}")
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise SubmitError(f"{where}={value!r}: expected a non-empty string")
+    return value
+
+
+def _counts(value: Any, where: str) -> tuple[int, ...] | None:
+    """An int or a list of ints (one per node group) as a tuple; None stays None."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if not items or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in items):
+        raise SubmitError(f"{where}={value!r}: expected a positive integer, or a list of them (one per node group)")
+    return tuple(items)
+
+
+def _flag_mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise SubmitError(f"{where}: expected a mapping of training flag dest names to values, got {value!r}")
+    return dict(value)
+
+
+def _slurm_options(value: Any, where: str) -> SlurmOptions:
+    if value is None:
+        return SlurmOptions()
+    if not isinstance(value, dict):
+        raise SubmitError(f"{where}: expected a mapping of sbatch options, got {value!r}")
+    for key in value:
+        if key not in _SLURM_FIELDS:
+            raise _unknown_key(where, key, _SLURM_FIELDS)
+    options = dict(value)
+    for key, item in options.items():
+        if key == "exclusive":
+            if not isinstance(item, bool):
+                raise SubmitError(f"{where}.exclusive={item!r}: expected true or false")
+        elif key == "cpus_per_task":
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise SubmitError(f"{where}.cpus_per_task={item!r}: expected a positive integer")
+        elif item is not None:
+            if isinstance(item, bool) or not isinstance(item, (str, int)) or not re.fullmatch(r"[\w:.,|&=+-]+", str(item)):
+                raise SubmitError(f"{where}.{key}={item!r}: expected a plain sbatch value (letters, digits, :.,|&=+-)")
+            options[key] = str(item)
+    return SlurmOptions(**options)
+
+
+def run_config_from_dict(values: Any, source: str = "<dict>") -> RunConfig:
+    """Check and convert a parsed run YAML; SubmitError naming the key otherwise."""
+    if not isinstance(values, dict):
+        raise SubmitError(f"{source}: a run config is a mapping of keys to values, got {type(values).__name__}")
+    for key in values:
+        if key not in _RUN_FIELDS:
+            raise _unknown_key(source, key, _RUN_FIELDS)
+    missing = [key for key in _RUN_REQUIRED if key not in values]
+    if missing:
+        raise SubmitError(f"{source}: missing required key(s) {missing}")
+    name = _text(values["name"], f"{source}: name")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SubmitError(f"{source}: name={name!r}: use letters, digits, '.', '_' and '-' only (it names the job and a folder)")
+    mode = _text(values.get("mode", "ep"), f"{source}: mode")
+    mode_flags = {}
+    for flag_mode, flags in _flag_mapping(values.get("mode_flags"), f"{source}: mode_flags").items():
+        if flag_mode not in KNOWN_MODES:
+            raise SubmitError(f"{source}: mode_flags.{flag_mode}: unknown mode; valid: {', '.join(KNOWN_MODES)}")
+        mode_flags[flag_mode] = _flag_mapping(flags, f"{source}: mode_flags.{flag_mode}")
+    for key in ("trace", "tensorboard"):
+        if not isinstance(values.get(key, False), bool):
+            raise SubmitError(f"{source}: {key}={values[key]!r}: expected true or false")
+    components = values.get("slurm_components") or []
+    if not isinstance(components, list):
+        raise SubmitError(f"{source}: slurm_components: expected a list with one mapping per node group")
+    output_dir = values.get("output_dir")
+    return RunConfig(
+        name=name,
+        description=_text(values["description"], f"{source}: description"),
+        model=_text(values["model"], f"{source}: model"),
+        cluster=_text(values["cluster"], f"{source}: cluster"),
+        mode=mode,
+        nodes=_counts(values.get("nodes"), f"{source}: nodes"),
+        gpus_per_node=_counts(values.get("gpus_per_node"), f"{source}: gpus_per_node"),
+        output_dir=None if output_dir is None else _text(output_dir, f"{source}: output_dir"),
+        trace=values.get("trace", False),
+        tensorboard=values.get("tensorboard", False),
+        train=_flag_mapping(values.get("train"), f"{source}: train"),
+        mode_flags=mode_flags,
+        slurm=_slurm_options(values.get("slurm"), f"{source}: slurm"),
+        slurm_components=tuple(_slurm_options(c, f"{source}: slurm_components[{i}]") for i, c in enumerate(components)),
+        source=source,
+    )
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a run config: a path, or a name under configs/runs (e.g. "fssdp_gpt_moe_s_a16")."""
+    names = sorted(p.stem for p in RUNS_DIR.glob("*.yaml"))
+    try:
+        resolved = resolve_config_path(path, RUNS_DIR, names, "run")
+        return run_config_from_dict(read_yaml_mapping(resolved), source=str(path))
+    except ConfigError as error:
+        raise SubmitError(str(error)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Training flags: run config values and command-line overrides -> one command line
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag of pretrain_gpt_moe.py's command line."""
+
+    dest: str
+    """The flag's argparse dest (the YAML key), e.g. "train_iters"."""
+    tokens: tuple[str, ...]
+    """The option and its values, unquoted, e.g. ("--train-iters", "500")."""
+    source: str
+    """Where it came from, e.g. "configs/runs/x.yaml train.train_iters" or "command line"."""
+
+    def shell(self) -> str:
+        """The tokens quoted for bash; values naming a job-script variable stay expandable."""
+        return " ".join(f'"{t}"' if t.startswith(SCRIPT_VARIABLES) else shlex.quote(t) for t in self.tokens)
+
+
+def _is_switch(action: argparse.Action) -> bool:
+    return action.nargs == 0 and isinstance(action.const, bool)
+
+
+def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.Action], model_values: dict,
+                        where: str) -> list[Flag]:
+    """Flags for `dest: value` pairs of a run config (train or mode_flags.<mode>)."""
+    flags = []
+    for dest, value in values.items():
+        if dest in RESERVED_FLAGS:
+            raise SubmitError(f"{where}.{dest}: not allowed here; {RESERVED_FLAGS[dest]}")
+        if dest not in actions:
+            raise _unknown_key(where, dest, sorted(d for d in actions if d not in RESERVED_FLAGS))
+        action = actions[dest]
+        option = action.option_strings[0]
+        # What the flag's dest holds when the flag is left out: the model config's value, else the default.
+        without = model_values.get(dest, action.default)
+        if _is_switch(action):
+            if not isinstance(value, bool):
+                raise SubmitError(f"{where}.{dest}={value!r}: expected true or false ({option})")
+            if value == without:
+                continue
+            if value != action.const:
+                raise SubmitError(f"{where}.{dest}={value!r}: {option} can only set it to {action.const}, and "
+                                  f"without it the value is {without}; use a model config with {dest}: {value}")
+            tokens: tuple[str, ...] = (option,)
+        elif value is None:
+            if without is None:
+                continue
+            raise SubmitError(f"{where}.{dest}=null: a command line cannot unset it (the model config sets "
+                              f"{without!r}); use a model config without {dest}")
+        elif isinstance(value, list) and action.nargs in ("*", "+"):
+            tokens = (option, *(str(item) for item in value))
+        elif isinstance(value, (dict, bool)) or (isinstance(value, list) and action.type is not arguments.moe_layer_freq):
+            raise SubmitError(f"{where}.{dest}={value!r}: expected a single value for {option}")
+        else:
+            tokens = (option, str(value))
+        flags.append(Flag(dest, tokens, f"{where}.{dest}"))
+    return flags
+
+
+def _flags_from_command_line(tokens: list[str], parser: argparse.ArgumentParser) -> list[Flag]:
+    """Training-flag overrides as given after submit.py's own options, e.g. --train-iters 50."""
+    options = parser._option_string_actions
+    flags = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--"):
+            raise SubmitError(f"command line: {token!r} is not a flag; training flags are written --name value")
+        option, _, inline = token.partition("=")
+        if option not in options or option in ("-h", "--help"):
+            close = difflib.get_close_matches(option, [o for o in options if o.startswith("--")], n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise SubmitError(f"command line: {option} is neither a submit.py option nor a flag of pretrain_gpt_moe.py{hint}")
+        values = [inline] if inline else []
+        i += 1
+        while i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        dest = options[option].dest
+        if dest in RESERVED_FLAGS:
+            raise SubmitError(f"command line: {option} is not allowed; {RESERVED_FLAGS[dest]}")
+        flags.append(Flag(dest, (option, *values), "command line"))
+    return flags
+
+
+def _merge(*layers: list[Flag]) -> list[Flag]:
+    """Flags of later layers replace earlier flags with the same dest; order of first appearance kept."""
+    merged: dict[str, Flag] = {}
+    for layer in layers:
+        for flag in layer:
+            merged[flag.dest] = flag
+    return list(merged.values())
+
+
+def _parse_training_flags(argv: list[str], flags: list[Flag]) -> argparse.Namespace:
+    """arguments.parse_args on the job's command line; argparse's type errors become SubmitError
+    naming where the offending flag came from."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return arguments.parse_args(argv)
+    except SystemExit:
+        message = captured.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        option = re.search(r"argument (--[\w-]+)", message)
+        sources = [f.source for f in flags if option and f.tokens[0] == option.group(1)]
+        raise SubmitError(f"training flags: {message}" + (f" (from {sources[-1]})" if sources else "")) from None
+    except arguments.ArgumentError as error:
+        raise SubmitError(f"training flags: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The job: validated layout and command line
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Component:
+    """The nodes of one node group that the job uses (one hetjob component)."""
+
+    index: int
+    """Component number (node group order); 0 in a homogeneous job."""
+    nodes: int
+    """Nodes of this group in the job."""
+    ranks_per_node: int
+    """Tasks per node: one per GPU (GPU runs) or per CPU rank."""
+    gpu: GpuType
+    """The group's device type, with its memory."""
+    role: str
+    """What its ranks do in zebra mode ("attention pool", "expert pool"); "" otherwise."""
+    first_rank: int
+    """Global rank of its first task in SLURM_PROCID order."""
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def label(self) -> str:
+        """"component 1 (expert pool)", for messages and comments."""
+        return f"component {self.index}" + (f" ({self.role})" if self.role else "")
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What the command line changes in a run config (None = keep the run config's value)."""
+
+    model: str | None = None
+    """--model NAME|PATH."""
+    cluster: str | None = None
+    """--cluster NAME|PATH."""
+    mode: str | None = None
+    """--mode MODE."""
+    nodes: tuple[int, ...] | None = None
+    """--nodes N or N,M,... (one per node group)."""
+    gpus_per_node: tuple[int, ...] | None = None
+    """--gpus-per-node N or N,M,..."""
+    output_dir: str | None = None
+    """--output-dir DIR (relative: to the current directory)."""
+    training: tuple[str, ...] = ()
+    """Training flags of pretrain_gpt_moe.py, e.g. ("--train-iters", "50")."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked job: everything the script template needs."""
+
+    run: RunConfig
+    """The run config it came from."""
+    mode: str
+    """MoE parallel mode."""
+    model_path: Path
+    """Model config file (absolute)."""
+    cluster: ClusterConfig
+    """The cluster config."""
+    components: tuple[Component, ...]
+    """One per node group used; several = a hetjob."""
+    flags: tuple[Flag, ...]
+    """pretrain_gpt_moe.py's command line, --config first."""
+    args: argparse.Namespace
+    """The validated training arguments (validate_args at world_size)."""
+    backend: str
+    """torch.distributed backend of the job: nccl on GPUs, gloo on CPU ranks."""
+    zp_groups: int
+    """Zebra ZP groups the hetjob ranks are interleaved into; 1 otherwise."""
+    memory_notes: tuple[str, ...]
+    """One line per component: model-state lower bound against the device memory."""
+    output_dir: Path
+    """Absolute output folder."""
+    slurm: tuple[SlurmOptions, ...]
+    """sbatch options per component."""
+    command_line: str
+    """The submit.py command that regenerates this job."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(c.ranks for c in self.components)
+
+    @property
+    def is_hetjob(self) -> bool:
+        return len(self.components) > 1
+
+    @property
+    def on_cpu(self) -> bool:
+        return bool(self.args.cpu)
+
+
+def _resolve_path(value: str, base: Path) -> str:
+    """Config names stay names; relative .yaml paths are taken relative to `base`."""
+    path = Path(value)
+    looks_like_path = path.suffix in (".yaml", ".yml") or path.parent != Path(".")
+    return str(base / path) if looks_like_path and not path.is_absolute() else value
+
+
+def _layout(run: RunConfig, cluster: ClusterConfig, nodes: tuple[int, ...] | None,
+            gpus_per_node: tuple[int, ...] | None, mode: str) -> list[Component]:
+    groups = cluster.nodes
+    what = ", ".join(f"{g.count} node(s) x {g.gpus_per_node} {g.gpu}" for g in groups)
+    for key, counts in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+        if counts is not None and len(counts) != len(groups):
+            example = ", ".join(str(g.count if key == "nodes" else g.gpus_per_node) for g in groups)
+            raise SubmitError(f"{key}={list(counts)}: cluster {cluster.name} has {len(groups)} node group(s) ({what}); "
+                              f"give one value per group, e.g. [{example}]")
+    components = []
+    first = 0
+    for i, group in enumerate(groups):
+        n = nodes[i] if nodes else group.count
+        per_node = gpus_per_node[i] if gpus_per_node else group.gpus_per_node
+        label = f"node group {i} of " if len(groups) > 1 else ""
+        if n > group.count:
+            raise SubmitError(f"nodes={n}: more than {label}cluster {cluster.name} has ({group.count} node(s) x "
+                              f"{group.gpus_per_node} {group.gpu} = {group.num_devices} GPUs); valid: 1..{group.count}")
+        if per_node > group.gpus_per_node:
+            raise SubmitError(f"gpus_per_node={per_node}: more than the {group.gpus_per_node} {group.gpu} per node of "
+                              f"{label}cluster {cluster.name}; valid: 1..{group.gpus_per_node}")
+        role = ("attention pool", "expert pool")[i] if mode == "zebra" and len(groups) == 2 else ""
+        components.append(Component(i, n, per_node, cluster.gpu_types[group.gpu], role, first))
+        first += n * per_node
+    return components
+
+
+def _zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
+    """ZP groups G of a zebra hetjob: component 0 = G x M attention ranks, component 1 = G x N expert ranks."""
+    if len(components) != 2:
+        raise SubmitError(f"mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); "
+                          f"this one has {len(components)}")
+    attention, expert = components[0].ranks, components[1].ranks
+    m = getattr(args, "zebra_attention_ranks", None) or attention
+    n = getattr(args, "zebra_expert_ranks", None) or expert
+    if attention % m != 0:
+        raise SubmitError(f"--zebra-attention-ranks={m} does not divide the {attention} attention ranks "
+                          f"(component 0); valid: divisors of {attention}")
+    groups = attention // m
+    if expert != groups * n:
+        raise SubmitError(f"--zebra-expert-ranks={n}: {groups} ZP group(s) of {m} attention rank(s) need "
+                          f"{groups} x {n} = {groups * n} expert ranks, but component 1 has {expert}; valid: "
+                          f"{expert // groups if expert % groups == 0 else 'none (change the node counts)'}")
+    return groups
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """The model the validated flags describe, for the parameter count."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)}
+    if not args.group_query_attention:
+        values["num_query_groups"] = None
+    return model_config_from_dict(values, source="training flags")
+
+
+def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
+    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + 2 + 12
+    (fp32 master weights, m and v; DESIGN.md section 1). The distributed optimizer shards the
+    optimizer part over the data-parallel ranks."""
+    fixed, optimizer = (4.0, 12.0) if (args.bf16 or args.fp16) else (8.0, 8.0)
+    return fixed + optimizer / (data_parallel if args.use_distributed_optimizer else 1)
+
+
+def _memory_check(args: argparse.Namespace, mode: str, components: list[Component], zp_groups: int) -> list[str]:
+    """Refuse a job whose model state alone exceeds a GPU's memory; notes for the script header.
+
+    A lower bound: the average rank's weights, gradients and Adam state (max >= mean), no
+    activations, no materialised expert copies (fssdp) or extra slots (replicate). ep-style
+    sharding: non-expert parameters over TP x PP, experts over EP x ETP x PP. zebra: non-expert
+    parameters on every attention rank, the experts over the N expert ranks of a ZP group."""
+    if args.vocab_size is None:
+        return ["model state not estimated: --vocab-size is unknown"]
+    counts = count_parameters(_model_config(args), args.tensor_model_parallel_size)
+    experts = counts["experts"]
+    dense = counts["total"] - experts
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if mode == "zebra":
+        per_rank = [dense * _bytes_per_parameter(args, 1),
+                    experts / (components[1].ranks // zp_groups) * _bytes_per_parameter(args, 1)]
+    else:
+        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+        both = (dense / (tp * pp) * _bytes_per_parameter(args, args.data_parallel_size)
+                + experts / (ep * etp * pp) * _bytes_per_parameter(args, args.expert_data_parallel_size))
+        per_rank = [both] * len(components)
+    notes = []
+    for component, need in zip(components, per_rank):
+        have = component.gpu.memory_gb * 1e9
+        where = component.label if len(components) > 1 else "every rank"
+        if need > have:
+            raise SubmitError(
+                f"model state needs at least {need / 1e9:.1f} GB per GPU on {where}, more than the "
+                f"{component.gpu.memory_gb:g} GB of a {component.gpu.name} (weights, gradients and Adam state of "
+                f"{counts['total'] / 1e9:.2f}B parameters, {experts / 1e9:.2f}B of them in experts, before "
+                f"activations); use more GPUs, larger --expert-model-parallel-size / --tensor-model-parallel-size / "
+                f"--pipeline-model-parallel-size, or --use-distributed-optimizer")
+        notes.append(f"model state on {where} >= {need / 1e9:.2f} GB of {component.gpu.memory_gb:g} GB "
+                     f"({component.gpu.name}; weights + grads + Adam, no activations)")
+    return notes
+
+
+def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: str = "") -> Job:
+    """Check `run` with `overrides` against its model and cluster; the Job, or SubmitError."""
+    mode = overrides.mode or run.mode
+    if mode not in KNOWN_MODES:
+        raise SubmitError(f"mode {mode!r} is unknown; valid: {', '.join(KNOWN_MODES)} "
+                          f"(available now: {', '.join(arguments.MOE_PARALLEL_MODES)})")
+    if mode not in arguments.MOE_PARALLEL_MODES:
+        raise SubmitError(f"mode {mode} is not available yet (available: {', '.join(arguments.MOE_PARALLEL_MODES)})")
+    try:
+        model_path = Path(resolve_config_path(overrides.model or _resolve_path(run.model, REPO), MODELS_DIR,
+                                              available_models(), "model")).resolve()
+        cluster = load_cluster_config(overrides.cluster or _resolve_path(run.cluster, REPO))
+        model_values = read_yaml_mapping(model_path)
+    except ConfigError as error:
+        raise SubmitError(str(error)) from None
+
+    components = _layout(run, cluster, overrides.nodes or run.nodes, overrides.gpus_per_node or run.gpus_per_node, mode)
+    parser = arguments.build_parser()
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    config_flag = Flag("config", ("--config", _display_path(model_path)), "run config model")
+    flags = _merge(
+        [config_flag],
+        _flags_from_mapping(run.train, actions, model_values, f"{run.source} train"),
+        _flags_from_mapping(run.mode_flags.get(mode, {}), actions, model_values, f"{run.source} mode_flags.{mode}"),
+        [Flag("moe_parallel_mode", ("--moe-parallel-mode", mode), "run config mode")],
+        _flags_from_command_line(list(overrides.training), parser),
+    )
+    outputs = [Flag("log_json", ("--log-json", "$RUN_DIR/metrics.jsonl"), "launcher")]
+    if run.tensorboard:
+        outputs.append(Flag("tensorboard_dir", ("--tensorboard-dir", "$RUN_DIR/tensorboard"), "launcher"))
+    if run.trace:
+        outputs.append(Flag("moe_log_loads", ("--moe-log-loads", "$RUN_DIR/loads.npz"), "launcher"))
+    if any(f.dest == "save_interval" for f in flags) or model_values.get("save_interval") is not None:
+        outputs += [Flag("save", ("--save", "$CKPT_DIR"), "launcher"), Flag("load", ("--load", "$CKPT_DIR"), "launcher")]
+    flags = _group_order(flags + outputs, parser)
+
+    argv = [token for flag in flags for token in flag.tokens]
+    # validate_args resolves paths (data, checkpoints) from the current directory; the job runs
+    # in the repository, so check from there too.
+    with _working_directory(REPO):
+        args = _parse_training_flags(argv, flags)
+        world = sum(c.ranks for c in components)
+        try:
+            arguments.validate_args(args, world_size=world)
+        except arguments.ArgumentError as error:
+            raise SubmitError(f"training flags at world size {world} "
+                              f"({' + '.join(str(c.ranks) for c in components)} ranks): {error}") from None
+
+    zp_groups = _zebra_groups(args, components) if mode == "zebra" else 1
+    memory_notes = _memory_check(args, mode, components, zp_groups)
+    explicit_backend = next((f.tokens[1] for f in flags if f.dest == "distributed_backend" and len(f.tokens) > 1), None)
+    backend = "gloo" if args.cpu else explicit_backend or "nccl"
+
+    if run.slurm_components and len(run.slurm_components) != len(components):
+        raise SubmitError(f"{run.source}: slurm_components has {len(run.slurm_components)} entries; the job has "
+                          f"{len(components)} component(s) (one per node group of cluster {cluster.name})")
+    slurm = tuple(run.slurm.merged(run.slurm_components[c.index]) if run.slurm_components else run.slurm
+                  for c in components)
+    if overrides.output_dir:
+        output_dir = Path(overrides.output_dir).resolve()
+    else:
+        output_dir = (REPO / (run.output_dir or f"runs/{run.name}")).resolve()
+    return Job(run=run, mode=mode, model_path=model_path, cluster=cluster, components=tuple(components),
+               flags=tuple(flags), args=args, backend=backend, zp_groups=zp_groups,
+               memory_notes=tuple(memory_notes), output_dir=output_dir, slurm=slurm, command_line=command_line)
+
+
+@contextlib.contextmanager
+def _working_directory(path: Path):
+    """Run the enclosed code in `path` (contextlib.chdir needs Python 3.11)."""
+    previous = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def _display_path(path: Path) -> str:
+    """Repository-relative when inside the repository (the job runs there), else absolute."""
+    try:
+        return str(path.relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def _group_titles(parser: argparse.ArgumentParser) -> dict[str, str]:
+    return {action.dest: group.title for group in parser._action_groups for action in group._group_actions}
+
+
+def _group_order(flags: list[Flag], parser: argparse.ArgumentParser) -> list[Flag]:
+    """Flags sorted by the parser's groups (config, model, moe, parallelism, ...), stable inside a group."""
+    titles = _group_titles(parser)
+    order = {group.title: i for i, group in enumerate(parser._action_groups)}
+    return sorted(flags, key=lambda f: order[titles[f.dest]])
+
+
+# ----------------------------------------------------------------------------------------------
+# The script
+# ----------------------------------------------------------------------------------------------
+
+
+def _git_revision() -> str:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def _header(job: Job) -> str:
+    run, args = job.run, job.args
+    lines = [
+        f"# {run.name}: {run.description}",
+        f"# Generated by launch/submit.py (git {_git_revision()}) from {run.source}; regenerate with",
+        f"#   {job.command_line or 'python launch/submit.py --run ' + run.source} --dry-run",
+        f"# Model {_display_path(job.model_path)}, cluster {job.cluster.name}, mode {job.mode}, "
+        f"{'CPU ranks (gloo)' if job.on_cpu else 'GPUs (' + job.backend + ')'}.",
+        f"# Parallelism: world {job.world_size} = TP {args.tensor_model_parallel_size} x PP "
+        f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; experts: EP "
+        f"{args.expert_model_parallel_size} x ETP {args.expert_tensor_parallel_size} x expert-DP "
+        f"{args.expert_data_parallel_size}; global batch {args.global_batch_size} = "
+        f"{args.num_micro_batches} micro-batch(es) x {args.micro_batch_size} x DP {args.data_parallel_size}.",
+    ]
+    lines += [f"# {note[0].upper()}{note[1:]}." for note in job.memory_notes]
+    for component, options in zip(job.components, job.slurm):
+        if component.index > 0:
+            lines.append("#SBATCH hetjob")
+        if job.is_hetjob:
+            lines.append(f"# {component.label[0].upper()}{component.label[1:]}: {component.nodes} node(s) x "
+                         f"{component.ranks_per_node} {component.gpu.name} = ranks {component.first_rank}.."
+                         f"{component.first_rank + component.ranks - 1} in SLURM_PROCID order")
+        if component.index == 0:
+            lines += [f"#SBATCH --job-name={run.name}", f"#SBATCH --output={job.output_dir}/slurm-%j.out"]
+        lines += [f"#SBATCH --nodes={component.nodes}", f"#SBATCH --ntasks-per-node={component.ranks_per_node}"]
+        if not job.on_cpu:
+            lines.append(f"#SBATCH --gpus-per-node={component.ranks_per_node}")
+        lines += options.sbatch_lines()
+    return "\n".join(lines)
+
+
+def _layout_text(job: Job) -> str:
+    parts = [f"{c.nodes} node(s) x {c.ranks_per_node} {c.gpu.name}" + (f" ({c.role})" if c.role else "")
+             for c in job.components]
+    text = " + ".join(parts) + f" = {job.world_size} ranks"
+    if job.zp_groups > 1:
+        text += f" in {job.zp_groups} ZP groups"
+    return text
+
+
+def _flag_arrays(job: Job) -> tuple[str, str]:
+    """The `<group>_args=(...)` definitions and the references that pass them to the program."""
+    titles = _group_titles(arguments.build_parser())
+    by_group: dict[str, list[Flag]] = {}
+    for flag in job.flags:
+        by_group.setdefault(titles[flag.dest], []).append(flag)
+    definitions, references = [], []
+    for title, flags in by_group.items():
+        name = re.sub(r"\W+", "_", title).strip("_") + "_args"
+        if len(flags) == 1:
+            definitions.append(f"{name}=({flags[0].shell()})")
+        else:
+            definitions.append(f"{name}=(\n" + "".join(f"  {f.shell()}\n" for f in flags) + ")")
+        references.append(f'"${{{name}[@]}}"')
+    lines = []
+    for i in range(0, len(references), 4):
+        lines.append("  " + " ".join(references[i:i + 4]))
+    return "\n".join(definitions), " \\\n".join(lines)
+
+
+def _task_env() -> str:
+    return (TEMPLATES / "task_env.sh").read_text().rstrip("\n")
+
+
+def render_script(job: Job) -> str:
+    """The complete sbatch script of `job`."""
+    arrays, references = _flag_arrays(job)
+    srun_args = ["--kill-on-bad-exit=1", "--wait=60"]
+    if job.is_hetjob:
+        srun_args.append("--het-group=" + ",".join(str(c.index) for c in job.components))
+    cpus = {options.cpus_per_task for options in job.slurm}
+    if len(cpus) == 1 and None not in cpus:
+        # srun does not inherit --cpus-per-task from sbatch (Slurm 22.05 and later).
+        srun_args.append(f"--cpus-per-task={cpus.pop()}")
+    if job.is_hetjob:
+        het_nodes = (
+            "# Nodes of each hetjob component, for the preflight check that every rank runs where its role says.\n"
+            "for ((c = 0; c < SLURM_HET_SIZE; c++)); do\n"
+            "  nodelist_var=SLURM_JOB_NODELIST_HET_GROUP_$c\n"
+            "  export \"HET_NODES_$c=$(scontrol show hostnames \"${!nodelist_var}\" | tr '\\n' ' ')\"\n"
+            "done"
+        )
+        preflight_layout = (f"--het-ranks {','.join(str(c.ranks) for c in job.components)} "
+                            f"--zp-groups {job.zp_groups} ")
+    else:
+        het_nodes, preflight_layout = "", ""
+    zp_why = (f"{job.zp_groups} ZP group(s) of {job.components[0].ranks // job.zp_groups} attention + "
+              f"{job.components[1].ranks // job.zp_groups} expert ranks" if job.mode == "zebra" and job.is_hetjob
+              else "no zebra interleaving: ranks in SLURM_PROCID order")
+    values = {
+        "header": _header(job),
+        "repo_dir": shlex.quote(str(REPO)),
+        "out_dir": shlex.quote(str(job.output_dir)),
+        "layout": _layout_text(job),
+        "rendezvous_what": "hetjob component 0 (the first node group)" if job.is_hetjob else "the allocation",
+        "rendezvous_nodelist": "SLURM_JOB_NODELIST_HET_GROUP_0" if job.is_hetjob else "SLURM_JOB_NODELIST",
+        "het_nodes": het_nodes,
+        "flag_arrays": arrays,
+        "task_env": _task_env(),
+        "zp_groups": str(job.zp_groups),
+        "zp_groups_why": zp_why,
+        "srun_args": " ".join(srun_args),
+        "backend": job.backend,
+        "preflight_layout": preflight_layout,
+        "flag_refs": references,
+    }
+    return fill_template((TEMPLATES / "job.sbatch.in").read_text(), values)
+
+
+def fill_template(text: str, values: dict[str, str]) -> str:
+    """Replace every @name@ of `text`; SubmitError for a placeholder without a value or a value
+    without a placeholder (a template and its filler that disagree)."""
+    names = set(re.findall(r"@([a-z_]+)@", text))
+    if names != set(values):
+        raise SubmitError(f"template placeholders {sorted(names)} do not match the values {sorted(values)}")
+    return re.sub(r"@([a-z_]+)@", lambda m: values[m.group(1)], text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Submission and command line
+# ----------------------------------------------------------------------------------------------
+
+
+def submit(job: Job, script: str, wait: bool = False) -> int:
+    """Write the script to <output_dir>/<name>.sbatch and sbatch it; the job's exit status with
+    `wait`, else sbatch's."""
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise SubmitError("sbatch is not on PATH: submit from a Slurm login node, or use --dry-run to print the script")
+    job.output_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes the log there and needs it to exist
+    path = job.output_dir / f"{job.run.name}.sbatch"
+    path.write_text(script)
+    command = [sbatch, "--parsable", *(["--wait"] if wait else []), str(path)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        first = process.stdout.readline().strip()
+        if first:
+            job_id = first.split(";")[0]
+            print(f"submitted job {job_id}: script {path}, log {job.output_dir}/slurm-{job_id}.out, "
+                  f"outputs {job.output_dir}/{job_id}/", flush=True)
+        process.stdout.read()
+        status = process.wait()
+    if wait and first:
+        print(f"job {first.split(';')[0]} finished with exit status {status}", flush=True)
+    return status
+
+
+def _counts_option(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or N,M,... (positive integers)") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: counts must be positive")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch/submit.py",
+        description="Build the Slurm job of a run config, check it against the cluster, and sbatch it "
+        "(or print it). Arguments not listed here are pretrain_gpt_moe.py flags that override the run config.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--run", required=True, help="run config: configs/runs/<name>.yaml or its name")
+    parser.add_argument("--model", help="model config name or .yaml path (replaces the run's model)")
+    parser.add_argument("--cluster", help="cluster config name or .yaml path (replaces the run's cluster)")
+    parser.add_argument("--mode", help=f"MoE parallel mode (replaces the run's mode); one of {', '.join(KNOWN_MODES)}")
+    parser.add_argument("--nodes", type=_counts_option, help="nodes to use, one count per node group (N or N,M)")
+    parser.add_argument("--gpus-per-node", type=_counts_option, help="ranks per node, one per node group")
+    parser.add_argument("--output-dir", help="output folder (default: the run's output_dir, else runs/<name>)")
+    parser.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    parser.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends, with its exit status")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    options, training = build_parser().parse_known_args(argv)
+    shown = [a for a in argv if a not in ("--dry-run", "--wait")]
+    command_line = "python launch/submit.py " + shlex.join(shown)
+    try:
+        run = load_run_config(options.run)
+        overrides = Overrides(model=options.model, cluster=options.cluster, mode=options.mode, nodes=options.nodes,
+                              gpus_per_node=options.gpus_per_node, output_dir=options.output_dir,
+                              training=tuple(training))
+        job = plan_job(run, overrides, command_line)
+        script = render_script(job)
+        if options.dry_run:
+            print(script, end="")
+            return 0
+        return submit(job, script, wait=options.wait)
+    except SubmitError as error:
+        print(f"submit.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
