@@ -145,6 +145,23 @@ def _megatron_all_to_all():
     assert torch.equal(received, expected), (received, expected)
 
 
+def _gather_uneven(world_size: int, rank: int):
+    """Megatron's gather along the first dimension with output split sizes (expert-TP > 1):
+    rank r contributes r + 2 rows of value r. Returns (gathered, expected)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    sizes = [r + 2 for r in range(world_size)]
+    local = torch.full((sizes[rank], 3), float(rank))
+    gathered = gather_from_sequence_parallel_region(local, group=dist.group.WORLD, output_split_sizes=sizes)
+    expected = torch.cat([torch.full((n, 3), float(r)) for r, n in enumerate(sizes)])
+    return gathered, expected
+
+
+def _megatron_uneven_gather():
+    gathered, expected = _gather_uneven(dist.get_world_size(), dist.get_rank())
+    assert torch.equal(gathered, expected), (gathered, expected)
+
+
 def _causal_mask():
     from megatron.core.transformer.utils import get_default_causal_mask
 
@@ -196,6 +213,10 @@ NECESSITY_CHECKS = {
     "gloo_all_to_all_single": (
         2,
         [("mappings.all_to_all (uneven, tensor split sizes)", _megatron_all_to_all, "incompatible function arguments")],
+    ),
+    "gloo_uneven_all_gather": (
+        2,
+        [("mappings.gather_from_sequence_parallel_region (uneven output_split_sizes)", _megatron_uneven_gather, "invalid tensor size")],
     ),
     "cuda_literals": (
         1,
@@ -314,6 +335,7 @@ def test_apply_returns_every_shim_in_order(shims):
         "rng_tracker",
         "te_general_gemm",
         "gloo_all_to_all_single",
+        "gloo_uneven_all_gather",
         "cuda_literals",
         "optimizer_type_checks",
         "torch_norm_sequence_parallel",
@@ -506,6 +528,16 @@ def test_all_to_all_single_accepts_tensor_split_sizes(shims):
 
 
 # (The two-rank exchange with uneven tensor splits is the "with" half of the necessity check.)
+
+
+def test_all_gather_keeps_equal_shapes_on_the_stock_path_and_pads_uneven_ones(shims):
+    gathered, expected = _gather_uneven(1, 0)
+    assert torch.equal(gathered, expected)
+    # Equal shapes (and async) go straight to gloo; uneven ones are padded and trimmed
+    # (the two-rank uneven gather is the "with" half of its necessity check).
+    out = [torch.empty(2, 3)]
+    dist.all_gather(out, torch.ones(2, 3))
+    assert torch.equal(out[0], torch.ones(2, 3))
 
 
 # --- 5. cuda_literals ---------------------------------------------------------------------

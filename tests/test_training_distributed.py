@@ -122,12 +122,15 @@ def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):
         ("tp2_sp_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2),
         ("pp2_ep2", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
+        ("tp2_sp_etp2_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
+                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2),
         ("ep2_capacity_allgather", ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
                                     "--moe-token-dispatcher-type", "allgather"], 4),
     ],
 )
 def test_model_parallel_layouts_train(tmp_path, name, flags, dp):
-    """TP2 x SP x EP2, PP2 x EP2 (several micro-batches) and EP2 with a capacity factor and
+    """TP2 x SP x EP2, PP2 x EP2 (several micro-batches), TP2 x SP x ETP2 x EP2 (uneven expert-TP
+    gathers) and EP2 with a capacity factor and
     Megatron's allgather dispatcher, on 4 ranks: training runs, loss falls, metrics add up."""
     run = launch(4, [*MOCK, "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb"), *flags], tmp_path, name)
     losses = run.losses

@@ -202,6 +202,31 @@ def _shim_gloo_all_to_all_single() -> None:
     torch.distributed.all_to_all_single = all_to_all_single
 
 
+def _shim_gloo_uneven_all_gather() -> None:
+    if getattr(dist.all_gather, "_megatron_patches_cpu", False):
+        return
+    original = dist.all_gather
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        # gloo requires equal shapes; Megatron gathers uneven first dimensions (tokens per
+        # expert-TP rank). Pad every piece to the longest, gather, copy each piece back.
+        shapes = {tuple(t.shape) for t in tensor_list} | {tuple(tensor.shape)}
+        if len(shapes) == 1 or async_op:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded, group=group)
+        for out, full in zip(tensor_list, gathered):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    all_gather._megatron_patches_cpu = True
+    dist.all_gather = all_gather
+
+
 # ----------------------------------------------------------------------------------------
 # 5. CUDA device literals: device='cuda' in factories, Tensor.cuda(), pin_memory()
 # ----------------------------------------------------------------------------------------
@@ -416,6 +441,12 @@ SHIMS: list[Shim] = [
         "gloo_all_to_all_single",
         "tensor_parallel/mappings.py _AllToAll (tensor split sizes; gloo needs lists)",
         _shim_gloo_all_to_all_single,
+    ),
+    Shim(
+        "gloo_uneven_all_gather",
+        "tensor_parallel/mappings.py:150 _gather_along_first_dim with output_split_sizes "
+        "(expert-TP > 1: tokens per ETP rank differ; gloo needs equal shapes)",
+        _shim_gloo_uneven_all_gather,
     ),
     Shim(
         "cuda_literals",
