@@ -294,6 +294,8 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
             "expert_gpu": pools.expert_type,
             "microbatches": R,
             "offload_chunks_per_layer": list(plan.offload_chunks_L),
+            "gradient_sync_s": grad_s,
+            "optimizer_s": optimizer_s,
             "profile": profile.to_dict(),
         },
     )

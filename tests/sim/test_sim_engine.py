@@ -1,0 +1,110 @@
+"""Event engine: stream order, dependencies, collectives as barriers, and the time accounting
+(every device's busy + idle time adds up to the iteration time)."""
+
+import numpy as np
+import pytest
+
+from megatron_patches.sim.engine import CATEGORIES, Timeline
+
+
+def test_straggler_and_all_to_all_worked_example():
+    """Two devices compute 1 s and 3 s, then a 2 s all-to-all, then 1 s each: 3 + 2 + 1 = 6 s.
+
+    Device 0 waits 2 s for device 1 (straggler) and 2 s in the all-to-all.
+    """
+    tl = Timeline(1, 2)
+    work = tl.compute("expert", [1.0, 3.0])
+    a2a = tl.collective("a2a", "all_to_all", 2.0, after=[work])
+    tl.compute("other", 1.0, after=[a2a])
+    total = tl.finish()
+    assert total.tolist() == [6.0]
+    b = tl.breakdown()
+    per_device = {name: (tl.busy + tl.idle)[CATEGORIES.index(name), 0] for name in CATEGORIES}
+    assert per_device["expert"].tolist() == [1.0, 3.0]
+    assert per_device["straggler_wait"].tolist() == [2.0, 0.0]
+    assert per_device["all_to_all"].tolist() == [2.0, 2.0]
+    assert b["expert"][0] == 2.0 and b["straggler_wait"][0] == 1.0
+    assert tl.max_busy[CATEGORIES.index("expert"), 0] == 3.0
+
+
+def test_a_collective_on_its_own_stream_overlaps_compute_and_only_its_excess_is_exposed():
+    """A 5 s gather launched with 3 s of attention: the experts wait 2 s, blamed on the gather."""
+    tl = Timeline(1, 1)
+    gather = tl.collective("sparse", "exposed_collectives", 5.0)
+    attention = tl.compute("attention", 3.0)
+    tl.compute("expert", 1.0, after=[attention, gather])
+    assert tl.finish().tolist() == [6.0]
+    b = tl.breakdown()
+    assert b["exposed_collectives"][0] == 2.0 and b["attention"][0] == 3.0 and b["expert"][0] == 1.0
+    hidden = Timeline(1, 1)
+    gather = hidden.collective("sparse", "exposed_collectives", 2.0)
+    attention = hidden.compute("attention", 3.0)
+    hidden.compute("expert", 1.0, after=[attention, gather])
+    assert hidden.finish().tolist() == [4.0]
+    assert hidden.breakdown()["exposed_collectives"][0] == 0.0
+    assert hidden.comm[CATEGORIES.index("exposed_collectives"), 0] == 2.0
+
+
+def test_collectives_on_one_stream_run_in_order_and_the_wait_is_blamed_on_the_one_in_the_way():
+    """A 4 s gradient sync and then a 1 s all-to-all on the same stream: the all-to-all starts at 4."""
+    tl = Timeline(1, 1)
+    tl.collective("a2a", "exposed_collectives", 4.0)
+    ready = tl.compute("other", 1.0)
+    a2a = tl.collective("a2a", "all_to_all", 1.0, after=[ready])
+    assert a2a.start_ID[0, 0] == 4.0
+    tl.compute("expert", 1.0, after=[a2a])
+    assert tl.finish().tolist() == [6.0]
+    b = tl.breakdown()
+    assert b["exposed_collectives"][0] == 3.0  # idle from 1 to 4, before the all-to-all could start
+    assert b["all_to_all"][0] == 1.0
+
+
+def test_iterations_are_independent_and_vectorised():
+    tl = Timeline(3, 2)
+    work = tl.compute("expert", np.array([[1.0, 2.0], [5.0, 1.0], [0.0, 0.0]]))
+    a2a = tl.collective("a2a", "all_to_all", np.array([1.0, 2.0, 3.0]), after=[work])
+    tl.compute("attention", 1.0, after=[a2a])
+    np.testing.assert_array_equal(tl.finish(), [4.0, 8.0, 4.0])
+
+
+def test_the_final_wait_is_blamed_on_what_ends_last():
+    tl = Timeline(1, 2)
+    tl.compute("optimizer", [1.0, 3.0])
+    assert tl.finish().tolist() == [3.0]
+    assert tl.breakdown()["straggler_wait"][0] == 1.0
+    tl = Timeline(1, 2)
+    tl.compute("optimizer", [1.0, 1.0])
+    tl.collective("grad", "exposed_collectives", 5.0)
+    assert tl.finish().tolist() == [5.0]
+    assert tl.breakdown()["exposed_collectives"][0] == 4.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_busy_plus_idle_equals_the_iteration_time_on_every_device(seed):
+    """Random programs of compute tasks and collectives on three streams."""
+    rng = np.random.default_rng(seed)
+    I, D = 4, 5
+    tl = Timeline(I, D)
+    events = [None]
+    for _ in range(30):
+        after = [events[j] for j in rng.integers(0, len(events), size=rng.integers(0, 3))]
+        if rng.random() < 0.5:
+            category = ["attention", "other", "expert", "optimizer"][rng.integers(4)]
+            events.append(tl.compute(category, rng.exponential(1.0, size=(I, D)), after=after))
+        else:
+            category = ["all_to_all", "exposed_collectives", "rearrangement"][rng.integers(3)]
+            stream = ["a2a", "sparse", "grad"][rng.integers(3)]
+            events.append(tl.collective(stream, category, rng.exponential(1.0, size=I), after=after))
+    total = tl.finish()
+    np.testing.assert_allclose((tl.busy + tl.idle).sum(axis=0), np.repeat(total[:, None], D, axis=1))
+    assert np.all(tl.idle >= -1e-12)
+    for e in events[1:]:
+        assert np.all(e.end_ID <= total[:, None] + 1e-12)
+
+
+def test_categories_are_checked():
+    tl = Timeline(1, 1)
+    with pytest.raises(ValueError, match="category 'all_to_all' is not one of"):
+        tl.compute("all_to_all", 1.0)
+    with pytest.raises(ValueError, match="category 'expert' is not one of"):
+        tl.collective("a2a", "expert", 1.0)

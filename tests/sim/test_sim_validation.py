@@ -1,0 +1,222 @@
+"""Validation of the simulator against what must hold (issue 8, item 7).
+
+- balanced loads: systems that only react to imbalance behave exactly like EP;
+- a closed-form all-to-all and ring all-reduce reproduced end to end;
+- the sparse collectives' simulated bytes equal the placement engine's accounting;
+- monotonicity: more bandwidth never makes an iteration slower;
+- zebra with equal speeds and free communication approaches its analytic bound;
+- the breakdown adds up to the iteration time for every system.
+"""
+
+import numpy as np
+import pytest
+from sim_builders import balanced_trace, make_cluster, make_model, make_pool, skewed_trace
+
+from megatron_patches.placement.accounting import allreduce_equivalent_bytes, sparse_all_gather_bytes
+from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.policies import make_policy
+from megatron_patches.sim import (
+    BREAKDOWN_PARTS,
+    KernelEfficiency,
+    LinkParameters,
+    SimError,
+    SimOptions,
+    build_scenario,
+    replay_config,
+    resolve_systems,
+    simulate,
+)
+
+MODEL = make_model(layers=2, experts=8, hidden=512, seq=1024)
+PLACEMENT_SYSTEMS = ["ep", "smartmoe", "flexmoe-2", "fastermoe", "fssdp", "fssdp-mat", "fssdp-shard",
+                     "fssdp-remat", "replicate", "static", "ep-ideal"]
+
+
+def run(scn, name):
+    return simulate(scn, resolve_systems([name])[0])
+
+
+@pytest.fixture(scope="module")
+def balanced():
+    trace = balanced_trace(6, 2, 8, 8, 64)
+    return build_scenario(MODEL, make_cluster(), 8, trace, options=SimOptions(reshard_interval=3, overlap_degree=2))
+
+
+@pytest.fixture(scope="module")
+def skewed():
+    trace = skewed_trace(8, 2, 8, 8, 16384, seed=1)
+    return build_scenario(MODEL, make_cluster(), 8, trace,
+                          options=SimOptions(reshard_interval=3, overlap_degree=2, memory_capacity=1))
+
+
+def test_balanced_loads_make_load_reactive_systems_equal_ep(balanced):
+    """SmartMoE finds no swap, FlexMoE no replica that lowers the maximum, FasterMoE no shadow that
+    pays, FSSDP without copies (t = 0) dispatches like EP: identical iteration times. FSSDP's
+    sharding-only variant re-shards once (the balanced layout it computes differs from the even
+    one), which is its only difference."""
+    ep = run(balanced, "ep")
+    for name in ("smartmoe", "flexmoe-2", "fastermoe", "ep-ideal"):
+        np.testing.assert_allclose(run(balanced, name).iteration_s_I, ep.iteration_s_I, rtol=1e-12, err_msg=name)
+    no_copies = build_scenario(MODEL, make_cluster(), 8, balanced_trace(6, 2, 8, 8, 64),
+                               options=SimOptions(overlap_degree=0))
+    np.testing.assert_allclose(run(no_copies, "fssdp-mat").iteration_s_I, ep.iteration_s_I, rtol=1e-12)
+    shard = run(balanced, "fssdp-shard")
+    np.testing.assert_allclose(shard.iteration_s_I - shard.breakdown_I["rearrangement"], ep.iteration_s_I,
+                               rtol=1e-12)
+    assert shard.details["rearrangement_events"] == 1
+
+
+def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
+    """Imbalance 1 and survival 1 for every system that does not materialize copies; replicated
+    systems pay only for what replication costs (gradient synchronisation, optimizer state), never
+    for imbalance."""
+    ep = run(balanced, "ep")
+    for name in ("smartmoe", "flexmoe-2", "fastermoe", "fssdp-shard", "replicate", "static"):
+        r = run(balanced, name)
+        np.testing.assert_allclose(r.imbalance_IL, 1.0, err_msg=name)
+        np.testing.assert_allclose(r.survival_IL, 1.0, err_msg=name)
+        np.testing.assert_allclose(r.breakdown_I["straggler_wait"], 0.0, atol=1e-15, err_msg=name)
+        np.testing.assert_allclose(r.breakdown_I["all_to_all"], ep.breakdown_I["all_to_all"], rtol=1e-9, err_msg=name)
+
+
+def test_ep_all_to_all_reproduces_the_closed_form(balanced):
+    """Balanced EP, one expert per device: every source sends b tokens to every other device, four
+    all-to-alls per layer (dispatch and combine, forward and backward), nothing hides them."""
+    ep = run(balanced, "ep")
+    b = 64 * balanced.trace_scale  # tokens per (source, expert) after scaling to the batch
+    token_bytes, P, D = 2 * 512, 4, 8
+    links = LinkParameters()
+    intra = (P - 1) * b * token_bytes / (100e9 * links.intra_efficiency)
+    nic = P * (D - P) * b * token_bytes / (10e9 * links.inter_efficiency)
+    one = links.inter_latency_s + max(intra, nic)
+    np.testing.assert_allclose(ep.breakdown_I["all_to_all"], 4 * 2 * one, rtol=1e-12)
+    assert ep.traffic["all_to_all"][1] == pytest.approx(4 * 2 * D * (D - P) * b * token_bytes)
+
+
+@pytest.mark.parametrize("pricing", ["p2p", "ring"])
+def test_sparse_collective_bytes_equal_the_placement_accounting(pricing):
+    """FSSDP's gather and reduce bytes, recomputed from an independent replay of the same policy
+    with the placement engine's accounting, equal what the simulator priced; and spAG + spRS
+    equals the all-reduce-equivalent volume of DESIGN 3 (2 (r - 1) x expert bytes)."""
+    trace = skewed_trace(8, 2, 8, 8, 16384, seed=1)
+    scn = build_scenario(MODEL, make_cluster(), 8, trace,
+                         options=SimOptions(reshard_interval=3, overlap_degree=2, memory_capacity=1,
+                                            sparse_collectives=pricing))
+    spec = resolve_systems(["fssdp"])[0]
+    result = simulate(scn, spec)
+    config, _ = replay_config(scn, spec)
+    policy = make_policy("fssdp", config, 2, 8)
+    bm = scn.workload.byte_model
+    tracker = LoadTracker(2, 8, policy.default_window)
+    gather = np.zeros(2)
+    equivalent = 0
+    for i in range(scn.num_iterations):
+        step = policy.plan(i, tracker.predict(), scn.source_ILDE[i])
+        for lp in step.layers:
+            comm = sparse_all_gather_bytes(lp.shard, lp.placement, bm.expert_weight_bytes, scn.hardware.topology)
+            gather += (comm.intra, comm.inter)
+            equivalent += allreduce_equivalent_bytes(lp.placement, bm.expert_weight_bytes)
+        tracker.observe(scn.loads_ILE[i])
+    gather /= scn.num_iterations
+    spag, sprs = result.traffic["spag"], result.traffic["sprs"]
+    assert gather.sum() > 0
+    if pricing == "p2p":
+        np.testing.assert_allclose(spag, gather)
+    np.testing.assert_allclose(spag.sum(), gather.sum())
+    np.testing.assert_allclose(spag.sum() + sprs.sum(), equivalent / scn.num_iterations)
+
+
+@pytest.mark.parametrize("name", ["ep", "fssdp", "fssdp-remat", "smartmoe", "flexmoe-2", "replicate", "static"])
+def test_more_bandwidth_is_never_slower(name):
+    """Doubling every link (t and m fixed, so the plans stay the same) shortens or keeps every iteration."""
+    trace = skewed_trace(8, 2, 8, 8, 16384, seed=2)
+    options = SimOptions(reshard_interval=3, overlap_degree=2, memory_capacity=1, reserved_slots=1)
+    times = []
+    for factor in (1.0, 2.0, 8.0):
+        cluster = make_cluster(intra_gb_s=100.0 * factor, nic_gbps=80.0 * factor)
+        times.append(run(build_scenario(MODEL, cluster, 8, trace, options=options), name).iteration_s_I)
+    assert np.all(times[1] <= times[0] * (1 + 1e-12)) and np.all(times[2] <= times[1] * (1 + 1e-12))
+    assert times[2].mean() < times[0].mean()
+
+
+def test_breakdown_adds_up_to_the_iteration_time_for_every_system(skewed):
+    for name in PLACEMENT_SYSTEMS:
+        r = run(skewed, name)
+        parts = sum(r.breakdown_I[k] for k in BREAKDOWN_PARTS)
+        np.testing.assert_allclose(parts, r.iteration_s_I, rtol=1e-9, err_msg=name)
+        assert np.all(r.breakdown_I["expert_compute_max"] >= r.breakdown_I["expert_compute_mean"] - 1e-15)
+        assert np.all(r.imbalance_IL >= 1.0 - 1e-12)
+
+
+def test_skew_makes_ep_wait_for_the_busiest_device(skewed):
+    """EP's straggler wait is the gap between the busiest device's expert compute and the mean."""
+    ep = run(skewed, "ep")
+    b = ep.breakdown_I
+    assert np.all(ep.imbalance_IL > 1.5)
+    np.testing.assert_allclose(b["expert_compute_mean"] + b["straggler_wait"], b["expert_compute_max"], rtol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zebra
+# ---------------------------------------------------------------------------------------------
+
+ZEBRA_MODEL = make_model(layers=3, experts=8, hidden=512, seq=1024)
+IDEAL_GEMMS = KernelEfficiency(expert_half_tokens=0.0, kernel_launch_s=0.0)
+FREE_LINKS = LinkParameters(intra_latency_s=0.0, inter_latency_s=0.0)
+
+
+def zebra_scenario(R, bandwidth_factor=1.0, efficiency=IDEAL_GEMMS, links=FREE_LINKS, trace=None):
+    pool = make_pool(2, 2, intra_gb_s=100.0 * bandwidth_factor, nic_gbps=80.0 * bandwidth_factor)
+    trace = trace or balanced_trace(2, 3, 8, 4, 64)
+    return build_scenario(ZEBRA_MODEL, pool, 4, trace, efficiency=efficiency, links=links,
+                          options=SimOptions(zebra_microbatches=R))
+
+
+def test_zebra_with_equal_speeds_and_free_communication_approaches_its_bound():
+    """Equal GPU types, no communication cost, ideal GEMMs: each role must do its own work, so the
+    schedule takes at least max(attention role's work, expert role's work). One micro-batch makes
+    the roles take turns; with a few micro-batches the zig-zag hides the faster role entirely.
+    (At R = 32 the expert GEMMs get small enough to be bound by streaming their weights, which
+    raises the expert role's work, but the schedule still stays at its bound.)"""
+    excess = []
+    for R in (1, 2, 4, 8, 16, 32):
+        scn = zebra_scenario(R, bandwidth_factor=1e6)
+        r = run(scn, "zebra")
+        p = r.details["profile"]  # per micro-batch, forward + backward
+        tokens_per_microbatch = 4 * 1024 / (2 * R)
+        head = float(scn.compute.head_fwd_D()[0]) * tokens_per_microbatch / 1024 * 3
+        bound = max(3 * R * p["t_attn_A"] + R * head, 3 * R * p["t_exp_E"])
+        makespan = r.iteration_s - r.details["gradient_sync_s"] - r.details["optimizer_s"]
+        assert makespan >= bound * (1 - 1e-9)
+        excess.append(makespan / bound - 1)
+    assert excess[0] > 0.5
+    assert excess[1] < excess[0]
+    assert max(excess[2:]) < 0.01
+
+
+def test_zebra_beats_naive_disaggregation_and_asym_ea_fills_bubbles_on_a_slow_expert_pool():
+    """Expert GPUs 4x slower than attention GPUs: the zig-zag overlaps the two roles, and Asym-EA
+    moves experts onto the idle attention GPUs."""
+    pool = make_pool(2, 2, expert_gpu={"peak_fp16_tflops": 25.0, "hbm_gb_s": 250.0})
+    trace = balanced_trace(2, 3, 8, 4, 64)
+    scn = build_scenario(ZEBRA_MODEL, pool, 4, trace, options=SimOptions(zebra_microbatches=4))
+    naive, zp, asym = (run(scn, name) for name in ("zebra-naive", "zebra", "zebra-asym"))
+    assert zp.iteration_s < naive.iteration_s
+    assert sum(asym.details["offload_chunks_per_layer"]) > 0
+    assert asym.iteration_s < zp.iteration_s
+    for r in (naive, zp, asym):
+        parts = sum(r.breakdown_I[k] for k in BREAKDOWN_PARTS)
+        np.testing.assert_allclose(parts, r.iteration_s_I, rtol=1e-9, err_msg=r.name)
+
+
+def test_zebra_more_bandwidth_is_never_slower():
+    trace = skewed_trace(4, 3, 8, 4, 8192, seed=3)
+    times = [run(zebra_scenario(4, f, KernelEfficiency(), LinkParameters(), trace), "zebra-asym").iteration_s_I
+             for f in (1.0, 4.0)]
+    assert np.all(times[1] <= times[0] * (1 + 1e-12))
+
+
+def test_zebra_needs_a_two_type_pool():
+    scn = build_scenario(ZEBRA_MODEL, make_cluster(1, 4), 4, balanced_trace(2, 3, 8, 4, 64))
+    with pytest.raises(SimError, match="zebra systems need a pool of two GPU types"):
+        run(scn, "zebra")
