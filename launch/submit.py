@@ -325,7 +325,10 @@ def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.A
         if dest in RESERVED_FLAGS:
             raise SubmitError(f"{where}.{dest}: not allowed here; {RESERVED_FLAGS[dest]}")
         if dest not in actions:
-            raise _unknown_key(where, dest, sorted(d for d in actions if d not in RESERVED_FLAGS))
+            close = difflib.get_close_matches(dest, sorted(d for d in actions if d not in RESERVED_FLAGS), n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise SubmitError(f"{where}: unknown key {dest!r}{hint}; valid keys are the dest names of "
+                              "pretrain_gpt_moe.py's flags (docs/flags.md; --train-iters -> train_iters)")
         action = actions[dest]
         option = action.option_strings[0]
         # What the flag's dest holds when the flag is left out: the model config's value, else the default.
@@ -535,7 +538,7 @@ def _layout(run: RunConfig, cluster: ClusterConfig, nodes: tuple[int, ...] | Non
     return components
 
 
-def _zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
+def zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
     """ZP groups G of a zebra hetjob: component 0 = G x M attention ranks, component 1 = G x N expert ranks."""
     if len(components) != 2:
         raise SubmitError(f"mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); "
@@ -570,7 +573,7 @@ def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
     return fixed + optimizer / (data_parallel if args.use_distributed_optimizer else 1)
 
 
-def _memory_check(args: argparse.Namespace, mode: str, components: list[Component], zp_groups: int) -> list[str]:
+def check_model_memory(args: argparse.Namespace, mode: str, components: list[Component], zp_groups: int) -> list[str]:
     """Refuse a job whose model state alone exceeds a GPU's memory; notes for the script header.
 
     A lower bound: the average rank's weights, gradients and Adam state (max >= mean), no
@@ -584,8 +587,14 @@ def _memory_check(args: argparse.Namespace, mode: str, components: list[Componen
     dense = counts["total"] - experts
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if mode == "zebra":
-        per_rank = [dense * _bytes_per_parameter(args, 1),
-                    experts / (components[1].ranks // zp_groups) * _bytes_per_parameter(args, 1)]
+        attention = dense * _bytes_per_parameter(args, 1)
+        expert = experts / (components[1].ranks // zp_groups) * _bytes_per_parameter(args, 1)
+        if getattr(args, "zebra_asym_ea", "off") != "off":
+            # Asym-EA moves experts onto the attention GPUs by a plan made at start-up; only the
+            # attention ranks' own share is known here.
+            per_rank = [attention, None]
+        else:
+            per_rank = [attention, expert]
     else:
         ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
         both = (dense / (tp * pp) * _bytes_per_parameter(args, args.data_parallel_size)
@@ -595,6 +604,9 @@ def _memory_check(args: argparse.Namespace, mode: str, components: list[Componen
     for component, need in zip(components, per_rank):
         have = component.gpu.memory_gb * 1e9
         where = component.label if len(components) > 1 else "every rank"
+        if need is None:
+            notes.append(f"model state on {where} not estimated: Asym-EA decides at start-up how many experts move")
+            continue
         if need > have:
             raise SubmitError(
                 f"model state needs at least {need / 1e9:.1f} GB per GPU on {where}, more than the "
@@ -655,8 +667,8 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
             raise SubmitError(f"training flags at world size {world} "
                               f"({' + '.join(str(c.ranks) for c in components)} ranks): {error}") from None
 
-    zp_groups = _zebra_groups(args, components) if mode == "zebra" else 1
-    memory_notes = _memory_check(args, mode, components, zp_groups)
+    zp_groups = zebra_groups(args, components) if mode == "zebra" else 1
+    memory_notes = check_model_memory(args, mode, components, zp_groups)
     explicit_backend = next((f.tokens[1] for f in flags if f.dest == "distributed_backend" and len(f.tokens) > 1), None)
     backend = "gloo" if args.cpu else explicit_backend or "nccl"
 

@@ -21,8 +21,8 @@ rank=$SLURM_PROCID
 if [ -n "${SLURM_HET_SIZE:-}" ]; then
   groups=${ZP_GROUPS:-1}
   component=
-  offset=0        # tasks of the components before this one
-  before=0        # ranks of one ZP group that belong to the components before this one
+  offset=0        # tasks of the components before component c
+  before=0        # ranks of one ZP group in the components before component c
   for ((c = 0; c < SLURM_HET_SIZE; c++)); do
     count_var=SLURM_NTASKS_HET_GROUP_$c
     count=${!count_var:?is not set: cannot place task $SLURM_PROCID in a hetjob component}
@@ -30,10 +30,11 @@ if [ -n "${SLURM_HET_SIZE:-}" ]; then
       echo "task_env: component $c has $count tasks, not divisible by ZP_GROUPS=$groups" >&2
       exit 1
     fi
-    if ((SLURM_PROCID < offset + count)); then
+    if [ -z "$component" ] && ((SLURM_PROCID < offset + count)); then
       component=$c
-      index=$((SLURM_PROCID - offset))
-      break
+      index=$((SLURM_PROCID - offset))   # this task's place inside its component
+      per_group=$((count / groups))      # its component's ranks in one ZP group
+      ahead=$before                      # ranks of one ZP group ahead of its component
     fi
     offset=$((offset + count))
     before=$((before + count / groups))
@@ -42,9 +43,8 @@ if [ -n "${SLURM_HET_SIZE:-}" ]; then
     echo "task_env: task $SLURM_PROCID is beyond the $offset tasks of the $SLURM_HET_SIZE components" >&2
     exit 1
   fi
-  per_group=$((count / groups))          # this component's ranks in one ZP group
   group_size=$((SLURM_NTASKS / groups))  # ranks of one ZP group over all components
-  rank=$(((index / per_group) * group_size + before + index % per_group))
+  rank=$(((index / per_group) * group_size + ahead + index % per_group))
 fi
 
 export RANK=$rank WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID HET_COMPONENT=$component

@@ -1,0 +1,476 @@
+"""launch/submit.py without Slurm: every run config dry-runs, scripts are well formed, bad
+requests are refused with messages that name the value, and the hetjob rank order.
+
+The real-Slurm side (submitting these scripts) is tests/test_slurm_real.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_patches.config import load_cluster_config
+from megatron_patches.training.arguments import MOE_PARALLEL_MODES
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_FILES = sorted((REPO / "configs" / "runs").glob("*.yaml"))
+TEST_DATA = REPO / "tests" / "data" / "slurm"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+submit = _load("launch_submit", REPO / "launch" / "submit.py")
+preflight = _load("launch_preflight", REPO / "launch" / "preflight.py")
+
+
+def plan(run: str | Path | dict, **overrides):
+    """plan_job for a run file or an inline run config."""
+    config = submit.run_config_from_dict(run, "inline") if isinstance(run, dict) else submit.load_run_config(run)
+    training = tuple(overrides.pop("training", ()))
+    return submit.plan_job(config, submit.Overrides(training=training, **overrides))
+
+
+def refused(run, **overrides) -> str:
+    with pytest.raises(submit.SubmitError) as info:
+        plan(run, **overrides)
+    return str(info.value)
+
+
+def bash_syntax_ok(script: str) -> None:
+    done = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def expanded_argv(script: str) -> list[str]:
+    """The training command line the script passes to pretrain_gpt_moe.py, expanded by bash."""
+    arrays = script[script.index("# ---- Training flags"):script.index("# ---- Launch")]
+    refs = script[script.rindex("pretrain_gpt_moe.py \\\n") + len("pretrain_gpt_moe.py \\\n"):]
+    program = f"RUN_DIR=/out/7; CKPT_DIR=/out/checkpoints\n{arrays}\nprintf '%s\\n' {refs.replace(chr(92) + chr(10), ' ')}"
+    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
+    return done.stdout.splitlines()
+
+
+def tiny_run(**changes) -> dict:
+    """An inline run of the tiny model on the 2 x 2 CPU test cluster."""
+    run = yaml.safe_load((TEST_DATA / "run_cpu_2x2.yaml").read_text())
+    run.update(changes)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Paper runs
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.stem)
+def test_paper_run_dry_runs_in_its_own_mode(path):
+    """Runs of modes that exist render; the others are refused with exactly the message that
+    names the mode. Driven by MOE_PARALLEL_MODES: a run passes here as soon as its mode lands."""
+    mode = yaml.safe_load(path.read_text())["mode"]
+    if mode not in MOE_PARALLEL_MODES:
+        assert refused(path) == f"mode {mode} is not available yet (available: {', '.join(MOE_PARALLEL_MODES)})"
+        return
+    job = plan(path)
+    script = submit.render_script(job)
+    bash_syntax_ok(script)
+    assert f"--moe-parallel-mode {mode}" in script
+
+
+# The ep baseline of each paper run. zebra_c2 (10 GPUs) only fits with the distributed optimizer:
+# 24 experts over 10 ranks give EP 2 and 18.5 GB of model state per 16 GB T4 otherwise.
+EP_EXTRA = {"zebra_c2": ["--use-distributed-optimizer"]}
+
+
+@pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.stem)
+def test_paper_run_as_ep_baseline(path):
+    values = yaml.safe_load(path.read_text())
+    cluster = load_cluster_config(values["cluster"])
+    job = plan(path, mode="ep", training=EP_EXTRA.get(path.stem, []))
+    script = submit.render_script(job)
+    bash_syntax_ok(script)
+
+    # World size: the run's nodes (default: all) x the cluster's GPUs per node.
+    groups = cluster.nodes
+    nodes = values.get("nodes")
+    world = nodes * groups[0].gpus_per_node if nodes else cluster.num_devices
+    assert job.world_size == world == job.args.world_size
+    assert job.args.tensor_model_parallel_size * job.args.pipeline_model_parallel_size * job.args.data_parallel_size == world
+
+    # GPU request per component, hetjob exactly when the cluster has several node groups.
+    assert script.count("#SBATCH hetjob") == len(groups) - 1
+    srun_args = re.search(r"^srun_args=\((.*)\)$", script, re.M).group(1).split()
+    assert ("--het-group=0,1" in srun_args) == (len(groups) == 2)
+    for component in job.components:
+        assert f"#SBATCH --gpus-per-node={component.ranks_per_node}" in script
+    assert "--cpu" not in expanded_argv(script)
+
+    # The command line the script runs is the one validated, and the baseline carries no flag of
+    # the run's own mode.
+    argv = expanded_argv(script)
+    tokens = [t.replace("$RUN_DIR", "/out/7").replace("$CKPT_DIR", "/out/checkpoints") for f in job.flags for t in f.tokens]
+    assert argv == tokens
+    assert argv[argv.index("--moe-parallel-mode") + 1] == "ep"
+    own_flags = values.get("mode_flags", {}).get(values["mode"], {})
+    for dest in own_flags:
+        assert "--" + dest.replace("_", "-") not in argv
+
+
+def test_fssdp_run_cli_dry_run_prints_the_script():
+    """The CLI end to end: with fssdp available the script is printed, until then the message."""
+    run = REPO / "configs" / "runs" / "fssdp_gpt_moe_s_b16.yaml"
+    done = subprocess.run([sys.executable, "launch/submit.py", "--run", str(run), "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    if "fssdp" in MOE_PARALLEL_MODES:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("#!/bin/bash\n")
+    else:
+        assert done.returncode == 2
+        assert done.stderr.strip() == ("submit.py: error: mode fssdp is not available yet "
+                                       f"(available: {', '.join(MOE_PARALLEL_MODES)})")
+    done = subprocess.run([sys.executable, "launch/submit.py", "--run", "fssdp_gpt_moe_s_b16", "--mode", "ep",
+                           "--train-iters", "70", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--train-iters 70" in done.stdout
+    assert "#   python launch/submit.py --run fssdp_gpt_moe_s_b16 --mode ep --train-iters 70 --dry-run" in done.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Script structure
+# ----------------------------------------------------------------------------------------------
+
+
+def test_script_follows_the_conventions():
+    job = plan(REPO / "configs" / "runs" / "fssdp_gpt_moe_s_b16.yaml", mode="ep")
+    script = submit.render_script(job)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    # sbatch reads directives up to the first command: all of them come before `set`.
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert lines[first_command] == "set -eo pipefail"
+    assert not any(line.startswith("#SBATCH") for line in lines[first_command:])
+    header = "\n".join(lines[:first_command])
+    for directive in ("--job-name=fssdp_gpt_moe_s_b16", "--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8",
+                      "--time=02:00:00", "--exclusive"):
+        assert f"#SBATCH {directive}" in header
+    # Knobs with defaults, NCCL settings among them.
+    for knob in ("REPO_DIR", "PYTHON", "OUT_DIR", "MASTER_PORT", "PREFLIGHT", "OMP_NUM_THREADS", "NCCL_DEBUG",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        assert re.search(rf"^(export )?{knob}=\${{{knob}:-", script, re.M), knob
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+    assert "srun_args=(--kill-on-bad-exit=1 --wait=60)" in script
+    # Logs: revision, start and end, environment; a preflight step before the training step.
+    for text in ("git rev-parse HEAD", "started $(date -Is)", "[job] finished", "env.txt"):
+        assert text in script
+    assert script.index("launch/preflight.py") < script.index("pretrain_gpt_moe.py \\")
+    # Flags grouped in arrays by concern.
+    assert "parallelism_args=(--expert-model-parallel-size 16)" in script
+    assert "mixed_precision_args=(--bf16)" in script
+    assert re.search(r"^training_args=\(\n  --micro-batch-size 1\n  --global-batch-size 16\n  --train-iters 500\n\)$",
+                     script, re.M)
+    assert '  --log-json "$RUN_DIR/metrics.jsonl"' in script
+    assert 'checkpointing_args=(\n  --save-interval 500\n  --save "$CKPT_DIR"\n  --load "$CKPT_DIR"\n)' in script
+    assert "--moe-log-loads" in script and "--tensorboard-dir" in script
+
+
+def test_cpu_run_requests_cpus_and_runs_gloo():
+    script = submit.render_script(plan(TEST_DATA / "run_cpu_2x2.yaml"))
+    assert "--gpus-per-node" not in script
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n" in script
+    assert "--backend gloo" in script
+    assert "--cpu" in expanded_argv(script)
+    bash_syntax_ok(script)
+
+
+def test_hetjob_layout_in_the_script():
+    job = plan(REPO / "configs" / "runs" / "zebra_o3.yaml", mode="ep")
+    script = submit.render_script(job)
+    header = script[:script.index("set -eo pipefail")]
+    before, after = header.split("#SBATCH hetjob\n")
+    # Component 0 = the attention pool (A40), 2 nodes x 3; component 1 = 1 node x 3 V100.
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=3\n#SBATCH --gpus-per-node=3" in before
+    assert "A40-48GB = ranks 0..5" in before
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=3\n#SBATCH --gpus-per-node=3" in after
+    assert "V100-SXM2-16GB = ranks 6..8" in after
+    assert "--job-name" in before and "--job-name" not in after
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0"' in script
+    assert "srun_args=(--kill-on-bad-exit=1 --wait=60 --het-group=0,1)" in script
+    assert "--het-ranks 6,3 --zp-groups 1" in script
+    assert "export ZP_GROUPS=1" in script
+
+
+def test_overrides_replace_run_values():
+    path = REPO / "configs" / "runs" / "fssdp_gpt_moe_l_a32.yaml"
+    job = plan(path, mode="ep", model="gpt_moe_s", nodes=(2,), gpus_per_node=(4,),
+               training=["--train-iters", "90", "--expert-model-parallel-size=8", "--lr", "3e-4"])
+    argv = [t for f in job.flags for t in f.tokens]
+    assert job.world_size == 8
+    assert argv.count("--train-iters") == 1 and argv[argv.index("--train-iters") + 1] == "90"
+    assert argv[argv.index("--expert-model-parallel-size") + 1] == "8"
+    assert job.args.lr == 3e-4 and job.args.train_iters == 90
+    assert argv[argv.index("--config") + 1] == "configs/models/gpt_moe_s.yaml"
+    script = submit.render_script(job)
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-node=4" in script
+
+
+def test_output_dir_and_launcher_outputs(tmp_path):
+    job = plan(TEST_DATA / "run_cpu_2x2.yaml", output_dir=str(tmp_path / "out"))
+    script = submit.render_script(job)
+    assert f"#SBATCH --output={tmp_path}/out/slurm-%j.out" in script
+    assert f"OUT_DIR=${{OUT_DIR:-{tmp_path}/out}}" in script
+    # No save_interval in this run: no checkpoint flags; no trace, no TensorBoard.
+    argv = expanded_argv(script)
+    assert "--save" not in argv and "--moe-log-loads" not in argv and "--tensorboard-dir" not in argv
+    assert argv[argv.index("--log-json") + 1] == "/out/7/metrics.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals before sbatch
+# ----------------------------------------------------------------------------------------------
+
+A16 = REPO / "configs" / "runs" / "fssdp_gpt_moe_s_a16.yaml"
+
+
+def test_more_nodes_or_gpus_than_the_cluster_has():
+    assert refused(A16, mode="ep", nodes=(8,)) == (
+        "nodes=8: more than cluster cluster_a has (4 node(s) x 8 V100-SXM2-32GB = 32 GPUs); valid: 1..4")
+    assert refused(A16, mode="ep", gpus_per_node=(16,)) == (
+        "gpus_per_node=16: more than the 8 V100-SXM2-32GB per node of cluster cluster_a; valid: 1..8")
+    message = refused(REPO / "configs" / "runs" / "zebra_o2.yaml", mode="ep", nodes=(1,))
+    assert message.startswith("nodes=[1]: cluster zebra_o2 has 2 node group(s)") and message.endswith("e.g. [1, 2]")
+    assert refused(REPO / "configs" / "runs" / "zebra_o2.yaml", mode="ep", nodes=(1, 3)) == (
+        "nodes=3: more than node group 1 of cluster zebra_o2 has (2 node(s) x 4 V100-SXM2-16GB = 8 GPUs); valid: 1..2")
+
+
+def test_inconsistent_parallel_sizes():
+    message = refused(A16, mode="ep", training=["--tensor-model-parallel-size", "3"])
+    assert message.startswith("training flags at world size 16 (16 ranks): --tensor-model-parallel-size=3:")
+    assert "valid: TP x PP in [1, 2, 4, 8, 16]" in message
+    message = refused(A16, mode="ep", training=["--expert-model-parallel-size", "32"])
+    assert "--expert-model-parallel-size=32" in message and "valid EP here: [1, 2, 4, 8, 16]" in message
+    message = refused(A16, mode="ep", training=["--global-batch-size", "20"])
+    assert "--global-batch-size=20" in message and "multiples of 16" in message
+
+
+def test_model_state_must_fit_the_gpu_memory():
+    """GPT-MoE-L with 64 experts (configs/models/gpt_moe_l.yaml): 7,446,286,080 parameters,
+    7,251,296,256 of them in experts, so 194,989,824 outside; on 2 V100-32GB in fp32."""
+    run = REPO / "configs" / "runs" / "fssdp_gpt_moe_l_a32.yaml"
+    two_gpus = dict(mode="ep", nodes=(1,), gpus_per_node=(2,))
+    # EP 2: (194,989,824 + 7,251,296,256 / 2) x 16 B = 61.13 GB per GPU.
+    message = refused(run, **two_gpus, training=["--expert-model-parallel-size", "2", "--global-batch-size", "2"])
+    assert message.startswith("model state needs at least 61.1 GB per GPU on every rank, more than the 32 GB of a "
+                              "V100-SXM2-32GB (weights, gradients and Adam state of 7.45B parameters, 7.25B of them "
+                              "in experts, before activations)")
+    # EP 1 with the distributed optimizer: every parameter on both GPUs, Adam state halved:
+    # 7,446,286,080 x (8 + 8 / 2) B = 89.36 GB.
+    message = refused(run, **two_gpus, training=["--expert-model-parallel-size", "1", "--global-batch-size", "2",
+                                                  "--use-distributed-optimizer"])
+    assert message.startswith("model state needs at least 89.4 GB per GPU")
+
+
+def test_model_state_arithmetic_by_hand():
+    """The header's lower bound for the tiny model: 3,527,824 parameters, 265,216 in experts
+    (configs/models/tiny.yaml), fp32 (16 B each), EP 4: (3,262,608 + 265,216 / 4) x 16 B."""
+    job = plan(TEST_DATA / "run_cpu_2x2.yaml")
+    expected = (3_262_608 + 265_216 / 4) * 16 / 1e9
+    assert job.memory_notes == (f"model state on every rank >= {expected:.2f} GB of 6 GB (cpu-rank; weights + grads "
+                                "+ Adam, no activations)",)
+
+
+def test_unknown_names_and_keys():
+    assert refused(tiny_run(model="tinyy")).startswith("unknown model config 'tinyy'; available: ['bert_moe',")
+    assert refused(tiny_run(cluster="cluster_c")).startswith("unknown cluster config 'cluster_c'; available: ['cluster_a'")
+    message = refused(tiny_run(nodse=2))
+    assert message.startswith("inline: unknown key 'nodse' (did you mean nodes, mode, model?); valid keys: name, "
+                              "description, model, cluster, mode, nodes,")
+    message = refused(tiny_run(train={"trian_iters": 5}))
+    assert message == ("inline train: unknown key 'trian_iters' (did you mean train_iters, eval_iters, lr_decay_iters?); "
+                       "valid keys are the dest names of pretrain_gpt_moe.py's flags (docs/flags.md; --train-iters -> "
+                       "train_iters)")
+    message = refused(tiny_run(slurm={"partion": "gpu"}))
+    assert message.startswith("inline: slurm: unknown key 'partion' (did you mean partition?)")
+    assert refused(tiny_run(mode="fsdp")) == ("mode 'fsdp' is unknown; valid: ep, fssdp, replicate, zebra "
+                                              f"(available now: {', '.join(MOE_PARALLEL_MODES)})")
+    assert refused(tiny_run(mode_flags={"fsdp": {}})) == (
+        "inline: mode_flags.fsdp: unknown mode; valid: ep, fssdp, replicate, zebra")
+    message = refused(tiny_run(), training=["--trian-iters", "5"])
+    assert message == ("command line: --trian-iters is neither a submit.py option nor a flag of pretrain_gpt_moe.py; "
+                       "did you mean --train-iters?")
+    assert refused(tiny_run(name="a b")).startswith("inline: name='a b': use letters, digits")
+    assert refused({"name": "x"}).startswith("inline: missing required key(s) ['description', 'model', 'cluster']")
+
+
+def test_bad_values_and_reserved_flags():
+    message = refused(tiny_run(train={"train_iters": "many", "cpu": True}))
+    assert message == ("training flags: argument --train-iters: invalid int value: 'many' "
+                       "(from inline train.train_iters)")
+    assert refused(tiny_run(train={"cpu": "yes"})) == "inline train.cpu='yes': expected true or false (--cpu)"
+    assert refused(tiny_run(train={"save": "/ckpt"})).startswith("inline train.save: not allowed here; the launcher saves")
+    assert refused(tiny_run(), training=["--moe-parallel-mode", "ep"]) == (
+        "command line: --moe-parallel-mode is not allowed; use the run config's `mode` key (or --mode)")
+    # A switch the model config turns on cannot be turned off from the command line.
+    message = refused(tiny_run(model="mixtral_d1", train={"swiglu": False, "cpu": True}))
+    assert message.startswith("inline train.swiglu=False: --swiglu can only set it to True")
+    # ... and a value the model config sets cannot be unset.
+    message = refused(tiny_run(model="gpt_small", train={"moe_expert_capacity_factor": None, "cpu": True}))
+    assert message.startswith("inline train.moe_expert_capacity_factor=null: a command line cannot unset it")
+
+
+def test_data_paths_are_checked_from_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    message = refused(tiny_run(train={"cpu": True, "data_path": ["data/missing/prefix"],
+                                      "tokenizer_type": "GPT2BPETokenizer"}))
+    assert "--data-path=data/missing/prefix: missing data/missing/prefix.bin and data/missing/prefix.idx" in message
+
+
+# ----------------------------------------------------------------------------------------------
+# Zebra layout and the hetjob rank order
+# ----------------------------------------------------------------------------------------------
+
+
+def _components(*ranks_per_component):
+    gpu = load_cluster_config("local_cpu").gpu_types["cpu-rank"]
+    out, first = [], 0
+    for i, ranks in enumerate(ranks_per_component):
+        out.append(submit.Component(i, 1, ranks, gpu, "", first))
+        first += ranks
+    return out
+
+
+def test_zebra_groups_from_the_component_sizes():
+    args = argparse.Namespace(zebra_attention_ranks=3, zebra_expert_ranks=3)
+    assert submit.zebra_groups(args, _components(6, 6)) == 2
+    assert submit.zebra_groups(argparse.Namespace(), _components(4, 8)) == 1
+    with pytest.raises(submit.SubmitError, match=r"--zebra-attention-ranks=4 does not divide the 6 attention ranks"):
+        submit.zebra_groups(argparse.Namespace(zebra_attention_ranks=4, zebra_expert_ranks=3), _components(6, 6))
+    with pytest.raises(submit.SubmitError, match=r"2 ZP group\(s\) of 3 attention rank\(s\) need 2 x 2 = 4 expert "
+                                                 r"ranks, but component 1 has 6; valid: 3"):
+        submit.zebra_groups(argparse.Namespace(zebra_attention_ranks=3, zebra_expert_ranks=2), _components(6, 6))
+    with pytest.raises(submit.SubmitError, match="needs a cluster with two node groups"):
+        submit.zebra_groups(args, _components(4))
+
+
+@pytest.mark.skipif("zebra" not in MOE_PARALLEL_MODES, reason="zebra mode does not exist yet")
+def test_zebra_hetjob_interleaves_zp_groups():
+    job = plan(REPO / "configs" / "runs" / "zebra_o1.yaml",
+               training=["--zebra-attention-ranks", "3", "--zebra-expert-ranks", "3"])
+    script = submit.render_script(job)
+    assert job.zp_groups == 2 and "export ZP_GROUPS=2" in script and "--het-ranks 6,6 --zp-groups 2" in script
+
+
+def task_ranks(sizes: list[int], groups: int) -> list[tuple[int, int]]:
+    """(RANK, HET_COMPONENT) that launch/templates/task_env.sh gives each SLURM_PROCID."""
+    world = sum(sizes)
+    base = {"SLURM_NTASKS": str(world), "SLURM_LOCALID": "0", "ZP_GROUPS": str(groups), "PATH": os.environ["PATH"]}
+    if len(sizes) > 1:
+        base["SLURM_HET_SIZE"] = str(len(sizes))
+        base.update({f"SLURM_NTASKS_HET_GROUP_{c}": str(n) for c, n in enumerate(sizes)})
+    out = []
+    for procid in range(world):
+        done = subprocess.run(["bash", str(REPO / "launch" / "templates" / "task_env.sh"), "bash", "-c",
+                               "echo $RANK $HET_COMPONENT $WORLD_SIZE"], env=dict(base, SLURM_PROCID=str(procid)),
+                              capture_output=True, text=True, check=True)
+        rank, component, world_size = map(int, done.stdout.split())
+        assert world_size == world
+        out.append((rank, component))
+    return out
+
+
+@pytest.mark.parametrize("sizes,groups", [([4], 1), ([2, 2], 1), ([2, 4], 2), ([6, 3], 3), ([4, 8], 2),
+                                          ([4, 8], 4), ([2, 2, 4], 2), ([1, 1], 1)])
+def test_task_env_rank_order_matches_the_layout(sizes, groups):
+    """Brute force over every task: the ranks are a permutation, each rank's component is the
+    one preflight.expected_components (the spec, written the other way round) gives, and
+    inside a component the SLURM_PROCID order is kept."""
+    placed = task_ranks(sizes, groups)
+    ranks = [rank for rank, _ in placed]
+    assert sorted(ranks) == list(range(sum(sizes)))
+    by_rank = dict(placed)
+    assert [by_rank[r] for r in range(sum(sizes))] == preflight.expected_components(sizes, groups)
+    for component in range(len(sizes)):
+        mine = [rank for rank, c in placed if c == component]
+        assert mine == sorted(mine)
+    if groups == 1:
+        assert ranks == list(range(sum(sizes)))
+
+
+def test_task_env_refuses_groups_that_do_not_divide():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_HET_SIZE": "2",
+           "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "3", "ZP_GROUPS": "2",
+           "PATH": os.environ["PATH"]}
+    done = subprocess.run(["bash", str(REPO / "launch" / "templates" / "task_env.sh"), "true"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "component 1 has 3 tasks, not divisible by ZP_GROUPS=2" in done.stderr
+
+
+def test_expected_components_worked_example():
+    assert preflight.expected_components([2, 4], 2) == [0, 1, 1, 0, 1, 1]
+    assert preflight.expected_components([6, 6], 1) == [0] * 6 + [1] * 6
+    with pytest.raises(ValueError, match="component 1 has 3 ranks, not divisible by 2"):
+        preflight.expected_components([2, 3], 2)
+
+
+def test_preflight_layout_problems():
+    info = preflight.RankInfo
+    good = [info(0, 0, "n1", 0, "cpu"), info(1, 1, "n1", 0, "cpu"), info(2, 0, "n2", 1, "cpu"), info(3, 1, "n2", 1, "cpu")]
+    nodes = {0: {"n1"}, 1: {"n2"}}
+    assert preflight.layout_problems(good, [2, 2], 1, nodes) == []
+    # Ranks 1 and 2 swapped: the attention pool's second task got rank 2, the expert pool's first rank 1.
+    swapped = [good[0], info(1, 0, "n2", 1, "cpu"), info(2, 1, "n1", 0, "cpu"), good[3]]
+    problems = preflight.layout_problems(swapped, [2, 2], 1, nodes)
+    assert problems == ["rank 1 on n2 runs in component 1, expected 0", "rank 2 on n1 runs in component 0, expected 1"]
+    clash = [info(0, 0, "n1", 0, "cpu"), info(1, 0, "n1", 0, "cpu")]
+    assert preflight.layout_problems(clash, None, 1, {}) == ["ranks 0 and 1 both run as local rank 0 on node n1"]
+    misplaced = [info(0, 0, "n1", 0, "cpu"), info(1, 0, "n3", 1, "cpu")]
+    assert preflight.layout_problems(misplaced, [1, 1], 1, nodes) == [
+        "rank 1 runs on n3, which is not a node of component 1 (n2)"]
+
+
+@pytest.mark.slow
+def test_preflight_on_three_gloo_ranks(tmp_path):
+    """The real check on 3 local ranks (torchrun), then a layout it must refuse."""
+    out = tmp_path / "preflight.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           str(REPO / "launch" / "preflight.py"), "--backend", "gloo"]
+    done = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["world_size"] == 3
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2] and [r["local_rank"] for r in report["ranks"]] == [0, 1, 2]
+    assert "preflight: OK: 3 ranks on 1 node(s) (gloo)" in done.stdout
+    # Every rank claims component 0 (HET_COMPONENT from the environment), but --het-ranks 1,2
+    # expects ranks 1 and 2 in component 1.
+    done = subprocess.run([*cmd, "--het-ranks", "1,2"], env=dict(env, HET_COMPONENT="0"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "preflight: FAILED: rank 1 on" in done.stderr and "runs in component 0, expected 1" in done.stderr
+
+
+def test_template_placeholders_must_all_be_filled():
+    with pytest.raises(submit.SubmitError, match=r"template placeholders \['a', 'b'\] do not match the values \['a'\]"):
+        submit.fill_template("@a@ @b@", {"a": "1"})
+
+
+def test_readme_lists_every_run():
+    """The README's cluster section has one command per run config."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("<!-- cluster-section-start -->"):readme.index("<!-- cluster-section-end -->")]
+    for path in RUN_FILES:
+        assert f"--run configs/runs/{path.name}" in section, path.name
