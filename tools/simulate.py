@@ -86,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         + ", ".join(f.name for f in dataclasses.fields(LinkParameters)) + ")")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", default=None, metavar="OUT", help="save speedup / breakdown / per-layer plots to OUT")
-    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
-                        help="systems simulated in parallel worker processes (default: CPU cores, at most 4)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="systems simulated in parallel worker processes (default 1; more helps on idle cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser.parse_args(argv)
 
@@ -201,6 +201,10 @@ def main(argv=None) -> int:
         details = {k: v for k, v in s["details"].items() if k != "profile"}
         if details:
             print(f"{name}: " + ", ".join(f"{k}={_short(v)}" for k, v in details.items()))
+    for name, s in summary["systems"].items():
+        if not s["fits_in_memory"]:
+            print(f"warning: {name} needs up to {s['memory_gb_max']:.1f} GB on a device of "
+                  f"{s['memory_gb_capacity']:.0f} GB at its most loaded iteration (see memory_gb_per_device)")
     if args.json:
         write_json(summary, args.json)
         print(f"wrote {args.json}")

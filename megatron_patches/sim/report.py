@@ -173,7 +173,7 @@ def plot(summary: dict, path: str) -> None:
 
     names = list(summary["systems"])
     systems = [summary["systems"][n] for n in names]
-    fig, (ax_speed, ax_break, ax_layer) = plt.subplots(1, 3, figsize=(18, 5))
+    fig, (ax_speed, ax_break, ax_layer) = plt.subplots(1, 3, figsize=(20, 5.5))
     x = np.arange(len(names))
     ax_speed.bar(x, [s["speedup_vs_ep"] for s in systems], color="tab:blue")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
@@ -188,14 +188,14 @@ def plot(summary: dict, path: str) -> None:
     ax_break.set_xticks(x, names, rotation=45, ha="right")
     ax_break.set_ylabel("ms per iteration")
     ax_break.set_title("breakdown (adds up to the iteration time)")
-    ax_break.legend(fontsize=7)
+    ax_break.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for name, s in zip(names, systems):
         ax_layer.plot(np.arange(len(s["per_layer_speedup"])), s["per_layer_speedup"], marker="o", label=name)
     ax_layer.axhline(1.0, color="black", linewidth=0.8)
     ax_layer.set_xlabel("MoE layer")
     ax_layer.set_ylabel("speedup over EP")
     ax_layer.set_title("per-layer speedup")
-    ax_layer.legend(fontsize=7)
+    ax_layer.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

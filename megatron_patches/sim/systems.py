@@ -26,7 +26,9 @@ Where each kind of traffic runs in the schedule:
   "grad_fetch"): after the layer's expert backward, on "sparse" (sprs) or "grad";
 - dense (non-expert) gradients: a ring all-reduce per layer on "grad" after its attention
   backward (Megatron DDP's overlapped bucket reduction);
-- "weight_scatter" (replicate): after the optimizer step, on the path;
+- "weight_scatter" (replicate): the updated weights sent into the slots of the iteration's
+  placement after the previous optimizer step; on its own "scatter" stream from the start of
+  the iteration, layer by layer, each layer's dispatch waiting for its own layer's weights;
 - rearrangement (moved experts with their optimizer state): before the iteration, on the path.
 The optimizer step waits for all gradient traffic. Kinds a future policy adds are scheduled
 like gradient synchronisation and listed in the result's details.
@@ -429,8 +431,8 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     P = float(bm.params_per_expert)
     full = scn.memory.expert_bytes_per_instance(True) / P  # bytes per parameter of an owned instance
     copy = scn.memory.expert_bytes_per_instance(False) / P  # weights + gradients only
-    ep_layout = EPLayout.even(E, D)
-    ep_owned_D = ep_layout.placement().counts_ED.sum(axis=0)
+    ep_owned_D = None
+    ep_layout = None  # FasterMoE's static layout: shadows are broadcast from it, it owns the optimizer state
     out = _Replayed(
         expert_fwd_ILD=np.zeros((I, L, D)),
         processed_ILD=np.zeros((I, L, D)),
@@ -460,6 +462,9 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
             traffic = policy.traffic(PolicyStep(i, (lp,)))
             traffic.pop("all_to_all", None)
             if lp.shadowed_E is not None:
+                if ep_layout is None:
+                    ep_layout = EPLayout.even(E, D)
+                    ep_owned_D = ep_layout.placement().counts_ED.sum(axis=0)
                 holds_RD, root_R = _shadow_rings(ep_layout, lp.shadowed_E)
                 traffic["shadow_broadcast"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_weight_bytes, topo)
                 traffic["shadow_reduce"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_grad_bytes, topo).reversed()
@@ -513,13 +518,13 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
 # Schedule
 # ---------------------------------------------------------------------------------------------
 
-_FORWARD_KINDS = ("spag", "shadow_broadcast")
-_AFTER_OPTIMIZER_KINDS = ("weight_scatter",)
-_SPARSE_KINDS = ("sprs",)
+_BEFORE_DISPATCH = ("spag", "weight_scatter", "shadow_broadcast")
+"""Kinds a layer's dispatch waits for; every other kind except "sprs" is gradient synchronisation."""
+_GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_fetch")
 
 
 def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[str, np.ndarray],
-              a2a_IL: np.ndarray, rearrange_I: np.ndarray, after_optimizer_I: np.ndarray):
+              a2a_IL: np.ndarray, rearrange_I: np.ndarray):
     """Run the forward/backward program of every iteration; returns (timeline, iteration_s_I, layer_s_IL)."""
     I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
     c = scn.compute
@@ -540,10 +545,12 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
     outer_grad_s = scn.comm.dense_allreduce(dense["outer"] * grad_bytes)[1]
     optimizer_params = sum(dense["per_layer"]) + dense["outer"]
     optimizer = even(c.optimizer_D(optimizer_params / D + rep.optimizer_params_ILD.sum(axis=1)))
-    grad_kinds = [k for k in kind_times if k not in _FORWARD_KINDS + _AFTER_OPTIMIZER_KINDS + _SPARSE_KINDS]
+    grad_kinds = [k for k in kind_times if k not in _BEFORE_DISPATCH + ("sprs",)]
 
     tl = Timeline(I, D)
     prev = tl.collective("a2a", "rearrangement", rearrange_I) if rearrange_I.any() else None
+    scatters = [tl.collective("scatter", "exposed_collectives", kind_times["weight_scatter"][:, k], after=[prev])
+                for k in range(L)] if "weight_scatter" in kind_times else [None] * L
     moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
     fwd_span = np.zeros((I, L))
     bwd_span = np.zeros((I, L))
@@ -560,7 +567,7 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         shadow = None
         if "shadow_broadcast" in kind_times:
             shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate])
-        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[gate, shadow, gathers.get(k)])
+        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[gate, shadow, gathers.get(k), scatters[k]])
         experts = tl.compute("expert", expert_fwd[k], after=[dispatch])
         prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
         fwd_span[:, k] = prev.end_ID.max(axis=1) - att.start_ID.min(axis=1)
@@ -580,9 +587,8 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
                 regather[below[-1]] = tl.collective(
                     "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b]
                 )
-            for kind in _SPARSE_KINDS:
-                if kind in kind_times:
-                    tl.collective("sparse", "exposed_collectives", kind_times[kind][:, k], after=[experts_b])
+            if "sprs" in kind_times:
+                tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k], after=[experts_b])
             for kind in grad_kinds:
                 tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b])
             first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b])
@@ -593,9 +599,7 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         prev = attention_b
     tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev])
     waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
-    opt = tl.compute("optimizer", optimizer, after=waits)
-    if after_optimizer_I.any():
-        tl.collective("a2a", "exposed_collectives", after_optimizer_I, after=[opt])
+    tl.compute("optimizer", optimizer, after=waits)
     total_I = tl.finish()
     return tl, total_I, fwd_span + bwd_span
 
@@ -612,9 +616,7 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     kind_times = {kind: b.times_IL(scn) for kind, b in rep.kinds.items()}
     m = rep.moves_I4D
     rearrange_I = np.where(rep.moves_I > 0, scn.comm.transfer_time(m[:, 0], m[:, 1], m[:, 2], m[:, 3]), 0.0)
-    after_optimizer_I = sum((kind_times.pop(k).sum(axis=1) for k in _AFTER_OPTIMIZER_KINDS if k in kind_times),
-                            np.zeros(scn.num_iterations))
-    tl, total_I, layer_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I, after_optimizer_I)
+    tl, total_I, layer_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I)
 
     breakdown = tl.breakdown()
     expert_index = list(breakdown).index("expert")
@@ -646,13 +648,14 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     traffic["dense_grad_allreduce"] = np.array([dense_comm.intra, dense_comm.inter], dtype=np.float64)
     traffic["rearrange"] = np.array([rep.moves_I4D[:, 0].sum(axis=1).mean(), rep.moves_I4D[:, 1].sum(axis=1).mean()])
     details = dict(knobs)
+    details["collective_s"] = {"all_to_all": float(4 * a2a_IL.sum(axis=1).mean())}
+    details["collective_s"].update({kind: float(t.sum(axis=1).mean()) for kind, t in kind_times.items()})
     details["prediction_window"] = policy.default_window
     details["rearrangement_events"] = int(np.count_nonzero(rep.moves_I))
     details["experts_moved"] = int(rep.moves_I.sum())
     if spec.policy == "fastermoe":
         details["shadowed_experts_per_layer_mean"] = float(rep.shadowed_IL.mean())
-    unknown = sorted(set(rep.kinds) - set(_FORWARD_KINDS + _AFTER_OPTIMIZER_KINDS + _SPARSE_KINDS)
-                     - {"grad_allreduce", "shadow_reduce", "grad_fetch"})
+    unknown = sorted(set(rep.kinds) - set(_BEFORE_DISPATCH + _GRADIENT_SYNC + ("sprs",)))
     if unknown:
         details["kinds_scheduled_as_gradient_sync"] = unknown
     return SystemResult(
