@@ -46,6 +46,7 @@ __all__ = [
     "MemoryModel",
     "OPTIMIZER_STEP_BYTES_PER_PARAM",
     "ring_broadcast_bytes",
+    "all_to_all_bytes",
 ]
 
 
@@ -476,6 +477,21 @@ class CommModel:
         D = self.hw.num_devices
         comm = ring_allreduce_bytes(InstancePlacement(np.ones((1, D), dtype=np.int64)), buffer_bytes, self.hw.topology)
         return comm, self.time(comm, steps=max(2 * (D - 1), 1))
+
+
+def all_to_all_bytes(tokens_LSD, topology: Topology, token_bytes: float) -> np.ndarray:
+    """Per-device bytes of the dispatch all-to-alls of several layers at once; float [L, 4, D].
+
+    tokens_LSD[l, s, d]: tokens source s sends to device d in layer l (`DispatchPlan.traffic_SD`);
+    tokens kept on their source are free. Rows: sent intra-node, sent inter-node, received
+    intra-node, received inter-node, the same split as the accounting's `dispatch_bytes`
+    (which the tests check), for all layers in one vectorised pass.
+    """
+    t = np.asarray(tokens_LSD, dtype=np.float64) * token_bytes
+    same = topology.same_node_DD()
+    intra = np.where(same & ~np.eye(same.shape[0], dtype=bool), t, 0.0)
+    inter = np.where(same, 0.0, t)
+    return np.stack((intra.sum(axis=2), inter.sum(axis=2), intra.sum(axis=1), inter.sum(axis=1)), axis=1)
 
 
 def ring_broadcast_bytes(holds_RD, root_R, buffer_bytes, topology: Topology) -> CommBytes:

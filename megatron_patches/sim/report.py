@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["BREAKDOWN_PARTS", "SystemResult", "summarize", "format_table", "write_json", "plot"]
+__all__ = ["BREAKDOWN_PARTS", "SystemResult", "imbalance_rows", "summarize", "format_table", "write_json", "plot"]
 
 BREAKDOWN_PARTS = (
     "attention",
@@ -35,6 +35,13 @@ BREAKDOWN_PARTS = (
     "optimizer",
 )
 """The breakdown entries that add up to the iteration time."""
+
+
+def imbalance_rows(loads) -> np.ndarray:
+    """`accounting.imbalance` (max / mean, 1.0 for all-zero loads) of every row of the last axis."""
+    x = np.asarray(loads, dtype=np.float64)
+    mean = x.mean(axis=-1)
+    return np.where(mean > 0, x.max(axis=-1) / np.where(mean > 0, mean, 1.0), 1.0)
 
 
 @dataclass

@@ -47,14 +47,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_patches.placement import fssdp
-from megatron_patches.placement.accounting import CommBytes, dispatch_bytes, imbalance
+from megatron_patches.placement.accounting import CommBytes
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, make_policy
 from megatron_patches.placement.types import PlacementError
-from megatron_patches.sim.costs import SimError, ring_broadcast_bytes
+from megatron_patches.sim.costs import SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
-from megatron_patches.sim.report import SystemResult
+from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
 
 __all__ = [
@@ -409,7 +409,6 @@ class _Replayed:
     resident_ILD: np.ndarray
     transient_ILD: np.ndarray
     optimizer_params_ILD: np.ndarray
-    imbalance_IL: np.ndarray
     survival_IL: np.ndarray
     shadowed_IL: np.ndarray
     moves_I: np.ndarray
@@ -442,7 +441,6 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         resident_ILD=np.zeros((I, L, D)),
         transient_ILD=np.zeros((I, L, D)),
         optimizer_params_ILD=np.zeros((I, L, D)),
-        imbalance_IL=np.ones((I, L)),
         survival_IL=np.ones((I, L)),
         shadowed_IL=np.zeros((I, L)),
         moves_I=np.zeros(I),
@@ -457,8 +455,9 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])
         out.expert_fwd_ILD[i] = scn.compute.expert_fwd(processed_LED)
         out.processed_ILD[i] = processed_LED.sum(axis=1)
+        traffic_LSD = np.stack([lp.dispatch.traffic_SD() for lp in step.layers])
+        out.a2a.data[i] = all_to_all_bytes(traffic_LSD, topo, bm.token_bytes)
         for k, lp in enumerate(step.layers):
-            out.a2a.put(i, k, dispatch_bytes(lp.dispatch, topo, bm.token_bytes))
             traffic = policy.traffic(PolicyStep(i, (lp,)))
             traffic.pop("all_to_all", None)
             if lp.shadowed_E is not None:
@@ -476,7 +475,9 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
             for kind, comm in traffic.items():
                 # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
                 steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
-                out.kinds.setdefault(kind, _Bytes(I, L, D)).put(i, k, comm, max(steps, 1.0))
+                if kind not in out.kinds:
+                    out.kinds[kind] = _Bytes(I, L, D)
+                out.kinds[kind].put(i, k, comm, max(steps, 1.0))
             held_D = lp.placement.counts_ED.sum(axis=0)
             if lp.shard is not None:
                 owned_D = lp.shard.counts_D()
@@ -496,7 +497,6 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 out.resident_ILD[i, k] = owned_D * P * full
                 out.optimizer_params_ILD[i, k] = owned_D * P
             routed = int(scn.loads_ILE[i, k].sum())
-            out.imbalance_IL[i, k] = imbalance(lp.processed_ED.sum(axis=0))
             out.survival_IL[i, k] = 1.0 if routed == 0 else float(lp.processed_ED.sum()) / routed
         if step.moves:
             moved = policy.rearrangement(step)
@@ -664,7 +664,7 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         iteration_s_I=total_I,
         breakdown_I=breakdown_I,
         layer_s_IL=layer_s_IL,
-        imbalance_IL=rep.imbalance_IL,
+        imbalance_IL=imbalance_rows(rep.processed_ILD),
         survival_IL=rep.survival_IL,
         memory_D=memory_ID.max(axis=0),
         memory_limit_D=scn.hardware.memory_D,

@@ -31,7 +31,7 @@ from megatron_patches.placement import zebra as zp
 from megatron_patches.placement.policies import ring_allreduce_bytes
 from megatron_patches.placement.types import InstancePlacement
 from megatron_patches.sim.costs import SimError
-from megatron_patches.sim.report import SystemResult
+from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
 
 __all__ = ["ZebraPools", "zebra_pools", "zebra_profile", "simulate_zebra_system"]
@@ -269,9 +269,9 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     # device load of a layer: tokens processed by the experts on each device that holds some
     processed_ILD = tokens_ILED.sum(axis=2) * R
     holds_LD = np.stack([np.bincount(owners_LE[l], minlength=D) > 0 for l in range(L)])
-    load = np.where(holds_LD[None], processed_ILD, np.nan)
-    mean_IL = np.nanmean(load, axis=2)
-    imbalance_IL = np.where(mean_IL > 0, np.nanmax(load, axis=2) / np.where(mean_IL > 0, mean_IL, 1.0), 1.0)
+    imbalance_IL = np.stack(
+        [imbalance_rows(processed_ILD[:, l][:, holds_LD[l]]) for l in range(L)], axis=1
+    )
     memory_D = owned_D * scn.memory.expert_bytes_per_instance(True)
     memory_D += scn.memory.expert_activation_bytes(processed_ILD.sum(axis=1)).max(axis=0)
     memory_D[pools.attention] += _attention_rank_bytes(scn, pools, R)

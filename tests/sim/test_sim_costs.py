@@ -20,7 +20,11 @@ from megatron_patches.sim import (
     scale_counts,
     select_devices,
 )
-from megatron_patches.sim.costs import ring_broadcast_bytes
+from megatron_patches.placement.accounting import imbalance
+from megatron_patches.placement.fssdp import dispatch, materialize
+from megatron_patches.placement.types import ShardLayout
+from megatron_patches.sim.costs import all_to_all_bytes, ring_broadcast_bytes
+from megatron_patches.sim.report import imbalance_rows
 from megatron_patches.sim.systems import check_memory
 
 LINKS = LinkParameters()
@@ -87,6 +91,29 @@ def test_transfer_time_counts_per_nic_contention():
     assert t1 == pytest.approx(LINKS.inter_latency_s + 1e6 / nic)
     assert t2 == pytest.approx(LINKS.inter_latency_s + 2e6 / nic)
     assert model.transfer_time(zero, zero, zero, zero) == 0.0
+
+
+def test_vectorised_all_to_all_bytes_equal_the_accounting():
+    """The simulator's batched byte count of dispatch plans equals `accounting.dispatch_bytes`."""
+    rng = np.random.default_rng(5)
+    hw = hardware(2, 4)
+    plans = []
+    for _ in range(3):
+        loads = rng.integers(0, 200, size=(8, 16))
+        placement = materialize(ShardLayout.even(16, 8), loads.sum(axis=0), 3, 2, hw.topology)
+        plans.append(dispatch(placement, loads, hw.topology))
+    batched = all_to_all_bytes(np.stack([p.traffic_SD() for p in plans]), hw.topology, 512)
+    for plan, got in zip(plans, batched):
+        want = dispatch_bytes(plan, hw.topology, 512)
+        for row, name in enumerate(("sent_intra_D", "sent_inter_D", "recv_intra_D", "recv_inter_D")):
+            np.testing.assert_array_equal(got[row], getattr(want, name))
+
+
+def test_vectorised_imbalance_equals_the_accounting():
+    rng = np.random.default_rng(6)
+    loads = rng.integers(0, 100, size=(7, 9)).astype(float)
+    loads[3] = 0
+    np.testing.assert_allclose(imbalance_rows(loads), [imbalance(row) for row in loads])
 
 
 def test_ring_broadcast_worked_example():
