@@ -34,11 +34,20 @@ from megatron_patches.sim.costs import SimError
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
 
-__all__ = ["ZebraPools", "zebra_pools", "zebra_profile", "simulate_zebra_system"]
+__all__ = ["ZebraPools", "zebra_profile", "simulate_zebra_system"]
 
 
 class ZebraPools:
-    """Which devices are attention ranks and which expert ranks."""
+    """Which devices of the scenario's pool are attention ranks and which expert ranks.
+
+    Attributes:
+        attention_type, expert_type: the two GPU type names, in device order.
+        M, N: attention and expert ranks (devices of each type).
+        attention, expert: their device ids; int64 [M] and [N] (attention ranks first).
+        shape: the placement engine's ZebraShape (L, n, M, N).
+    Raises SimError unless the pool has exactly two GPU types, the first type's devices come
+    first, every layer is MoE and N divides the expert count.
+    """
 
     def __init__(self, scn: Scenario) -> None:
         types = scn.hardware.device_types
@@ -63,11 +72,6 @@ class ZebraPools:
             self.shape = zp.ZebraShape(scn.num_layers, scn.num_experts, self.M, self.N)
         except ValueError as err:
             raise SimError(f"zebra on {scn.hardware.describe()}: {err}") from None
-
-
-def zebra_pools(scn: Scenario) -> ZebraPools:
-    """The attention / expert split of the scenario's pool (SimError if it is not a two-type pool)."""
-    return ZebraPools(scn)
 
 
 def _tokens_per_microbatch(scn: Scenario, pools: ZebraPools, R: int) -> float:
@@ -106,25 +110,22 @@ def zebra_profile(scn: Scenario, pools: ZebraPools, R: int) -> zp.ZebraProfile:
     per_rank = pools.shape.experts_per_expert_rank
     tokens_per_expert = per_mb * pools.M * scn.workload.model.moe_router_topk / scn.num_experts
     experts_D = c.expert_fwd(np.full((per_rank, scn.num_devices), tokens_per_expert)) * (1 + c.BACKWARD)
-    a, e = int(pools.attention[0]), int(pools.expert[0])
     expert_bytes = mem.expert_bytes_per_instance(True)
-    free_attention = scn.hardware.memory_D[a] - _attention_rank_bytes(scn, pools, R)
-    expert_acts = mem.expert_activation_bytes(tokens_per_expert * R * per_rank * scn.num_layers)
-    free_expert = scn.hardware.memory_D[e] - expert_acts - mem.reserved_bytes
+    attention_role = _attention_rank_bytes(scn, pools, R)
+    expert_role = mem.expert_activation_bytes(tokens_per_expert * R * per_rank * scn.num_layers) + mem.reserved_bytes
 
-    def device(index: int, slots_as_attention: float, slots_as_expert: float) -> zp.DeviceProfile:
+    def device(index: int) -> zp.DeviceProfile:
+        memory = scn.hardware.memory_D[index]
         return zp.DeviceProfile(
             device_type=scn.hardware.device_types[index],
             t_attention_s=float(attn_D[index]),
             t_experts_s=float(experts_D[index]),
-            expert_slots_as_attention=int(max(slots_as_attention, 0) // expert_bytes),
-            expert_slots_as_expert=int(max(slots_as_expert, 0) // expert_bytes),
+            expert_slots_as_attention=int(max(memory - attention_role, 0) // expert_bytes),
+            expert_slots_as_expert=int(max(memory - expert_role, 0) // expert_bytes),
         )
 
     try:
-        return zp.profile_from_devices(
-            pools.shape, device(a, free_attention, free_expert), device(e, free_attention, free_expert)
-        )
+        return zp.profile_from_devices(pools.shape, device(int(pools.attention[0])), device(int(pools.expert[0])))
     except ValueError as err:
         raise SimError(f"zebra profile: {err}") from None
 
