@@ -310,7 +310,7 @@ def test_unknown_names_and_keys():
         "inline: mode_flags.fsdp: unknown mode; valid: ep, fssdp, replicate, zebra")
     message = refused(tiny_run(), training=["--trian-iters", "5"])
     assert message == ("command line: --trian-iters is neither a submit.py option nor a flag of pretrain_gpt_moe.py; "
-                       "did you mean --train-iters?")
+                       "did you mean --train-iters, --eval-iters, --lr-decay-iters?")
     assert refused(tiny_run(name="a b")).startswith("inline: name='a b': use letters, digits")
     assert refused({"name": "x"}).startswith("inline: missing required key(s) ['description', 'model', 'cluster']")
 
