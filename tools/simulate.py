@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="systems: " + ", ".join(SYSTEMS) + ", flexmoe-N, smartmoe-N",
     )
-    parser.add_argument("--list-systems", action="store_true", help="print the system names with a description and exit")
+    parser.add_argument("--list-systems", action="store_true",
+                        help="print the system names with a description and exit")
     parser.add_argument("--model", help="model config: a YAML path or a name under configs/models")
     parser.add_argument("--cluster", help="cluster config: a YAML path or a name under configs/clusters")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use, the cluster's first ones (default: all)")
@@ -72,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="capacity factor of replicate / static (default: the model's, else 1.0)")
     parser.add_argument("--reshard-interval", type=int, default=100,
                         help="iterations between FSSDP re-sharding and SmartMoE swaps (default 100)")
-    parser.add_argument("--zebra-microbatches", type=int, default=4, help="micro-batches of zebra / zebra-asym (default 4)")
+    parser.add_argument("--zebra-microbatches", type=int, default=4,
+                        help="micro-batches of zebra / zebra-asym (default 4)")
     parser.add_argument("--memory-reserve-gb", type=float, default=None,
                         help="per-GPU memory kept free for CUDA context and workspaces (default 1.5)")
     parser.add_argument("--sparse-collectives", choices=("p2p", "ring"), default="p2p",
@@ -193,7 +195,8 @@ def main(argv=None) -> int:
     summary["setup"]["wall_s"] = time.perf_counter() - started
     print(f"{model.model_family} model {args.model}: {model.num_layers} layers, {model.num_experts} experts, "
           f"top-{model.moe_router_topk}; {scn.hardware.describe()} ({gpus} GPUs)")
-    print(f"{wl.num_devices * wl.tokens_per_device} tokens per iteration ({wl.micro_batch_size} x {wl.seq_length} per GPU); "
+    print(f"{wl.num_devices * wl.tokens_per_device} tokens per iteration "
+          f"({wl.micro_batch_size} x {wl.seq_length} per GPU); "
           f"trace {args.trace}: {scn.num_iterations} iterations, routing scaled x{scn.trace_scale:.3g}, "
           f"sources: {scn.source_note}")
     print(format_table(summary))

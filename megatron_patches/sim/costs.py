@@ -245,7 +245,8 @@ class Hardware:
 
     def describe(self) -> str:
         """e.g. "cluster_a: 4 x 8 V100-SXM2-32GB"."""
-        return f"{self.cluster.name}: " + " + ".join(f"{g.count} x {g.gpus_per_node} {g.gpu}" for g in self.cluster.nodes)
+        groups = " + ".join(f"{g.count} x {g.gpus_per_node} {g.gpu}" for g in self.cluster.nodes)
+        return f"{self.cluster.name}: {groups}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +467,8 @@ class CommModel:
 
     def time(self, comm: CommBytes, steps=1) -> float:
         """Seconds of one collective moving `comm`."""
-        return float(self.transfer_time(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D, steps))
+        t = self.transfer_time(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D, steps)
+        return float(t)
 
     def dense_allreduce(self, buffer_bytes: float) -> tuple[CommBytes, float]:
         """A ring all-reduce of `buffer_bytes` over all devices (ascending ids) and its time.
@@ -551,7 +553,8 @@ class MemoryModel:
         dense = self.workload.dense_params()
         params = sum(dense["per_layer"]) + dense["outer"]
         b = self.workload.byte_model
-        return params * (b.weight_bytes_per_param + b.grad_bytes_per_param + b.optimizer_bytes_per_param / self.workload.num_devices)
+        sharded_optimizer = b.optimizer_bytes_per_param / self.workload.num_devices
+        return params * (b.weight_bytes_per_param + b.grad_bytes_per_param + sharded_optimizer)
 
     def activation_bytes(self, processed_tokens_LD) -> np.ndarray:
         """Activations kept for the backward pass per device; float [..., D] for tokens [..., L, D].

@@ -117,7 +117,9 @@ def summarize(results: list[SystemResult], setup: dict, reference: str = "ep") -
             "survival_mean": _mean(r.survival_IL),
             "per_layer_s": layer_L.tolist(),
             "per_layer_speedup": (ref_layer_L / layer_L).tolist(),
-            "traffic_bytes_per_iteration": {k: {"intra": float(v[0]), "inter": float(v[1])} for k, v in r.traffic.items()},
+            "traffic_bytes_per_iteration": {
+                k: {"intra": float(v[0]), "inter": float(v[1])} for k, v in r.traffic.items()
+            },
             "planner_s": r.planner_s,
             "details": r.details,
         }

@@ -188,7 +188,8 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     comm_IL = np.zeros((I, L))
     a2a_bytes = np.zeros(2)
     for l in range(L):
-        counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), _comm_counters(scn, pools, owners_LE[l], R))
+        per_token_CED = _comm_counters(scn, pools, owners_LE[l], R)
+        counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), per_token_CED)  # [4, I, D]
         comm_IL[:, l] = scn.comm.transfer_time(*counters)
         # dispatch and combine, forward and backward, R micro-batches; counted at the sender
         a2a_bytes += 4.0 * R * np.array([counters[0].sum(axis=1).mean(), counters[1].sum(axis=1).mean()])
