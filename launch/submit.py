@@ -61,8 +61,13 @@ from megatron_patches.config import (  # noqa: E402
     load_cluster_config,
     model_config_from_dict,
 )
-from megatron_patches.config.models import MODELS_DIR, read_yaml_mapping, resolve_config_path, available_models  # noqa: E402
-from megatron_patches.config.models import ModelConfig  # noqa: E402
+from megatron_patches.config.models import (  # noqa: E402
+    MODELS_DIR,
+    ModelConfig,
+    available_models,
+    read_yaml_mapping,
+    resolve_config_path,
+)
 from megatron_patches.training import arguments  # noqa: E402
 
 TEMPLATES = REPO / "launch" / "templates"

@@ -227,6 +227,16 @@ def test_overrides_replace_run_values():
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-node=4" in script
 
 
+def test_switches_render_as_their_flags():
+    """`add_bias_linear: false` is --disable-bias-linear (a store_false flag); a switch already at
+    the value it would have without the flag adds nothing."""
+    job = plan(tiny_run(train={"cpu": True, "add_bias_linear": False, "swiglu": False, "sequence_parallel": False}))
+    argv = [t for f in job.flags for t in f.tokens]
+    assert "--disable-bias-linear" in argv and job.args.add_bias_linear is False
+    assert "--swiglu" not in argv and "--sequence-parallel" not in argv
+    assert job.args.swiglu is False
+
+
 def test_output_dir_and_launcher_outputs(tmp_path):
     job = plan(TEST_DATA / "run_cpu_2x2.yaml", output_dir=str(tmp_path / "out"))
     script = submit.render_script(job)

@@ -178,14 +178,15 @@ def test_gpu_requests_are_accepted_by_slurm(cluster, tmp_path, groups):
     a real Slurm with GPUs (gres) can schedule: sbatch --test-only, nothing runs."""
     run = yaml.safe_load((TEST_DATA / "run_cpu_2x2.yaml").read_text())
     run["train"].pop("cpu")
-    run.update(cluster=str(_gpu_cluster(tmp_path, groups)), mode="ep")
+    run.update(cluster=str(_gpu_cluster(tmp_path, groups)), mode="ep", slurm={"time": "00:10:00", "exclusive": True})
     path = tmp_path / "run_gpu.yaml"
     path.write_text(yaml.safe_dump(run))
     done = submit(cluster, "--run", str(path), "--output-dir", str(tmp_path / "out"), "--dry-run")
     assert done.returncode == 0, done.stderr
     script = tmp_path / "job.sbatch"
     script.write_text(done.stdout)
-    assert done.stdout.count("#SBATCH --gpus-per-node=2") == len(groups)
+    for directive in ("--gpus-per-node=2", "--time=00:10:00", "--exclusive"):
+        assert done.stdout.count(f"#SBATCH {directive}\n") == len(groups)
     (tmp_path / "out").mkdir()
     tested = cluster.run(["sbatch", "--test-only", str(script)], check=False)
     assert tested.returncode == 0, tested.stderr
