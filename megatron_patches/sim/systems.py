@@ -650,6 +650,9 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     details = dict(knobs)
     details["collective_s"] = {"all_to_all": float(4 * a2a_IL.sum(axis=1).mean())}
     details["collective_s"].update({kind: float(t.sum(axis=1).mean()) for kind, t in kind_times.items()})
+    if spec.remat and "spag" in kind_times:
+        # every MoE layer but the top one gathers its copies again for the backward
+        details["collective_s"]["spag_rematerialize"] = float(kind_times["spag"][:, :-1].sum(axis=1).mean())
     details["prediction_window"] = policy.default_window
     details["rearrangement_events"] = int(np.count_nonzero(rep.moves_I))
     details["experts_moved"] = int(rep.moves_I.sum())

@@ -148,6 +148,16 @@ def test_breakdown_adds_up_to_the_iteration_time_for_every_system(skewed):
         assert np.all(r.imbalance_IL >= 1.0 - 1e-12)
 
 
+def test_rematerialization_trades_memory_for_gathers(skewed):
+    """Without re-materialization every layer's copies live until its backward; with it only one
+    layer's do, and the backward gathers them again (more sparse-collective time)."""
+    keep, remat = run(skewed, "fssdp"), run(skewed, "fssdp-remat")
+    assert remat.memory_D.max() < keep.memory_D.max()
+    assert remat.details["collective_s"]["spag"] == pytest.approx(keep.details["collective_s"]["spag"])
+    assert remat.details["collective_s"]["spag_rematerialize"] > 0
+    assert np.all(remat.iteration_s_I >= keep.iteration_s_I * (1 - 1e-12))
+
+
 def test_skew_makes_ep_wait_for_the_busiest_device(skewed):
     """EP's straggler wait is the gap between the busiest device's expert compute and the mean."""
     ep = run(skewed, "ep")
