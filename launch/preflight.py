@@ -81,7 +81,8 @@ def layout_problems(infos: list[RankInfo], het_ranks: list[int] | None, zp_group
     for info in infos:
         other = slots.setdefault((info.node, info.local_rank), info.rank)
         if other != info.rank:
-            problems.append(f"ranks {other} and {info.rank} both run as local rank {info.local_rank} on node {info.node}")
+            problems.append(f"ranks {other} and {info.rank} both run as local rank {info.local_rank} "
+                            f"on node {info.node}")
     if het_ranks is not None:
         if sum(het_ranks) != len(infos):
             problems.append(f"--het-ranks {het_ranks} sum to {sum(het_ranks)}, but the world has {len(infos)} ranks")
@@ -98,7 +99,8 @@ def layout_problems(infos: list[RankInfo], het_ranks: list[int] | None, zp_group
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True, help="torch.distributed backend of the job")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), required=True,
+                        help="torch.distributed backend of the job")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the rendezvous and each collective")
     parser.add_argument("--het-ranks", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="ranks per hetjob component, e.g. 6,6; checks the rank order against the components")
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preflight: FAILED: {problem}", file=sys.stderr, flush=True)
         print("preflight: rank  node  local_rank  component  device", flush=True)
         for info in infos:
-            print(f"preflight: {info.rank:4d}  {info.node}  {info.local_rank}  {info.component}  {info.device}", flush=True)
+            print(f"preflight: {info.rank:4d}  {info.node}  {info.local_rank}  {info.component}  {info.device}",
+                  flush=True)
         nodes = sorted({info.node for info in infos})
         verdict = "OK" if ok else "FAILED"
         print(f"preflight: {verdict}: {world} ranks on {len(nodes)} node(s) ({args.backend}); rendezvous "

@@ -236,7 +236,8 @@ def _slurm_options(value: Any, where: str) -> SlurmOptions:
             if isinstance(item, bool) or not isinstance(item, int) or item < 1:
                 raise SubmitError(f"{where}.cpus_per_task={item!r}: expected a positive integer")
         elif item is not None:
-            if isinstance(item, bool) or not isinstance(item, (str, int)) or not re.fullmatch(r"[\w:.,|&=+-]+", str(item)):
+            plain = isinstance(item, (str, int)) and not isinstance(item, bool)
+            if not plain or not re.fullmatch(r"[\w:.,|&=+-]+", str(item)):
                 raise SubmitError(f"{where}.{key}={item!r}: expected a plain sbatch value (letters, digits, :.,|&=+-)")
             options[key] = str(item)
     return SlurmOptions(**options)
@@ -254,7 +255,8 @@ def run_config_from_dict(values: Any, source: str = "<dict>") -> RunConfig:
         raise SubmitError(f"{source}: missing required key(s) {missing}")
     name = _text(values["name"], f"{source}: name")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise SubmitError(f"{source}: name={name!r}: use letters, digits, '.', '_' and '-' only (it names the job and a folder)")
+        raise SubmitError(f"{source}: name={name!r}: use letters, digits, '.', '_' and '-' only "
+                          "(it names the job and a folder)")
     mode = _text(values.get("mode", "ep"), f"{source}: mode")
     mode_flags = {}
     for flag_mode, flags in _flag_mapping(values.get("mode_flags"), f"{source}: mode_flags").items():
@@ -330,7 +332,8 @@ def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.A
         if dest in RESERVED_FLAGS:
             raise SubmitError(f"{where}.{dest}: not allowed here; {RESERVED_FLAGS[dest]}")
         if dest not in actions:
-            close = difflib.get_close_matches(dest, sorted(d for d in actions if d not in RESERVED_FLAGS), n=3, cutoff=0.6)
+            valid = sorted(d for d in actions if d not in RESERVED_FLAGS)
+            close = difflib.get_close_matches(dest, valid, n=3, cutoff=0.6)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise SubmitError(f"{where}: unknown key {dest!r}{hint}; valid keys are the dest names of "
                               "pretrain_gpt_moe.py's flags (docs/flags.md; --train-iters -> train_iters)")
@@ -354,7 +357,8 @@ def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.A
                               f"{without!r}); use a model config without {dest}")
         elif isinstance(value, list) and action.nargs in ("*", "+"):
             tokens = (option, *(str(item) for item in value))
-        elif isinstance(value, (dict, bool)) or (isinstance(value, list) and action.type is not arguments.moe_layer_freq):
+        elif isinstance(value, (dict, bool)) or (
+                isinstance(value, list) and action.type is not arguments.moe_layer_freq):
             raise SubmitError(f"{where}.{dest}={value!r}: expected a single value for {option}")
         else:
             tokens = (option, str(value))
@@ -375,7 +379,8 @@ def _flags_from_command_line(tokens: list[str], parser: argparse.ArgumentParser)
         if option not in options or option in ("-h", "--help"):
             close = difflib.get_close_matches(option, [o for o in options if o.startswith("--")], n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise SubmitError(f"command line: {option} is neither a submit.py option nor a flag of pretrain_gpt_moe.py{hint}")
+            raise SubmitError(f"command line: {option} is neither a submit.py option nor a flag of "
+                              f"pretrain_gpt_moe.py{hint}")
         values = [inline] if inline else []
         i += 1
         while i < len(tokens) and not tokens[i].startswith("--"):
@@ -657,7 +662,8 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
     if run.trace:
         outputs.append(Flag("moe_log_loads", ("--moe-log-loads", "$RUN_DIR/loads.npz"), "launcher"))
     if any(f.dest == "save_interval" for f in flags) or model_values.get("save_interval") is not None:
-        outputs += [Flag("save", ("--save", "$CKPT_DIR"), "launcher"), Flag("load", ("--load", "$CKPT_DIR"), "launcher")]
+        outputs += [Flag("save", ("--save", "$CKPT_DIR"), "launcher"),
+                    Flag("load", ("--load", "$CKPT_DIR"), "launcher")]
     flags = _group_order(flags + outputs, parser)
 
     argv = [token for flag in flags for token in flag.tokens]
@@ -902,7 +908,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=_counts_option, help="ranks per node, one per node group")
     parser.add_argument("--output-dir", help="output folder (default: the run's output_dir, else runs/<name>)")
     parser.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
-    parser.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends, with its exit status")
+    parser.add_argument("--wait", action="store_true",
+                        help="sbatch --wait: return when the job ends, with its exit status")
     return parser
 
 

@@ -41,7 +41,8 @@ class SlurmUnavailable(RuntimeError):
     """Slurm cannot be installed or started here; the message says why and what would fix it."""
 
 
-def _run(cmd: list[str], timeout: float = 60, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float = 60, env: dict | None = None,
+         check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and done.returncode != 0:
         raise SlurmUnavailable(f"`{' '.join(cmd)}` failed with exit {done.returncode}:\n{done.stdout}{done.stderr}")

@@ -60,7 +60,8 @@ def expanded_argv(script: str) -> list[str]:
     """The training command line the script passes to pretrain_gpt_moe.py, expanded by bash."""
     arrays = script[script.index("# ---- Training flags"):script.index("# ---- Launch")]
     refs = script[script.rindex("pretrain_gpt_moe.py \\\n") + len("pretrain_gpt_moe.py \\\n"):]
-    program = f"RUN_DIR=/out/7; CKPT_DIR=/out/checkpoints\n{arrays}\nprintf '%s\\n' {refs.replace(chr(92) + chr(10), ' ')}"
+    refs = refs.replace("\\\n", " ")
+    program = f"RUN_DIR=/out/7; CKPT_DIR=/out/checkpoints\n{arrays}\nprintf '%s\\n' {refs}"
     done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
     return done.stdout.splitlines()
 
@@ -109,7 +110,8 @@ def test_paper_run_as_ep_baseline(path):
     nodes = values.get("nodes")
     world = nodes * groups[0].gpus_per_node if nodes else cluster.num_devices
     assert job.world_size == world == job.args.world_size
-    assert job.args.tensor_model_parallel_size * job.args.pipeline_model_parallel_size * job.args.data_parallel_size == world
+    args = job.args
+    assert args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size == world
 
     # GPU request per component, hetjob exactly when the cluster has several node groups.
     assert script.count("#SBATCH hetjob") == len(groups) - 1
@@ -122,7 +124,8 @@ def test_paper_run_as_ep_baseline(path):
     # The command line the script runs is the one validated, and the baseline carries no flag of
     # the run's own mode.
     argv = expanded_argv(script)
-    tokens = [t.replace("$RUN_DIR", "/out/7").replace("$CKPT_DIR", "/out/checkpoints") for f in job.flags for t in f.tokens]
+    tokens = [t.replace("$RUN_DIR", "/out/7").replace("$CKPT_DIR", "/out/checkpoints")
+              for f in job.flags for t in f.tokens]
     assert argv == tokens
     assert argv[argv.index("--moe-parallel-mode") + 1] == "ep"
     own_flags = values.get("mode_flags", {}).get(values["mode"], {})
@@ -304,14 +307,15 @@ def test_model_state_arithmetic_by_hand():
 
 def test_unknown_names_and_keys():
     assert refused(tiny_run(model="tinyy")).startswith("unknown model config 'tinyy'; available: ['bert_moe',")
-    assert refused(tiny_run(cluster="cluster_c")).startswith("unknown cluster config 'cluster_c'; available: ['cluster_a'")
+    assert refused(tiny_run(cluster="cluster_c")).startswith(
+        "unknown cluster config 'cluster_c'; available: ['cluster_a'")
     message = refused(tiny_run(nodse=2))
     assert message.startswith("inline: unknown key 'nodse' (did you mean nodes, mode, model?); valid keys: name, "
                               "description, model, cluster, mode, nodes,")
     message = refused(tiny_run(train={"trian_iters": 5}))
-    assert message == ("inline train: unknown key 'trian_iters' (did you mean train_iters, eval_iters, lr_decay_iters?); "
-                       "valid keys are the dest names of pretrain_gpt_moe.py's flags (docs/flags.md; --train-iters -> "
-                       "train_iters)")
+    assert message == ("inline train: unknown key 'trian_iters' (did you mean train_iters, eval_iters, "
+                       "lr_decay_iters?); valid keys are the dest names of pretrain_gpt_moe.py's flags "
+                       "(docs/flags.md; --train-iters -> train_iters)")
     message = refused(tiny_run(slurm={"partion": "gpu"}))
     assert message.startswith("inline: slurm: unknown key 'partion' (did you mean partition?)")
     assert refused(tiny_run(mode="fsdp")) == ("mode 'fsdp' is unknown; valid: ep, fssdp, replicate, zebra "
@@ -330,7 +334,8 @@ def test_bad_values_and_reserved_flags():
     assert message == ("training flags: argument --train-iters: invalid int value: 'many' "
                        "(from inline train.train_iters)")
     assert refused(tiny_run(train={"cpu": "yes"})) == "inline train.cpu='yes': expected true or false (--cpu)"
-    assert refused(tiny_run(train={"save": "/ckpt"})).startswith("inline train.save: not allowed here; the launcher saves")
+    assert refused(tiny_run(train={"save": "/ckpt"})).startswith(
+        "inline train.save: not allowed here; the launcher saves")
     assert refused(tiny_run(), training=["--moe-parallel-mode", "ep"]) == (
         "command line: --moe-parallel-mode is not allowed; use the run config's `mode` key (or --mode)")
     # A switch the model config turns on cannot be turned off from the command line.
@@ -438,7 +443,8 @@ def test_expected_components_worked_example():
 
 def test_preflight_layout_problems():
     info = preflight.RankInfo
-    good = [info(0, 0, "n1", 0, "cpu"), info(1, 1, "n1", 0, "cpu"), info(2, 0, "n2", 1, "cpu"), info(3, 1, "n2", 1, "cpu")]
+    good = [info(0, 0, "n1", 0, "cpu"), info(1, 1, "n1", 0, "cpu"),
+            info(2, 0, "n2", 1, "cpu"), info(3, 1, "n2", 1, "cpu")]
     nodes = {0: {"n1"}, 1: {"n2"}}
     assert preflight.layout_problems(good, [2, 2], 1, nodes) == []
     # Ranks 1 and 2 swapped: the attention pool's second task got rank 2, the expert pool's first rank 1.

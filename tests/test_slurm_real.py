@@ -148,7 +148,8 @@ def test_bad_requests_never_reach_sbatch(cluster, tmp_path):
     out = tmp_path / "out"
     run = str(TEST_DATA / "run_cpu_2x2.yaml")
     cases = {
-        ("--nodes", "3"): "nodes=3: more than cluster cluster_cpu_2x2 has (2 node(s) x 2 cpu-rank = 4 GPUs); valid: 1..2",
+        ("--nodes", "3"): ("nodes=3: more than cluster cluster_cpu_2x2 has (2 node(s) x 2 cpu-rank = 4 GPUs); "
+                           "valid: 1..2"),
         ("--gpus-per-node", "4"): "gpus_per_node=4: more than the 2 cpu-rank per node of cluster cluster_cpu_2x2",
         ("--tensor-model-parallel-size", "3"): "--tensor-model-parallel-size=3:",
         ("--expert-model-parallel-size", "3"): "--expert-model-parallel-size=3:",
