@@ -98,7 +98,7 @@ def build_cases() -> list[Case]:
             "sharding",
             "heterogeneous sharding, L=61 x E=256, D=1024, t=8",
             1000.0,
-            lambda: fssdp.heterogeneous_shard(loads_LE, 8, big),
+            lambda: fssdp.heterogeneous_shard(loads_LE, big),
             {},
         )
     )

@@ -29,7 +29,9 @@ from megatron_patches.placement.types import (
     InstancePlacement,
     PlacementError,
     Topology,
+    check_int,
     check_loads,
+    even_shares,
 )
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "MovedBytes",
     "moved_bytes",
     "EPLayout",
+    "ep_group_size",
     "split_evenly",
     "ShadowCostModel",
     "ShadowDecision",
@@ -75,15 +78,8 @@ class ByteModel:
     """Bytes of one token's activation sent by the all-to-all (hidden size x 2 for bf16)."""
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.params_per_expert, bool)
-            or not isinstance(self.params_per_expert, (int, np.integer))
-            or self.params_per_expert < 1
-        ):
-            raise PlacementError(
-                f"ByteModel.params_per_expert must be a positive integer, got {self.params_per_expert!r}"
-            )
-        object.__setattr__(self, "params_per_expert", int(self.params_per_expert))
+        params = check_int(self.params_per_expert, "ByteModel.params_per_expert", 1)
+        object.__setattr__(self, "params_per_expert", params)
         for name in ("weight_bytes_per_param", "grad_bytes_per_param", "optimizer_bytes_per_param"):
             value = getattr(self, name)
             if not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value) or value < 0:
@@ -91,13 +87,7 @@ class ByteModel:
             object.__setattr__(self, name, float(value))
         if self.weight_bytes_per_param <= 0:
             raise PlacementError(f"ByteModel.weight_bytes_per_param must be > 0, got {self.weight_bytes_per_param}")
-        if (
-            isinstance(self.token_bytes, bool)
-            or not isinstance(self.token_bytes, (int, np.integer))
-            or self.token_bytes < 1
-        ):
-            raise PlacementError(f"ByteModel.token_bytes must be a positive integer, got {self.token_bytes!r}")
-        object.__setattr__(self, "token_bytes", int(self.token_bytes))
+        object.__setattr__(self, "token_bytes", check_int(self.token_bytes, "ByteModel.token_bytes", 1))
 
     @classmethod
     def from_expert_bytes(cls, expert_bytes: int, **overrides) -> ByteModel:
@@ -107,8 +97,7 @@ class ByteModel:
         shape (an FFN with d_ffn = 2 h, so params = 2 * h * 2h = 4 h^2) and a token is h bf16
         values. GPT-MoE-S (h = 768) has 2.36M-parameter experts of 4718592 bf16 bytes.
         """
-        if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, (int, np.integer)) or expert_bytes < 1:
-            raise PlacementError(f"expert_bytes must be a positive integer, got {expert_bytes!r}")
+        check_int(expert_bytes, "expert_bytes", 1)
         weight_bytes = float(overrides.get("weight_bytes_per_param", 2.0))
         if weight_bytes <= 0:
             raise PlacementError(f"weight_bytes_per_param must be > 0, got {weight_bytes}")
@@ -243,10 +232,9 @@ class EPLayout:
     def __post_init__(self) -> None:
         owner = check_loads(self.owner_E, "EPLayout.owner_E", 1)
         E, D = owner.size, self.num_devices
-        if isinstance(D, bool) or not isinstance(D, (int, np.integer)) or D < 1:
-            raise PlacementError(f"EPLayout.num_devices must be a positive integer, got {D!r}")
-        object.__setattr__(self, "num_devices", int(D))
-        g = ep_group_size(E, int(D))
+        D = check_int(D, "EPLayout.num_devices", 1)
+        object.__setattr__(self, "num_devices", D)
+        g = ep_group_size(E, D)
         bad = np.flatnonzero(owner >= g)
         if bad.size:
             e = int(bad[0])
@@ -328,9 +316,10 @@ def split_evenly(source_loads_SE, holds_ED) -> DispatchPlan:
     """Split every (source, expert)'s tokens evenly over all holders of the expert.
 
     n tokens over r holders give each n // r; the n mod r remaining tokens go to the holders
-    following position (s mod r) in ascending device order, so different sources favour
-    different holders and every holder ends within one token per source of the mean. This is
-    the dispatch of replicated baselines without locality preference (FlexMoE).
+    at positions s mod r, s mod r + 1, ... (mod r) in ascending device order (`even_shares`
+    with the source id as offset), so different sources favour different holders and every
+    holder ends within one token per source of the mean. This is the dispatch of replicated
+    baselines without locality preference (FlexMoE).
     """
     source_loads_SE = check_loads(source_loads_SE, "source_loads_SE", 2)
     holds_ED = np.asarray(holds_ED, dtype=bool)
@@ -344,17 +333,11 @@ def split_evenly(source_loads_SE, holds_ED) -> DispatchPlan:
         raise PlacementError(f"expert {int(missing[0])} has no holder; cannot dispatch its tokens")
     # holders of every expert, expert-major, devices ascending: hd_H[start_E[e] : start_E[e] + r_E[e]]
     _, hd_H = np.nonzero(holds_ED)
-    start_E = np.concatenate(([0], np.cumsum(r_E)[:-1]))
+    start_E = np.cumsum(r_E) - r_E
     s_P, e_P = np.nonzero(source_loads_SE)
-    tok_P = source_loads_SE[s_P, e_P]
     r_P = r_E[e_P]
-    pair_K = np.repeat(np.arange(s_P.size), r_P)
-    j_K = np.arange(pair_K.size) - np.repeat(np.cumsum(r_P) - r_P, r_P)
-    dest_K = hd_H[start_E[e_P[pair_K]] + j_K]
-    r_K = r_P[pair_K]
-    extra_K = (j_K - s_P[pair_K]) % r_K < (tok_P % r_P)[pair_K]
-    tokens_K = (tok_P // r_P)[pair_K] + extra_K
-    return DispatchPlan(s_P[pair_K], e_P[pair_K], dest_K, tokens_K, S, E, D)
+    pair_K, pos_K, tokens_K = even_shares(source_loads_SE[s_P, e_P], r_P, s_P % r_P)
+    return DispatchPlan(s_P[pair_K], e_P[pair_K], hd_H[start_E[e_P[pair_K]] + pos_K], tokens_K, S, E, D)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,11 +8,17 @@ processed on several devices. This module decides
   in memory (`memory_capacity`, m);
 - which experts get copies on which devices (`materialize`, DESIGN 4.2) and whether one more
   gather after the gate pays off (`calibrate`, 4.2 step 4);
-- who owns which expert of every layer (`heterogeneous_shard`, 4.3; `even_shard`);
-- where each source device sends the tokens of each expert (`dispatch`, 4.4).
+- who owns which expert of every layer (`heterogeneous_shard`, 4.3; `even_shard`) and how
+  well a layout can be balanced at best (`shard_imbalance_bound`);
+- where each source device sends the tokens of each expert (`dispatch`, 4.4), with the
+  tokens of a replicated expert split to even out device loads (`balanced_quotas`).
+
+Where DESIGN leaves a choice open (which device gets a copy, where a top-t expert is
+owned, how many tokens each holder takes) the choice is load-aware; the docstrings say where
+this departs from DESIGN's literal text and what was measured.
 
 All functions are pure and deterministic: every rank computes the same plan from the same
-(all-reduced) loads. Ties are always broken towards the lower expert / node / device id.
+(all-reduced) loads. Ties left after the documented rules go to the lower expert / node / device id.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from megatron_patches.placement.types import (
     Topology,
     check_int,
     check_loads,
-    even_shares,
 )
 
 __all__ = [
     "CalibrationCost",
+    "balanced_quotas",
     "calibrate",
     "dispatch",
     "even_shard",
@@ -44,6 +50,7 @@ __all__ = [
     "memory_capacity",
     "overlap_degree",
     "proportional_copies",
+    "shard_imbalance_bound",
     "shard_slots_D",
 ]
 
@@ -137,7 +144,12 @@ def proportional_copies(weights, total: int, cap) -> np.ndarray:
     An expert whose goal reaches its cap is fixed at the cap and the copies it cannot take
     are re-split over the others (water-filling), so slots are not wasted on a capped expert.
     Experts with weight 0 get nothing; the result sums to min(total, sum of caps of experts
-    with positive weight). Terminates: each pass either fixes >= 1 expert at its cap or ends.
+    with positive weight).
+
+    The capped experts are found without iterating: fixing experts at their caps only raises
+    the copies per unit weight (remaining / remaining weight) for the rest, so they are the
+    first k in ascending cap / weight order, k the first position whose expert stays below
+    its cap when the k before it are capped.
 
     Args:
         weights: float [K], >= 0.
@@ -148,73 +160,96 @@ def proportional_copies(weights, total: int, cap) -> np.ndarray:
     """
     weights = _check_weights(weights, "weights")
     total = check_int(total, "total")
-    cap_K = np.broadcast_to(np.asarray(cap, dtype=np.int64), weights.shape).copy()
+    cap_K = np.broadcast_to(np.asarray(cap, dtype=np.int64), weights.shape)
     if np.any(cap_K < 0):
         raise PlacementError(f"cap must be >= 0, got {cap!r}")
     copies = np.zeros(weights.size, dtype=np.int64)
-    active = (weights > 0) & (cap_K > 0)
-    remaining = total
-    while remaining > 0 and active.any():
-        w_active = weights[active].sum()
-        goal = np.zeros(weights.size)
-        goal[active] = weights[active] * (remaining / w_active)
-        capped = active & (goal >= cap_K)
-        if capped.any():
-            copies[capped] = cap_K[capped]
-            remaining -= int(cap_K[capped].sum())
-            active &= ~capped
-            continue
+    active = np.flatnonzero((weights > 0) & (cap_K > 0))
+    if total == 0 or active.size == 0:
+        return copies
+    w, c = weights[active], cap_K[active]
+    by_ratio = np.argsort(c / w, kind="stable")
+    w_sorted, c_sorted = w[by_ratio], c[by_ratio]
+    capped_before = np.cumsum(c_sorted) - c_sorted  # caps of the experts before position k
+    weight_from = w_sorted[::-1].cumsum()[::-1]  # weight of the experts from position k on
+    stays = w_sorted * ((total - capped_before) / weight_from) < c_sorted
+    k = int(stays.argmax()) if stays.any() else w.size
+    copies[active[by_ratio[:k]]] = c_sorted[:k]
+    remaining = total - int(c_sorted[:k].sum())
+    free = active[by_ratio[k:]]
+    if free.size and remaining > 0:
+        goal = weights[free] * (remaining / weights[free].sum())
         base = np.floor(goal).astype(np.int64)
-        leftover = remaining - int(base.sum())
-        frac = goal - base
-        # order active experts by (larger fraction, larger weight, lower index)
-        idx = np.flatnonzero(active)
-        order = idx[np.lexsort((idx, -weights[idx], -frac[idx]))]
-        base[order[:leftover]] += 1
-        copies += base
-        remaining = 0
+        # the copies left over go to (larger fraction, larger weight, lower index)
+        order = np.lexsort((free, -weights[free], -(goal - base)))
+        base[order[: remaining - int(base.sum())]] += 1
+        copies[free] = base
     return copies
 
 
-def _place_copies(holds_ED: np.ndarray, free_D: np.ndarray, experts, copies, topology: Topology) -> None:
-    """Place copies of `experts` (in the given order) onto devices; updates holds_ED and free_D.
+def _copy_candidates(eligible: np.ndarray, load_D: np.ndarray, holds_D: np.ndarray, topology: Topology) -> np.ndarray:
+    """Eligible devices in the order copies of one expert should go to them (DESIGN 4.2 step 3).
 
-    DESIGN 4.2 step 3: node by node, preferring nodes that do not yet hold the expert and
-    have more free slots, then devices within the node with more free slots. Implemented as a
-    round robin over nodes (one vectorised sort per expert instead of a loop per copy): a
-    node's eligible devices (free slot, no copy of the expert yet) are ranked by (more free
-    slots, lower id), giving each a round number 0, 1, 2, ...; a node that already holds the
-    expert starts at round 1. Copies go to devices by (round, more free slots on the node,
-    lower node id). So the first copies land on distinct nodes that lack the expert, the
-    fullest nodes first, and a node gets a second copy only when every node has one. An
-    expert gets fewer copies than asked when fewer eligible devices remain.
+    Node by node, preferring nodes that do not hold the expert yet: a round robin over nodes in
+    which a node's devices are ranked by (predicted load, id), giving each a round number
+    0, 1, 2, ...; a node that already holds the expert starts at round 1. Devices are ordered
+    by (round, predicted load, id), so the first copies land on distinct nodes that lack the
+    expert, a node gets a second copy only when every node has one, and within a round the
+    least-loaded devices come first.
+
+    DESIGN ranks by "more free slots" where this ranks by predicted load. Measured on the
+    issue-3 trace (Zipf 1.2, 4 x 8 devices, t = 8, m = 4): free-slot order puts copies on
+    devices whose owned experts already exceed the mean load.
     """
-    N, P = topology.nodes, topology.devices_per_node
-    node_of = topology.node_of
-    for e, c in zip(experts, copies):
-        if c <= 0:
-            continue
-        eligible = np.flatnonzero((free_D > 0) & ~holds_ED[e])
-        if eligible.size <= c:
-            chosen = eligible
-        else:
-            free_el = free_D[eligible]
-            node_el = node_of[eligible]
-            fmax = int(free_el.max())
-            # sort eligible devices by (node, more free, lower id): eligible is ascending by id
-            by_node = np.argsort(node_el * (fmax + 1) + (fmax - free_el), kind="stable")
-            dev = eligible[by_node]
-            node = node_el[by_node]
-            group_start = np.searchsorted(node, node, side="left")
-            rank_in_node = np.arange(dev.size) - group_start
-            node_holds_N = holds_ED[e].reshape(N, P).any(axis=1)
-            node_free_N = np.bincount(node, weights=free_D[dev], minlength=N).astype(np.int64)
-            nfmax = int(node_free_N.max())
-            rounds = rank_in_node + node_holds_N[node]
-            key = (rounds * (nfmax + 1) + (nfmax - node_free_N[node])) * N + node
-            chosen = dev[np.argsort(key, kind="stable")[:c]]
-        holds_ED[e, chosen] = True
-        free_D[chosen] -= 1
+    node = topology.node_of[eligible]
+    load = load_D[eligible]
+    by_node = np.lexsort((load, node))  # stable, and eligible is ascending: ties keep id order
+    node_sorted = node[by_node]
+    rounds = np.empty(eligible.size, dtype=np.int64)
+    rounds[by_node] = np.arange(eligible.size) - np.searchsorted(node_sorted, node_sorted)  # rank within node
+    rounds += holds_D.reshape(topology.nodes, topology.devices_per_node).any(axis=1)[node]
+    return eligible[np.lexsort((load, rounds))]
+
+
+def _place_copies(
+    holds_ED: np.ndarray, free_D: np.ndarray, load_D: np.ndarray, experts, budgets, loads_E: np.ndarray, topology
+) -> None:
+    """Give each of `experts` (in the given order) up to its budget of copies; updates the arrays.
+
+    `load_D` is the predicted device load (float [D]) so far; each expert's load is added to it
+    split evenly over the expert's holders once its copies are placed, so later experts see
+    where earlier ones went. For expert e with r current holders and load f, the candidates
+    are `_copy_candidates` (free slot, no copy of e yet) cut to the budget, and e takes the
+    first j of them for the j in [0, budget] minimizing
+
+        max(load of its current holders, load of the first j candidates) + f / (r + j),
+
+    the predicted load of its busiest holder; ties go to fewer copies. An expert therefore
+    stops short of its budget when the next candidate is already so loaded that another copy
+    would only move the peak there.
+
+    Deviation from DESIGN 4.2 step 3, which fills every budgeted copy: with all D*m slots
+    filled, every device takes exactly m copies however the copies are ordered, including a
+    device whose owned experts alone exceed the mean load. Measured on the issue-3 trace with
+    DESIGN's dispatch: mean imbalance 1.72 (filling every slot, load-ordered) vs 1.41 (this
+    rule); with the balanced dispatch of `dispatch` both give 1.16, and this rule moves 17%
+    fewer spAG / spRS bytes (12.0 vs 14.5 GB per iteration).
+    """
+    for e, budget in zip(experts, budgets):
+        holds_D = holds_ED[e]
+        r = int(np.count_nonzero(holds_D))
+        f = float(loads_E[e])
+        j = 0
+        if budget > 0 and f > 0:
+            eligible = np.flatnonzero((free_D > 0) > holds_D)  # a free slot and no copy yet
+            if eligible.size:
+                cand = _copy_candidates(eligible, load_D, holds_D, topology)[:budget]
+                # peak_J[j] = the busiest holder's load before adding f, with the first j candidates
+                peak_J = np.maximum.accumulate(np.concatenate(([load_D[holds_D].max()], load_D[cand])))
+                j = int(np.argmin(peak_J + f / np.arange(r, r + cand.size + 1)))
+                holds_D[cand[:j]] = True
+                free_D[cand[:j]] -= 1
+        load_D[holds_D] += f / (r + j)
 
 
 def _check_layer_inputs(shard: ShardLayout, topology: Topology, loads, name: str) -> np.ndarray:
@@ -241,8 +276,16 @@ def materialize(
 
     Steps: t <- min(t, E); m <- min(m, t). If t <= m, the top-t experts by predicted load are
     materialized on every device. Otherwise the D*m slots are split over the top-t experts in
-    proportion to their loads (`proportional_copies`, at most D-1 extra copies each) and
-    placed by `_place_copies`. Ties in load go to the lower expert id.
+    proportion to their loads (`proportional_copies`, at most D-1 extra copies each); these
+    are budgets, and `_place_copies` places them heaviest expert first on the least-loaded
+    devices, node by node, stopping early where a copy would not lower the peak. The
+    predicted device load starts from the experts outside the top-t, which stay on their
+    owners. Ties in load go to the lower expert id.
+
+    Replica counts stay proportional to the copies DESIGN asks for, not to instances
+    (copies + the owner's one): measured on the issue-3 trace, counting the owner's instance
+    changes the mean imbalance by < 0.002 and adds 17% spAG / spRS bytes, because the
+    budgets are upper bounds that the heavy experts do not use up.
     """
     loads_E = _check_layer_inputs(shard, topology, predicted_loads_E, "predicted_loads_E")
     t = min(check_int(t, "overlap degree t"), shard.num_experts)
@@ -253,10 +296,109 @@ def materialize(
     if t <= m:
         holds_ED[top, :] = True
     elif m > 0:
-        copies = proportional_copies(loads_E[top], D * m, D - 1)
-        free_D = np.full(D, m, dtype=np.int64)
-        _place_copies(holds_ED, free_D, top, copies, topology)
+        budgets = proportional_copies(loads_E[top], D * m, D - 1)
+        rest_E = loads_E.copy()
+        rest_E[top] = 0.0
+        load_D = np.bincount(shard.owner_E, weights=rest_E, minlength=D)
+        _place_copies(holds_ED, np.full(D, m, dtype=np.int64), load_D, top, budgets, loads_E, topology)
     return InstancePlacement(holds_ED.astype(np.int64))
+
+
+# ----------------------------------------------------------------------------------------
+# Balanced token split (used by dispatch 4.4 and calibration 4.2 step 4)
+# ----------------------------------------------------------------------------------------
+
+
+def _fill(load_H: list, tokens: int) -> list:
+    """Water-fill `tokens` over holders with integer loads load_H; integer quotas, same order.
+
+    The least-loaded holders are raised to a common level: with the loads sorted ascending
+    (s_0 <= s_1 <= ..., ties by position), the first j+1 holders are filled, j the smallest
+    index with tokens + s_0 + ... + s_j <= (j+1) * s_{j+1}. Each filled holder gets
+    floor(level) - load, and the level's remainder goes one token each to the first filled
+    holders in that order. Integer arithmetic, so the quotas sum to `tokens` exactly.
+
+    Plain Python on lists: the fills run one after another, and at the holder counts that
+    occur (tens to a thousand) this beats numpy's per-call overhead at the small end (4 vs 9 us
+    for 16 holders) and costs 0.12 ms at 1024.
+    """
+    order = sorted(range(len(load_H)), key=load_H.__getitem__)
+    last = len(order) - 1
+    total = tokens
+    for j, h in enumerate(order):
+        total += load_H[h]
+        if j == last or total <= load_H[order[j + 1]] * (j + 1):
+            break
+    level, rem = divmod(total, j + 1)
+    quota = [0] * len(load_H)
+    for i in range(j + 1):
+        h = order[i]
+        quota[h] = level - load_H[h] + (i < rem)
+    return quota
+
+
+def _replicated_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray, rep: np.ndarray) -> np.ndarray:
+    """`balanced_quotas` of the replicated experts `rep`; int64 [len(rep), D].
+
+    `load_D` (int [D]) holds the tokens of the single-holder experts. The second sweep is
+    skipped when the first already reaches the lower bound on the peak, max(busiest device
+    with single-holder experts only, ceil(total / D)): it cannot lower the peak then.
+    """
+    holders = [np.flatnonzero(holds_ED[e]).tolist() for e in rep]
+    tokens_R = tokens_E[rep].tolist()
+    load = load_D.tolist()
+    D = len(load)
+    bound = max(max(load), -(-(sum(load) + sum(tokens_R)) // D))
+    quotas = [[0] * len(h) for h in holders]
+    order = sorted(range(rep.size), key=lambda r: -tokens_R[r])  # heaviest first, ties: lower id
+    for sweep in range(2):
+        if sweep and max(load) <= bound:
+            break
+        for r in order:
+            h, q = holders[r], quotas[r]
+            load_H = [load[d] - x for d, x in zip(h, q)]
+            q = quotas[r] = _fill(load_H, tokens_R[r])
+            for d, base, x in zip(h, load_H, q):
+                load[d] = base + x
+    quota_RD = np.zeros((rep.size, holds_ED.shape[1]), dtype=np.int64)
+    for r, (h, q) in enumerate(zip(holders, quotas)):
+        quota_RD[r, h] = q
+    return quota_RD
+
+
+def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
+    """Tokens each holder of each expert should process so that device loads even out; int64 [E, D].
+
+    An expert with one holder sends it everything. The tokens of a replicated expert are
+    water-filled over its holders (`_fill`): the least-loaded holders, counting what they
+    already process for other experts, are topped up to a common level. Replicated experts go
+    heaviest first (ties: lower id), and a second sweep refills each of them with the others'
+    quotas fixed, which undoes most of the first sweep's order effects (unless the first
+    already reached the lower bound on the peak). Measured on the issue-3
+    trace: mean imbalance 1.212 after one sweep, 1.177 after two, and within 0.002 of the bound
+    that the single-holder experts impose (`shard_imbalance_bound` with actual loads).
+
+    Args:
+        holds_ED: which device holds which expert, bool or int [E, D]; every expert >= 1 holder.
+        tokens_E: tokens routed to each expert, int [E], >= 0.
+    Returns:
+        quota_ED with quota_ED[e, d] > 0 only where d holds e and rows summing to tokens_E.
+    """
+    holds_ED = np.asarray(holds_ED) > 0
+    tokens_E = check_loads(tokens_E, "tokens_E", 1)
+    if holds_ED.ndim != 2 or tokens_E.size != holds_ED.shape[0]:
+        raise PlacementError(
+            f"tokens_E has {tokens_E.size} entries but holds_ED has shape {holds_ED.shape}; need [E, D] and [E]"
+        )
+    replicas_E = holds_ED.sum(axis=1)
+    missing = np.flatnonzero(replicas_E == 0)
+    if missing.size:
+        raise PlacementError(f"expert {int(missing[0])} has no holder; its tokens have nowhere to go")
+    quota_ED = holds_ED * tokens_E[:, None]  # single holders take everything
+    rep = np.flatnonzero(replicas_E > 1)
+    quota_ED[rep] = 0
+    quota_ED[rep] = _replicated_quotas(holds_ED, tokens_E, quota_ED.sum(axis=0), rep)
+    return quota_ED
 
 
 # ----------------------------------------------------------------------------------------
@@ -289,13 +431,6 @@ class CalibrationCost:
                 raise PlacementError(f"CalibrationCost.{name} must be finite and >= 0, got {value!r}")
 
 
-def _even_split_loads_D(holds_ED: np.ndarray, loads_E: np.ndarray) -> np.ndarray:
-    """Device loads if each expert's tokens were split evenly over its holders; float [D]."""
-    replicas_E = holds_ED.sum(axis=1)
-    share_E = np.divide(loads_E, replicas_E, out=np.zeros_like(loads_E), where=replicas_E > 0)
-    return share_E @ holds_ED
-
-
 def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology, expert_bytes: float) -> float:
     """Transfer time of gathering the new copies new_ED from their owners (busiest device)."""
     e_idx, d_idx = np.nonzero(new_ED)
@@ -321,21 +456,23 @@ def calibrate(
     """Calibration after the gate (DESIGN 4.2 step 4), as a pure function.
 
     Reruns the materialization with the actual loads and the memory still free, only adding
-    copies to the current placement (copies already gathered cost nothing to keep). The target
-    is instances proportional to the actual loads: with R = current instances + free slots,
-    expert e should have goal_e = R * load_e / sum(load); the free slots are split over the
-    deficits max(goal_e - replicas_e, 0) by `proportional_copies` (each expert at most on every
-    device) and placed by the same node-aware rule as `materialize`, heaviest expert first.
+    copies to the current placement (copies already gathered cost nothing to keep). The
+    budgets target instances proportional to the actual loads: with R = current instances +
+    free slots, expert e should have goal_e = R * load_e / sum(load); the free slots are split
+    over the deficits max(goal_e - replicas_e, 0) by `proportional_copies` (each expert at most
+    on every device) and placed by the same load-aware rule as `materialize`
+    (`_place_copies`), heaviest expert first, starting from the load of the single-holder
+    experts that get no copy.
 
-    Decision: with MoE time = max device load * seconds_per_token, where device loads are
-    estimated by splitting each expert's tokens evenly over its holders, the saving is
-    (before - after) * seconds_per_token. The gather cost is `_gather_seconds` + latency.
-    The extra gather is done only if the saving is strictly larger.
+    Decision: MoE time = max device load * seconds_per_token, with device loads as `dispatch`
+    will make them (`balanced_quotas` of the actual loads), before and after the new copies.
+    The saving is (before - after) * seconds_per_token; the gather costs `_gather_seconds` +
+    latency. The extra gather is done only if the saving is strictly larger.
 
     Args:
         current: placement materialized from the prediction (must contain `shard`).
         shard: owners of the layer's experts.
-        actual_loads_E: tokens per expert measured after the gate, int or float [E], >= 0.
+        actual_loads_E: tokens per expert measured after the gate, int [E], >= 0.
         remaining_m: extra copies that still fit per device, int or int [D], >= 0.
         topology: the devices.
         cost: the cost model.
@@ -343,28 +480,41 @@ def calibrate(
         (placement, do_extra_gather): the calibrated placement and True if it pays off, else
         (current, False).
     """
-    loads_E = _check_layer_inputs(shard, topology, actual_loads_E, "actual_loads_E")
+    if shard.num_devices != topology.num_devices:
+        raise PlacementError(
+            f"shard layout spans {shard.num_devices} devices but the topology has {topology.num_devices}"
+        )
+    tokens_E = check_loads(actual_loads_E, "actual_loads_E", 1)
+    if tokens_E.size != shard.num_experts:
+        raise PlacementError(
+            f"actual_loads_E has {tokens_E.size} entries but the layer has {shard.num_experts} experts"
+        )
     current.require_contains(shard)
     D = topology.num_devices
     free_D = np.broadcast_to(np.asarray(remaining_m, dtype=np.int64), (D,)).copy()
     if np.any(free_D < 0):
         d = int(np.flatnonzero(free_D < 0)[0])
         raise PlacementError(f"remaining memory capacity of device {d} is {int(free_D[d])}; it must be >= 0")
-    holds_ED = current.holds_ED().copy()
-    total_load = loads_E.sum()
-    if total_load == 0 or free_D.sum() == 0:
+    total = int(tokens_E.sum())
+    if total == 0 or free_D.sum() == 0:
         return current, False
+    holds_ED = current.holds_ED().copy()
     replicas_E = holds_ED.sum(axis=1)
-    goal_E = (replicas_E.sum() + free_D.sum()) * loads_E / total_load
-    deficit_E = np.maximum(goal_E - replicas_E, 0.0)
-    copies_E = proportional_copies(deficit_E, int(free_D.sum()), D - replicas_E)
-    order = _descending(loads_E)
-    _place_copies(holds_ED, free_D, order, copies_E[order], topology)
+    goal_E = (replicas_E.sum() + free_D.sum()) * tokens_E / total
+    budgets_E = proportional_copies(np.maximum(goal_E - replicas_E, 0.0), int(free_D.sum()), D - replicas_E)
+    fixed = (replicas_E == 1) & (budgets_E == 0)
+    fixed_E = np.flatnonzero(fixed)
+    owner_F = np.argmax(holds_ED[fixed_E], axis=1)
+    load_D = np.bincount(owner_F, weights=tokens_E[fixed_E], minlength=D).astype(np.float64)
+    order = _descending(tokens_E.astype(np.float64))
+    order = order[~fixed[order]]
+    _place_copies(holds_ED, free_D, load_D, order, budgets_E[order], tokens_E, topology)
     new_ED = holds_ED & ~current.holds_ED()
     if not new_ED.any():
         return current, False
-    saved = (_even_split_loads_D(current.holds_ED(), loads_E).max() - _even_split_loads_D(holds_ED, loads_E).max())
-    saved_s = saved * cost.seconds_per_token
+    before = balanced_quotas(current.holds_ED(), tokens_E).sum(axis=0).max()
+    after = balanced_quotas(holds_ED, tokens_E).sum(axis=0).max()
+    saved_s = float(before - after) * cost.seconds_per_token
     gather_s = _gather_seconds(new_ED, shard.owner_E, topology, cost.expert_bytes) + cost.latency_s
     if saved_s > gather_s:
         return InstancePlacement(current.counts_ED + new_ED.astype(np.int64)), True
@@ -393,68 +543,122 @@ def shard_slots_D(num_layers: int, num_experts: int, num_devices: int) -> np.nda
     return slots
 
 
-def heterogeneous_shard(loads_LE, t: int, topology: Topology) -> ModelShardLayout:
-    """Heterogeneous, memory-balanced sharding of all MoE layers at once (DESIGN 4.3).
+def _least_loaded(load: np.ndarray, free: np.ndarray, preferred: int) -> int:
+    """Index with a free slot and the least load; ties: fewer free slots, then `preferred`, then lower index."""
+    cand = np.flatnonzero(free > 0)
+    lc = load[cand]
+    cand = cand[lc == lc.min()]
+    if cand.size > 1:
+        fc = free[cand]
+        cand = cand[fc == fc.min()]
+        if cand.size > 1 and preferred in cand:
+            return preferred
+    return int(cand[0])
 
-    1. Per layer, J = the top-t experts by load (they get materialized widely anyway), J' = rest.
-    2. Device d gets `shard_slots_D` slots (S = L*E/D when divisible).
-    3. J' first: layers by descending maximum expert load (ties: lower layer), experts by
-       descending load (ties: lower id); each goes to the least-loaded node (load = sum of
-       this layer's experts already owned there; ties: fewer free slots, then lower id) among
-       nodes with a free slot, then to the least-loaded device of that node (same tie rule).
-    4. J fills the remaining slots: layers in index order, experts by descending load; each
-       goes to the device owning the fewest experts of that layer, ties: more free slots,
-       then lower id. ("Arbitrarily" in DESIGN; spreading J keeps the owners that broadcast
-       these copies every iteration from piling up on one device.)
 
-    Args:
-        loads_LE: tokens per expert per layer, int or float [L, E], >= 0.
-        t: overlap degree.
-        topology: the devices.
-    """
+def _check_loads_LE(loads_LE) -> np.ndarray:
     loads_LE = np.asarray(loads_LE, dtype=np.float64)
     if loads_LE.ndim != 2 or loads_LE.size == 0:
         raise PlacementError(f"loads_LE must be a non-empty [layers, experts] array, got shape {loads_LE.shape}")
     for l in range(loads_LE.shape[0]):
         _check_weights(loads_LE[l], f"loads_LE[{l}]")
+    return loads_LE
+
+
+def heterogeneous_shard(loads_LE, topology: Topology, current: ModelShardLayout | None = None) -> ModelShardLayout:
+    """Heterogeneous, memory-balanced sharding of all MoE layers at once (DESIGN 4.3).
+
+    1. Device d gets `shard_slots_D` slots (S = L*E/D when divisible), so memory stays
+       balanced while a device may own anywhere from 0 to E experts of one layer.
+    2. Layers go by descending maximum expert load (ties: lower layer); within a layer,
+       experts by descending load (ties: lower id). Each goes to the least-loaded node (load =
+       this layer's experts already owned there) among nodes with a free slot, then to the
+       least-loaded device of that node with a free slot. Ties, for nodes and for devices:
+       fewer free slots, then the node / device of the expert's owner in `current`, then the
+       lower id. (Fewer free slots first: a heavy expert ends up alone, so it should take the
+       place that has few slots left and leave many slots to the light experts that share.)
+
+    Deviation from DESIGN, which places the top-t experts of a layer (J) only after the rest
+    (J') of every layer, "arbitrarily" into the slots left over. Here J goes through the same
+    greedy at its full load, so (being the heaviest) first; the overlap degree t therefore
+    does not enter. The reason: between two re-shards the loads drift, and a J expert that
+    falls out of the top-t is served by its owner alone. The slots J' leaves over sit on the
+    devices that own few J' experts, i.e. heavy ones, so such an expert lands next to a heavy
+    J' expert. Measured on
+    the issue-3 trace (iterations 100-199, after the re-shard at 100, with `dispatch`): mean
+    imbalance 1.159 with J filled last (least-loaded device among those with free slots),
+    1.130 with J placed after its own layer's J', 1.126 with one greedy; on Zipf 0.8,
+    1.284 (J after its layer) vs 1.135.
+
+    Ties towards `current` keep an expert in place when the greedy has no reason to move it;
+    with continuous loads such ties are rare, so the policy also adopts a new layout only
+    when it lowers `shard_imbalance_bound` (see `policies.FSSDPPolicy`).
+
+    Args:
+        loads_LE: predicted tokens per expert per layer, int or float [L, E], >= 0.
+        topology: the devices.
+        current: the layout in use (same L, E, D), for tie-breaking; None for none.
+    """
+    loads_LE = _check_loads_LE(loads_LE)
     L, E = loads_LE.shape
-    t = min(check_int(t, "overlap degree t"), E)
     N, P, D = topology.nodes, topology.devices_per_node, topology.num_devices
+    if current is not None and (current.owners_LE.shape != (L, E) or current.num_devices != D):
+        raise PlacementError(
+            f"current layout has {current.num_layers} layers x {current.num_experts} experts over "
+            f"{current.num_devices} devices; expected {L} x {E} over {D}"
+        )
     free_D = shard_slots_D(L, E, D)
     node_free_N = free_D.reshape(N, P).sum(axis=1)
     owners_LE = np.full((L, E), -1, dtype=np.int64)
-    order_LE = np.argsort(-loads_LE, axis=1, kind="stable")  # experts by descending load, per layer
-    layer_order = np.argsort(-loads_LE.max(axis=1), kind="stable")
-    for l in layer_order:
+    previous_LE = current.owners_LE if current is not None else np.full((L, E), -1, dtype=np.int64)
+    order_LE = np.argsort(-loads_LE, axis=1, kind="stable")
+    for l in np.argsort(-loads_LE.max(axis=1), kind="stable"):
         node_load_N = np.zeros(N)
         dev_load_D = np.zeros(D)
-        for e in order_LE[l, t:]:
-            cand = np.flatnonzero(node_free_N > 0)
-            lc = node_load_N[cand]
-            cand = cand[lc == lc.min()]
-            n = int(cand[np.argmin(node_free_N[cand])])
-            devs = np.arange(n * P, (n + 1) * P)
-            devs = devs[free_D[devs] > 0]
-            ld = dev_load_D[devs]
-            devs = devs[ld == ld.min()]
-            d = int(devs[np.argmin(free_D[devs])])
+        for e in order_LE[l]:
+            prev = int(previous_LE[l, e])
+            n = _least_loaded(node_load_N, node_free_N, prev // P if prev >= 0 else -1)
+            first = n * P
+            d = first + _least_loaded(
+                dev_load_D[first : first + P], free_D[first : first + P], prev - first if prev >= 0 else -1
+            )
             owners_LE[l, e] = d
             free_D[d] -= 1
             node_free_N[n] -= 1
             node_load_N[n] += loads_LE[l, e]
             dev_load_D[d] += loads_LE[l, e]
-    if t > 0:
-        for l in range(L):
-            owned_D = np.bincount(owners_LE[l][owners_LE[l] >= 0], minlength=D)
-            for e in order_LE[l, :t]:
-                cand = np.flatnonzero(free_D > 0)
-                oc = owned_D[cand]
-                cand = cand[oc == oc.min()]
-                d = int(cand[np.argmax(free_D[cand])])
-                owners_LE[l, e] = d
-                free_D[d] -= 1
-                owned_D[d] += 1
     return ModelShardLayout(owners_LE, D)
+
+
+def shard_imbalance_bound(layout: ModelShardLayout, loads_LE, t: int) -> np.ndarray:
+    """Lowest imbalance materialization + dispatch can reach with these owners; float [L].
+
+    `materialize` copies only the top-t experts of a layer; every other expert is processed
+    by its owner alone. So in layer l no dispatch can bring the busiest device below the
+    load of the non-top-t experts it owns, and none below the mean: the bound is
+    max(1, max_d (non-top-t load owned by d) / (total load / D)), 1 for a layer without load.
+    `dispatch`'s balanced split reaches it within 0.002 on average on the issue-3 trace when
+    the loads are the actual ones, which makes it a good predictor of a layout's imbalance.
+
+    Args:
+        layout: owners of every layer's experts.
+        loads_LE: tokens per expert per layer, int or float [L, E], >= 0.
+        t: overlap degree (the top-t of each layer by these loads are the copied experts).
+    """
+    loads_LE = _check_loads_LE(loads_LE)
+    L, E = loads_LE.shape
+    if layout.owners_LE.shape != (L, E):
+        raise PlacementError(
+            f"layout has {layout.num_layers} x {layout.num_experts} experts, loads have shape {(L, E)}"
+        )
+    t = min(check_int(t, "overlap degree t"), E)
+    D = layout.num_devices
+    single_LE = loads_LE.copy()
+    np.put_along_axis(single_LE, np.argsort(-loads_LE, axis=1, kind="stable")[:, :t], 0.0, axis=1)
+    flat = (np.arange(L)[:, None] * D + layout.owners_LE).ravel()
+    peak_L = np.bincount(flat, weights=single_LE.ravel(), minlength=L * D).reshape(L, D).max(axis=1)
+    mean_L = loads_LE.sum(axis=1) / D
+    return np.where(mean_L > 0, np.maximum(1.0, peak_L / np.where(mean_L > 0, mean_L, 1.0)), 1.0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -462,15 +666,66 @@ def heterogeneous_shard(loads_LE, t: int, topology: Topology) -> ModelShardLayou
 # ----------------------------------------------------------------------------------------
 
 
-def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) -> DispatchPlan:
-    """Topology-aware token dispatch of one layer (DESIGN 4.4).
+def _northwest(group_A: np.ndarray, supply_A: np.ndarray, group_B: np.ndarray, capacity_B: np.ndarray):
+    """Match supplies to capacities group by group in list order (north-west corner rule).
 
-    Tokens on source device s routed to expert e go to s itself if s holds e; else they are
-    split evenly over the devices on s's node that hold e; else evenly over all holders of e.
-    "Evenly": n tokens over k holders (ascending device id h_0..h_{k-1}) give every holder
-    n // k tokens and one more to the n mod k holders h_{(s+i) mod k}, i < n mod k. Rotating the
-    remainder by the source id keeps the remainders of different sources from all landing on
-    the lowest-id holder.
+    Within a group the supplies A (in the given order) are laid end to end on a line, and so
+    are the capacities B; the first min(total supply, total capacity) units are matched where
+    the two tilings overlap, so each supplier sends to a run of consecutive receivers. Both
+    lists must be sorted by group (int64 arrays).
+
+    Returns:
+        (a_K, b_K, amount_K, rest_A, rest_B): indices into A and B and the units matched, one
+        entry per overlapping piece (at most len(A) + len(B) of them), and what is left
+        unmatched of every supply and every capacity.
+    """
+    groups = int(max(group_A[-1], group_B[-1])) + 1
+    total_A = np.bincount(group_A, weights=supply_A, minlength=groups).astype(np.int64)
+    total_B = np.bincount(group_B, weights=capacity_B, minlength=groups).astype(np.int64)
+    matched_G = np.minimum(total_A, total_B)
+    base_G = np.cumsum(matched_G) - matched_G
+
+    def tiles(group, amount, total_G):
+        """[lo, hi) of each item on the common line, clipped to its group's matched units."""
+        start = np.cumsum(amount) - amount - (np.cumsum(total_G) - total_G)[group]  # offset inside the group
+        base, matched = base_G[group], matched_G[group]
+        return base + np.minimum(start, matched), base + np.minimum(start + amount, matched)
+
+    lo_A, hi_A = tiles(group_A, supply_A, total_A)
+    lo_B, hi_B = tiles(group_B, capacity_B, total_B)
+    rest_A, rest_B = supply_A - (hi_A - lo_A), capacity_B - (hi_B - lo_B)
+    # both tilings are sorted and gap-free: the B items overlapping A item a are those from the
+    # first ending after lo_a to the last starting before hi_a
+    keep_A = np.flatnonzero(hi_A > lo_A)
+    keep_B = np.flatnonzero(hi_B > lo_B)
+    lo_A, hi_A, lo_B, hi_B = lo_A[keep_A], hi_A[keep_A], lo_B[keep_B], hi_B[keep_B]
+    first = np.searchsorted(hi_B, lo_A, side="right")
+    count = np.searchsorted(lo_B, hi_A, side="left") - first
+    a = np.repeat(np.arange(keep_A.size), count)
+    b = first[a] + np.arange(a.size) - np.repeat(np.cumsum(count) - count, count)
+    amount = np.minimum(hi_A[a], hi_B[b]) - np.maximum(lo_A[a], lo_B[b])
+    return keep_A[a], keep_B[b], amount, rest_A, rest_B
+
+
+def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) -> DispatchPlan:
+    """Topology-aware token dispatch of one layer (DESIGN 4.4), with a balanced split.
+
+    Every holder h of expert e gets a quota q[e, h] of e's tokens (`balanced_quotas`: the
+    tokens of a replicated expert are water-filled over its least-loaded holders). Tokens
+    then travel as DESIGN orders it, each step limited by the quotas left: a source that
+    holds e keeps up to its quota of its own tokens; the rest go to e's holders on the
+    source's node; what those cannot take goes to e's holders on other nodes. Within a node
+    (and then across nodes), sources in ascending id fill the holders' quotas in ascending id
+    (`_northwest`). An expert with a single holder sends it everything.
+
+    Deviation from DESIGN 4.4, which keeps every local token local and splits the rest
+    evenly: a device that holds a copy but is already busy with its own experts then
+    processes all its local tokens, and an even split ignores how loaded each holder is.
+    Measured on the issue-3 trace (same placements): mean imbalance 1.72 with the even split,
+    1.18 with quotas; inter-node all-to-all bytes rise by 20% (1.21 -> 1.45 GB per
+    iteration), because the tokens beyond a node's quotas cross nodes. Given the quotas the
+    routing keeps crossing to the minimum: the tokens expert e sends from node n to other
+    nodes are exactly max(0, tokens of e on n - quotas of e on n).
 
     Args:
         placement: instances of the layer's experts (multiplicity is ignored: a device with two
@@ -478,8 +733,8 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         source_loads_DE: tokens per (source device, expert), int [D, E], >= 0.
         topology: the devices; D must match the placement.
     Returns:
-        A DispatchPlan with one entry per (source, expert) that needs no split (possibly with 0
-        tokens) plus one entry per (source, expert, holder) share of the split pairs.
+        A DispatchPlan with one entry per (source, single-holder expert), possibly with 0
+        tokens, plus the local, intra-node and inter-node pieces of the replicated experts.
     """
     loads_SE = check_loads(source_loads_DE, "source_loads_DE", 2)
     E, D = placement.num_experts, placement.num_devices
@@ -487,54 +742,63 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         raise PlacementError(f"placement spans {D} devices but the topology has {topology.num_devices}")
     if loads_SE.shape != (D, E):
         raise PlacementError(f"source_loads_DE must have shape ({D}, {E}) (sources are the devices), got {loads_SE.shape}")
-    N = topology.nodes
-    node_of = topology.node_of
     holds_ED = placement.counts_ED > 0
-    holds_SE = np.ascontiguousarray(holds_ED.T)
     replicas_E = holds_ED.sum(axis=1)
+    rep = np.flatnonzero(replicas_E > 1)
     first_holder_E = np.argmax(holds_ED, axis=1)
+    tokens_E = loads_SE.sum(axis=0)
+    pieces = []  # (flat (r, source), flat (r, destination), tokens) of the replicated experts rep[r]
+    if rep.size:
+        R = rep.size
+        single = replicas_E == 1
+        load_D = np.bincount(first_holder_E[single], weights=tokens_E[single], minlength=D).astype(np.int64)
+        quota_RD = _replicated_quotas(holds_ED, tokens_E, load_D, rep)
+        # pairs are flat (expert index r, device) = r * D + d, which is (r, node, device) order
+        # because devices are numbered node-major, as _northwest needs
+        tokens_RD = loads_SE[:, rep].T
+        local_RD = np.minimum(tokens_RD, quota_RD)  # quota_RD is 0 where the source holds no copy
+        f_L = np.flatnonzero(local_RD)
+        pieces.append((f_L, f_L, local_RD.ravel()[f_L]))
+        supply_RD = (tokens_RD - local_RD).ravel()
+        capacity_RD = (quota_RD - local_RD).ravel()
+        f_A = np.flatnonzero(supply_RD)
+        f_B = np.flatnonzero(capacity_RD)
+        if f_A.size:
+            # within the source's node first (groups = (expert, node)) ...
+            node_group = (np.arange(R)[:, None] * topology.nodes + topology.node_of[None, :]).ravel()
+            a_K, b_K, n_K, rest_A, rest_B = _northwest(
+                node_group[f_A], supply_RD[f_A], node_group[f_B], capacity_RD[f_B]
+            )
+            pieces.append((f_A[a_K], f_B[b_K], n_K))
+            # ... then across nodes (groups = experts) for what the node's holders could not take
+            left_A, left_B = np.flatnonzero(rest_A), np.flatnonzero(rest_B)
+            if left_A.size:
+                f_A, f_B = f_A[left_A], f_B[left_B]
+                a_K, b_K, n_K, _, _ = _northwest(f_A // D, rest_A[left_A], f_B // D, rest_B[left_B])
+                pieces.append((f_A[a_K], f_B[b_K], n_K))
 
-    # Direct pairs need no splitting: s holds e (local), or e has a single holder. They get one
-    # entry per (source, expert) in grid order, possibly with 0 tokens, which is cheaper at
-    # D = 1024 than searching for the non-zero pairs.
-    split_SE = ~holds_SE & (replicas_E > 1)[None, :] & (loads_SE > 0)
-
-    # Split pairs: tokens go evenly over the holders on the source's node, else over all.
-    remote = np.flatnonzero(split_SE)  # flat (source, expert) indices
-    rs, re_ = np.divmod(remote, E)
-    rn = loads_SE.ravel()[remote]
-    # holder lists in CSR form: flat (expert, device) pairs, expert-major, devices ascending,
-    # so the holders of e on node n are one contiguous run and all holders of e are one too
-    hold_e, hold_dev = np.nonzero(holds_ED)
-    k_EN = np.bincount(hold_e * N + node_of[hold_dev], minlength=E * N)
-    start_EN = np.cumsum(k_EN) - k_EN
-    group = re_ * N + node_of[rs]
-    k = k_EN[group]
-    base = start_EN[group]
-    off_node = np.flatnonzero(k == 0)  # no copy on the source's node: all holders of e
-    k[off_node] = replicas_E[re_[off_node]]
-    base[off_node] = start_EN[re_[off_node] * N]
-    pair, pos, share = even_shares(rn, k, rs % k)
-
+    # every expert gets one entry per source in grid order (the replicated ones with 0 tokens,
+    # their tokens are in the pieces), which at D = 1024 is cheaper than finding non-zero pairs
     G = D * E
-    K = G + pair.size
-    devices = np.arange(D, dtype=np.int64)
+    K = G + sum(p[2].size for p in pieces)
     source_K = np.empty(K, dtype=np.int64)
     expert_K = np.empty(K, dtype=np.int64)
     dest_K = np.empty(K, dtype=np.int64)
     tokens_K = np.empty(K, dtype=np.int64)
-    source_K[:G] = np.repeat(devices, E)
+    source_K[:G].reshape(D, E)[:] = np.arange(D, dtype=np.int64)[:, None]
     expert_K[:G].reshape(D, E)[:] = np.arange(E, dtype=np.int64)
-    grid_dest = dest_K[:G].reshape(D, E)
-    grid_dest[:] = first_holder_E
-    np.copyto(grid_dest, devices[:, None], where=holds_SE)
+    dest_K[:G].reshape(D, E)[:] = first_holder_E
     grid_tokens = tokens_K[:G].reshape(D, E)
     grid_tokens[:] = loads_SE
-    np.copyto(grid_tokens, 0, where=split_SE)
-    source_K[G:] = rs[pair]
-    expert_K[G:] = re_[pair]
-    dest_K[G:] = hold_dev[base[pair] + pos]
-    tokens_K[G:] = share
+    grid_tokens[:, rep] = 0
+    at = G
+    for from_P, to_P, n_P in pieces:
+        end = at + n_P.size
+        r_P, source_K[at:end] = np.divmod(from_P, D)
+        expert_K[at:end] = rep[r_P]
+        dest_K[at:end] = to_P % D
+        tokens_K[at:end] = n_P
+        at = end
     # valid by construction (tests check every plan with DispatchPlan.check), so skip the
     # O(K) re-validation that would dominate the cost at D = 1024
     return DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, D, E, D)

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_patches.placement.types import InstancePlacement, PlacementError, check_int, check_loads, even_shares
+from megatron_patches.placement.types import (
+    DispatchPlan,
+    InstancePlacement,
+    PlacementError,
+    check_int,
+    check_loads,
+    even_shares,
+)
 
 __all__ = [
     "TokenSpread",
@@ -199,7 +206,7 @@ def instance_capacity(capacity_factor: float, tokens_per_batch: int, num_ranks: 
     return int(np.ceil(round(capacity_factor * tokens_per_batch / (G * s), 9)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenSpread:
     """Outcome of spreading one layer's tokens over replicated instances under a capacity."""
 
@@ -209,6 +216,11 @@ class TokenSpread:
     """Tokens routed to each expert but dropped for lack of capacity; int64 [E]."""
     capacity: int
     """Tokens one instance may process."""
+    plan: DispatchPlan
+    """Where the tokens were sent (steps 1-2): the local ones and the shares of the remote
+    instances, before the receivers cap them (`accounting.apply_capacity` of it gives
+    processed_ED). Tokens dropped at the source because their expert has no instance on another
+    rank are not in it."""
 
     @property
     def processed(self) -> int:
@@ -245,6 +257,7 @@ def spread_tokens(
        e has no instance elsewhere, the rest is dropped.
     3. An instance processes its local tokens first, then remote arrivals up to its
        capacity; the excess is dropped.
+    The transfers of steps 1-2 are returned too (`TokenSpread.plan`), for the all-to-all bytes.
     capacity = `instance_capacity(capacity_factor, tokens_per_batch, R, s)`; tokens_per_batch
     defaults to all tokens routed in the layer (sum of source_loads_RE).
 
@@ -287,4 +300,14 @@ def spread_tokens(
     arrivals_ED = np.bincount(e_p * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
     remote_ED = np.minimum(arrivals_ED, cap_ED - local_ED)
     dropped_E += (arrivals_ED - remote_ED).sum(axis=1)
-    return TokenSpread(local_ED + remote_ED, dropped_E, cap)
+    le, lr = np.nonzero(local_ED)
+    plan = DispatchPlan(
+        np.concatenate((lr, r_p)),
+        np.concatenate((le, e_p)),
+        np.concatenate((lr, dest)),
+        np.concatenate((local_ED[le, lr], share)),
+        R,
+        E,
+        R,
+    )
+    return TokenSpread(local_ED + remote_ED, dropped_E, cap, plan)

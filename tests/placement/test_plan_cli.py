@@ -101,7 +101,10 @@ def test_plan_prints_a_table_and_writes_the_json(plan_json):
         ):
             assert key in m, (name, key)
         assert len(m["per_layer"]) == 2
-        assert 1.0 <= m["imbalance_mean"] <= m["imbalance_p95"] + 1e-9 <= m["imbalance_max"] + 1e-9
+        # the mean may exceed the p95: iteration 0 has no prediction, and one outlier can
+        # outweigh many near-1 iterations
+        assert 1.0 <= m["imbalance_mean"] <= m["imbalance_max"] + 1e-9
+        assert 1.0 <= m["imbalance_p95"] <= m["imbalance_max"] + 1e-9
         assert 0 < m["survival_mean"] <= 1.0
         assert all(set(v) == {"intra", "inter"} for v in m["bytes"].values())
         assert "all_to_all" in m["bytes"]

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from megatron_patches.placement import (
     InstancePlacement,
     PlacementError,
+    apply_capacity,
     assign_slots,
     contiguous_rank_groups,
     expert_rank_ranges,
@@ -253,3 +254,27 @@ def test_replication_drops_fewer_tokens_than_static_ep_under_skew():
     adaptive = slot_placement(assign_slots(replica_counts(loads.sum(axis=0), G, s), G, s), E)
     static = slot_placement(assign_slots(np.full(E, G * s // E), G, s), E)
     assert spread_tokens(adaptive, loads, 1.0, s).survival > spread_tokens(static, loads, 1.0, s).survival + 0.1
+
+
+@FAST
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.floats(0.3, 2.0), st.integers(0, 2**32 - 1))
+def test_spread_tokens_plan_matches_its_counts(E, R, s, cf, seed):
+    # the transfers spread_tokens returns, capped at the receivers, are its processed counts
+    rng = np.random.default_rng(seed)
+    if E > R * s:
+        E = R * s
+    slots = np.sort(np.concatenate((np.arange(E), rng.integers(0, E, R * s - E))))
+    counts = np.zeros((E, R), dtype=np.int64)
+    np.add.at(counts, (slots, np.repeat(np.arange(R), s)), 1)
+    placement = InstancePlacement(counts)
+    src = rng.integers(0, 30, (R, E))
+    spread = spread_tokens(placement, src, cf, s)
+    assert ((spread.plan.tokens_K == 0) | (placement.counts_ED[spread.plan.expert_K, spread.plan.dest_K] > 0)).all()
+    processed, dropped_arrival = apply_capacity(spread.plan, placement, spread.capacity)
+    assert np.array_equal(processed, spread.processed_ED)
+    dropped_at_source = src.sum() - spread.plan.routed_SE().sum()
+    assert dropped_arrival.sum() + dropped_at_source == spread.dropped
+    # what is not sent was routed to an expert with no instance on another rank
+    unsent_RE = src - spread.plan.routed_SE()
+    r, e = np.nonzero(unsent_RE)
+    assert (placement.counts_ED[e].sum(axis=1) == placement.counts_ED[e, r]).all()
