@@ -163,6 +163,11 @@ def proportional_copies(weights, total: int, cap) -> np.ndarray:
     cap_K = np.broadcast_to(np.asarray(cap, dtype=np.int64), weights.shape)
     if np.any(cap_K < 0):
         raise PlacementError(f"cap must be >= 0, got {cap!r}")
+    return _proportional_copies(weights, total, cap_K)
+
+
+def _proportional_copies(weights: np.ndarray, total: int, cap_K: np.ndarray) -> np.ndarray:
+    """`proportional_copies` of validated inputs (float [K] >= 0, int >= 0, int [K] >= 0)."""
     copies = np.zeros(weights.size, dtype=np.int64)
     active = np.flatnonzero((weights > 0) & (cap_K > 0))
     if total == 0 or active.size == 0:
@@ -230,23 +235,28 @@ def _place_copies(
 
     Deviation from DESIGN 4.2 step 3, which fills every budgeted copy: with all D*m slots
     filled, every device takes exactly m copies however the copies are ordered, including a
-    device whose owned experts alone exceed the mean load. Measured on the issue-3 trace with
-    DESIGN's dispatch: mean imbalance 1.72 (filling every slot, load-ordered) vs 1.41 (this
-    rule); with the balanced dispatch of `dispatch` both give 1.16, and this rule moves 17%
-    fewer spAG / spRS bytes (12.0 vs 14.5 GB per iteration).
+    device whose owned experts alone exceed the mean load. Measured on the issue-3 trace
+    (`tools/plan.py`, 4 x 8 devices, t = 8, m = 4, Zipf 1.2) with DESIGN's even-split dispatch
+    and sharding: mean imbalance 1.735 with DESIGN's placement, 1.718 filling every slot in
+    load order, 1.406 with this rule. With `dispatch`'s balanced split the placement hardly
+    matters for balance (1.159 vs 1.160), and this rule moves 17% fewer spAG / spRS bytes
+    (11.96 vs 14.48 GB per iteration) for 9% more all-to-all bytes (3.10 vs 2.83).
     """
-    for e, budget in zip(experts, budgets):
+    for e, budget, f in zip(experts.tolist(), budgets.tolist(), loads_E[experts].tolist()):
         holds_D = holds_ED[e]
         r = int(np.count_nonzero(holds_D))
-        f = float(loads_E[e])
         j = 0
         if budget > 0 and f > 0:
             eligible = np.flatnonzero((free_D > 0) > holds_D)  # a free slot and no copy yet
             if eligible.size:
                 cand = _copy_candidates(eligible, load_D, holds_D, topology)[:budget]
-                # peak_J[j] = the busiest holder's load before adding f, with the first j candidates
-                peak_J = np.maximum.accumulate(np.concatenate(([load_D[holds_D].max()], load_D[cand])))
-                j = int(np.argmin(peak_J + f / np.arange(r, r + cand.size + 1)))
+                # busiest holder's predicted load with the first j >= 1 candidates, vs j = 0
+                holders_peak = float(load_D[holds_D].max())
+                peak_J = np.maximum(np.maximum.accumulate(load_D[cand]), holders_peak)
+                value_J = peak_J + f / np.arange(r + 1, r + 1 + cand.size)
+                j = int(value_J.argmin()) + 1
+                if holders_peak + f / r <= value_J[j - 1]:
+                    j = 0
                 holds_D[cand[:j]] = True
                 free_D[cand[:j]] -= 1
         load_D[holds_D] += f / (r + j)
@@ -296,7 +306,7 @@ def materialize(
     if t <= m:
         holds_ED[top, :] = True
     elif m > 0:
-        budgets = proportional_copies(loads_E[top], D * m, D - 1)
+        budgets = _proportional_copies(loads_E[top], D * m, np.full(t, D - 1))
         rest_E = loads_E.copy()
         rest_E[top] = 0.0
         load_D = np.bincount(shard.owner_E, weights=rest_E, minlength=D)
@@ -374,9 +384,9 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
     already process for other experts, are topped up to a common level. Replicated experts go
     heaviest first (ties: lower id), and a second sweep refills each of them with the others'
     quotas fixed, which undoes most of the first sweep's order effects (unless the first
-    already reached the lower bound on the peak). Measured on the issue-3
-    trace: mean imbalance 1.212 after one sweep, 1.177 after two, and within 0.002 of the bound
-    that the single-holder experts impose (`shard_imbalance_bound` with actual loads).
+    already reached the lower bound on the peak). Measured on the issue-3 trace: mean
+    imbalance 1.244 after one sweep, 1.160 after two, 0.002 above the bound that the
+    single-holder experts impose with the actual loads (no split can go below it).
 
     Args:
         holds_ED: which device holds which expert, bool or int [E, D]; every expert >= 1 holder.
@@ -585,10 +595,11 @@ def heterogeneous_shard(loads_LE, topology: Topology, current: ModelShardLayout 
     falls out of the top-t is served by its owner alone. The slots J' leaves over sit on the
     devices that own few J' experts, i.e. heavy ones, so such an expert lands next to a heavy
     J' expert. Measured on
-    the issue-3 trace (iterations 100-199, after the re-shard at 100, with `dispatch`): mean
-    imbalance 1.159 with J filled last (least-loaded device among those with free slots),
-    1.130 with J placed after its own layer's J', 1.126 with one greedy; on Zipf 0.8,
-    1.284 (J after its layer) vs 1.135.
+    the issue-3 trace over iterations 100-199 (after the re-shard at 100, with `dispatch`):
+    mean imbalance 1.158 with DESIGN's order (J into the device owning the fewest experts of
+    the layer) vs 1.125 with one greedy; on Zipf 0.8, 1.330 vs 1.136. (A prototype that
+    filled J last into the least-loaded device with a free slot gave 1.159, one that placed J
+    right after its own layer's J' 1.130, and 1.284 on Zipf 0.8.)
 
     Ties towards `current` keep an expert in place when the greedy has no reason to move it;
     with continuous loads such ties are rare, so the policy also adopts a new layout only
@@ -721,11 +732,12 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     Deviation from DESIGN 4.4, which keeps every local token local and splits the rest
     evenly: a device that holds a copy but is already busy with its own experts then
     processes all its local tokens, and an even split ignores how loaded each holder is.
-    Measured on the issue-3 trace (same placements): mean imbalance 1.72 with the even split,
-    1.18 with quotas; inter-node all-to-all bytes rise by 20% (1.21 -> 1.45 GB per
-    iteration), because the tokens beyond a node's quotas cross nodes. Given the quotas the
-    routing keeps crossing to the minimum: the tokens expert e sends from node n to other
-    nodes are exactly max(0, tokens of e on n - quotas of e on n).
+    Measured on the issue-3 trace: with DESIGN's placement and sharding, mean imbalance 1.735
+    (even split) vs 1.176 (quotas), inter-node all-to-all 1.21 -> 1.43 GB per iteration; with
+    the load-aware ones, 1.451 vs 1.160, 1.21 -> 1.60 GB. The extra crossing is the tokens
+    beyond a node's quotas. Given the quotas the routing keeps it to the minimum: the tokens
+    expert e sends from node n to other nodes are exactly max(0, tokens of e on n - quotas of
+    e on n).
 
     Args:
         placement: instances of the layer's experts (multiplicity is ignored: a device with two
@@ -791,14 +803,12 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     grid_tokens = tokens_K[:G].reshape(D, E)
     grid_tokens[:] = loads_SE
     grid_tokens[:, rep] = 0
-    at = G
-    for from_P, to_P, n_P in pieces:
-        end = at + n_P.size
-        r_P, source_K[at:end] = np.divmod(from_P, D)
-        expert_K[at:end] = rep[r_P]
-        dest_K[at:end] = to_P % D
-        tokens_K[at:end] = n_P
-        at = end
+    if pieces:
+        from_P, to_P, n_P = (np.concatenate(column) for column in zip(*pieces))
+        r_P, source_K[G:] = np.divmod(from_P, D)
+        expert_K[G:] = rep[r_P]
+        dest_K[G:] = to_P % D
+        tokens_K[G:] = n_P
     # valid by construction (tests check every plan with DispatchPlan.check), so skip the
     # O(K) re-validation that would dominate the cost at D = 1024
     return DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, D, E, D)
