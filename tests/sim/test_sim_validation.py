@@ -52,8 +52,8 @@ def skewed():
 def test_balanced_loads_make_load_reactive_systems_equal_ep(balanced):
     """SmartMoE finds no swap, FlexMoE no replica that lowers the maximum, FasterMoE no shadow that
     pays, FSSDP without copies (t = 0) dispatches like EP: identical iteration times. FSSDP's
-    sharding-only variant re-shards once (the balanced layout it computes differs from the even
-    one), which is its only difference."""
+    sharding-only variant does not re-shard at all: balanced loads cannot lower the even layout's
+    imbalance bound, so nothing moves."""
     ep = run(balanced, "ep")
     for name in ("smartmoe", "flexmoe-2", "fastermoe", "ep-ideal"):
         np.testing.assert_allclose(run(balanced, name).iteration_s_I, ep.iteration_s_I, rtol=1e-12, err_msg=name)
@@ -61,9 +61,8 @@ def test_balanced_loads_make_load_reactive_systems_equal_ep(balanced):
                                options=SimOptions(overlap_degree=0))
     np.testing.assert_allclose(run(no_copies, "fssdp-mat").iteration_s_I, ep.iteration_s_I, rtol=1e-12)
     shard = run(balanced, "fssdp-shard")
-    np.testing.assert_allclose(shard.iteration_s_I - shard.breakdown_I["rearrangement"], ep.iteration_s_I,
-                               rtol=1e-12)
-    assert shard.details["rearrangement_events"] == 1
+    np.testing.assert_allclose(shard.iteration_s_I, ep.iteration_s_I, rtol=1e-12)
+    assert shard.details["rearrangement_events"] == 0
 
 
 def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
@@ -150,9 +149,12 @@ def test_breakdown_adds_up_to_the_iteration_time_for_every_system(skewed):
 
 def test_rematerialization_trades_memory_for_gathers(skewed):
     """Without re-materialization every layer's copies live until its backward; with it only one
-    layer's do, and the backward gathers them again (more sparse-collective time)."""
+    layer's do, and the backward gathers them again (more sparse-collective time). No device
+    needs more memory, and the devices that hold copies need less (the peak device may hold none:
+    load-aware placement puts copies on the least-loaded devices)."""
     keep, remat = run(skewed, "fssdp"), run(skewed, "fssdp-remat")
-    assert remat.memory_D.max() < keep.memory_D.max()
+    assert np.all(remat.memory_D <= keep.memory_D)
+    assert remat.memory_D.sum() < keep.memory_D.sum()
     assert remat.details["collective_s"]["spag"] == pytest.approx(keep.details["collective_s"]["spag"])
     assert remat.details["collective_s"]["spag_rematerialize"] > 0
     assert np.all(remat.iteration_s_I >= keep.iteration_s_I * (1 - 1e-12))
