@@ -96,7 +96,7 @@ def build_cases() -> list[Case]:
     cases.append(
         Case(
             "sharding",
-            "heterogeneous sharding, L=61 x E=256, D=1024, t=8",
+            "heterogeneous sharding, L=61 x E=256, D=1024",
             1000.0,
             lambda: fssdp.heterogeneous_shard(loads_LE, big),
             {},

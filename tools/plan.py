@@ -85,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--reshard-interval",
         type=int,
         default=100,
-        help="iterations between FSSDP re-sharding, SmartMoE swaps and FlexMoE adjustments (default 100)",
+        help="iterations between FSSDP re-sharding (kept only if it lowers the predicted imbalance), "
+        "SmartMoE swaps and FlexMoE adjustments (default 100)",
     )
     parser.add_argument(
         "--skew-threshold",

@@ -113,6 +113,43 @@ def test_proportional_copies_invariants(weights, total, cap):
     assert np.all(np.diff(copies[order]) <= 0)  # heavier expert never gets fewer copies
 
 
+def iterative_proportional_copies(weights, total, cap):
+    """The water-filling loop proportional_copies replaces: cap every expert whose goal
+    reaches its cap, re-split the rest, until no goal reaches a cap; then largest remainders."""
+    w = np.asarray(weights, dtype=float)
+    cap = np.broadcast_to(np.asarray(cap, dtype=np.int64), w.shape)
+    copies = np.zeros(w.size, dtype=np.int64)
+    active = (w > 0) & (cap > 0)
+    remaining = total
+    while remaining > 0 and active.any():
+        goal = np.where(active, w * (remaining / w[active].sum()), 0.0)
+        capped = active & (goal >= cap)
+        if capped.any():
+            copies[capped] = cap[capped]
+            remaining -= int(cap[capped].sum())
+            active &= ~capped
+            continue
+        base = np.floor(goal).astype(np.int64)
+        idx = np.flatnonzero(active)
+        order = idx[np.lexsort((idx, -w[idx], -(goal - base)[idx]))]
+        base[order[: remaining - int(base.sum())]] += 1
+        copies += base
+        remaining = 0
+    return copies
+
+
+@FAST
+@given(
+    weights=st.lists(st.floats(0, 100), min_size=1, max_size=12),
+    total=st.integers(0, 80),
+    cap=st.one_of(st.integers(0, 9), st.lists(st.integers(0, 9), min_size=12, max_size=12)),
+)
+def test_proportional_copies_matches_the_iterative_water_filling(weights, total, cap):
+    if isinstance(cap, list):
+        cap = np.array(cap[: len(weights)])
+    assert np.array_equal(proportional_copies(weights, total, cap), iterative_proportional_copies(weights, total, cap))
+
+
 # ---------------------------------------------------------------------------- materialize
 
 
