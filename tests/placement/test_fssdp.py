@@ -140,7 +140,7 @@ def iterative_proportional_copies(weights, total, cap):
 
 @FAST
 @given(
-    weights=st.lists(st.floats(0, 100), min_size=1, max_size=12),
+    weights=st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 100)), min_size=1, max_size=12),
     total=st.integers(0, 80),
     cap=st.one_of(st.integers(0, 9), st.lists(st.integers(0, 9), min_size=12, max_size=12)),
 )
