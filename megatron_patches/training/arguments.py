@@ -35,8 +35,12 @@ REPO_ROOT = Path(megatron_patches.__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "models" / "tiny.yaml"
 
 # How MoE experts are placed and synchronised (--moe-parallel-mode). 'ep' is stock Megatron-Core
-# expert parallelism, the baseline; later issues add 'fssdp', 'replicate' and 'zebra' here.
-MOE_PARALLEL_MODES = ("ep",)
+# expert parallelism, the baseline; 'fssdp' fully sharded sparse data parallelism; later issues
+# add 'replicate' and 'zebra' here.
+MOE_PARALLEL_MODES = ("ep", "fssdp")
+
+# --moe-load-window when not given: FSSDP predicts from the mean of 5 iterations (DESIGN 4.1).
+DEFAULT_LOAD_WINDOW = 5
 
 MODEL_FAMILIES = ("gpt", "bert")
 
@@ -166,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(parser)
     _add_model_args(parser)
     _add_moe_args(parser)
+    _add_fssdp_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_learning_rate_args(parser)
@@ -291,6 +296,59 @@ def _add_moe_args(parser):
         "--moe-parallel-mode", type=str, default="ep",
         help="How expert parameters are placed and synchronised. ep = stock Megatron-Core "
         f"expert parallelism (the baseline). Valid: {', '.join(MOE_PARALLEL_MODES)}. New flag.",
+    )
+
+
+def _auto_or_int(value: str):
+    """`auto` or a non-negative integer (--fssdp-overlap-degree, --fssdp-memory-capacity)."""
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor an integer") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is negative; valid: auto or an integer >= 0")
+    return number
+
+
+def _add_fssdp_args(parser):
+    group = parser.add_argument_group(title="fssdp (--moe-parallel-mode fssdp)")
+    group.add_argument(
+        "--fssdp-overlap-degree", type=_auto_or_int, default="auto",
+        help="t: expert copies a device may receive per layer while attention runs. auto: "
+        "measured in the first iteration (run without copies) from the non-MoE time of a layer, "
+        "the point-to-point bandwidth and the bytes of one expert. New flag.",
+    )
+    group.add_argument(
+        "--fssdp-memory-capacity", type=_auto_or_int, default="auto",
+        help="m: extra expert copies a device may hold per layer. auto: free memory per MoE layer "
+        "whose copies are alive over the bytes of one expert (GPU: 90%% of free memory; CPU: "
+        "--fssdp-memory-budget-mb). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-memory-budget-mb", type=float, default=256.0,
+        help="CPU only, with --fssdp-memory-capacity auto: host memory (MiB) a rank may spend on "
+        "expert copies. New flag.",
+    )
+    group.add_argument(
+        "--fssdp-reshard-interval", type=int, default=100,
+        help="Iterations between heterogeneous re-sharding decisions (0 = never). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-rematerialize", action="store_true",
+        help="Free each layer's expert copies right after its forward and gather them again for its "
+        "backward (less memory, one more gather per layer). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-calibrate", action="store_true",
+        help="After the gate, re-plan the copies with the actual loads and gather once more when the "
+        "cost model says it pays off. New flag.",
+    )
+    group.add_argument(
+        "--moe-load-window", type=int, default=None,
+        help=f"Iterations averaged to predict the next iteration's expert loads (default "
+        f"{DEFAULT_LOAD_WINDOW} in fssdp mode). New flag.",
     )
 
 
@@ -656,6 +714,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_parallel_layout(args, world_size)
     _resolve_model_shape(args)
     _resolve_moe(args)
+    _resolve_fssdp(args)
     _resolve_batch(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
@@ -899,6 +958,62 @@ def _resolve_moe(args):
     if args.moe_token_dispatcher_type == "flex" and tp * ep == 1:
         _fail("--moe-token-dispatcher-type", "flex",
               "Megatron-Core's flex dispatcher needs TP x EP > 1; valid here: alltoall, allgather")
+
+
+FSSDP_DEFAULTS = {
+    "fssdp_overlap_degree": "auto",
+    "fssdp_memory_capacity": "auto",
+    "fssdp_memory_budget_mb": 256.0,
+    "fssdp_reshard_interval": 100,
+    "fssdp_rematerialize": False,
+    "fssdp_calibrate": False,
+}
+
+
+def _resolve_fssdp(args):
+    mode = args.moe_parallel_mode
+    if mode != "fssdp":
+        for dest, default in FSSDP_DEFAULTS.items():
+            if getattr(args, dest) != default:
+                _fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
+                      f"only applies with --moe-parallel-mode fssdp (mode is {mode})")
+        if args.moe_load_window is not None:
+            _fail("--moe-load-window", args.moe_load_window,
+                  f"only applies with --moe-parallel-mode fssdp (mode is {mode}; ep places experts statically)")
+        return
+    if args.moe_load_window is None:
+        args.moe_load_window = DEFAULT_LOAD_WINDOW
+    if args.moe_load_window < 1:
+        _fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
+    if args.fssdp_reshard_interval < 0:
+        _fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
+    if not args.fssdp_memory_budget_mb > 0:
+        _fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
+    if args.num_experts is None:
+        _fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to shard)")
+    refusals = (
+        ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
+         "fssdp routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
+         "fssdp copies whole experts; valid: 1"),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_data_parallel_size != 1,
+         f"the FSSDP group is the expert-parallel group and must span all data-parallel replicas "
+         f"(expert-data-parallel size is {args.expert_data_parallel_size}); valid: world size / "
+         f"(--pipeline-model-parallel-size x --expert-tensor-parallel-size) = "
+         f"{args.world_size // (args.pipeline_model_parallel_size * args.expert_tensor_parallel_size)}"),
+        ("--moe-grouped-gemm", True, args.moe_grouped_gemm,
+         "fssdp runs each materialized expert with Megatron's MLP module; drop --moe-grouped-gemm"),
+        ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,
+         "padding is per expert rank, copies make it per instance; not supported in fssdp mode"),
+        ("--overlap-grad-reduce", True, args.overlap_grad_reduce,
+         "fssdp adds the reduced expert gradients into Megatron's grad buffer after the backward; "
+         "not supported together with DDP's overlapped reduce yet"),
+        ("--overlap-param-gather", True, args.overlap_param_gather,
+         "not supported in fssdp mode (it needs --overlap-grad-reduce)"),
+    )
+    for flag, value, refused, why in refusals:
+        if refused:
+            _fail(flag, value, why)
 
 
 def _resolve_batch(args):

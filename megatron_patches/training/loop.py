@@ -28,7 +28,7 @@ from megatron_patches.compat import mcore, prepare_megatron
 from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, data, metrics
 from megatron_patches.training.arguments import describe_args
-from megatron_patches.training.model import build_model
+from megatron_patches.training.model import build_model, stock_moe_spec
 
 
 def log0(message: str) -> None:
@@ -166,11 +166,19 @@ def pretrain(args) -> Summary:
     vocab = data.padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     train_ds, valid_ds, _ = data.build_datasets(args, tokenizer)
 
-    model, config = build_model(args, vocab, on_gpu=use_cuda)
     # All MoE layers of the model (1-based global numbers), not only this stage's: the load
     # metrics and the trace cover the whole model.
-    layer_numbers = [i + 1 for i, is_moe in enumerate(mcore.moe_layer_pattern(config)) if is_moe]
+    pattern = mcore.moe_layer_pattern(mcore.transformer_config(args, use_cuda))
+    layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
+    fssdp = None
+    if args.moe_parallel_mode == "fssdp":
+        from megatron_patches.fssdp import FSSDPConfig, FSSDPRuntime
+
+        fssdp = FSSDPRuntime(FSSDPConfig.from_args(args), args.num_experts, layer_numbers, use_cuda)
+    model, config = build_model(args, vocab, on_gpu=use_cuda, moe_spec_fn=fssdp.moe_spec if fssdp else stock_moe_spec)
     ddp = mcore.wrap_ddp(config, model, args)
+    if fssdp is not None:
+        fssdp.attach(mcore.transformer_layers(model), config)
     optimizer = mcore.optimizer(args, [ddp])
     scheduler = mcore.scheduler(args, optimizer)
     num_params = sum(p.numel() for p in model.parameters())
@@ -222,6 +230,8 @@ def pretrain(args) -> Summary:
         started = time.perf_counter()
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        if fssdp is not None:
+            fssdp.begin_iteration(iteration)
         losses = mcore.forward_backward(
             forward_step, train_iter, [ddp], args.num_micro_batches, args.seq_length, args.micro_batch_size, forward_only=False
         )
@@ -229,7 +239,12 @@ def pretrain(args) -> Summary:
         scheduler.step(increment=1)
         loss = _mean_loss_over_world(losses)
         loads = recorder.collect()
+        fssdp_record = fssdp.end_iteration(loads.processed_LE) if fssdp is not None else None
         elapsed = time.perf_counter() - started
+        if fssdp is not None:
+            for line in fssdp.log:
+                log0(line)
+            fssdp.log.clear()
         times.append(elapsed)
         losses_seen.append(loss)
         state["iteration"] = iteration
@@ -237,7 +252,10 @@ def pretrain(args) -> Summary:
         if dist.get_rank() == 0 and args.moe_log_loads:
             trace_routed.append(loads.routed_LE)
             trace_sources.append(loads.source_routed_LSE)
-        if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+        log_now = iteration % args.log_interval == 0 or iteration == args.train_iters
+        if fssdp_record is not None and log_now:
+            fssdp_record["memory"] = fssdp.memory_report(optimizer)
+        if writer is not None and log_now:
             writer.log(
                 {
                     "iteration": iteration,
@@ -250,6 +268,7 @@ def pretrain(args) -> Summary:
                     "iteration_time_s": elapsed,
                     "moe_layers": metrics.moe_layer_records(loads, layer_numbers, args.expert_model_parallel_size),
                     "bytes": {"a2a": 4 * loads.remote_copies * args.hidden_size * element_bytes},
+                    **({"fssdp": fssdp_record} if fssdp_record is not None else {}),
                 }
             )
         if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:

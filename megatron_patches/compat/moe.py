@@ -1,0 +1,165 @@
+"""Megatron-Core MoE classes extended for expert *instances* (version-sensitive, like mcore.py).
+
+Megatron's MoE layer sends every token of expert e to the one EP rank that hosts e. The
+placement modes (fssdp, replicate) run several instances of an expert on several ranks and
+decide per token which instance processes it. Both reuse Megatron's all-to-all dispatcher
+unchanged in its mechanics by giving it *virtual experts*:
+
+    virtual expert v = d * E + e   means   "expert e, processed on EP rank d"
+
+Every rank hosts E virtual experts (d = its EP rank), so Megatron's permutation, count
+exchange, all-to-all and sorting by local expert route each token copy to the rank the mode
+chose, and the tokens arrive grouped by expert id. A mode only builds the virtual routing map
+[T, D*E] (each routed (token, expert) pair set in exactly one column) and computes the
+experts on the weights it materialised.
+
+`InstanceMoELayer` keeps Megatron's stages (route, preprocess, dispatch, experts, combine,
+postprocess) and exposes four hooks for the mode:
+
+- `enter(hidden)`: at the MoE input (forward), may wrap it (backward triggers);
+- `route_to_instances(routing_map_TE, probs_TE)`: -> (routing_map_TV, probs_TV);
+- `before_dispatch()`: right before the token all-to-all (wait for materialised weights);
+- `compute_instances(tokens_ND, tokens_per_expert_E, probs_N)`: the experts on the
+  dispatched tokens, sorted by expert id.
+
+Megatron's own experts module (`self.experts`, SequentialMLP) stays in the layer: its local
+experts are the parameters this rank *owns* (EP's contiguous layout), which DDP, the
+optimizer and the distributed checkpoints handle exactly as in ep mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.func import functional_call
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+__all__ = ["ExpertLayout", "InstanceMoELayer", "InstanceTokenDispatcher", "with_moe_layer"]
+
+
+class InstanceTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Megatron's all-to-all dispatcher over virtual experts v = rank * E + e (see module doc)."""
+
+    def __init__(self, num_experts: int, config, pg_collection):
+        ep_rank, ep_size = pg_collection.ep.rank(), pg_collection.ep.size()
+        local = list(range(ep_rank * num_experts, (ep_rank + 1) * num_experts))
+        super().__init__(num_experts, local, config=config, pg_collection=pg_collection)
+        # Megatron sizes its count exchange and its sort-by-local-expert permutation from
+        # num_experts (token_dispatcher.py:390-415 in 0.16.1); rebuild both for D*E columns.
+        self.num_experts = ep_size * num_experts
+        chunk_idxs = torch.arange(self.num_experts * self.tp_size, device=self.permute_idx_device)
+        self.sort_input_by_local_experts = chunk_idxs.reshape(-1, self.num_local_experts).T.ravel()
+        self.restore_output_by_local_experts = chunk_idxs.reshape(self.num_local_experts, -1).T.ravel()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How one expert's parameters pack into a flat row of N elements (one chunk of the sparse collectives)."""
+
+    names: tuple[str, ...]
+    """Parameter names inside one expert MLP (e.g. linear_fc1.weight), in packing order."""
+    shapes: tuple[torch.Size, ...]
+    """Shape of each parameter."""
+
+    @classmethod
+    def of(cls, expert: torch.nn.Module) -> "ExpertLayout":
+        named = list(expert.named_parameters())
+        return cls(tuple(n for n, _ in named), tuple(p.shape for _, p in named))
+
+    @property
+    def numel(self) -> int:
+        """N, elements per expert."""
+        return sum(s.numel() for s in self.shapes)
+
+    def flatten(self, expert: torch.nn.Module) -> torch.Tensor:
+        """The expert's parameters as one detached row [N]."""
+        params = dict(expert.named_parameters())
+        return torch.cat([params[n].detach().reshape(-1) for n in self.names])
+
+    def views(self, row_N: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter name -> view of `row_N` with the parameter's shape."""
+        out, offset = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            out[name] = row_N[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return out
+
+    def grads_into(self, expert: torch.nn.Module, grad_N: torch.Tensor) -> None:
+        """Adds a flat gradient row into the expert's `main_grad` (Megatron DDP's grad buffer)."""
+        params = dict(expert.named_parameters())
+        for name, view in self.views(grad_N).items():
+            params[name].main_grad.add_(view.to(params[name].main_grad.dtype))
+
+
+class InstanceMoELayer(MoELayer):
+    """Megatron's MoELayer with the token dispatch and expert compute of expert instances.
+
+    Subclasses implement the four hooks listed in the module docstring. Refused here (the
+    virtual-expert dispatch needs them off): dispatchers other than alltoall, expert tensor
+    parallelism, padding to capacity, shared experts, latent projections, MoE recompute.
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if config.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(f"{type(self).__name__} needs the alltoall token dispatcher, got {config.moe_token_dispatcher_type!r}")
+        self.num_experts = config.num_moe_experts
+        """E, experts of this layer."""
+        self.token_dispatcher = InstanceTokenDispatcher(self.num_experts, config, pg_collection)
+        self.expert_layout = ExpertLayout.of(self.experts.local_experts[0])
+        """Packing of one expert's parameters into a row (same for every expert)."""
+
+    # ---- hooks for the mode -------------------------------------------------------------
+
+    def enter(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def route_to_instances(self, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor):
+        raise NotImplementedError
+
+    def before_dispatch(self) -> None:
+        pass
+
+    def compute_instances(self, tokens_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_N: torch.Tensor):
+        raise NotImplementedError
+
+    # ---- Megatron's stages, with the hooks ----------------------------------------------
+
+    def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
+        return super().forward(self.enter(hidden_states), intermediate_tensors, padding_mask)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        routing_map_TV, probs_TV = self.route_to_instances(routing_map, probs)
+        return super().preprocess(hidden_states, probs_TV, routing_map_TV)
+
+    def dispatch(self, hidden_states, probs):
+        self.before_dispatch()
+        return super().dispatch(hidden_states, probs)
+
+    def routed_experts_compute(self, hidden_states, probs):
+        tokens_ND, tokens_per_expert_E, probs_N = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
+        output_ND = self.compute_instances(tokens_ND, tokens_per_expert_E, probs_N)
+        return self.token_dispatcher.combine_preprocess(output_ND), None
+
+    def run_expert(self, row_N: torch.Tensor, tokens_nD: torch.Tensor, probs_n: torch.Tensor) -> torch.Tensor:
+        """One expert MLP (Megatron's own module and ops) on the weights packed in `row_N`."""
+        output, _ = functional_call(self.experts.local_experts[0], self.expert_layout.views(row_N), (tokens_nD, probs_n))
+        return output
+
+
+def with_moe_layer(layer_spec, moe_class: type, **params):
+    """A copy of a transformer layer spec whose MLP (Megatron's MoELayer) is `moe_class`.
+
+    `params` are passed to `moe_class.__init__` as keyword arguments by Megatron's build_module.
+    """
+    mlp = layer_spec.submodules.mlp
+    if not (isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer)):
+        raise ValueError(f"the layer spec's MLP is {mlp.module!r}, not Megatron's MoELayer")
+    new_mlp = dataclasses.replace(mlp, module=moe_class, params={**mlp.params, **params})
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=new_mlp))

@@ -1,0 +1,244 @@
+"""The FSSDP MoE layer: Megatron's MoELayer computing on materialized expert copies.
+
+Forward of MoE layer l, one micro-batch (`LayerPass` holds its state):
+
+    TransformerLayer pre-hook  -> start_gather: spAG(l) launched (attention runs meanwhile)
+    enter                      -> backward trigger on the MoE input
+    route (Megatron's router)  -> route_to_instances: counts all-gathered, dispatch plan,
+                                  virtual routing map (token copy -> holder of a copy)
+    before_dispatch            -> wait spAG(l): held copies [H, N] (exposed time measured)
+    dispatch (Megatron a2a)    -> compute_instances: Megatron's expert MLP on each held row
+    combine (Megatron a2a)
+
+Backward of layer l: the experts' weight gradients accumulate into the held buffer's
+gradient (`_Materialize`); when the gradient reaches the MoE input (`_BackwardTrigger`,
+i.e. attention backward of l is about to start) the runtime completes the reduces still in
+flight, launches spRS(l) and, with re-materialization, the re-gather of layer l-1, so both
+run during attention backward. The points where collectives launch are fixed by the
+autograd graph, identical on every rank, so every rank launches them in the same order.
+
+Re-materialization: the held copies are not kept by autograd; saved-tensor hooks replace
+every saved view of them by a marker, and the backward unpacks the marker from the
+re-gathered buffer. The stage's last MoE layer keeps its copies (its backward comes first,
+there is no attention backward above it to hide a gather behind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.compat.moe import InstanceMoELayer
+from megatron_patches.placement import fssdp as planner
+
+__all__ = ["FSSDPMoELayer", "LayerPass"]
+
+
+@dataclass
+class LayerPass:
+    """One forward (and its backward) of one MoE layer for one micro-batch."""
+
+    layer: "FSSDPMoELayer"
+    plan: object
+    """The runtime's LayerPlan of this iteration (shard, placement, collectives)."""
+    owned_ON: torch.Tensor
+    """This rank's owned experts, packed [O, N] (input of the gathers)."""
+    gather: object = None
+    """In-flight spAG handle, until waited."""
+    held_HN: torch.Tensor | None = None
+    """Materialized copies (owned included), rows = plan.gather.held_chunks."""
+    grad_HN: torch.Tensor | None = None
+    """Gradient of the held copies, set by the backward of `_Materialize`."""
+    regather: object = None
+    """Re-materializing spAG handle (re-materialization), until waited."""
+    below: "LayerPass | None" = None
+    """The MoE layer below in the same forward pass (whose re-gather this layer launches)."""
+    keeps_copies: bool = True
+    """False with re-materialization: the copies are freed after the forward."""
+    saved: dict = field(default_factory=dict)
+
+    def wait_gather(self) -> torch.Tensor:
+        if self.held_HN is None:
+            started = time.perf_counter()
+            self.held_HN = self.gather.wait()
+            self.layer.runtime.stats.exposed_s["spag"] += time.perf_counter() - started
+            self.gather = None
+        return self.held_HN
+
+    def rematerialized(self) -> torch.Tensor:
+        """The copies for the backward (re-gathered with re-materialization)."""
+        if self.keeps_copies:
+            return self.held_HN
+        if self.held_HN is None:
+            if self.regather is None:
+                self.regather = self.layer.runtime.launch_regather(self)
+            started = time.perf_counter()
+            self.held_HN = self.regather.wait()
+            self.layer.runtime.stats.exposed_s["regather"] += time.perf_counter() - started
+            self.regather = None
+        return self.held_HN
+
+
+class _Materialize(torch.autograd.Function):
+    """Marks the held copies as produced from the MoE input, so that their gradient [H, N]
+    arrives here in the backward (after every expert of the layer has run its backward)."""
+
+    @staticmethod
+    def forward(ctx, anchor, held_HN, layer_pass):
+        ctx.layer_pass = layer_pass
+        return held_HN.view_as(held_HN)
+
+    @staticmethod
+    def backward(ctx, grad_HN):
+        ctx.layer_pass.grad_HN = grad_HN
+        return None, None, None
+
+
+class _BackwardTrigger(torch.autograd.Function):
+    """Identity on the MoE input whose backward starts the layer's gradient reduction."""
+
+    @staticmethod
+    def forward(ctx, hidden, layer_pass):
+        ctx.layer_pass = layer_pass
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_hidden):
+        layer_pass = ctx.layer_pass
+        layer_pass.layer.runtime.on_layer_backward(layer_pass)
+        return grad_hidden, None
+
+
+class FSSDPMoELayer(InstanceMoELayer):
+    """Megatron MoELayer whose experts run on copies materialized by the FSSDP runtime."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, runtime=None):
+        super().__init__(config, submodules, layer_number, pg_collection)
+        if runtime is None:
+            raise ValueError("FSSDPMoELayer needs the FSSDP runtime (pass it through the layer spec's params)")
+        self.runtime = runtime
+        self._pass: LayerPass | None = None
+        runtime.register_layer(self)
+
+    # ---- forward stages ------------------------------------------------------------------
+
+    def start_gather(self) -> None:
+        """Launch spAG of this layer (called when the layer's attention starts)."""
+        self._pass = self.runtime.start_pass(self)
+
+    def enter(self, hidden_states):
+        if self._pass is None:
+            self.start_gather()
+        layer_pass = self._pass
+        layer_pass.saved["anchor"] = hidden_states
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            return _BackwardTrigger.apply(hidden_states, layer_pass)
+        return hidden_states
+
+    def route_to_instances(self, routing_map_TE, probs_TE):
+        layer_pass = self._pass
+        counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
+        counts_DE = self.runtime.all_gather_counts(counts_E)
+        plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
+        if self.training:
+            self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
+        tokens_ED = _tokens_from_source(plan, self.runtime.rank, self.num_experts, self.runtime.num_devices)
+        return virtual_routing(routing_map_TE, probs_TE, tokens_ED)
+
+    def before_dispatch(self):
+        layer_pass = self._pass
+        held_HN = layer_pass.wait_gather()
+        if torch.is_grad_enabled():
+            held_HN = _Materialize.apply(layer_pass.saved["anchor"], held_HN, layer_pass)
+        layer_pass.saved["held_used"] = held_HN
+
+    def compute_instances(self, tokens_ND, tokens_per_expert_E, probs_N):
+        layer_pass = self._pass
+        held_HN = layer_pass.saved.pop("held_used")
+        row_E = layer_pass.plan.held_row_E
+        counts = tokens_per_expert_E.tolist()
+        outputs = []
+        hooks = self._saved_copy_hooks(layer_pass) if not layer_pass.keeps_copies and torch.is_grad_enabled() else contextlib.nullcontext()
+        with hooks:
+            for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
+                if counts[expert] == 0:
+                    continue
+                if row_E[expert] < 0:
+                    raise RuntimeError(
+                        f"rank {self.runtime.rank} received {counts[expert]} tokens of expert {expert} in layer "
+                        f"{self.layer_number} but holds no copy of it (dispatch and placement disagree)"
+                    )
+                outputs.append(self.run_expert(held_HN[row_E[expert]], tokens_nD, probs_n))
+            if not outputs:
+                # No tokens here: still run one expert on the empty batch so that this rank's
+                # backward takes part in the all-to-alls and the reduce like every other rank.
+                outputs.append(self.run_expert(held_HN[0], tokens_ND, probs_N))
+        if not layer_pass.keeps_copies:
+            layer_pass.held_HN = None  # freed: the backward re-gathers
+        self._pass = None
+        return torch.cat(outputs, dim=0)
+
+    @staticmethod
+    def _saved_copy_hooks(layer_pass: LayerPass):
+        """Saved-tensor hooks that store views of the copies as markers (re-materialization)."""
+        storage = layer_pass.held_HN.untyped_storage().data_ptr()
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() == storage:
+                return ("fssdp-copy", layer_pass, tensor.size(), tensor.stride(), tensor.storage_offset())
+            return tensor
+
+        def unpack(packed):
+            if isinstance(packed, tuple) and packed and packed[0] == "fssdp-copy":
+                _, owner, size, stride, offset = packed
+                return owner.rematerialized().as_strided(size, stride, offset)
+            return packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _tokens_from_source(plan, source: int, num_experts: int, num_devices: int) -> np.ndarray:
+    """Tokens this source sends per (expert, destination device); int64 [E, D]."""
+    mine = plan.source_K == source
+    tokens_ED = np.zeros((num_experts, num_devices), dtype=np.int64)
+    np.add.at(tokens_ED, (plan.expert_K[mine], plan.dest_K[mine]), plan.tokens_K[mine])
+    return tokens_ED
+
+
+def virtual_routing(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, tokens_ED: np.ndarray):
+    """Routing map and probs over virtual experts v = d*E + e from a per-expert destination split.
+
+    The token copies of expert e, in token order, go to the destinations in ascending device
+    order: the first tokens_ED[e, 0] to device 0, the next tokens_ED[e, 1] to device 1, ...
+
+    Args:
+        routing_map_TE: bool [T, E], Megatron's routing map on this source.
+        probs_TE: float [T, E], the routing probabilities (0 where not routed).
+        tokens_ED: int [E, D], this source's tokens per (expert, destination); row sums must
+            equal routing_map_TE's column sums.
+    Returns:
+        (routing_map_TV bool [T, D*E], probs_TV [T, D*E]).
+    """
+    T, E = routing_map_TE.shape
+    D = tokens_ED.shape[1]
+    counts_E = routing_map_TE.sum(dim=0).cpu().numpy()
+    if not np.array_equal(tokens_ED.sum(axis=1), counts_E):
+        raise RuntimeError(f"dispatch plan sends {tokens_ED.sum(axis=1).tolist()} tokens per expert, routed {counts_E.tolist()}")
+    device = routing_map_TE.device
+    # dest_of_copy[offset_E[e] + i] = destination of the i-th routed token of expert e
+    dest_of_copy = torch.from_numpy(np.repeat(np.tile(np.arange(D), E), tokens_ED.ravel())).to(device)
+    offset_E = torch.from_numpy(np.cumsum(counts_E) - counts_E).to(device)
+    rank_TE = routing_map_TE.to(torch.int64).cumsum(dim=0) - 1
+    token_K, expert_K = routing_map_TE.nonzero(as_tuple=True)
+    dest_K = dest_of_copy[offset_E[expert_K] + rank_TE[token_K, expert_K]]
+    column_K = dest_K * E + expert_K
+    routing_map_TV = torch.zeros((T, D * E), dtype=torch.bool, device=device)
+    routing_map_TV[token_K, column_K] = True
+    probs_TV = probs_TE.new_zeros((T, D * E))
+    probs_TV[token_K, column_K] = probs_TE[token_K, expert_K]
+    return routing_map_TV, probs_TV

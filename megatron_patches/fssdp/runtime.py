@@ -1,0 +1,416 @@
+"""The FSSDP runtime: plans, collectives and gradient flow for all MoE layers of a stage.
+
+Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group, which
+must span every data-parallel replica of the experts (expert-data-parallel size 1,
+expert-tensor-parallel size 1). Every expert of every MoE layer is then owned by exactly one
+rank: Megatron's local experts of that rank (EP's contiguous layout, the even sharding of
+DESIGN 4.3), with their gradients in Megatron's DDP buffer and their Adam state in
+Megatron's optimizer, once globally. Non-expert parameters are untouched.
+
+Per iteration (the materialization phase), every rank computes the same plan from the same
+all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
+m)` and the SparseAllGather / SparseReduceScatter pair for it. Per micro-batch and layer the
+layer (`layer.FSSDPMoELayer`) gathers the copies, dispatches by `placement.fssdp.dispatch`
+and computes; the gradient of the copies is reduced into the owners' `main_grad` before
+Megatron's finalize_model_grads runs (`wrap_finalize`).
+
+The sparse collectives run on a process group of their own (same ranks as the EP group), so
+their point-to-point traffic never interleaves with Megatron's all-to-alls on the EP group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.fssdp.config import FSSDPConfig
+from megatron_patches.placement import fssdp as planner
+from megatron_patches.placement.accounting import imbalance
+from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.types import InstancePlacement, ShardLayout, Topology
+
+__all__ = ["FSSDPRuntime", "LayerPlan"]
+
+TRAFFIC_KINDS = ("spag", "sprs", "spag_remat")
+"""spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
+the backward with re-materialization (counted apart, so that spag = sprs holds)."""
+
+
+@dataclass
+class LayerPlan:
+    """One MoE layer's plan for one iteration."""
+
+    index: int
+    """Row of the layer in the stage's MoE layers."""
+    shard: ShardLayout
+    """Owners of the layer's experts."""
+    placement: InstancePlacement
+    """Who holds a copy this iteration (contains the shard)."""
+    gather: SparseAllGather
+    reduce: SparseReduceScatter
+    regather: SparseAllGather
+    held_row_E: np.ndarray = field(init=False)
+    """Row of expert e in this rank's held buffer, -1 if this rank holds no copy."""
+
+    def __post_init__(self) -> None:
+        self.held_row_E = np.full(self.shard.num_experts, -1, dtype=np.int64)
+        self.held_row_E[self.gather.held_chunks] = np.arange(self.gather.held_chunks.size)
+
+
+@dataclass
+class IterationStats:
+    """What this rank measured in one iteration."""
+
+    device_tokens_LD: np.ndarray
+    """Token copies processed per layer and device under the dispatch plans (every rank
+    computes every plan, so this is global without communication)."""
+    exposed_s: dict = field(default_factory=lambda: defaultdict(float))
+    """Seconds this rank blocked in wait() per collective kind (not hidden by compute)."""
+    non_moe_s: list = field(default_factory=list)
+    """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
+
+    def add_dispatch(self, layer_index: int, plan) -> None:
+        self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
+
+
+def _node_layout(group_ranks: list[int]) -> tuple[int, int]:
+    """(nodes, devices per node) of the group's ranks, from torchrun's LOCAL_WORLD_SIZE."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    nodes_of = [r // per_node for r in group_ranks]
+    distinct = sorted(set(nodes_of))
+    counts = [nodes_of.count(n) for n in distinct]
+    if len(set(counts)) != 1 or nodes_of != sorted(nodes_of):
+        raise ValueError(
+            f"the FSSDP group's ranks {group_ranks} are not node-major with the same number per node "
+            f"(LOCAL_WORLD_SIZE={per_node}); launch one process per device with equal processes per node"
+        )
+    return len(distinct), counts[0]
+
+
+class FSSDPRuntime:
+    """Coordinates FSSDP for the MoE layers of this pipeline stage (see module docstring)."""
+
+    def __init__(self, config: FSSDPConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool):
+        self.config = config
+        self.num_experts = num_experts
+        self.moe_layer_numbers = list(moe_layer_numbers)
+        """Global numbers of all MoE layers of the model (the load tracker covers all)."""
+        self.on_gpu = on_gpu
+        if parallel_state.get_expert_tensor_parallel_world_size() != 1:
+            raise ValueError("fssdp mode needs --expert-tensor-parallel-size 1 (expert copies are whole experts)")
+        if parallel_state.get_expert_data_parallel_world_size() != 1:
+            raise ValueError(
+                "fssdp mode needs the expert-parallel group to span every data-parallel replica "
+                f"(expert-data-parallel size is {parallel_state.get_expert_data_parallel_world_size()}); "
+                "set --expert-model-parallel-size to world size / (pipeline size x expert tensor size)"
+            )
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.group = _dedicated_groups(dist.get_process_group_ranks(self.ep_group))
+        """Process group of the sparse collectives (the EP group's ranks)."""
+        ranks = dist.get_process_group_ranks(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.num_devices = len(ranks)
+        self.nodes, self.devices_per_node = _node_layout(ranks)
+        self.traffic = TrafficCounter()
+        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window)
+        self.layers: list = []
+        """This stage's FSSDP MoE layers, in forward order."""
+        self.plans: dict[int, LayerPlan] = {}
+        self.pending: list = []
+        """(layer pass, spRS handle) launched in the backward, not yet added into main_grad."""
+        self.topology: Topology | None = None
+        self.expert_numel = 0
+        self.element_size = 0
+        self.t: int | None = config.overlap_degree
+        self.m: int | None = config.memory_capacity
+        self.bandwidth = 0.0
+        self.stats: IterationStats | None = None
+        self._last_pass = None
+        self.log: list[str] = []
+        """Decisions to print on rank 0 (auto t and m)."""
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def moe_spec(self, moe_layer_spec, args):
+        """`moe_spec_fn` for `training.model.build_model`: Megatron's MoE layer -> FSSDPMoELayer."""
+        from megatron_patches.compat.moe import with_moe_layer
+        from megatron_patches.fssdp.layer import FSSDPMoELayer
+
+        return with_moe_layer(moe_layer_spec, FSSDPMoELayer, runtime=self)
+
+    def register_layer(self, layer) -> None:
+        self.layers.append(layer)
+
+    def attach(self, transformer_layers, config) -> None:
+        """Hooks the transformer layers holding FSSDP MoE layers; wraps finalize_model_grads.
+
+        Call once, after the model and DDP are built, on every rank.
+        """
+        moe = [layer for layer in transformer_layers if layer.mlp in self.layers]
+        if not moe:
+            raise ValueError("fssdp mode: this pipeline stage has no FSSDP MoE layer (the layer spec was not injected)")
+        for layer in moe:
+            layer.register_forward_pre_hook(self._layer_start_hook(layer.mlp))
+            layer.mlp.register_forward_pre_hook(self._moe_start_hook())
+        self.layers = [layer.mlp for layer in moe]
+        template = self.layers[0]
+        self.expert_numel = template.expert_layout.numel
+        self.element_size = template.experts.local_experts[0].linear_fc1.weight.element_size()
+        self.bandwidth = self._probe_bandwidth()
+        self.topology = Topology(self.nodes, self.devices_per_node, self.bandwidth, self.bandwidth)
+        original = config.finalize_model_grads_func
+
+        def finalize_model_grads(*args, **kwargs):
+            self.drain()
+            return original(*args, **kwargs)
+
+        config.finalize_model_grads_func = finalize_model_grads
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_numel * self.element_size
+
+    def _layer_start_hook(self, moe_layer):
+        def hook(module, args):
+            self._layer_started = time.perf_counter()
+            moe_layer.start_gather()
+
+        return hook
+
+    def _moe_start_hook(self):
+        def hook(module, args):
+            if self.stats is not None and module.training:
+                self.stats.non_moe_s.append(time.perf_counter() - self._layer_started)
+
+        return hook
+
+    def _probe_bandwidth(self) -> float:
+        """Point-to-point bytes/s in the group: a ring exchange of 8 experts' bytes, median of 5,
+        minimum over ranks (every rank must derive the same t)."""
+        if self.num_devices == 1:
+            return float("inf")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        numel = 8 * self.expert_numel
+        send = torch.ones(numel, dtype=torch.float32, device=device)
+        recv = torch.empty_like(send)
+        ranks = dist.get_process_group_ranks(self.group)
+        right, left = ranks[(self.rank + 1) % self.num_devices], ranks[(self.rank - 1) % self.num_devices]
+        samples = []
+        for _ in range(6):
+            started = time.perf_counter()
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, send, right, group=self.group), dist.P2POp(dist.irecv, recv, left, group=self.group)]
+            )
+            for work in works:
+                work.wait()
+            if self.on_gpu:
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - started)
+        bw = torch.tensor([send.numel() * send.element_size() / float(np.median(samples[1:]))], dtype=torch.float64)
+        dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=self.group)
+        return float(bw.item())
+
+    # ---- per iteration ---------------------------------------------------------------------
+
+    def begin_iteration(self, iteration: int) -> None:
+        """Plan every layer of this stage for the iteration (same plan on every rank)."""
+        if self.m is None:
+            self.m = self._auto_memory_capacity()
+        t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
+        predicted_LE = self.tracker.predict()
+        self.traffic.reset()
+        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64))
+        self.plans = {}
+        for index, layer in enumerate(self.layers):
+            shard = ShardLayout.even(self.num_experts, self.num_devices)
+            row = self.moe_layer_numbers.index(layer.layer_number)
+            placement = planner.materialize(shard, predicted_LE[row], t, self.m, self.topology)
+            common = dict(topology=self.topology, traffic=self.traffic)
+            self.plans[layer.layer_number] = LayerPlan(
+                index=index,
+                shard=shard,
+                placement=placement,
+                gather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag", **common),
+                reduce=SparseReduceScatter(placement, shard, self.group, self.expert_numel, kind="sprs", **common),
+                regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common),
+            )
+
+    def end_iteration(self, processed_LE: np.ndarray) -> dict:
+        """Feed the iteration's global loads to the predictor; the iteration's FSSDP metrics.
+
+        Called on every rank (it all-reduces byte counters and times).
+        """
+        if self.pending:
+            raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
+        self.tracker.observe(processed_LE)
+        if self.t is None:
+            self.t = self._auto_overlap_degree()
+        return self._metrics()
+
+    def _auto_overlap_degree(self) -> int:
+        samples = self.stats.non_moe_s
+        local = torch.tensor([float(np.mean(samples)) if samples else 0.0], dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+        t_non_moe = float(local.item())
+        bw = planner.gather_bandwidth(self.topology)
+        t = self.num_experts if not np.isfinite(bw) else planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
+        self.log.append(
+            f"fssdp: auto overlap degree t = {t} (non-MoE time {t_non_moe * 1e3:.2f} ms per layer, "
+            f"bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts)"
+        )
+        return t
+
+    def _auto_memory_capacity(self) -> int:
+        layers_alive = 2 if self.config.rematerialize else len(self.layers)
+        if self.on_gpu:
+            free, _ = torch.cuda.mem_get_info()
+            budget, source = 0.9 * free, "90% of free GPU memory"
+        else:
+            budget, source = float(self.config.memory_budget_bytes), "--fssdp-memory-budget-mb"
+        local = torch.tensor([budget / min(layers_alive, len(self.layers))], dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+        m = planner.memory_capacity(float(local.item()), self.expert_bytes)
+        self.log.append(
+            f"fssdp: auto memory capacity m = {m} ({source}: {local.item() / 2**20:.1f} MiB per layer with copies "
+            f"alive, expert {self.expert_bytes} bytes)"
+        )
+        return m
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def start_pass(self, layer):
+        """Launch spAG(l) for one forward of `layer`; returns its LayerPass."""
+        from megatron_patches.fssdp.layer import LayerPass
+
+        plan = self.plans[layer.layer_number]
+        owned_ON = torch.stack([layer.expert_layout.flatten(expert) for expert in layer.experts.local_experts])
+        first = layer is self.layers[0]
+        keeps = not self.config.rematerialize or layer is self.layers[-1]
+        layer_pass = LayerPass(layer, plan, owned_ON, keeps_copies=keeps, below=None if first else self._last_pass)
+        layer_pass.gather = plan.gather(owned_ON)
+        self._last_pass = layer_pass
+        return layer_pass
+
+    def all_gather_counts(self, counts_E: torch.Tensor) -> np.ndarray:
+        """Routed tokens per (source device, expert) of one layer; int64 [D, E]."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        parts = [torch.empty_like(counts_E, device=device) for _ in range(self.num_devices)]
+        dist.all_gather(parts, counts_E.to(device), group=self.ep_group)
+        return torch.stack(parts).cpu().numpy()
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def on_layer_backward(self, layer_pass) -> None:
+        """The gradient reached layer l's MoE input: finish the reduces in flight, launch
+        spRS(l) and (re-materialization) the re-gather of layer l-1."""
+        self.drain()
+        if layer_pass.grad_HN is None:
+            raise RuntimeError(
+                f"fssdp: layer {layer_pass.layer.layer_number}'s copies got no gradient before its MoE input did"
+            )
+        handle = layer_pass.plan.reduce(layer_pass.grad_HN.contiguous())
+        self.pending.append((layer_pass, handle))
+        below = layer_pass.below
+        if below is not None and not below.keeps_copies and below.regather is None and below.held_HN is None:
+            below.regather = self.launch_regather(below)
+        layer_pass.held_HN = None
+
+    def launch_regather(self, layer_pass):
+        return layer_pass.plan.regather(layer_pass.owned_ON)
+
+    def drain(self) -> None:
+        """Wait for the reduces in flight and add the owners' gradients into main_grad."""
+        for layer_pass, handle in self.pending:
+            started = time.perf_counter()
+            grads_ON = handle.wait()
+            self.stats.exposed_s["sprs"] += time.perf_counter() - started
+            layer = layer_pass.layer
+            for row, expert in enumerate(layer.experts.local_experts):
+                layer.expert_layout.grads_into(expert, grads_ON[row])
+            layer_pass.grad_HN = None
+        self.pending = []
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    def _metrics(self) -> dict:
+        """Global FSSDP figures of the iteration (identical on every rank of the group)."""
+        snapshot = self.traffic.snapshot()
+        fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
+        local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
+        bytes_sum = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(bytes_sum, group=self.group)
+        exposed = torch.tensor([self.stats.exposed_s[k] for k in ("spag", "sprs", "regather")], dtype=torch.float64)
+        dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=self.group)
+        values = bytes_sum.tolist()
+        traffic = {}
+        for i, kind in enumerate(TRAFFIC_KINDS):
+            sent_intra, sent_inter = values[4 * i], values[4 * i + 1]
+            traffic[kind] = {"intra": int(sent_intra), "inter": int(sent_inter)}
+        layers = []
+        for layer in self.layers:
+            plan = self.plans[layer.layer_number]
+            device_D = self.stats.device_tokens_LD[plan.index]
+            layers.append(
+                {
+                    "layer": layer.layer_number,
+                    "device_tokens": device_D.tolist(),
+                    "imbalance": imbalance(device_D),
+                    "replicas": plan.placement.replicas_E().tolist(),
+                    "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
+                }
+            )
+        copies_D = np.stack([np.asarray(r["copies"]) for r in layers])
+        alive_D = copies_D.sum(axis=0) if not self.config.rematerialize else copies_D[-1] + copies_D[:-1].max(axis=0, initial=0)
+        return {
+            "t": self.t if self.t is not None else 0,
+            "m": self.m,
+            "layers": layers,
+            "bytes": traffic,
+            "exposed_s": dict(zip(("spag", "sprs", "regather"), exposed.tolist())),
+            "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
+        }
+
+    def memory_report(self, optimizer) -> dict:
+        """Bytes per rank (gathered over the group): owned expert shards and their optimizer state."""
+        owned = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.experts.parameters())
+        state = 0
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                if not group.get("is_expert_parallel", False):
+                    continue
+                for p in group["params"]:
+                    for value in inner.state.get(p, {}).values():
+                        if torch.is_tensor(value) and value.dim() > 0:
+                            state += value.numel() * value.element_size()
+        local = torch.tensor([owned, state], dtype=torch.float64)
+        parts = [torch.zeros_like(local) for _ in range(self.num_devices)]
+        dist.all_gather(parts, local, group=self.group)
+        stacked = torch.stack(parts).to(torch.int64)
+        return {"shard_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _dedicated_groups(own_ranks: list[int]) -> dist.ProcessGroup:
+    """A new process group per EP group (created on every rank in the same order); returns ours."""
+    key = tuple(own_ranks)
+    if key not in _GROUPS:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, key)
+        for ranks in sorted(set(everyone)):
+            group = dist.new_group(ranks=list(ranks))
+            if ranks == key:
+                _GROUPS[key] = group
+    return _GROUPS[key]
