@@ -564,10 +564,45 @@ def test_good_split(parse, split):
 
 
 def test_moe_parallel_mode_is_one_extensible_constant(parse, monkeypatch):
-    expect_error(parse("--moe-parallel-mode", "fssdp"), 1, "--moe-parallel-mode=fssdp",
-                 "valid: ep")
-    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp"))
-    assert validate_args(parse("--moe-parallel-mode", "fssdp"), 1).moe_parallel_mode == "fssdp"
+    expect_error(parse("--moe-parallel-mode", "replicate"), 1, "--moe-parallel-mode=replicate",
+                 "valid: ep, fssdp")
+    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate"))
+    assert validate_args(parse("--moe-parallel-mode", "replicate"), 1).moe_parallel_mode == "replicate"
+
+
+def test_fssdp_defaults_and_values(parse):
+    args = validate_args(parse("--moe-parallel-mode", "fssdp"), 4)
+    assert (args.fssdp_overlap_degree, args.fssdp_memory_capacity) == ("auto", "auto")
+    assert args.moe_load_window == 5 and args.fssdp_reshard_interval == 100
+    assert args.expert_model_parallel_size == 4 and args.expert_data_parallel_size == 1
+    args = validate_args(parse("--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "3",
+                               "--fssdp-memory-capacity", "0", "--moe-load-window", "1"), 4)
+    assert (args.fssdp_overlap_degree, args.fssdp_memory_capacity, args.moe_load_window) == (3, 0, 1)
+
+
+@pytest.mark.parametrize("flags,world,fragments", [
+    (["--fssdp-rematerialize"], 4, ["--fssdp-rematerialize=True", "only applies with --moe-parallel-mode fssdp"]),
+    (["--fssdp-overlap-degree", "2"], 4, ["--fssdp-overlap-degree=2", "(mode is ep)"]),
+    (["--moe-load-window", "3"], 4, ["--moe-load-window=3", "only applies"]),
+    (["--moe-parallel-mode", "fssdp", "--moe-load-window", "0"], 4, ["--moe-load-window=0", "at least 1"]),
+    (["--moe-parallel-mode", "fssdp", "--fssdp-reshard-interval", "-1"], 4, ["--fssdp-reshard-interval=-1", ">= 0"]),
+    (["--moe-parallel-mode", "fssdp", "--fssdp-memory-budget-mb", "0"], 4, ["--fssdp-memory-budget-mb=0", "positive"]),
+    (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2"], 4,
+     ["--expert-model-parallel-size=2", "expert-data-parallel size is 2", "valid: world size", "= 4"]),
+    (["--moe-parallel-mode", "fssdp", "--moe-token-dispatcher-type", "allgather"], 4,
+     ["--moe-token-dispatcher-type=allgather", "valid: alltoall"]),
+    (["--moe-parallel-mode", "fssdp", "--use-distributed-optimizer", "--overlap-grad-reduce"], 4,
+     ["--overlap-grad-reduce=True", "not supported"]),
+])
+def test_fssdp_refusals(parse, flags, world, fragments):
+    expect_error(parse(*flags), world, *fragments)
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "2.5"])
+def test_fssdp_auto_or_int_flags_reject_bad_values(value, capsys):
+    with pytest.raises(SystemExit):
+        A.parse_args(["--fssdp-overlap-degree", value])
+    assert "--fssdp-overlap-degree" in capsys.readouterr().err
 
 
 def test_model_family(parse):

@@ -178,10 +178,17 @@ class MetricsWriter:
         layers = record["moe_layers"]
         worst = max((layer["imbalance"] for layer in layers), default=1.0)
         survival = min((layer["survival"] for layer in layers), default=1.0)
+        fssdp = record.get("fssdp")
+        placed = ""
+        if fssdp is not None:
+            # "imbalance" above is EP's (the owners'); this is after FSSDP's copies and dispatch.
+            placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
+            spag = sum(fssdp["bytes"]["spag"].values())
+            placed = f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
         print(
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
-            f"imbalance(max layer) {worst:.2f} | survival(min layer) {survival:.3f} | "
+            f"imbalance(max layer) {worst:.2f}{placed} | survival(min layer) {survival:.3f} | "
             f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
             flush=True,
         )
@@ -196,6 +203,23 @@ class MetricsWriter:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             for kind, value in record["bytes"].items():
                 self._tb.add_scalar(f"bytes/{kind}", value, iteration)
+            if fssdp is not None:
+                self._log_fssdp_tb(fssdp, iteration)
+
+    def _log_fssdp_tb(self, fssdp: dict, iteration: int) -> None:
+        self._tb.add_scalar("fssdp/overlap_degree", fssdp["t"], iteration)
+        for layer in fssdp["layers"]:
+            self._tb.add_scalar(f"fssdp/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
+            self._tb.add_scalar(f"fssdp/replicas_layer{layer['layer']}", sum(layer["replicas"]), iteration)
+        for kind, link in fssdp["bytes"].items():
+            for where, value in link.items():
+                self._tb.add_scalar(f"fssdp/bytes_{kind}_{where}", value, iteration)
+        for kind, seconds in fssdp["exposed_s"].items():
+            self._tb.add_scalar(f"fssdp/exposed_s_{kind}", seconds, iteration)
+        for name in ("shard_bytes", "optimizer_state_bytes"):
+            if name in fssdp.get("memory", {}):
+                self._tb.add_scalar(f"fssdp/{name}_max_rank", max(fssdp["memory"][name]), iteration)
+        self._tb.add_scalar("fssdp/copies_bytes_peak_max_rank", max(fssdp["copies_bytes_peak"]), iteration)
 
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
