@@ -159,40 +159,75 @@ class ZebraProfile:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """What the profiler measures on one device type (one run per type, merged into one file)."""
+    """What the profiler measures on one device type (one run per type, merged into one file).
+
+    A type profiled for one role only (tools/profile_moe.py --role attention / expert) leaves the
+    other role's figures as None: an expert GPU may be unable to run the attention block at all
+    (a 32K-token score matrix does not fit a 16 GB T4). ``t_experts_s`` is always measured, since
+    both roles compute experts (T_E^exp on expert GPUs, T_E^attn on attention GPUs).
+    """
 
     device_type: str
     """Device name as the cluster config spells it, e.g. "A40", "V100", "cpu"."""
-    t_attention_s: float
-    """One layer's non-expert block (norms, attention, gate), forward + backward, per micro-batch."""
+    t_attention_s: float | None
+    """One layer's non-expert block (norms, attention, gate), forward + backward, per micro-batch;
+    None when the type was profiled only as an expert GPU."""
     t_experts_s: float
     """One layer's experts of one expert rank (n/N experts, tokens of all M attention ranks),
     forward + backward, per micro-batch."""
-    expert_slots_as_attention: int
+    expert_slots_as_attention: int | None
     """Experts (with gradients and optimizer state) that fit next to the attention model when
-    this device is an attention GPU."""
-    expert_slots_as_expert: int
-    """Experts (with gradients and optimizer state) that fit when this device is an expert GPU."""
+    this device is an attention GPU; None when the type was profiled only as an expert GPU."""
+    expert_slots_as_expert: int | None
+    """Experts (with gradients and optimizer state) that fit when this device is an expert GPU;
+    None when the type was profiled only as an attention GPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, str) or not self.device_type:
             raise ValueError(f"DeviceProfile.device_type must be a non-empty string, got {self.device_type!r}")
         for name in ("t_attention_s", "t_experts_s"):
             value = getattr(self, name)
+            if value is None and name == "t_attention_s":
+                continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(
                     f"DeviceProfile[{self.device_type}].{name} must be a finite time > 0 s, got {value!r}"
                 )
         for name in ("expert_slots_as_attention", "expert_slots_as_expert"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise ValueError(
                     f"DeviceProfile[{self.device_type}].{name} must be an integer >= 0, got {value!r}"
                 )
+        if self.t_attention_s is None and self.expert_slots_as_expert is None:
+            raise ValueError(
+                f"DeviceProfile[{self.device_type}] has neither attention-role figures (t_attention_s) "
+                "nor expert-role figures (expert_slots_as_expert): it was profiled for no role"
+            )
+        if (self.t_attention_s is None) != (self.expert_slots_as_attention is None):
+            raise ValueError(
+                f"DeviceProfile[{self.device_type}]: t_attention_s={self.t_attention_s!r} and "
+                f"expert_slots_as_attention={self.expert_slots_as_attention!r} must both be given "
+                "(profiled as an attention GPU) or both be None"
+            )
 
 
 def profile_from_devices(shape: ZebraShape, attention: DeviceProfile, expert: DeviceProfile) -> ZebraProfile:
     """Combine the measurements of the attention-GPU type and the expert-GPU type."""
+    if attention.t_attention_s is None:
+        raise ValueError(
+            f"device type {attention.device_type!r} was profiled only as an expert GPU (no "
+            "t_attention_s / expert_slots_as_attention); profile it with --role attention or both "
+            "to use it for the attention ranks"
+        )
+    if expert.expert_slots_as_expert is None:
+        raise ValueError(
+            f"device type {expert.device_type!r} was profiled only as an attention GPU (no "
+            "expert_slots_as_expert); profile it with --role expert or both to use it for the "
+            "expert ranks"
+        )
     held = shape.num_layers * shape.experts_per_expert_rank
     return ZebraProfile(
         shape=shape,
@@ -214,11 +249,22 @@ def _read_profile_file(path: str | os.PathLike) -> dict:
     return data
 
 
-def save_device_profile(path: str | os.PathLike, shape: ZebraShape, device: DeviceProfile) -> None:
+def save_device_profile(
+    path: str | os.PathLike,
+    shape: ZebraShape,
+    device: DeviceProfile,
+    *,
+    workload: Mapping | None = None,
+    details: Mapping | None = None,
+) -> None:
     """Merge one device type's measurements into the profile file at ``path`` (created if absent).
 
     An existing entry of the same device type is replaced; the file's shape must match, because
-    times measured for another (L, n, M, N) are not comparable.
+    times measured for another (L, n, M, N) are not comparable. ``workload`` names what else the
+    times depend on (sequence length, micro-batch size, dtype, ...): it is stored once per file
+    and must equal the file's too (None matches only a file saved without one). ``details`` (any
+    JSON-able mapping, e.g. the forward/backward split and the memory figures behind the slots)
+    is kept per device type under "details"; the loader ignores it.
     """
     if os.path.exists(path):
         data = _read_profile_file(path)
@@ -227,12 +273,28 @@ def save_device_profile(path: str | os.PathLike, shape: ZebraShape, device: Devi
                 f"{path} was profiled for shape {data['shape']}, not {shape.to_dict()}; "
                 "write the new measurements to another file"
             )
+        stored = data.get("workload")
+        wanted = None if workload is None else json.loads(json.dumps(workload))
+        if stored != wanted:
+            raise ValueError(
+                f"{path} was profiled under workload {stored}, not {wanted}; times measured under "
+                "other conditions are not comparable: write the new measurements to another file"
+            )
     else:
         data = {"format": PROFILE_FORMAT, "shape": shape.to_dict(), "devices": {}}
+        if workload is not None:
+            data["workload"] = dict(workload)
     entry = asdict(device)
     del entry["device_type"]
     data["devices"][device.device_type] = entry
     data["devices"] = dict(sorted(data["devices"].items()))
+    all_details = {k: v for k, v in data.get("details", {}).items() if k != device.device_type}
+    if details is not None:
+        all_details[device.device_type] = dict(details)
+    if all_details:
+        data["details"] = dict(sorted(all_details.items()))
+    else:
+        data.pop("details", None)
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
