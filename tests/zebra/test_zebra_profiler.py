@@ -272,3 +272,33 @@ def test_two_device_types_merge_load_and_drive_asym_ea(tmp_path, capsys):
             tool.main(tiny_flags(out, **{"--device-type": "cpu-c", **overrides}))
         assert message in capsys.readouterr().err
     assert json.loads(out.read_text()) == data
+
+
+# ------------------------------------------------------------------------------------------
+# The profile file: role-only entries, workload and details
+# ------------------------------------------------------------------------------------------
+
+
+def test_profile_file_roles_workload_and_details(tmp_path):
+    from megatron_patches.placement.zebra import DeviceProfile, save_device_profile
+
+    with pytest.raises(ValueError, match=r"DeviceProfile\[x\] has neither attention-role figures .* profiled for no role"):
+        DeviceProfile("x", None, 1.0, None, None)
+    with pytest.raises(ValueError, match=r"t_attention_s=1.0 and expert_slots_as_attention=None must both be given"):
+        DeviceProfile("x", 1.0, 1.0, None, 3)
+    path = tmp_path / "p.json"
+    shape = ZebraShape(2, 4, 2, 2)
+    save_device_profile(path, shape, DeviceProfile("a", 1.0, 1.0, 2, None), workload={"seq_length": 4},
+                        details={"note": 1})
+    save_device_profile(path, shape, DeviceProfile("b", None, 2.0, None, 3), workload={"seq_length": 4})
+    data = json.loads(path.read_text())
+    assert data["workload"] == {"seq_length": 4} and data["details"] == {"a": {"note": 1}}
+    for workload in ({"seq_length": 8}, None):
+        with pytest.raises(ValueError, match=r"was profiled under workload \{'seq_length': 4\}"):
+            save_device_profile(path, shape, DeviceProfile("c", 1.0, 1.0, 2, 2), workload=workload)
+    # Re-profiling a type replaces its entry and drops its old details.
+    save_device_profile(path, shape, DeviceProfile("a", 0.5, 1.0, 2, None), workload={"seq_length": 4})
+    data = json.loads(path.read_text())
+    assert "details" not in data and data["devices"]["a"]["t_attention_s"] == 0.5
+    profile = load_zebra_profile(path, "a", "b")
+    assert (profile.t_attn_A, profile.t_exp_E, profile.t_exp_A, profile.n_min, profile.n_max) == (0.5, 2.0, 1.0, 1, 2)
