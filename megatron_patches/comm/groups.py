@@ -69,7 +69,9 @@ def _check_parents(parents, world: int, me: int) -> tuple[list[tuple[int, ...]],
             raise ValueError(f"parents[{i}] = {ranks} must list its ranks strictly ascending (position = group rank)")
         for rank in ranks:
             if rank in seen:
-                raise ValueError(f"global rank {rank} is in parents[{seen[rank]}] and parents[{i}]; parents must be disjoint")
+                raise ValueError(
+                    f"global rank {rank} is in parents[{seen[rank]}] and parents[{i}]; parents must be disjoint"
+                )
             seen[rank] = i
         checked.append(tuple(ranks))
     missing = sorted(set(range(world)) - set(seen))

@@ -1,0 +1,21 @@
+"""Replicate mode's runtime: adaptive per-iteration expert replication with a decoupled optimizer.
+
+DESIGN 4.6. The planning (replica counts, contiguous slot assignment, gradient sources, token
+spreading) is pure numpy in `placement.replicate`; this package moves the tensors of one MoE
+layer's experts:
+
+- `ExpertSlices` (`slices`): rank r's never-moving slice r of every expert's fp32 master
+  weights and Adam state, stepped with torch's functional Adam, optionally in host memory;
+- `SlotWeights` (`slots`): the rank's [s, N] slot buffer and the assignment it holds;
+- `ReplicatedExperts` (`engine`): the popularity all-reduce, the gradient path (intra-rank sum,
+  all-reduce over pre-registered contiguous groups, slice fetch), the step and the weight push
+  into the next placement's slots, with bytes per phase.
+
+Imports `placement` and `comm`; independent of Megatron's MoE layer.
+"""
+
+from megatron_patches.replicate.engine import ReplicatedExperts
+from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
+from megatron_patches.replicate.slots import SlotWeights
+
+__all__ = ["AdamConfig", "ExpertSlices", "ReplicatedExperts", "SlotWeights"]

@@ -1,0 +1,269 @@
+"""The per-iteration communication of one replicate-mode MoE layer's experts (DESIGN 4.6).
+
+One `ReplicatedExperts` per MoE layer and rank, over the replicate group of G ranks (group
+rank = device of the placement). Per iteration, in this order on every rank:
+
+    global_E = experts.popularity(local_counts_E)          # after the router: one small all-reduce
+    ... forward and backward of the slot experts (experts.slots.slots_SN) ...
+    grad_En = experts.reduce_gradients(experts.slots.slots_SN.grad)   # (a), (b), (c)
+    experts.step(grad_En, lr)                                # (d): Adam on the owned slices
+    experts.push(next_slot_expert_RS)                        # (e): into the next placement's slots
+
+Gradient path, for the slots' current placement P (E experts, N elements each, rank r owns
+the n_r elements of slice r of every expert):
+(a) intra-rank: the slots of one class on this rank are summed into one representative row;
+(b) inter-rank: the holders of a class (consecutive ranks) all-reduce their representatives
+    over the group pre-registered for their range (`comm.groups.ContiguousGroups`); skipped
+    for a class with one holder;
+(c) every rank takes slice r of every expert's summed gradient from
+    source(e, r) = `placement.replicate.gradient_source_table(P)[e, r]` (itself where it holds e)
+    with one batched point-to-point exchange, one message per pair of ranks.
+Weight push: `SparseAllGather(ElementShardLayout(N, G), P')` sends every rank's updated slices
+straight into the rows of the next placement P'; the old slot contents are overwritten.
+
+Bytes (recorded per rank in a `TrafficCounter`, intra/inter-node by the `Topology`), with
+H_r = distinct classes on rank r, m_e = ranks holding class e, b = bytes per element:
+- "rep_popularity": a ring all-reduce of E counts (`comm.groups.ring_allreduce_numel`);
+- "rep_grad_allreduce": sum over classes of 2 (m_e - 1) N b (ring model);
+- "rep_grad_fetch": sum over ranks of (E - H_r) n_r b (a rank fetches the slices of the
+  classes it does not hold; the others are local);
+- "rep_weights": sum over ranks of H_r (N - n_r) b for P' (every held class's other slices).
+These are the simulator's formulas (`placement.policies.ReplicatePolicy.traffic`: grad_allreduce,
+grad_fetch, weight_scatter), which tests/replicate checks against the measured counters. When every
+rank's s slots hold distinct classes (H_r = s), the weights move s N (G - 1) elements, static
+replication's volume with the optimizer sharded over all G ranks (DESIGN's s N G for large G),
+and the gradients 2 N (s G - E) + N (E - s) elements, whatever the popularity; several slots
+of one class on a rank only lower both. The gradient path moves N (s G - E) elements more than
+a direct reduce-scatter of the slots to the slice owners would (the all-reduce also returns
+every holder the full sum, which (c) then serves from).
+
+Every method is collective over the replicate group: all ranks call it in the same order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.comm.groups import ContiguousGroups
+from megatron_patches.comm.sparse import SparseAllGather
+from megatron_patches.comm.traffic import TrafficCounter, default_counter
+from megatron_patches.placement.replicate import expert_rank_ranges, gradient_source_table
+from megatron_patches.placement.types import Topology
+from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
+from megatron_patches.replicate.slots import SlotWeights
+
+__all__ = ["ReplicatedExperts"]
+
+
+class ReplicatedExperts:
+    """Slot weights, owned optimizer slices and the gradient / weight traffic of one MoE layer.
+
+    Construction is collective over `group` (every rank, same arguments but its own rank). The
+    slots are filled locally from `weights_EN` for the initial placement.
+
+    Args:
+        weights_EN: full initial flat weights of all E experts [E, N] (identical on every rank).
+        slot_expert_RS: the first iteration's slot assignment, int [G, s] (`assign_slots`).
+        group: the replicate group; group rank d is device d of the placements.
+        contiguous: the pre-registered ranges of the same group (its `ranks` must be the group's).
+        adam: the expert optimizer's hyper-parameters.
+        slot_dtype: the slots' (working weights' and gradients') dtype; None = weights_EN's.
+        device: the slots' device; None = weights_EN's.
+        offload: keep the optimizer state in host memory (`--replicate-offload-optimizer`).
+        topology: devices = group ranks, for intra/inter-node byte counts; None = one node.
+        traffic: the counter bytes are recorded into; None = `traffic.default_counter()`.
+    """
+
+    def __init__(
+        self,
+        weights_EN: torch.Tensor,
+        slot_expert_RS,
+        group: dist.ProcessGroup,
+        contiguous: ContiguousGroups,
+        *,
+        adam: AdamConfig,
+        slot_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        offload: bool = False,
+        topology: Topology | None = None,
+        traffic: TrafficCounter | None = None,
+    ):
+        if group is None or not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"pass the replicate process group explicitly, got {group!r}")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks != contiguous.ranks:
+            raise ValueError(
+                f"the contiguous groups were registered for global ranks {list(contiguous.ranks)}, "
+                f"but the replicate group has {list(ranks)}"
+            )
+        self.group = group
+        """The replicate group (P2P and the weight push run in it)."""
+        self.contiguous = contiguous
+        """The pre-registered groups of its contiguous rank ranges."""
+        self.rank = dist.get_rank(group)
+        """This rank's device in the placements."""
+        G = dist.get_world_size(group)
+        self.topology = Topology.single_node(G) if topology is None else topology
+        """Devices and nodes of the group, for the byte counters."""
+        if self.topology.num_devices != G:
+            raise ValueError(f"the topology has {self.topology.num_devices} devices but the group {G} ranks")
+        self.traffic = default_counter() if traffic is None else traffic
+        """Where the bytes of every phase are recorded."""
+        device = weights_EN.device if device is None else torch.device(device)
+        self.slices = ExpertSlices(weights_EN, self.rank, G, adam=adam, device=device, offload=offload)
+        """This rank's never-moving slices of the master weights and Adam state."""
+        E, N = weights_EN.shape
+        self.slots = SlotWeights(
+            slot_expert_RS, self.rank, E, N, dtype=weights_EN.dtype if slot_dtype is None else slot_dtype, device=device
+        )
+        """This rank's slot buffer and the assignment it holds."""
+        if self.slots.num_ranks != G:
+            raise ValueError(f"slot_expert_RS has {self.slots.num_ranks} ranks but the group {G}")
+        with torch.no_grad():
+            self.slots.slots_SN.copy_(weights_EN[torch.from_numpy(self.slots.slot_expert_S.copy())])
+        if device.type == "cuda":
+            # NCCL: the batched P2P of the fetch must not be the group's first call while some ranks
+            # post nothing; one all-reduce every rank joins creates the communicator first.
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return self.slots.num_experts
+
+    @property
+    def expert_numel(self) -> int:
+        """N."""
+        return int(self.slots.slots_SN.shape[1])
+
+    def popularity(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Sum this rank's tokens per expert class over the group, in place; returns counts_E.
+
+        counts_E: [E] on the slots' device (int64 for exact counts). Bytes go to "rep_popularity".
+        """
+        if not isinstance(counts_E, torch.Tensor) or tuple(counts_E.shape) != (self.num_experts,):
+            got = tuple(counts_E.shape) if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
+            raise ValueError(f"counts_E must be a [{self.num_experts}] tensor, got {got}")
+        self.contiguous.all_reduce(
+            counts_E, 0, self.contiguous.size, kind="rep_popularity", traffic=self.traffic, topology=self.topology
+        )
+        return counts_E
+
+    def reduce_gradients(self, grad_SN: torch.Tensor) -> torch.Tensor:
+        """Steps (a)-(c): from this rank's slot gradients to its slice of every expert's summed gradient.
+
+        Args:
+            grad_SN: the gradient of every slot [s, N] in the slots' dtype and device (e.g.
+                `slots.slots_SN.grad`); not modified.
+        Returns:
+            [E, n_r]: row e = elements [start_r, stop_r) of the sum over all instances of e.
+        """
+        slots = self.slots
+        if not isinstance(grad_SN, torch.Tensor) or grad_SN.shape != slots.slots_SN.shape:
+            got = tuple(grad_SN.shape) if isinstance(grad_SN, torch.Tensor) else type(grad_SN).__name__
+            raise ValueError(
+                f"rank {self.rank}: grad_SN must have the slots' shape {tuple(slots.slots_SN.shape)}, got {got}"
+            )
+        if grad_SN.dtype != slots.slots_SN.dtype or grad_SN.device != slots.slots_SN.device:
+            raise ValueError(
+                f"rank {self.rank}: grad_SN must be {slots.slots_SN.dtype} on {slots.slots_SN.device}, "
+                f"got {grad_SN.dtype} on {grad_SN.device}"
+            )
+        device = grad_SN.device
+        held_H = slots.held_experts
+        # (a) one representative per held class; a lone slot's row is copied exactly (0 + x).
+        rep_HN = grad_SN.new_zeros((held_H.size, grad_SN.shape[1]))
+        rep_HN.index_add_(0, torch.from_numpy(slots.held_row_S.copy()).to(device), grad_SN)
+
+        # (b) ascending class order on every rank keeps the overlapping groups' calls consistent.
+        range_E2 = expert_rank_ranges(slots.placement)
+        works = [
+            self.contiguous.all_reduce(
+                rep_HN[h],
+                int(range_E2[e, 0]),
+                int(range_E2[e, 1]),
+                kind="rep_grad_allreduce",
+                traffic=self.traffic,
+                topology=self.topology,
+                async_op=True,
+            )
+            for h, e in enumerate(held_H)
+            if range_E2[e, 1] - range_E2[e, 0] >= 2
+        ]
+        for work in works:
+            work.wait()
+
+        # (c) slice r of every class from its source; messages packed in ascending class order.
+        return self._fetch(rep_HN)
+
+    def _fetch(self, rep_HN: torch.Tensor) -> torch.Tensor:
+        """Step (c): slice r of every class's summed gradient, from source(e, r); [E, n_r]."""
+        r = self.rank
+        offsets = self.slices.layout.offsets()
+        width_R = np.diff(offsets)
+        source_ER = gradient_source_table(self.slots.placement)
+        # A source always holds the class, so every row asked of this rank exists in rep_HN.
+        row_of_E = np.full(self.num_experts, -1, dtype=np.int64)
+        row_of_E[self.slots.held_experts] = np.arange(self.slots.held_experts.size)
+        device = rep_HN.device
+
+        def index(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)
+
+        mine = slice(int(offsets[r]), int(offsets[r + 1]))
+        out_En = rep_HN.new_empty((self.num_experts, width_R[r]))
+        local_E = np.flatnonzero(source_ER[:, r] == r)
+        if local_E.size:
+            out_En[index(local_E)] = rep_HN[index(row_of_E[local_E]), mine]
+        ops, received, peer_P, sent_P, recv_P = [], [], [], [], []
+        for p in np.flatnonzero(np.arange(width_R.size) != r):
+            # Classes p takes from me, and those I take from p; empty slices move nothing.
+            send_E = np.flatnonzero(source_ER[:, p] == r) if width_R[p] else np.empty(0, dtype=np.int64)
+            recv_E = np.flatnonzero(source_ER[:, r] == p) if width_R[r] else np.empty(0, dtype=np.int64)
+            if send_E.size:
+                packed = rep_HN[:, offsets[p] : offsets[p + 1]].index_select(0, index(row_of_E[send_E]))
+                ops.append(dist.P2POp(dist.isend, packed, group=self.group, group_peer=int(p)))
+            if recv_E.size:
+                buf = rep_HN.new_empty((recv_E.size, width_R[r]))
+                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=int(p)))
+                received.append((index(recv_E), buf))
+            if send_E.size or recv_E.size:
+                peer_P.append(int(p))
+                sent_P.append(send_E.size * width_R[p])
+                recv_P.append(recv_E.size * width_R[r])
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        for rows, buf in received:
+            out_En[rows] = buf
+        size = rep_HN.element_size()
+        sent_P, recv_P = np.array(sent_P, dtype=np.int64) * size, np.array(recv_P, dtype=np.int64) * size
+        self.traffic.record("rep_grad_fetch", r, self.topology, peer_P, sent_P, recv_P)
+        return out_En
+
+    def step(self, grad_En: torch.Tensor, lr: float | None = None) -> None:
+        """Step (d): Adam on this rank's slices with the summed gradient slices [E, n_r]."""
+        self.slices.step(grad_En, lr)
+
+    def push(self, slot_expert_RS) -> None:
+        """Step (e): put the updated weights into the slots of the next placement.
+
+        Every rank sends its slice of every class to the other ranks that hold the class in
+        `slot_expert_RS` (the next iteration's assignment, int [G, s]); the slot buffer is
+        overwritten in place. Bytes go to "rep_weights".
+        """
+        slots = self.slots
+        slots.assign(slot_expert_RS)
+        gather = SparseAllGather(
+            self.slices.layout,
+            slots.placement,
+            self.group,
+            self.expert_numel,
+            topology=self.topology,
+            traffic=self.traffic,
+            kind="rep_weights",
+        )
+        held = slots.slots_SN.detach()[: slots.held_experts.size]
+        gather(self.slices.weights(slots.slots_SN.dtype), out=held).wait()
+        slots.fill_from_held()

@@ -1,0 +1,118 @@
+"""One rank's expert slots in replicate mode: s flat weight vectors of the current placement.
+
+Every iteration each of the G ranks runs s expert instances ("slots"). `slot_expert_RS[r, j]`
+(from `placement.replicate.assign_slots`) names the expert class in slot j of rank r. The
+contiguous assignment sorts every rank's row, so the slots of one class on a rank are
+adjacent; this module relies on it to fill the slots in place (see `SlotWeights.fill_from_held`).
+
+The slot buffer is one `torch.nn.Parameter` [s, N]: the MoE layer views slot j's row as the
+expert's weight matrices, autograd accumulates every slot's gradient into `slots_SN.grad`, and
+the gradient path of `ReplicatedExperts` consumes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_patches.placement.replicate import expert_rank_ranges, slot_placement
+from megatron_patches.placement.types import InstancePlacement, PlacementError
+
+__all__ = ["SlotWeights"]
+
+
+class SlotWeights:
+    """The [s, N] slot buffer of one rank and the slot assignment it currently holds.
+
+    Args:
+        slot_expert_RS: expert of every slot of every rank; int [G, s], every rank's row
+            non-decreasing and every expert's holders consecutive ranks (as `assign_slots` makes).
+        rank: r, this rank.
+        num_experts: E.
+        expert_numel: N, elements of one expert's flat parameter vector.
+        dtype: the slots' dtype (the working precision: bf16, fp16 or fp32).
+        device: the slots' device.
+    """
+
+    def __init__(
+        self,
+        slot_expert_RS,
+        rank: int,
+        num_experts: int,
+        expert_numel: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.rank = int(rank)
+        """r."""
+        self.num_experts = int(num_experts)
+        """E."""
+        self.assign(slot_expert_RS)
+        self.slots_SN = torch.nn.Parameter(
+            torch.empty((self.slots_per_rank, int(expert_numel)), dtype=dtype, device=device)
+        )
+        """The slot weights [s, N] (contents valid once filled); row j = the expert `slot_expert_S[j]`."""
+
+    def assign(self, slot_expert_RS) -> None:
+        """Adopt a new slot assignment (of the same G and s); the buffer's contents are not touched.
+
+        Raises PlacementError if the assignment is malformed, a rank's row is not sorted, or an
+        expert's holders are not consecutive ranks (no pre-registered group would cover them).
+        """
+        slots = np.array(slot_expert_RS, dtype=np.int64)
+        if slots.ndim != 2:
+            raise PlacementError(f"slot_expert_RS must be [ranks, slots], got shape {slots.shape}")
+        if hasattr(self, "slot_expert_RS") and slots.shape != self.slot_expert_RS.shape:
+            raise PlacementError(
+                f"slot_expert_RS has shape {slots.shape} but this rank's slots were built for "
+                f"{self.slot_expert_RS.shape}"
+            )
+        if not 0 <= self.rank < slots.shape[0]:
+            raise PlacementError(f"rank {self.rank} is not in [0, {slots.shape[0]})")
+        placement = slot_placement(slots, self.num_experts)
+        unsorted = np.argwhere(np.diff(slots, axis=1) < 0)
+        if unsorted.size:
+            r = int(unsorted[0][0])
+            raise PlacementError(
+                f"rank {r}'s slots hold experts {slots[r].tolist()}, not in ascending order; "
+                "slot assignments must be contiguous (placement.replicate.assign_slots)"
+            )
+        expert_rank_ranges(placement)
+        slots.setflags(write=False)
+        self.slot_expert_RS = slots
+        """Expert of every slot of every rank; int64 [G, s], read-only."""
+        self.placement: InstancePlacement = placement
+        """The instances of all ranks (counts per expert and rank)."""
+        self.held_experts = np.unique(slots[self.rank])
+        """Distinct experts in this rank's slots, ascending; int64 [H]."""
+        self.held_row_S = np.searchsorted(self.held_experts, slots[self.rank])
+        """For each slot, the index of its expert in `held_experts`; int64 [s], non-decreasing."""
+
+    @property
+    def num_ranks(self) -> int:
+        """G."""
+        return int(self.slot_expert_RS.shape[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        """s."""
+        return int(self.slot_expert_RS.shape[1])
+
+    @property
+    def slot_expert_S(self) -> np.ndarray:
+        """Expert of each of this rank's slots; int64 [s], read-only."""
+        return self.slot_expert_RS[self.rank]
+
+    def fill_from_held(self) -> None:
+        """Spread rows [0, H) of the buffer (one per held expert, ascending) over the s slots.
+
+        A gather writes one row per distinct held expert into the first H rows; slot j needs row
+        held_row_S[j] <= j. Copying from the last slot backwards never overwrites a row that a
+        lower slot still needs, so no second buffer is required.
+        """
+        with torch.no_grad():
+            for j in range(self.slots_per_rank - 1, -1, -1):
+                row = int(self.held_row_S[j])
+                if row != j:
+                    self.slots_SN[j].copy_(self.slots_SN[row])
