@@ -48,25 +48,29 @@ class SlotWeights:
         """r."""
         self.num_experts = int(num_experts)
         """E."""
-        self.assign(slot_expert_RS)
+        self._adopt(*self._checked(slot_expert_RS, None))
         self.slots_SN = torch.nn.Parameter(
             torch.empty((self.slots_per_rank, int(expert_numel)), dtype=dtype, device=device)
         )
         """The slot weights [s, N] (contents valid once filled); row j = the expert `slot_expert_S[j]`."""
 
     def assign(self, slot_expert_RS) -> None:
-        """Adopt a new slot assignment (of the same G and s); the buffer's contents are not touched.
+        """Adopt a new slot assignment of the same G and s; the buffer's contents are not touched.
 
-        Raises PlacementError if the assignment is malformed, a rank's row is not sorted, or an
-        expert's holders are not consecutive ranks (no pre-registered group would cover them).
+        Raises PlacementError, keeping the old assignment, if the new one is malformed, a rank's
+        row is not sorted, or an expert's holders are not consecutive ranks (no pre-registered
+        group would cover them).
         """
+        self._adopt(*self._checked(slot_expert_RS, self.slot_expert_RS.shape))
+
+    def _checked(self, slot_expert_RS, shape) -> tuple[np.ndarray, InstancePlacement]:
+        """The assignment as a read-only int64 array and its placement; raises PlacementError."""
         slots = np.array(slot_expert_RS, dtype=np.int64)
         if slots.ndim != 2:
             raise PlacementError(f"slot_expert_RS must be [ranks, slots], got shape {slots.shape}")
-        if hasattr(self, "slot_expert_RS") and slots.shape != self.slot_expert_RS.shape:
+        if shape is not None and slots.shape != shape:
             raise PlacementError(
-                f"slot_expert_RS has shape {slots.shape} but this rank's slots were built for "
-                f"{self.slot_expert_RS.shape}"
+                f"slot_expert_RS has shape {slots.shape} but this rank's slots were built for {shape}"
             )
         if not 0 <= self.rank < slots.shape[0]:
             raise PlacementError(f"rank {self.rank} is not in [0, {slots.shape[0]})")
@@ -80,9 +84,12 @@ class SlotWeights:
             )
         expert_rank_ranges(placement)
         slots.setflags(write=False)
+        return slots, placement
+
+    def _adopt(self, slots: np.ndarray, placement: InstancePlacement) -> None:
         self.slot_expert_RS = slots
         """Expert of every slot of every rank; int64 [G, s], read-only."""
-        self.placement: InstancePlacement = placement
+        self.placement = placement
         """The instances of all ranks (counts per expert and rank)."""
         self.held_experts = np.unique(slots[self.rank])
         """Distinct experts in this rank's slots, ascending; int64 [H]."""
