@@ -62,12 +62,25 @@ class LayerPass:
     """False with re-materialization: the copies are freed after the forward."""
     saved: dict = field(default_factory=dict)
 
+    calibration: tuple | None = None
+    """(plan before calibration, extra SparseAllGather, its in-flight handle) when calibrated."""
+
     def wait_gather(self) -> torch.Tensor:
+        """The copies of `plan` (after calibration's extra gather, if any)."""
         if self.held_HN is None:
+            stats = self.layer.runtime.stats
             started = time.perf_counter()
-            self.held_HN = self.gather.wait()
-            self.layer.runtime.stats.exposed_s["spag"] += time.perf_counter() - started
+            held_HN = self.gather.wait()
+            stats.exposed_s["spag"] += time.perf_counter() - started
             self.gather = None
+            if self.calibration is not None:
+                before, extra_gather, extra = self.calibration
+                started = time.perf_counter()
+                extra_XN = extra.wait()
+                stats.exposed_s["spag_calibrate"] += time.perf_counter() - started
+                held_HN = _merge_rows(self.plan, before, held_HN, extra_XN, extra_gather)
+                self.calibration = None
+            self.held_HN = held_HN
         return self.held_HN
 
     def rematerialized(self) -> torch.Tensor:
@@ -144,6 +157,8 @@ class FSSDPMoELayer(InstanceMoELayer):
         layer_pass = self._pass
         counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
         counts_DE = self.runtime.all_gather_counts(counts_E)
+        if self.runtime.config.calibrate:
+            self.runtime.calibrate(layer_pass, counts_DE.sum(axis=0))
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
             self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
@@ -164,6 +179,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         counts = tokens_per_expert_E.tolist()
         outputs = []
         hooks = self._saved_copy_hooks(layer_pass) if not layer_pass.keeps_copies and torch.is_grad_enabled() else contextlib.nullcontext()
+        started = time.perf_counter()
         with hooks:
             for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
                 if counts[expert] == 0:
@@ -178,6 +194,9 @@ class FSSDPMoELayer(InstanceMoELayer):
                 # No tokens here: still run one expert on the empty batch so that this rank's
                 # backward takes part in the all-to-alls and the reduce like every other rank.
                 outputs.append(self.run_expert(held_HN[0], tokens_ND, probs_N))
+        if self.training:
+            self.runtime.stats.expert_s += time.perf_counter() - started
+            self.runtime.stats.expert_tokens += tokens_ND.shape[0]
         if not layer_pass.keeps_copies:
             layer_pass.held_HN = None  # freed: the backward re-gathers
         self._pass = None
@@ -200,6 +219,17 @@ class FSSDPMoELayer(InstanceMoELayer):
             return packed
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _merge_rows(plan, before, held_HN: torch.Tensor, extra_XN: torch.Tensor, extra_gather) -> torch.Tensor:
+    """Held rows of the calibrated `plan` from the first gather's rows and the extra gather's."""
+    merged_HN = held_HN.new_empty((plan.gather.held_chunks.size, held_HN.shape[1]))
+    old_chunks = before.gather.held_chunks
+    merged_HN[torch.from_numpy(plan.held_row_E[old_chunks])] = held_HN
+    new_chunks = extra_gather.held_chunks
+    fresh = ~np.isin(new_chunks, old_chunks)
+    merged_HN[torch.from_numpy(plan.held_row_E[new_chunks[fresh]])] = extra_XN[torch.from_numpy(np.flatnonzero(fresh))]
+    return merged_HN
 
 
 def _tokens_from_source(plan, source: int, num_experts: int, num_devices: int) -> np.ndarray:

@@ -37,13 +37,19 @@ from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
-from megatron_patches.placement.types import InstancePlacement, ShardLayout, Topology
+from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology
 
 __all__ = ["FSSDPRuntime", "LayerPlan"]
 
-TRAFFIC_KINDS = ("spag", "sprs", "spag_remat")
+TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate")
 """spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
-the backward with re-materialization (counted apart, so that spag = sprs holds)."""
+the backward with re-materialization; spag_calibrate: calibration's extra copies. Counted
+apart so that spag + spag_calibrate = sprs holds."""
+EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
+
+# Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
+# gathered by calibration serves both, so the cost model charges 3x the measured forward.
+FORWARD_BACKWARD_FACTOR = 3.0
 
 
 @dataclass
@@ -78,6 +84,12 @@ class IterationStats:
     """Seconds this rank blocked in wait() per collective kind (not hidden by compute)."""
     non_moe_s: list = field(default_factory=list)
     """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
+    expert_s: float = 0.0
+    """Seconds of expert forward compute (for calibration's cost model)."""
+    expert_tokens: int = 0
+    """Token copies those seconds processed."""
+    calibrations: int = 0
+    """Layer forwards in which calibration gathered extra copies."""
 
     def add_dispatch(self, layer_index: int, plan) -> None:
         self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
@@ -134,6 +146,8 @@ class FSSDPRuntime:
         self.t: int | None = config.overlap_degree
         self.m: int | None = config.memory_capacity
         self.bandwidth = 0.0
+        self.cost: planner.CalibrationCost | None = None
+        """Calibration's cost model, from the first iteration's measured expert time."""
         self.stats: IterationStats | None = None
         self._last_pass = None
         self.log: list[str] = []
@@ -229,21 +243,67 @@ class FSSDPRuntime:
         t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
         predicted_LE = self.tracker.predict()
         self.traffic.reset()
+        interval = self.config.reshard_interval
+        if interval and iteration > 1 and (iteration - 1) % interval == 0:
+            self._report_reshard(iteration, predicted_LE, t)
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64))
         self.plans = {}
         for index, layer in enumerate(self.layers):
             shard = ShardLayout.even(self.num_experts, self.num_devices)
             row = self.moe_layer_numbers.index(layer.layer_number)
             placement = planner.materialize(shard, predicted_LE[row], t, self.m, self.topology)
-            common = dict(topology=self.topology, traffic=self.traffic)
-            self.plans[layer.layer_number] = LayerPlan(
-                index=index,
-                shard=shard,
-                placement=placement,
-                gather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag", **common),
-                reduce=SparseReduceScatter(placement, shard, self.group, self.expert_numel, kind="sprs", **common),
-                regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common),
-            )
+            self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
+
+    def _report_reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
+        """Heterogeneous re-sharding's decision (DESIGN 4.3, the rule of placement.policies.FSSDPPolicy).
+
+        Moving expert weights and Adam state between owners is not implemented yet, so the even
+        layout stays; the decision is logged so that a run shows what re-sharding would change.
+        """
+        rows = [self.moe_layer_numbers.index(layer.layer_number) for layer in self.layers]
+        loads_LE = predicted_LE[rows]
+        current = ModelShardLayout.even(len(rows), self.num_experts, self.num_devices)
+        proposed = planner.heterogeneous_shard(loads_LE, self.topology, current=current)
+        now = float(planner.shard_imbalance_bound(current, loads_LE, t).mean())
+        then = float(planner.shard_imbalance_bound(proposed, loads_LE, t).mean())
+        moved = int((proposed.owners_LE != current.owners_LE).sum())
+        adopt = then < now and moved > 0
+        verdict = f"would move {moved} experts" if adopt else f"would keep the layout (the proposal moves {moved} experts)"
+        self.log.append(
+            f"fssdp: re-shard check at iteration {iteration}: {verdict}, mean imbalance bound {now:.3f} now, "
+            f"{then:.3f} proposed; WARNING: moving experts between owners is not implemented yet, the even layout stays"
+        )
+
+    def _layer_plan(self, index: int, shard: ShardLayout, placement: InstancePlacement) -> LayerPlan:
+        common = dict(topology=self.topology, traffic=self.traffic)
+        return LayerPlan(
+            index=index,
+            shard=shard,
+            placement=placement,
+            gather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag", **common),
+            reduce=SparseReduceScatter(placement, shard, self.group, self.expert_numel, kind="sprs", **common),
+            regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common),
+        )
+
+    def calibrate(self, layer_pass, actual_E: np.ndarray) -> None:
+        """DESIGN 4.2 step 4 after the gate: with the actual loads and the memory left, add copies
+        when the cost model says the extra (critical-path) gather pays off, and launch it."""
+        if self.cost is None:
+            return  # the first iteration measures the expert time the cost model needs
+        plan = layer_pass.plan
+        remaining_D = np.maximum(self.m - plan.placement.extra_copies_D(plan.shard), 0)
+        placement, gathered = planner.calibrate(plan.placement, plan.shard, actual_E, remaining_D, self.topology, self.cost)
+        if not gathered:
+            return
+        new_ED = (placement.counts_ED > 0) & (plan.placement.counts_ED == 0)
+        delta = InstancePlacement((plan.shard.holds_ED() > 0) | new_ED)
+        extra = SparseAllGather(
+            plan.shard, delta, self.group, self.expert_numel, kind="spag_calibrate", topology=self.topology, traffic=self.traffic
+        )
+        layer_pass.calibration = (plan, extra, extra(layer_pass.owned_ON))
+        layer_pass.plan = self._layer_plan(plan.index, plan.shard, placement)
+        if layer_pass.layer.training:
+            self.stats.calibrations += 1
 
     def end_iteration(self, processed_LE: np.ndarray) -> dict:
         """Feed the iteration's global loads to the predictor; the iteration's FSSDP metrics.
@@ -255,7 +315,19 @@ class FSSDPRuntime:
         self.tracker.observe(processed_LE)
         if self.t is None:
             self.t = self._auto_overlap_degree()
+        if self.config.calibrate and self.cost is None:
+            self.cost = self._calibration_cost()
         return self._metrics()
+
+    def _calibration_cost(self) -> planner.CalibrationCost:
+        local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        seconds = FORWARD_BACKWARD_FACTOR * float(local.item())
+        self.log.append(
+            f"fssdp: calibration cost model: {seconds * 1e6:.2f} us per token copy (expert forward + backward, "
+            f"measured), {self.expert_bytes} bytes per extra copy"
+        )
+        return planner.CalibrationCost(seconds_per_token=seconds, expert_bytes=float(self.expert_bytes))
 
     def _auto_overlap_degree(self) -> int:
         samples = self.stats.non_moe_s
@@ -349,7 +421,7 @@ class FSSDPRuntime:
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
         bytes_sum = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(bytes_sum, group=self.group)
-        exposed = torch.tensor([self.stats.exposed_s[k] for k in ("spag", "sprs", "regather")], dtype=torch.float64)
+        exposed = torch.tensor([self.stats.exposed_s[k] for k in EXPOSED_KINDS], dtype=torch.float64)
         dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=self.group)
         values = bytes_sum.tolist()
         traffic = {}
@@ -376,7 +448,8 @@ class FSSDPRuntime:
             "m": self.m,
             "layers": layers,
             "bytes": traffic,
-            "exposed_s": dict(zip(("spag", "sprs", "regather"), exposed.tolist())),
+            "exposed_s": dict(zip(EXPOSED_KINDS, exposed.tolist())),
+            "calibrations": self.stats.calibrations,
             "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
         }
 
