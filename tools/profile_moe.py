@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--role", required=True, help=f"which role's figures to measure: {', '.join(ROLES)}")
     parser.add_argument("--out", required=True, metavar="FILE.json",
                         help="profile file; created, or merged into (one entry per device type)")
-    parser.add_argument("--dtype", default="fp32", help=f"parameter/activation dtype: {', '.join(DTYPES)} (default fp32)")
+    parser.add_argument("--dtype", default="fp32",
+                        help=f"parameter/activation dtype: {', '.join(DTYPES)} (default fp32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per part; the median is kept (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before them (default 2)")
     parser.add_argument("--memory-gb", type=float, default=None,
@@ -114,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     measurement = profile_device(request, progress=_progress)
     write_profile(args.out, measurement)
     profile = measurement.profile
-    attention = "not measured (--role expert)" if profile.t_attention_s is None else f"{profile.t_attention_s * 1e3:.3f} ms"
+    attention = "not measured (--role expert)"
+    if profile.t_attention_s is not None:
+        attention = f"{profile.t_attention_s * 1e3:.3f} ms"
     _progress(f"{profile.device_type}: T_attention {attention}, T_experts {profile.t_experts_s * 1e3:.3f} ms "
               f"({request.experts_per_expert_rank} experts), expert slots as attention GPU "
               f"{profile.expert_slots_as_attention}, as expert GPU {profile.expert_slots_as_expert}")

@@ -87,7 +87,9 @@ def _check_positive(name: str, value) -> None:
         raise PoolError(f"{name}={value!r} is invalid; expected an integer >= 1")
 
 
-def rank_device_types(cluster: ClusterConfig, attention_ranks: int, expert_ranks: int, world_size: int) -> tuple[str, ...]:
+def rank_device_types(
+    cluster: ClusterConfig, attention_ranks: int, expert_ranks: int, world_size: int
+) -> tuple[str, ...]:
     """The GPU type each rank runs on, as the launchers place ranks (see the module docstring)."""
     groups = world_size // (attention_ranks + expert_ranks)
     nodes = cluster.nodes
@@ -186,7 +188,8 @@ def zebra_layout(
     try:
         plan = resolve_asym_ea(asym_ea, shape, profile)
     except ValueError as err:
-        raise PoolError(f"zebra pool on cluster {cluster.name} (M={attention_ranks}, N={expert_ranks}): {err}") from None
+        where = f"zebra pool on cluster {cluster.name} (M={attention_ranks}, N={expert_ranks})"
+        raise PoolError(f"{where}: {err}") from None
 
     roles = tuple("attention" if r % per_group < attention_ranks else "expert" for r in range(world_size))
     return ZebraLayout(

@@ -66,7 +66,7 @@ import statistics
 import tempfile
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -356,14 +356,18 @@ class AttentionBlock(torch.nn.Module):
         self.hidden_dropout = config.hidden_dropout
         norm_kwargs = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
         self.input_layernorm = build_module(sub.input_layernorm, **norm_kwargs)
-        self.self_attention = build_module(sub.self_attention, config=config, layer_number=1, pg_collection=pg_collection)
+        self.self_attention = build_module(
+            sub.self_attention, config=config, layer_number=1, pg_collection=pg_collection
+        )
         self.self_attn_bda = build_module(sub.self_attn_bda)
         self.pre_mlp_layernorm = build_module(sub.pre_mlp_layernorm, **norm_kwargs)
         self.router = moe.router(config=config, pg_collection=pg_collection)
         self.router.set_layer_number(1)
         self.mlp_bda = build_module(sub.mlp_bda)
         experts = config.num_moe_experts
-        self.dispatcher = MoEAlltoAllTokenDispatcher(experts, list(range(experts)), config=config, pg_collection=pg_collection)
+        self.dispatcher = MoEAlltoAllTokenDispatcher(
+            experts, list(range(experts)), config=config, pg_collection=pg_collection
+        )
 
     def dispatch(self, hidden_SBH, attention_mask, rotary_pos_emb):
         """Layer input -> (residual, permuted tokens, permuted probabilities): what is dispatched."""
@@ -382,7 +386,9 @@ class AttentionBlock(torch.nn.Module):
     def combine(self, residual_SBH, expert_output_XH):
         """Experts' outputs (permuted order, probabilities already applied) -> layer output."""
         moe_SBH = self.dispatcher.combine_postprocess(expert_output_XH)
-        return self.mlp_bda(self.training, self.config.bias_dropout_fusion)((moe_SBH, None), residual_SBH, self.hidden_dropout)
+        return self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+            (moe_SBH, None), residual_SBH, self.hidden_dropout
+        )
 
 
 class SavedBytes:
@@ -464,8 +470,13 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time_rounds(forward: Callable[[], object], backward: Callable[[object], None], request: ProfileRequest,
-                 label: str, progress: Callable[[str], None]) -> PartTiming:
+def _time_rounds(
+    forward: Callable[[], object],
+    backward: Callable[[object], None],
+    request: ProfileRequest,
+    label: str,
+    progress: Callable[[str], None],
+) -> PartTiming:
     """Run warm-up then timed rounds of forward and backward; CUDA events on GPU, perf_counter on CPU."""
     forward_s, backward_s = [], []
     for round_index in range(request.warmup + request.repeats):
@@ -486,17 +497,19 @@ def _time_rounds(forward: Callable[[], object], backward: Callable[[object], Non
             t2 = time.perf_counter()
             f, b = t1 - t0, t2 - t1
         del outputs
-        timed = round_index >= request.warmup
-        if timed:
+        if round_index >= request.warmup:
             forward_s.append(f)
             backward_s.append(b)
-        what = f"round {round_index - request.warmup + 1}/{request.repeats}" if timed else f"warm-up {round_index + 1}/{request.warmup}"
+            what = f"round {round_index - request.warmup + 1}/{request.repeats}"
+        else:
+            what = f"warm-up {round_index + 1}/{request.warmup}"
         progress(f"  {label} {what}: forward {f * 1e3:.3f} ms, backward {b * 1e3:.3f} ms")
     return PartTiming(tuple(forward_s), tuple(backward_s))
 
 
-def _measure_memory(forward: Callable[[], object], backward: Callable[[object], None], excluded: Sequence[torch.Tensor],
-                    device: str) -> PartMemory:
+def _measure_memory(
+    forward: Callable[[], object], backward: Callable[[object], None], excluded: Sequence[torch.Tensor], device: str
+) -> PartMemory:
     """One untimed round with the saved-tensor hooks (and on GPU the allocator's counters)."""
     counter = SavedBytes(excluded)
     _synchronize(device)
@@ -522,7 +535,8 @@ def _parameters(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _randn(shape, dtype, device, generator, requires_grad=False) -> torch.Tensor:
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+    values = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return values.to(device=device, dtype=dtype).requires_grad_(requires_grad)
 
 
 @dataclass(frozen=True)
@@ -549,7 +563,7 @@ class DeviceMeasurement:
     """The memory budget of one device (see the module docstring)."""
     profile: DeviceProfile
     """The derived entry of the profile file."""
-    memory: dict = field(default_factory=dict)
+    memory: dict
     """The byte figures behind the slots (see ``_slots``)."""
 
     def details(self) -> dict:
@@ -599,8 +613,14 @@ def _capacity_bytes(request: ProfileRequest) -> int:
     return int(psutil.virtual_memory().total)
 
 
-def _slots(request: ProfileRequest, expert_parameters: int, expert_memory: PartMemory,
-           attention_memory: PartMemory | None, head_memory: PartMemory | None, capacity: int) -> tuple[dict, int | None, int | None]:
+def _slots(
+    request: ProfileRequest,
+    expert_parameters: int,
+    expert_memory: PartMemory,
+    attention_memory: PartMemory | None,
+    head_memory: PartMemory | None,
+    capacity: int,
+) -> tuple[dict, int | None, int | None]:
     """(byte figures, slots as attention GPU, slots as expert GPU); None for a role not profiled."""
     per_param = bytes_per_parameter(request.dtype)
     R, L = request.microbatches, request.model.num_layers
@@ -654,7 +674,8 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
     H = config.hidden_size
     progress(
         f"profiling {request.device_type} ({request.device}, {request.dtype}, {'TE' if use_te else 'local'} modules), "
-        f"role {request.role}: L={request.model.num_layers} n={request.model.num_experts} k={request.model.moe_router_topk} "
+        f"role {request.role}: L={request.model.num_layers} n={request.model.num_experts} "
+        f"k={request.model.moe_router_topk} "
         f"M={request.attention_ranks} N={request.expert_ranks} R={request.microbatches}, "
         f"micro-batch {request.micro_batch_size} x {request.seq_length} tokens"
     )
@@ -676,7 +697,8 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
         output_TH.backward(grad_TH)
 
     progress(f"expert: one expert MLP ({expert_parameters:,} parameters) on {T_e} tokens "
-             f"(mean {request.mean_tokens_per_expert:.2f}), x {request.experts_per_expert_rank} experts per expert rank")
+             f"(mean {request.mean_tokens_per_expert:.2f}), x {request.experts_per_expert_rank} experts per "
+             "expert rank")
     expert_timing = _time_rounds(expert_forward, expert_backward, request, "expert", progress)
     expert_memory = _measure_memory(expert_forward, expert_backward, _parameters(expert), request.device)
     progress(f"expert: {expert_timing.median_s * 1e3:.3f} ms per expert (forward + backward), "
@@ -702,12 +724,18 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
             )
             rotary_pos_emb = rotary(S).to(device)
             excluded.append(rotary_pos_emb)
-        if request.model.model_family == "gpt":
-            # The causal mask the GPT dataset provides ([b, 1, s, s], True = masked), one for all b.
+        if request.model.model_family == "bert":
+            attention_mask = torch.zeros(B, 1, S, S, dtype=torch.bool, device=device)  # no padding
+        elif request.device == "cpu":
+            # The causal mask the GPT dataset provides ([b, 1, s, s], True = masked), one for all b:
+            # Megatron's own default mask is created on "cuda".
             attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=device), diagonal=1)[None, None]
         else:
-            attention_mask = torch.zeros(B, 1, S, S, dtype=torch.bool, device=device)  # BERT: no padding
-        excluded.append(attention_mask)
+            # On a GPU the causal attention builds its mask itself (TE from the mask type); an
+            # explicit one would take S*S bytes (1 GiB at 32K tokens).
+            attention_mask = None
+        if attention_mask is not None:
+            excluded.append(attention_mask)
         dispatched = S * B * request.model.moe_router_topk
         # Gradients of the layer output (from the next layer) and of the dispatched tokens and
         # probabilities (returned by the expert ranks); the probabilities' dtype is the router's.
@@ -747,8 +775,8 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
             logits_SBV, _ = output_layer(hidden_SBH)
             return tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, labels_SB).sum()
 
-        head_memory = _measure_memory(head_forward, lambda loss: loss.backward(), _parameters(output_layer) + [labels_SB],
-                                      request.device)
+        head_excluded = _parameters(output_layer) + [labels_SB]
+        head_memory = _measure_memory(head_forward, lambda loss: loss.backward(), head_excluded, request.device)
         progress(f"head: {head_memory.activation_bytes:,} activation bytes per micro-batch (vocabulary {vocab})")
         del output_layer
 
@@ -800,8 +828,8 @@ def check_profile_file(path: str | os.PathLike, request: ProfileRequest) -> None
         raise ProfileError(f"--out={os.fspath(path)!r} is not a zebra profile (format {data.get('format')!r}, "
                            f"expected {PROFILE_FORMAT!r})")
     if data.get("shape") != request.shape.to_dict():
-        raise ProfileError(f"--out={os.fspath(path)!r} holds a profile for shape {data.get('shape')}, this run measures "
-                           f"{request.shape.to_dict()}; write to another file")
+        raise ProfileError(f"--out={os.fspath(path)!r} holds a profile for shape {data.get('shape')}, this run "
+                           f"measures {request.shape.to_dict()}; write to another file")
     wanted = json.loads(json.dumps(request.workload()))
     if data.get("workload") != wanted:
         differing = sorted(k for k in set(wanted) | set(data.get("workload") or {})

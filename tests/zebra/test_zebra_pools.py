@@ -146,7 +146,8 @@ def test_bad_two_type_pools():
     with pytest.raises(PoolError, match=r"2 ZP group\(s\) x 3 attention ranks = 6 A40 devices, but cluster test_pool "
                                         r"has 4; valid attention ranks per group: at most 2"):
         zebra_layout(two_pool_cluster(), 3, 1, 8, num_layers=2, num_experts=4)
-    with pytest.raises(PoolError, match=r"1 ZP group\(s\) x 6 expert ranks = 6 V100 devices, but cluster test_pool has 4"):
+    with pytest.raises(PoolError, match=r"1 ZP group\(s\) x 6 expert ranks = 6 V100 devices, but cluster "
+                                        r"test_pool has 4"):
         zebra_layout(two_pool_cluster(), 2, 6, 8, num_layers=2, num_experts=6)
     # The older GPU listed first: its ranks would do attention.
     slow_first = two_pool_cluster(fast="V100", slow="A40", peaks=(125.0, 149.7))
@@ -193,7 +194,8 @@ def test_memory_bounds_from_a_profile(tmp_path):
     # The profile file is read for the pool's own GPU types.
     other = tmp_path / "other.json"
     save_device_profile(other, SHAPE, DeviceProfile("A40", 1.0, 1.5, 2, 4))
-    with pytest.raises(PoolError, match=r"--zebra-profile .*other.json: .*no measurements for expert device type 'V100' "
+    with pytest.raises(PoolError, match=r"--zebra-profile .*other.json: .*no measurements for expert device type "
+                                        r"'V100' "
                                         r"\(profiled types: \['A40'\]\)"):
         zebra_layout(cluster, 2, 2, 8, num_layers=2, num_experts=4, asym_ea="auto", profile=other)
     with pytest.raises(PoolError, match="'V100' was profiled only as an expert GPU"):

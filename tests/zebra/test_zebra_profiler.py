@@ -282,7 +282,7 @@ def test_two_device_types_merge_load_and_drive_asym_ea(tmp_path, capsys):
 def test_profile_file_roles_workload_and_details(tmp_path):
     from megatron_patches.placement.zebra import DeviceProfile, save_device_profile
 
-    with pytest.raises(ValueError, match=r"DeviceProfile\[x\] has neither attention-role figures .* profiled for no role"):
+    with pytest.raises(ValueError, match=r"DeviceProfile\[x\] has neither attention-role .* profiled for no role"):
         DeviceProfile("x", None, 1.0, None, None)
     with pytest.raises(ValueError, match=r"t_attention_s=1.0 and expert_slots_as_attention=None must both be given"):
         DeviceProfile("x", 1.0, 1.0, None, 3)
