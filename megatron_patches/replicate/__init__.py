@@ -9,13 +9,14 @@ layer's experts:
 - `SlotWeights` (`slots`): the rank's [s, N] slot buffer and the assignment it holds;
 - `ReplicatedExperts` (`engine`): the popularity all-reduce, the gradient path (intra-rank sum,
   all-reduce over pre-registered contiguous groups, slice fetch), the step and the weight push
-  into the next placement's slots, with bytes per phase.
+  into the next placement's slots, with bytes per phase; whole experts to and from an
+  expert-granular layout for per-expert checkpoints.
 
 Imports `placement` and `comm`; independent of Megatron's MoE layer.
 """
 
-from megatron_patches.replicate.engine import ReplicatedExperts
+from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
 from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
-__all__ = ["AdamConfig", "ExpertSlices", "ReplicatedExperts", "SlotWeights"]
+__all__ = ["STATE_NAMES", "AdamConfig", "ExpertSlices", "ReplicatedExperts", "SlotWeights"]

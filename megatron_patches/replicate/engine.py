@@ -37,6 +37,11 @@ of one class on a rank only lower both. The gradient path moves N (s G - E) elem
 a direct reduce-scatter of the slots to the slice owners would (the all-reduce also returns
 every holder the full sum, which (c) then serves from).
 
+Checkpoints: `gather_to_owners(shard)` assembles whole experts (master weights and Adam moments)
+on the ranks an expert-granular layout names, e.g. Megatron EP's `ShardLayout.even`, so they can
+be saved per expert like ep mode's; `scatter_from_owners` is the inverse. Both are the sparse
+collectives between the element slices and that layout (bytes under "rep_checkpoint").
+
 Every method is collective over the replicate group: all ranks call it in the same order.
 """
 
@@ -47,14 +52,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_patches.comm.groups import ContiguousGroups
-from megatron_patches.comm.sparse import SparseAllGather
+from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter, default_counter
 from megatron_patches.placement.replicate import expert_rank_ranges, gradient_source_table
-from megatron_patches.placement.types import Topology
+from megatron_patches.placement.types import ElementShardLayout, InstancePlacement, ShardLayout, Topology
 from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
-__all__ = ["ReplicatedExperts"]
+__all__ = ["STATE_NAMES", "ReplicatedExperts"]
+
+STATE_NAMES = ("weights", "exp_avg", "exp_avg_sq")
+"""The per-expert tensors of a placement-independent checkpoint, in packing order (fp32 master
+weights and Adam's two moments); the step count is one number for all experts."""
 
 
 class ReplicatedExperts:
@@ -267,3 +276,66 @@ class ReplicatedExperts:
         held = slots.slots_SN.detach()[: slots.held_experts.size]
         gather(self.slices.weights(slots.slots_SN.dtype), out=held).wait()
         slots.fill_from_held()
+
+    def _owners_placement(self, shard: ShardLayout) -> InstancePlacement:
+        """The placement of the 3 E state chunks (chunk k E + e = tensor k of expert e) on their owners."""
+        if not isinstance(shard, ShardLayout) or shard.num_experts != self.num_experts:
+            raise ValueError(f"shard must be a ShardLayout of {self.num_experts} experts, got {shard!r}")
+        if shard.num_devices != self.slices.layout.num_devices:
+            raise ValueError(
+                f"shard spans {shard.num_devices} devices but the group has {self.slices.layout.num_devices}"
+            )
+        return InstancePlacement(np.tile(shard.holds_ED(), (len(STATE_NAMES), 1)))
+
+    def gather_to_owners(self, shard: ShardLayout) -> dict[str, torch.Tensor]:
+        """Whole experts' optimizer state on the ranks `shard` names (for a per-expert checkpoint).
+
+        Returns {name: fp32 [O, N]} for `STATE_NAMES` on the compute device, row i = expert
+        `shard.experts_of(rank)[i]` (O may be 0), plus "step": the step count (a float).
+        """
+        placement = self._owners_placement(shard)
+        sl = self.slices
+        owned = torch.cat([sl.master_En, sl.exp_avg_En, sl.exp_avg_sq_En]).to(sl.device)
+        layout = ElementShardLayout(self.expert_numel, sl.layout.num_devices)
+        gather = SparseAllGather(
+            layout,
+            placement,
+            self.group,
+            self.expert_numel,
+            topology=self.topology,
+            traffic=self.traffic,
+            kind="rep_checkpoint",
+        )
+        rows = gather(owned).wait().chunk(len(STATE_NAMES))
+        return {**dict(zip(STATE_NAMES, rows)), "step": float(sl.step_count.item())}
+
+    def scatter_from_owners(self, shard: ShardLayout, state: dict[str, torch.Tensor], step: float) -> None:
+        """Set every slice from whole experts held by the ranks `shard` names, then refill the slots.
+
+        Args:
+            shard: who holds which experts' rows (as in `gather_to_owners`).
+            state: {name: [O, N]} for `STATE_NAMES`, rows = `shard.experts_of(rank)` ascending.
+            step: the Adam step count of all experts.
+        """
+        missing = [name for name in STATE_NAMES if name not in state]
+        if missing:
+            raise ValueError(f"state lacks {missing}; it needs {list(STATE_NAMES)}")
+        placement = self._owners_placement(shard)
+        sl = self.slices
+        held = torch.cat([state[name].to(sl.device, torch.float32) for name in STATE_NAMES])
+        layout = ElementShardLayout(self.expert_numel, sl.layout.num_devices)
+        reduce = SparseReduceScatter(
+            placement,
+            layout,
+            self.group,
+            self.expert_numel,
+            topology=self.topology,
+            traffic=self.traffic,
+            kind="rep_checkpoint",
+        )
+        # One copy per chunk: the "sum" is that copy.
+        owned = reduce(held).wait().to(sl.state_device)
+        for target, values in zip((sl.master_En, sl.exp_avg_En, sl.exp_avg_sq_En), owned.chunk(len(STATE_NAMES))):
+            target.copy_(values)
+        sl.step_count.fill_(float(step))
+        self.push(self.slots.slot_expert_RS)

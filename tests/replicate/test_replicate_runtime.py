@@ -5,9 +5,10 @@ runs every scenario of its world size for a few iterations against a dense singl
 reference that every rank computes for itself from the same seeds: the popularity all-reduce,
 the gradient path (each owned slice = the dense sum over all instances; integer-valued
 gradients make every summation order exact), the Adam step (= torch.optim.Adam on the full
-vectors, bit for bit) and the push (every slot of the next placement = the reference-updated
-expert). The ranks return their byte counters per iteration and phase; the test process
-compares them with the DESIGN 4.6 formulas, per rank and link class, and with the simulator's
+vectors, bit for bit), the push (every slot of the next placement = the reference-updated
+expert) and the per-expert checkpoint form (whole experts to their owners and back). The
+ranks return their byte counters per iteration and phase; the test process compares them with
+the DESIGN 4.6 formulas, per rank and link class, and with the simulator's
 (`ReplicatePolicy.traffic`).
 
 In-process: the Adam slices alone, the slot buffer, argument errors and a world of one.
@@ -38,6 +39,7 @@ from megatron_patches.placement import (  # noqa: E402
     PolicyStep,
     ReplayConfig,
     ReplicatePolicy,
+    ShardLayout,
     Topology,
     assign_slots,
     expert_rank_ranges,
@@ -45,7 +47,13 @@ from megatron_patches.placement import (  # noqa: E402
     replica_counts,
     slot_placement,
 )
-from megatron_patches.replicate import AdamConfig, ExpertSlices, ReplicatedExperts, SlotWeights  # noqa: E402
+from megatron_patches.replicate import (  # noqa: E402
+    STATE_NAMES,
+    AdamConfig,
+    ExpertSlices,
+    ReplicatedExperts,
+    SlotWeights,
+)
 
 ITERATIONS = 3
 KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights")
@@ -169,6 +177,24 @@ def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGr
         assert torch.equal(experts.slots.slots_SN.detach(), expected), f"iteration {t}: slots of the next placement"
         per_iteration.append({kind: counter.get(kind).as_dict() for kind in KINDS})
     assert distributed_c10d._world.group_count == groups_made, "a process group was created during training"
+
+    # Per-expert checkpoint form: whole experts on the ranks of an expert-granular layout (EP's
+    # even one, where ranks own none when E < G, then random owners), and back.
+    state_EN = {"weights": ref_EN, "exp_avg": m_EN, "exp_avg_sq": v_EN}
+    for shard in (ShardLayout.even(E, G), ShardLayout(rng.integers(0, G, E), G)):
+        mine_O = torch.from_numpy(shard.experts_of(me).copy())
+        rows = experts.gather_to_owners(shard)
+        assert rows["step"] == ITERATIONS
+        for name in STATE_NAMES:
+            assert torch.equal(rows[name], state_EN[name][mine_O]), f"gather_to_owners: {name}"
+    shifted = {name: rows[name] + 1 for name in STATE_NAMES}
+    experts.scatter_from_owners(shard, shifted, step=7)
+    assert torch.equal(sl.master_En, ref_EN[:, start:stop] + 1)
+    assert torch.equal(sl.exp_avg_En, m_EN[:, start:stop] + 1)
+    assert torch.equal(sl.exp_avg_sq_En, v_EN[:, start:stop] + 1)
+    assert sl.step_count.item() == 7
+    expected = (ref_EN + 1)[torch.from_numpy(slots_T[-1][me].copy())].to(dtype)
+    assert torch.equal(experts.slots.slots_SN.detach(), expected), "slots refilled from the loaded state"
     return per_iteration
 
 
