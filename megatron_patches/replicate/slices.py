@@ -156,5 +156,8 @@ class ExpertSlices:
         )
 
     def weights(self, dtype: torch.dtype) -> torch.Tensor:
-        """The current weights of this slice of every expert in `dtype` on the compute device [E, n_r]."""
+        """The current weights of this slice of every expert in `dtype` on the compute device [E, n_r].
+
+        Read-only: for fp32 without offload it is the master tensor itself, not a copy.
+        """
         return self.master_En.to(self.device, dtype, non_blocking=False).contiguous()
