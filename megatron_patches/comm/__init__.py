@@ -1,11 +1,12 @@
 """Communication mechanisms over torch.distributed for the placement modes (DESIGN 2, 3).
 
-`sparse` (SparseAllGather / SparseReduceScatter with async handles), `transfers` (the pure,
+`groups` (the pre-registered contiguous rank groups of replicate mode), `sparse` (SparseAllGather / SparseReduceScatter with async handles), `transfers` (the pure,
 deterministic per-rank plan of who sends which rows and columns to whom), `streams` (the
 dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per rank,
 intra/inter-node). Imports `placement`; never `training` or the modes.
 """
 
+from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.streams import CommStream, comm_stream
 from megatron_patches.comm.traffic import LinkBytes, TrafficCounter, default_counter
@@ -14,6 +15,7 @@ from megatron_patches.comm.transfers import Ownership, PeerTransfer, RankTransfe
 __all__ = [
     "CollectiveHandle",
     "CommStream",
+    "ContiguousGroups",
     "LinkBytes",
     "Ownership",
     "PeerTransfer",
@@ -24,4 +26,5 @@ __all__ = [
     "comm_stream",
     "default_counter",
     "plan_rank_transfers",
+    "ring_allreduce_numel",
 ]
