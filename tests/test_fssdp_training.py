@@ -63,6 +63,8 @@ def check_fssdp_records(run, remat: bool):
             assert remat_bytes == sum(fssdp["layers"][0]["copies"]) * EXPERT_BYTES
         else:
             assert remat_bytes == 0
+        # all-to-all: 4 transfers (dispatch, combine, forward and backward) of each remote copy
+        assert record["bytes"]["a2a"] == 4 * fssdp["a2a_remote_copies"] * 64 * 4
         for ep_layer, layer in zip(record["moe_layers"], fssdp["layers"]):
             assert sum(layer["device_tokens"]) == sum(ep_layer["device_tokens"]) == TOKENS_PER_ITERATION * 2
             replicas = np.array(layer["replicas"])

@@ -91,8 +91,12 @@ class IterationStats:
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
 
+    remote_copies: int = 0
+    """Token copies the dispatch plans send to another rank (all sources, all layers)."""
+
     def add_dispatch(self, layer_index: int, plan) -> None:
         self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
+        self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
 
 
 def _node_layout(group_ranks: list[int]) -> tuple[int, int]:
@@ -450,6 +454,8 @@ class FSSDPRuntime:
             "bytes": traffic,
             "exposed_s": dict(zip(EXPOSED_KINDS, exposed.tolist())),
             "calibrations": self.stats.calibrations,
+            # every rank computes every plan: this is already the global count
+            "a2a_remote_copies": self.stats.remote_copies,
             "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
         }
 

@@ -253,6 +253,8 @@ def pretrain(args) -> Summary:
             trace_routed.append(loads.routed_LE)
             trace_sources.append(loads.source_routed_LSE)
         log_now = iteration % args.log_interval == 0 or iteration == args.train_iters
+        # token copies crossing ranks: EP's ownership, or where fssdp's dispatch plans sent them
+        remote_copies = fssdp_record["a2a_remote_copies"] if fssdp_record is not None else loads.remote_copies
         if fssdp_record is not None and log_now:
             fssdp_record["memory"] = fssdp.memory_report(optimizer)
         if writer is not None and log_now:
@@ -267,7 +269,7 @@ def pretrain(args) -> Summary:
                     "tokens_per_s": tokens_per_iteration / elapsed,
                     "iteration_time_s": elapsed,
                     "moe_layers": metrics.moe_layer_records(loads, layer_numbers, args.expert_model_parallel_size),
-                    "bytes": {"a2a": 4 * loads.remote_copies * args.hidden_size * element_bytes},
+                    "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
                     **({"fssdp": fssdp_record} if fssdp_record is not None else {}),
                 }
             )

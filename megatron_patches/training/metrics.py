@@ -8,9 +8,10 @@ Definitions (the same in logs, tests, placement tools and the simulator):
   rank d, summed over all expert-data-parallel replicas;
 - imbalance = max(device_tokens) / mean(device_tokens) (1.0 when nothing was routed);
 - survival = processed / routed (1.0 without a capacity factor);
-- bytes["a2a"]: the expert all-to-all payload, counted as token copies whose expert lives
-  on another EP rank x hidden x element size, for dispatch and combine, forward and
-  backward (4 transfers per remote copy), summed over ranks.
+- bytes["a2a"]: the expert all-to-all payload, counted as token copies processed on another
+  rank (ep: the expert's EP rank; fssdp: the holder the dispatch plan chose) x hidden x
+  element size, for dispatch and combine, forward and backward (4 transfers per remote
+  copy), summed over ranks.
 """
 
 from __future__ import annotations
