@@ -21,6 +21,7 @@ their point-to-point traffic never interleaves with Megatron's all-to-alls on th
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -80,6 +81,8 @@ class IterationStats:
     device_tokens_LD: np.ndarray
     """Token copies processed per layer and device under the dispatch plans (every rank
     computes every plan, so this is global without communication)."""
+    t: int
+    """Overlap degree the iteration's plans used."""
     exposed_s: dict = field(default_factory=lambda: defaultdict(float))
     """Seconds this rank blocked in wait() per collective kind (not hidden by compute)."""
     non_moe_s: list = field(default_factory=list)
@@ -100,15 +103,22 @@ class IterationStats:
 
 
 def _node_layout(group_ranks: list[int]) -> tuple[int, int]:
-    """(nodes, devices per node) of the group's ranks, from torchrun's LOCAL_WORLD_SIZE."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    nodes_of = [r // per_node for r in group_ranks]
+    """(nodes, devices per node) of the group's ranks.
+
+    A rank's node is its Slurm node name (SLURMD_NODENAME, which tells apart the virtual nodes
+    of a test cluster too) or else its host name; gathered over the world (a collective).
+    """
+    key = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    node_ids = {name: i for i, name in enumerate(dict.fromkeys(keys))}
+    nodes_of = [node_ids[keys[r]] for r in group_ranks]
     distinct = sorted(set(nodes_of))
     counts = [nodes_of.count(n) for n in distinct]
     if len(set(counts)) != 1 or nodes_of != sorted(nodes_of):
         raise ValueError(
-            f"the FSSDP group's ranks {group_ranks} are not node-major with the same number per node "
-            f"(LOCAL_WORLD_SIZE={per_node}); launch one process per device with equal processes per node"
+            f"the FSSDP group's ranks {group_ranks} sit on nodes {[keys[r] for r in group_ranks]}: not node-major "
+            "with the same number of ranks per node; launch one process per device, equal processes per node"
         )
     return len(distinct), counts[0]
 
@@ -250,7 +260,7 @@ class FSSDPRuntime:
         interval = self.config.reshard_interval
         if interval and iteration > 1 and (iteration - 1) % interval == 0:
             self._report_reshard(iteration, predicted_LE, t)
-        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64))
+        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
         self.plans = {}
         for index, layer in enumerate(self.layers):
             shard = ShardLayout.even(self.num_experts, self.num_devices)
@@ -448,7 +458,7 @@ class FSSDPRuntime:
         copies_D = np.stack([np.asarray(r["copies"]) for r in layers])
         alive_D = copies_D.sum(axis=0) if not self.config.rematerialize else copies_D[-1] + copies_D[:-1].max(axis=0, initial=0)
         return {
-            "t": self.t if self.t is not None else 0,
+            "t": self.stats.t,
             "m": self.m,
             "layers": layers,
             "bytes": traffic,
