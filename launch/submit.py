@@ -576,10 +576,11 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
-    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + 2 + 12
-    (fp32 master weights, m and v; DESIGN.md section 1). The distributed optimizer shards the
-    optimizer part over the data-parallel ranks."""
-    fixed, optimizer = (4.0, 12.0) if (args.bf16 or args.fp16) else (8.0, 8.0)
+    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + 4 + 12
+    (the DDP gradient buffer is fp32: compat.mcore.wrap_ddp sets grad_reduce_in_fp32; fp32
+    master weights, m and v). The distributed optimizer shards the optimizer part over the
+    data-parallel ranks."""
+    fixed, optimizer = (6.0, 12.0) if (args.bf16 or args.fp16) else (8.0, 8.0)
     return fixed + optimizer / (data_parallel if args.use_distributed_optimizer else 1)
 
 
