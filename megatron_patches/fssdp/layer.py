@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,7 +60,10 @@ class LayerPass:
     """The MoE layer below in the same forward pass (whose re-gather this layer launches)."""
     keeps_copies: bool = True
     """False with re-materialization: the copies are freed after the forward."""
-    saved: dict = field(default_factory=dict)
+    anchor: torch.Tensor | None = None
+    """The MoE input; the copies are marked as computed from it so their gradient comes back."""
+    copies_HN: torch.Tensor | None = None
+    """The copies as the experts use them this forward (through `_Materialize` when training)."""
 
     calibration: tuple | None = None
     """(plan before calibration, extra SparseAllGather, its in-flight handle) when calibrated."""
@@ -148,7 +151,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         if self._pass is None:
             self.start_gather()
         layer_pass = self._pass
-        layer_pass.saved["anchor"] = hidden_states
+        layer_pass.anchor = hidden_states
         if torch.is_grad_enabled() and hidden_states.requires_grad:
             return _BackwardTrigger.apply(hidden_states, layer_pass)
         return hidden_states
@@ -169,12 +172,12 @@ class FSSDPMoELayer(InstanceMoELayer):
         layer_pass = self._pass
         held_HN = layer_pass.wait_gather()
         if torch.is_grad_enabled():
-            held_HN = _Materialize.apply(layer_pass.saved["anchor"], held_HN, layer_pass)
-        layer_pass.saved["held_used"] = held_HN
+            held_HN = _Materialize.apply(layer_pass.anchor, held_HN, layer_pass)
+        layer_pass.copies_HN = held_HN
 
     def compute_instances(self, tokens_ND, tokens_per_expert_E, probs_N):
         layer_pass = self._pass
-        held_HN = layer_pass.saved.pop("held_used")
+        held_HN, layer_pass.copies_HN, layer_pass.anchor = layer_pass.copies_HN, None, None
         row_E = layer_pass.plan.held_row_E
         counts = tokens_per_expert_E.tolist()
         outputs = []

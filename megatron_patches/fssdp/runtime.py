@@ -34,7 +34,9 @@ from megatron.core import parallel_state
 
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.compat.moe import with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
+from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
@@ -65,7 +67,8 @@ class LayerPlan:
     """Who holds a copy this iteration (contains the shard)."""
     gather: SparseAllGather
     reduce: SparseReduceScatter
-    regather: SparseAllGather
+    regather: SparseAllGather | None
+    """The backward's re-gather (re-materialization only)."""
     held_row_E: np.ndarray = field(init=False)
     """Row of expert e in this rank's held buffer, -1 if this rank holds no copy."""
 
@@ -171,9 +174,6 @@ class FSSDPRuntime:
 
     def moe_spec(self, moe_layer_spec, args):
         """`moe_spec_fn` for `training.model.build_model`: Megatron's MoE layer -> FSSDPMoELayer."""
-        from megatron_patches.compat.moe import with_moe_layer
-        from megatron_patches.fssdp.layer import FSSDPMoELayer
-
         return with_moe_layer(moe_layer_spec, FSSDPMoELayer, runtime=self)
 
     def register_layer(self, layer) -> None:
@@ -296,7 +296,9 @@ class FSSDPRuntime:
             placement=placement,
             gather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag", **common),
             reduce=SparseReduceScatter(placement, shard, self.group, self.expert_numel, kind="sprs", **common),
-            regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common),
+            regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common)
+            if self.config.rematerialize
+            else None,
         )
 
     def calibrate(self, layer_pass, actual_E: np.ndarray) -> None:
@@ -376,8 +378,6 @@ class FSSDPRuntime:
 
     def start_pass(self, layer):
         """Launch spAG(l) for one forward of `layer`; returns its LayerPass."""
-        from megatron_patches.fssdp.layer import LayerPass
-
         plan = self.plans[layer.layer_number]
         owned_ON = torch.stack([layer.expert_layout.flatten(expert) for expert in layer.experts.local_experts])
         first = layer is self.layers[0]
