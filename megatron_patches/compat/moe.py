@@ -30,6 +30,7 @@ optimizer and the distributed checkpoints handle exactly as in ep mode.
 from __future__ import annotations
 
 import dataclasses
+from abc import abstractmethod
 
 import torch
 from torch.func import functional_call
@@ -98,8 +99,10 @@ class ExpertLayout:
 class InstanceMoELayer(MoELayer):
     """Megatron's MoELayer with the token dispatch and expert compute of expert instances.
 
-    Subclasses implement the four hooks listed in the module docstring. Refused here (the
-    virtual-expert dispatch needs them off): dispatchers other than alltoall, expert tensor
+    Subclasses implement the two abstract hooks (and may override `enter` and
+    `before_dispatch`, which do nothing here); MoELayer's base class is an ABC, so a subclass
+    missing one cannot be built. Refused at construction (the virtual-expert dispatch and the
+    whole-expert copies need them off): dispatchers other than alltoall, expert tensor
     parallelism, padding to capacity, shared experts, latent projections, MoE recompute.
     """
 
@@ -107,8 +110,18 @@ class InstanceMoELayer(MoELayer):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection)
-        if config.moe_token_dispatcher_type != "alltoall":
-            raise ValueError(f"{type(self).__name__} needs the alltoall token dispatcher, got {config.moe_token_dispatcher_type!r}")
+        unsupported = {
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} (needs 'alltoall')": config.moe_token_dispatcher_type != "alltoall",
+            f"expert_tensor_parallel_size={pg_collection.expt_tp.size()} (needs 1)": pg_collection.expt_tp.size() != 1,
+            "moe_pad_expert_input_to_capacity": config.moe_pad_expert_input_to_capacity,
+            "shared experts": self.use_shared_expert,
+            "moe_latent_size": bool(config.moe_latent_size),
+            "MoE recompute": self.moe_layer_recompute,
+            "grouped GEMM experts (packed weights)": not hasattr(self.experts, "local_experts"),
+        }
+        refused = [name for name, on in unsupported.items() if on]
+        if refused:
+            raise ValueError(f"{type(self).__name__} does not support: {', '.join(refused)}")
         self.num_experts = config.num_moe_experts
         """E, experts of this layer."""
         self.token_dispatcher = InstanceTokenDispatcher(self.num_experts, config, pg_collection)
@@ -120,14 +133,16 @@ class InstanceMoELayer(MoELayer):
     def enter(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states
 
+    @abstractmethod
     def route_to_instances(self, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor):
-        raise NotImplementedError
+        """(routing_map_TV bool [T, D*E], probs_TV [T, D*E]): each routed (token, expert) in one column."""
 
     def before_dispatch(self) -> None:
         pass
 
+    @abstractmethod
     def compute_instances(self, tokens_ND: torch.Tensor, tokens_per_expert_E: torch.Tensor, probs_N: torch.Tensor):
-        raise NotImplementedError
+        """Expert outputs [N, D] for the dispatched tokens, which arrive sorted by expert id."""
 
     # ---- Megatron's stages, with the hooks ----------------------------------------------
 
