@@ -589,6 +589,8 @@ def test_fssdp_defaults_and_values(parse):
     (["--moe-parallel-mode", "fssdp", "--fssdp-memory-budget-mb", "0"], 4, ["--fssdp-memory-budget-mb=0", "positive"]),
     (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2"], 4,
      ["--expert-model-parallel-size=2", "expert-data-parallel size is 2", "valid: world size", "= 4"]),
+    (["--moe-parallel-mode", "fssdp"], 1,
+     ["--expert-model-parallel-size=1", "at least 2", "use --moe-parallel-mode ep"]),
     (["--moe-parallel-mode", "fssdp", "--moe-token-dispatcher-type", "allgather"], 4,
      ["--moe-token-dispatcher-type=allgather", "valid: alltoall"]),
     (["--moe-parallel-mode", "fssdp", "--use-distributed-optimizer", "--overlap-grad-reduce"], 4,

@@ -137,6 +137,8 @@ class FSSDPRuntime:
         self.on_gpu = on_gpu
         if parallel_state.get_expert_tensor_parallel_world_size() != 1:
             raise ValueError("fssdp mode needs --expert-tensor-parallel-size 1 (expert copies are whole experts)")
+        if parallel_state.get_expert_model_parallel_world_size() < 2:
+            raise ValueError("fssdp mode needs an expert-parallel group of at least 2 ranks (copies go to the other ranks)")
         if parallel_state.get_expert_data_parallel_world_size() != 1:
             raise ValueError(
                 "fssdp mode needs the expert-parallel group to span every data-parallel replica "
@@ -162,7 +164,6 @@ class FSSDPRuntime:
         self.element_size = 0
         self.t: int | None = config.overlap_degree
         self.m: int | None = config.memory_capacity
-        self.bandwidth = 0.0
         self.cost: planner.CalibrationCost | None = None
         """Calibration's cost model, from the first iteration's measured expert time."""
         self.stats: IterationStats | None = None
@@ -194,8 +195,8 @@ class FSSDPRuntime:
         template = self.layers[0]
         self.expert_numel = template.expert_layout.numel
         self.element_size = template.experts.local_experts[0].linear_fc1.weight.element_size()
-        self.bandwidth = self._probe_bandwidth()
-        self.topology = Topology(self.nodes, self.devices_per_node, self.bandwidth, self.bandwidth)
+        bandwidth = self._probe_bandwidth()
+        self.topology = Topology(self.nodes, self.devices_per_node, bandwidth, bandwidth)
         original = config.finalize_model_grads_func
 
         def finalize_model_grads(*args, **kwargs):
@@ -203,6 +204,11 @@ class FSSDPRuntime:
             return original(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize_model_grads
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model (and so the collectives' buffers) lives."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
 
     @property
     def expert_bytes(self) -> int:
@@ -225,11 +231,7 @@ class FSSDPRuntime:
     def _probe_bandwidth(self) -> float:
         """Point-to-point bytes/s in the group: a ring exchange of 8 experts' bytes, median of 5,
         minimum over ranks (every rank must derive the same t)."""
-        if self.num_devices == 1:
-            return float("inf")
-        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
-        numel = 8 * self.expert_numel
-        send = torch.ones(numel, dtype=torch.float32, device=device)
+        send = torch.ones(8 * self.expert_numel, dtype=torch.float32, device=self.device)
         recv = torch.empty_like(send)
         ranks = dist.get_process_group_ranks(self.group)
         right, left = ranks[(self.rank + 1) % self.num_devices], ranks[(self.rank - 1) % self.num_devices]
@@ -351,7 +353,7 @@ class FSSDPRuntime:
         dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
         t_non_moe = float(local.item())
         bw = planner.gather_bandwidth(self.topology)
-        t = self.num_experts if not np.isfinite(bw) else planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
+        t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         self.log.append(
             f"fssdp: auto overlap degree t = {t} (non-MoE time {t_non_moe * 1e3:.2f} ms per layer, "
             f"bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts)"
@@ -389,9 +391,8 @@ class FSSDPRuntime:
 
     def all_gather_counts(self, counts_E: torch.Tensor) -> np.ndarray:
         """Routed tokens per (source device, expert) of one layer; int64 [D, E]."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
-        parts = [torch.empty_like(counts_E, device=device) for _ in range(self.num_devices)]
-        dist.all_gather(parts, counts_E.to(device), group=self.ep_group)
+        parts = [torch.empty_like(counts_E, device=self.device) for _ in range(self.num_devices)]
+        dist.all_gather(parts, counts_E.to(self.device), group=self.ep_group)
         return torch.stack(parts).cpu().numpy()
 
     # ---- backward --------------------------------------------------------------------------

@@ -960,21 +960,12 @@ def _resolve_moe(args):
               "Megatron-Core's flex dispatcher needs TP x EP > 1; valid here: alltoall, allgather")
 
 
-FSSDP_DEFAULTS = {
-    "fssdp_overlap_degree": "auto",
-    "fssdp_memory_capacity": "auto",
-    "fssdp_memory_budget_mb": 256.0,
-    "fssdp_reshard_interval": 100,
-    "fssdp_rematerialize": False,
-    "fssdp_calibrate": False,
-}
-
-
 def _resolve_fssdp(args):
     mode = args.moe_parallel_mode
     if mode != "fssdp":
-        for dest, default in FSSDP_DEFAULTS.items():
-            if getattr(args, dest) != default:
+        parser = build_parser()
+        for dest in (d for d in vars(args) if d.startswith("fssdp_")):
+            if getattr(args, dest) != parser.get_default(dest):
                 _fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
                       f"only applies with --moe-parallel-mode fssdp (mode is {mode})")
         if args.moe_load_window is not None:
@@ -992,6 +983,10 @@ def _resolve_fssdp(args):
     if args.num_experts is None:
         _fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to shard)")
     refusals = (
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size < 2,
+         "fssdp places expert copies on the other ranks of the expert-parallel group, so it needs at "
+         "least 2 (launch several ranks, e.g. torchrun --nproc-per-node 4); with one rank use "
+         "--moe-parallel-mode ep"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          "fssdp routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
