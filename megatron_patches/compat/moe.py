@@ -35,11 +35,21 @@ from abc import abstractmethod
 import torch
 from torch.func import functional_call
 
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-__all__ = ["ExpertLayout", "InstanceMoELayer", "InstanceTokenDispatcher", "with_moe_layer"]
+__all__ = [
+    "ExpertLayout",
+    "InstanceMoELayer",
+    "InstanceTokenDispatcher",
+    "expert_optimizer_tensors",
+    "held_experts_sharded_state_dict",
+    "with_moe_layer",
+]
 
 
 class InstanceTokenDispatcher(MoEAlltoAllTokenDispatcher):
@@ -178,3 +188,93 @@ def with_moe_layer(layer_spec, moe_class: type, **params):
         raise ValueError(f"the layer spec's MLP is {mlp.module!r}, not Megatron's MoELayer")
     new_mlp = dataclasses.replace(mlp, module=moe_class, params={**mlp.params, **params})
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=new_mlp))
+
+
+# ----------------------------------------------------------------------------------------
+# Expert modules holding another (layer, expert) than Megatron's layout says (re-sharding)
+# ----------------------------------------------------------------------------------------
+
+
+def held_experts_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple, metadata, held) -> dict:
+    """SequentialMLP.sharded_state_dict (experts.py:935 in 0.16.1) for an explicit list of experts.
+
+    Megatron derives each local expert's global id from the EP rank (contiguous layout) and
+    keys it under the local module's own path. A mode that moves experts between ranks and
+    layers (FSSDP's re-sharding) lets any expert MLP module hold any expert of its stage, so
+    here the caller says which modules hold this layer's experts: the sharded keys and
+    offsets are Megatron's for (this layer, global id), exactly what ep mode writes, so
+    checkpoints stay placement-independent; the state-dict keys are the modules' own paths,
+    so loading fills the module that holds the expert. The optimizer's sharded state follows
+    by parameter identity (optimizer.py `get_param_id_to_sharded_param_map`).
+
+    Args:
+        experts: this layer's SequentialMLP (for its EP / expert-DP groups and local count).
+        prefix: this layer's experts prefix as Megatron passes it ("...layers.K.mlp.experts.").
+        sharded_offsets, metadata: as passed to SequentialMLP.sharded_state_dict.
+        held: (state-dict prefix of the module, e.g. "...layers.J.mlp.experts.local_experts.I.",
+            expert MLP module, global expert id in this layer) for every expert of this layer
+            held on this rank.
+    """
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    num_global_experts = experts.ep_group.size() * experts.num_local_experts
+    singleton_local_shards = metadata.get("singleton_local_shards", False)
+    sharded = {}
+    for module_prefix, expert, expert_global_idx in held:
+        if singleton_local_shards:
+            expert_sharded_prefix = f"{prefix}experts.{expert_global_idx}."
+            expert_sharded_offsets = sharded_offsets
+        else:
+            expert_sharded_prefix = f"{prefix}experts."
+            expert_sharded_offsets = (*sharded_offsets, (len(sharded_offsets), expert_global_idx, num_global_experts))
+        expert_state = expert.sharded_state_dict(module_prefix, expert_sharded_offsets, metadata)
+        replace_prefix_for_sharding(expert_state, module_prefix, expert_sharded_prefix)
+        for sharded_tensor in expert_state.values():
+            # replication along DP modulo EP, as Megatron sets it
+            sharded_tensor.replica_id = (*sharded_tensor.replica_id[:2], experts.dp_group.rank())
+        sharded.update(expert_state)
+    return sharded
+
+
+def expert_optimizer_tensors(optimizer, param: torch.nn.Parameter) -> list[torch.Tensor]:
+    """The tensors Megatron's optimizer keeps for `param`, element for element, besides `param`.
+
+    That is the fp32 main copy when it has its own memory (mixed precision; with the
+    distributed optimizer over an expert-data-parallel group of 1, the whole parameter) and
+    every per-element optimizer state (Adam's exp_avg and exp_avg_sq), each flattened, in a
+    fixed order. Not the step count (a scalar, equal for all parameters). Version-sensitive:
+    Float16OptimizerWithFloat16Params keys the state by `param.main_param` (optimizer.py:683),
+    FP32Optimizer by the parameter, DistributedOptimizer via `_get_main_param_and_optimizer_states`
+    (distrib_optimizer.py:883).
+
+    Raises ValueError if no sub-optimizer holds `param`, or its state does not exist yet
+    (before the first step) or covers only part of it.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer):
+            if param not in sub.model_param_group_index_map:
+                continue
+            tensors = dict(sub._get_main_param_and_optimizer_states(param))
+            main = tensors.pop("param")
+            state = tensors
+        else:
+            key = getattr(param, "main_param", param)
+            if not any(p is key for group in sub.optimizer.param_groups for p in group["params"]):
+                continue
+            main = key
+            state = sub.optimizer.state.get(key, {})
+        per_element = {name: value for name, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
+        if not per_element:
+            raise ValueError(
+                f"the optimizer has no state for an expert parameter of shape {tuple(param.shape)} yet "
+                "(it is created by the first optimizer step)"
+            )
+        own_memory = main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+        out = ([main] if own_memory else []) + [per_element[name] for name in sorted(per_element)]
+        for tensor in out:
+            if tensor.numel() != param.numel():
+                raise ValueError(
+                    f"the optimizer keeps {tensor.numel()} elements for an expert parameter of {param.numel()} "
+                    "(sharded state); moving experts needs whole parameters"
+                )
+        return [tensor.view(-1) for tensor in out]
+    raise ValueError(f"no optimizer holds the expert parameter of shape {tuple(param.shape)}")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_patches.compat.moe import InstanceMoELayer
+from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
 from megatron_patches.placement import fssdp as planner
 
 __all__ = ["FSSDPMoELayer", "LayerPass"]
@@ -193,10 +193,15 @@ class FSSDPMoELayer(InstanceMoELayer):
                         f"{self.layer_number} but holds no copy of it (dispatch and placement disagree)"
                     )
                 outputs.append(self.run_expert(held_HN[row_E[expert]], tokens_nD, probs_n))
-            if not outputs:
+            if not outputs and held_HN.shape[0]:
                 # No tokens here: still run one expert on the empty batch so that this rank's
                 # backward takes part in the all-to-alls and the reduce like every other rank.
                 outputs.append(self.run_expert(held_HN[0], tokens_ND, probs_N))
+            elif not outputs:
+                # No copy either (re-sharding left this rank none of the layer's experts and the
+                # plan gathers none): the empty output stays connected to the dispatched tokens
+                # so that the backward's all-to-all still runs here.
+                outputs.append(tokens_ND * probs_N.unsqueeze(-1).to(tokens_ND.dtype))
         if self.training:
             self.runtime.stats.expert_s += time.perf_counter() - started
             self.runtime.stats.expert_tokens += tokens_ND.shape[0]
@@ -204,6 +209,18 @@ class FSSDPMoELayer(InstanceMoELayer):
             layer_pass.held_HN = None  # freed: the backward re-gathers
         self._pass = None
         return torch.cat(outputs, dim=0)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Megatron's, with the experts this rank's slots hold for this layer (after re-sharding
+        any slot of the stage may), under the keys ep mode uses for them."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.runtime.table is None:
+            return state  # not attached yet: the slots hold Megatron's layout
+        experts_prefix = f"{prefix}experts."
+        state = {key: value for key, value in state.items() if not key.startswith(experts_prefix)}
+        held = self.runtime.held_experts(self, prefix)
+        state.update(held_experts_sharded_state_dict(self.experts, experts_prefix, sharded_offsets, metadata, held))
+        return state
 
     @staticmethod
     def _saved_copy_hooks(layer_pass: LayerPass):

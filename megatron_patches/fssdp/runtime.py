@@ -3,9 +3,12 @@
 Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group, which
 must span every data-parallel replica of the experts (expert-data-parallel size 1,
 expert-tensor-parallel size 1). Every expert of every MoE layer is then owned by exactly one
-rank: Megatron's local experts of that rank (EP's contiguous layout, the even sharding of
-DESIGN 4.3), with their gradients in Megatron's DDP buffer and their Adam state in
-Megatron's optimizer, once globally. Non-expert parameters are untouched.
+rank and held in one of that rank's *slots*, Megatron's local expert modules (`reshard`), with
+its gradient in Megatron's DDP buffer and its Adam state in Megatron's optimizer, once
+globally. At start the slots hold EP's contiguous layout (the even sharding of DESIGN 4.3);
+every `reshard_interval` iterations the heterogeneous sharding of the predicted loads is
+adopted when it lowers the mean imbalance bound, moving weights and optimizer state between
+ranks (`reshard.exchange_slots`). Non-expert parameters are untouched.
 
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
@@ -34,9 +37,10 @@ from megatron.core import parallel_state
 
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter
-from megatron_patches.compat.moe import with_moe_layer
+from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
+from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
@@ -44,10 +48,11 @@ from megatron_patches.placement.types import InstancePlacement, ModelShardLayout
 
 __all__ = ["FSSDPRuntime", "LayerPlan"]
 
-TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate")
+TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard")
 """spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
-the backward with re-materialization; spag_calibrate: calibration's extra copies. Counted
-apart so that spag + spag_calibrate = sprs holds."""
+the backward with re-materialization; spag_calibrate: calibration's extra copies; reshard:
+experts (weights and optimizer state) moved to new owners. Counted apart so that
+spag + spag_calibrate = sprs holds."""
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
 
 # Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
@@ -96,6 +101,10 @@ class IterationStats:
     """Token copies those seconds processed."""
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
+    reshard: dict | None = None
+    """The re-shard decision taken before this iteration (None when none was due)."""
+    reshard_s: float = 0.0
+    """Seconds this rank spent moving experts (packing, transfers, unpacking)."""
 
     remote_copies: int = 0
     """Token copies the dispatch plans send to another rank (all sources, all layers)."""
@@ -167,6 +176,17 @@ class FSSDPRuntime:
         self.cost: planner.CalibrationCost | None = None
         """Calibration's cost model, from the first iteration's measured expert time."""
         self.stats: IterationStats | None = None
+        self.layout: ModelShardLayout | None = None
+        """Owners of every expert of this stage's MoE layers (rows = `layers`); set by attach."""
+        self.table: SlotTable | None = None
+        """What this rank's slots hold; set by attach (identity: EP's layout)."""
+        self.slot_modules: list = []
+        """Slot s = local expert s % (E/D) of `layers[s // (E/D)]` (Megatron's expert MLPs)."""
+        self.block_index: list[int] = []
+        """Index of each of `layers` among the stage's transformer layers (checkpoint keys)."""
+        self.optimizer = None
+        """Megatron's optimizer (`attach_optimizer`): re-sharding moves its expert state."""
+        self._started = False
         self._last_pass = None
         self.log: list[str] = []
         """Decisions to print on rank 0 (auto t and m)."""
@@ -185,6 +205,7 @@ class FSSDPRuntime:
 
         Call once, after the model and DDP are built, on every rank.
         """
+        transformer_layers = list(transformer_layers)
         moe = [layer for layer in transformer_layers if layer.mlp in self.layers]
         if not moe:
             raise ValueError("fssdp mode: this pipeline stage has no FSSDP MoE layer (the layer spec was not injected)")
@@ -192,9 +213,20 @@ class FSSDPRuntime:
             layer.register_forward_pre_hook(self._layer_start_hook(layer.mlp))
             layer.mlp.register_forward_pre_hook(self._moe_start_hook())
         self.layers = [layer.mlp for layer in moe]
+        self.block_index = [transformer_layers.index(layer) for layer in moe]
         template = self.layers[0]
+        for layer in self.layers:
+            # one slot shape for all layers: a slot may receive an expert of any layer
+            if layer.expert_layout != template.expert_layout:
+                raise ValueError(
+                    f"fssdp mode needs the same expert shapes in every MoE layer: layer {layer.layer_number} has "
+                    f"{layer.expert_layout}, layer {template.layer_number} {template.expert_layout}"
+                )
         self.expert_numel = template.expert_layout.numel
         self.element_size = template.experts.local_experts[0].linear_fc1.weight.element_size()
+        self.slot_modules = [expert for layer in self.layers for expert in layer.experts.local_experts]
+        self.layout = ModelShardLayout.even(len(self.layers), self.num_experts, self.num_devices)
+        self.table = SlotTable.identity(len(self.layers), self.num_experts, self.num_devices, self.rank)
         bandwidth = self._probe_bandwidth()
         self.topology = Topology(self.nodes, self.devices_per_node, bandwidth, bandwidth)
         original = config.finalize_model_grads_func
@@ -204,6 +236,13 @@ class FSSDPRuntime:
             return original(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize_model_grads
+
+    def attach_optimizer(self, optimizer) -> None:
+        """Megatron's optimizer, whose expert state re-sharding moves with the weights.
+
+        Call once, after the optimizer is built, on every rank (needed when
+        `reshard_interval` > 0)."""
+        self.optimizer = optimizer
 
     @property
     def device(self) -> torch.device:
@@ -259,36 +298,88 @@ class FSSDPRuntime:
         t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
         predicted_LE = self.tracker.predict()
         self.traffic.reset()
+        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
+        if not self._started and iteration > 1:
+            self.log.append(
+                f"fssdp: resumed at iteration {iteration}: experts start from the even shard layout (EP's); "
+                "the re-shard layout is not part of checkpoints (they are per expert, placement-independent)"
+            )
+        self._started = True
         interval = self.config.reshard_interval
         if interval and iteration > 1 and (iteration - 1) % interval == 0:
-            self._report_reshard(iteration, predicted_LE, t)
-        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
+            self._reshard(iteration, predicted_LE, t)
         self.plans = {}
         for index, layer in enumerate(self.layers):
-            shard = ShardLayout.even(self.num_experts, self.num_devices)
+            shard = self.layout.layer(index)
             row = self.moe_layer_numbers.index(layer.layer_number)
             placement = planner.materialize(shard, predicted_LE[row], t, self.m, self.topology)
             self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
 
-    def _report_reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
-        """Heterogeneous re-sharding's decision (DESIGN 4.3, the rule of placement.policies.FSSDPPolicy).
+    def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
+        """Heterogeneous re-sharding (DESIGN 4.3, the rule of placement.policies.FSSDPPolicy):
+        adopt `heterogeneous_shard` of the predicted loads when it lowers the mean imbalance
+        bound and moves at least one expert; move those experts' weights and optimizer state.
 
-        Moving expert weights and Adam state between owners is not implemented yet, so the even
-        layout stays; the decision is logged so that a run shows what re-sharding would change.
+        Runs between iterations (gradient buffers are zero, the optimizer has stepped), on
+        every rank with the same inputs, so every rank takes the same decision.
         """
         rows = [self.moe_layer_numbers.index(layer.layer_number) for layer in self.layers]
         loads_LE = predicted_LE[rows]
-        current = ModelShardLayout.even(len(rows), self.num_experts, self.num_devices)
+        current = self.layout
         proposed = planner.heterogeneous_shard(loads_LE, self.topology, current=current)
         now = float(planner.shard_imbalance_bound(current, loads_LE, t).mean())
         then = float(planner.shard_imbalance_bound(proposed, loads_LE, t).mean())
         moved = int((proposed.owners_LE != current.owners_LE).sum())
         adopt = then < now and moved > 0
-        verdict = f"would move {moved} experts" if adopt else f"would keep the layout (the proposal moves {moved} experts)"
+        self.stats.reshard = {"iteration": iteration, "adopted": adopt, "moved": moved if adopt else 0,
+                              "bound_before": now, "bound_proposed": then}
+        if not adopt:
+            self.log.append(
+                f"fssdp: re-shard check at iteration {iteration}: layout kept (the proposal moves {moved} experts, "
+                f"mean imbalance bound {now:.3f} now, {then:.3f} proposed)"
+            )
+            return
+        if self.optimizer is None:
+            raise RuntimeError(
+                "fssdp: re-sharding moves optimizer state but no optimizer was attached; call "
+                "FSSDPRuntime.attach_optimizer(optimizer) after building it (or pass --fssdp-reshard-interval 0)"
+            )
+        started = time.perf_counter()
+        moves = plan_reshard(self.table, current, proposed, self.rank)
+        exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
+        self.stats.reshard_s = time.perf_counter() - started
+        self.layout, self.table = proposed, moves.table
         self.log.append(
-            f"fssdp: re-shard check at iteration {iteration}: {verdict}, mean imbalance bound {now:.3f} now, "
-            f"{then:.3f} proposed; WARNING: moving experts between owners is not implemented yet, the even layout stays"
+            f"fssdp: re-shard at iteration {iteration}: moved {moved} experts (weights and optimizer state), "
+            f"mean imbalance bound {now:.3f} -> {then:.3f}; experts owned per layer and rank: "
+            f"{proposed.counts_LD().tolist()}"
         )
+
+    def _slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """A slot's content: each parameter, then the optimizer's tensors for it."""
+        expert = self.slot_modules[slot]
+        tensors = []
+        for param in expert.parameters():
+            tensors.append(param.data.view(-1))
+            tensors.extend(expert_optimizer_tensors(self.optimizer, param))
+        return tensors
+
+    def held_experts(self, layer, prefix: str) -> list[tuple[str, torch.nn.Module, int]]:
+        """(state-dict prefix, module, expert id) of every expert of `layer` held on this rank,
+        for its sharded_state_dict; `prefix` is the one Megatron passes to the layer
+        ("...layers.K.mlp.", K = the layer's index among the stage's transformer layers)."""
+        row = self.layers.index(layer)
+        own = f"{self.block_index[row]}.mlp."
+        if not prefix.endswith(own):
+            raise ValueError(f"fssdp: MoE layer {layer.layer_number}'s state-dict prefix {prefix!r} does not end in {own!r}")
+        base = prefix[: -len(own)]
+        per_layer = self.table.slots_per_layer
+        held = []
+        for slot in self.table.slots_of(row):
+            physical, local = divmod(int(slot), per_layer)
+            module_prefix = f"{base}{self.block_index[physical]}.mlp.experts.local_experts.{local}."
+            held.append((module_prefix, self.slot_modules[slot], int(self.table.held_S2[slot, 1])))
+        return held
 
     def _layer_plan(self, index: int, shard: ShardLayout, placement: InstancePlacement) -> LayerPlan:
         common = dict(topology=self.topology, traffic=self.traffic)
@@ -381,7 +472,10 @@ class FSSDPRuntime:
     def start_pass(self, layer):
         """Launch spAG(l) for one forward of `layer`; returns its LayerPass."""
         plan = self.plans[layer.layer_number]
-        owned_ON = torch.stack([layer.expert_layout.flatten(expert) for expert in layer.experts.local_experts])
+        slots = self.table.slots_of(plan.index)
+        owned_ON = torch.empty((0, self.expert_numel), dtype=layer.experts.local_experts[0].linear_fc1.weight.dtype, device=self.device)
+        if slots.size:
+            owned_ON = torch.stack([layer.expert_layout.flatten(self.slot_modules[slot]) for slot in slots])
         first = layer is self.layers[0]
         keeps = not self.config.rematerialize or layer is self.layers[-1]
         layer_pass = LayerPass(layer, plan, owned_ON, keeps_copies=keeps, below=None if first else self._last_pass)
@@ -401,6 +495,8 @@ class FSSDPRuntime:
         """The gradient reached layer l's MoE input: finish the reduces in flight, launch
         spRS(l) and (re-materialization) the re-gather of layer l-1."""
         self.drain()
+        if layer_pass.grad_HN is None and layer_pass.plan.gather.held_chunks.size == 0:
+            layer_pass.grad_HN = torch.empty((0, self.expert_numel), dtype=layer_pass.owned_ON.dtype, device=self.device)
         if layer_pass.grad_HN is None:
             raise RuntimeError(
                 f"fssdp: layer {layer_pass.layer.layer_number}'s copies got no gradient before its MoE input did"
@@ -422,8 +518,8 @@ class FSSDPRuntime:
             grads_ON = handle.wait()
             self.stats.exposed_s["sprs"] += time.perf_counter() - started
             layer = layer_pass.layer
-            for row, expert in enumerate(layer.experts.local_experts):
-                layer.expert_layout.grads_into(expert, grads_ON[row])
+            for row, slot in enumerate(self.table.slots_of(layer_pass.plan.index)):
+                layer.expert_layout.grads_into(self.slot_modules[slot], grads_ON[row])
             layer_pass.grad_HN = None
         self.pending = []
 
@@ -436,8 +532,9 @@ class FSSDPRuntime:
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
         bytes_sum = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(bytes_sum, group=self.group)
-        exposed = torch.tensor([self.stats.exposed_s[k] for k in EXPOSED_KINDS], dtype=torch.float64)
+        exposed = torch.tensor([self.stats.exposed_s[k] for k in EXPOSED_KINDS] + [self.stats.reshard_s], dtype=torch.float64)
         dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=self.group)
+        *exposed_s, reshard_s = exposed.tolist()
         values = bytes_sum.tolist()
         traffic = {}
         for i, kind in enumerate(TRAFFIC_KINDS):
@@ -454,6 +551,7 @@ class FSSDPRuntime:
                     "imbalance": imbalance(device_D),
                     "replicas": plan.placement.replicas_E().tolist(),
                     "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
+                    "owned": plan.shard.counts_D().tolist(),
                 }
             )
         copies_D = np.stack([np.asarray(r["copies"]) for r in layers])
@@ -463,7 +561,9 @@ class FSSDPRuntime:
             "m": self.m,
             "layers": layers,
             "bytes": traffic,
-            "exposed_s": dict(zip(EXPOSED_KINDS, exposed.tolist())),
+            "exposed_s": dict(zip(EXPOSED_KINDS, exposed_s)),
+            # seconds: the slowest rank's (packing, transfers, unpacking)
+            "reshard": None if self.stats.reshard is None else {**self.stats.reshard, "seconds": reshard_s},
             "calibrations": self.stats.calibrations,
             # every rank computes every plan: this is already the global count
             "a2a_remote_copies": self.stats.remote_copies,

@@ -1,0 +1,172 @@
+"""Heterogeneous re-sharding (DESIGN 4.3): moving whole experts, weights and optimizer state.
+
+Megatron gives every rank E/D local expert modules per MoE layer, L*E/D in all: their
+parameters sit in Megatron's DDP buffer, their Adam state in Megatron's optimizer. FSSDP
+uses these modules as *slots*: slot s = local expert s % (E/D) of the stage's MoE layer
+s // (E/D), and a `SlotTable` says which (layer, expert) each slot holds. At start the table
+is the identity (Megatron's EP layout, the even sharding). Heterogeneous sharding keeps every
+rank's total at L*E/D experts but varies the count per layer, so a slot may hold an expert
+of another layer: all MoE layers of a stage share one expert configuration (checked), hence
+one parameter shape per slot.
+
+Re-sharding from layout A to layout B moves every expert whose owner changes: its owner packs
+the slot's weights and optimizer tensors into one byte row, all rows between two ranks travel
+as one message (batched point-to-point on the FSSDP group), and the receiver unpacks each row
+into a slot its departing experts freed. DDP, the optimizer and gradient clipping see the same
+parameter objects as before, only their contents change; the gradient buffers are not moved
+(re-sharding runs between iterations, when they are zero).
+
+`plan_reshard` is pure planning (the same on every rank); `exchange_slots` runs the transfers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.placement.types import ModelShardLayout, Topology
+
+__all__ = ["ReshardMoves", "SlotTable", "exchange_slots", "plan_reshard"]
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    """Which (layer, expert) each of one rank's expert slots holds."""
+
+    held_S2: np.ndarray
+    """held_S2[s] = (layer row, expert) held by slot s; int64 [S, 2]. Layer rows index the
+    stage's MoE layers; slot s is local expert s % slots_per_layer of layer row s // slots_per_layer."""
+    slots_per_layer: int
+    """E/D: Megatron's local experts per layer and rank."""
+
+    @classmethod
+    def identity(cls, num_layers: int, num_experts: int, num_devices: int, rank: int) -> "SlotTable":
+        """Megatron's EP layout: slot (l, j) holds expert rank*E/D + j of layer l."""
+        if num_experts % num_devices:
+            raise ValueError(f"{num_experts} experts do not split evenly over {num_devices} ranks")
+        per_layer = num_experts // num_devices
+        rows = np.repeat(np.arange(num_layers, dtype=np.int64), per_layer)
+        experts = np.tile(rank * per_layer + np.arange(per_layer, dtype=np.int64), num_layers)
+        return cls(np.stack([rows, experts], axis=1), per_layer)
+
+    def check(self, layout: ModelShardLayout, rank: int) -> None:
+        """Raise ValueError unless the slots hold exactly the experts `layout` gives `rank`."""
+        owned = np.argwhere(layout.owners_LE == rank)
+        held = self.held_S2[np.lexsort((self.held_S2[:, 1], self.held_S2[:, 0]))]
+        if owned.shape != held.shape or not np.array_equal(owned, held):
+            raise ValueError(
+                f"rank {rank}: the slots hold {held.tolist()} (layer, expert) but the shard layout gives it {owned.tolist()}"
+            )
+
+    def slots_of(self, row: int) -> np.ndarray:
+        """The slots holding layer `row`'s experts, in ascending expert order (the order of the
+        sparse collectives' owned buffer); int64."""
+        slots = np.flatnonzero(self.held_S2[:, 0] == row)
+        return slots[np.argsort(self.held_S2[slots, 1], kind="stable")].astype(np.int64)
+
+
+@dataclass(frozen=True)
+class ReshardMoves:
+    """One rank's part of a re-shard from one ModelShardLayout to another."""
+
+    send: tuple[tuple[int, np.ndarray], ...]
+    """(peer, slots) per peer that receives experts from this rank; slots in the peer's order."""
+    recv: tuple[tuple[int, np.ndarray], ...]
+    """(peer, slots) per peer that sends experts here; slots to fill, in the sender's order."""
+    table: SlotTable
+    """This rank's slot table after the re-shard."""
+    moved: int
+    """Experts that change owner, over all ranks and layers (the same on every rank)."""
+
+
+def plan_reshard(table: SlotTable, current: ModelShardLayout, proposed: ModelShardLayout, rank: int) -> ReshardMoves:
+    """The transfers that take `rank` from `current` to `proposed` (identical inputs on every
+    rank give matching sends and receives).
+
+    Experts travel from their current owner to their proposed owner in ascending (layer,
+    expert) order. Experts that stay keep their slot; a receiver fills the slots its departing
+    experts free, in ascending slot order, with the arriving experts in ascending (layer,
+    expert) order.
+    """
+    if current.owners_LE.shape != proposed.owners_LE.shape or current.num_devices != proposed.num_devices:
+        raise ValueError(
+            f"layouts differ in shape: {current.owners_LE.shape} over {current.num_devices} devices vs "
+            f"{proposed.owners_LE.shape} over {proposed.num_devices}"
+        )
+    if not np.array_equal(current.counts_D(), proposed.counts_D()):
+        raise ValueError(
+            f"experts per rank must stay {current.counts_D().tolist()} (one slot each), the proposal has "
+            f"{proposed.counts_D().tolist()}"
+        )
+    table.check(current, rank)
+    moving_K2 = np.argwhere(current.owners_LE != proposed.owners_LE)  # ascending (layer, expert)
+    source_K = current.owners_LE[moving_K2[:, 0], moving_K2[:, 1]]
+    dest_K = proposed.owners_LE[moving_K2[:, 0], moving_K2[:, 1]]
+    slot_of = {(int(l), int(e)): s for s, (l, e) in enumerate(table.held_S2)}
+    send = []
+    for peer in np.unique(dest_K[source_K == rank]):
+        experts = moving_K2[(source_K == rank) & (dest_K == peer)]
+        send.append((int(peer), np.array([slot_of[(int(l), int(e))] for l, e in experts], dtype=np.int64)))
+    arriving = (dest_K == rank)
+    freed = np.sort(np.array([slot_of[(int(l), int(e))] for l, e in moving_K2[source_K == rank]], dtype=np.int64))
+    held_S2 = table.held_S2.copy()
+    target_K = np.full(moving_K2.shape[0], -1, dtype=np.int64)
+    target_K[arriving] = freed  # counts match: experts per rank are unchanged
+    held_S2[target_K[arriving]] = moving_K2[arriving]
+    recv = [(int(peer), target_K[arriving & (source_K == peer)]) for peer in np.unique(source_K[arriving])]
+    new_table = SlotTable(held_S2, table.slots_per_layer)
+    new_table.check(proposed, rank)
+    return ReshardMoves(tuple(send), tuple(recv), new_table, int(moving_K2.shape[0]))
+
+
+def exchange_slots(
+    moves: ReshardMoves,
+    slot_tensors: Callable[[int], list[torch.Tensor]],
+    group: dist.ProcessGroup,
+    topology: Topology,
+    traffic: TrafficCounter,
+    kind: str = "reshard",
+) -> None:
+    """Moves the contents of the slots per `moves` (a collective over `group`).
+
+    Args:
+        moves: this rank's part of the re-shard (`plan_reshard`).
+        slot_tensors: slot -> the contiguous tensors that make up its content (weights and
+            optimizer state), in an order and with sizes that are the same for every slot on
+            every rank; they are overwritten in place on the receiving side.
+        group: the process group; group rank d is device d of the layouts.
+        topology: the devices' nodes, for intra/inter-node byte counts.
+        traffic: where this rank's sent and received bytes are recorded under `kind`.
+    """
+    def pack(slots: np.ndarray) -> torch.Tensor:
+        return torch.stack([torch.cat([t.reshape(-1).view(torch.uint8) for t in slot_tensors(int(s))]) for s in slots])
+
+    row_bytes = sum(t.numel() * t.element_size() for t in slot_tensors(0))
+    device = slot_tensors(0)[0].device
+    ops, received = [], []
+    # Rows are packed (copied) before anything is received: a slot may send its old content
+    # and receive a new one in the same exchange.
+    for peer, slots in moves.send:
+        ops.append(dist.P2POp(dist.isend, pack(slots), group=group, group_peer=peer))
+    for peer, slots in moves.recv:
+        buffer = torch.empty((slots.size, row_bytes), dtype=torch.uint8, device=device)
+        ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+        received.append((slots, buffer))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    for slots, buffer in received:
+        for slot, row in zip(slots, buffer):
+            offset = 0
+            for tensor in slot_tensors(int(slot)):
+                size = tensor.numel() * tensor.element_size()
+                tensor.view(-1).view(torch.uint8).copy_(row[offset : offset + size])
+                offset += size
+    peers = [peer for peer, _ in moves.send] + [peer for peer, _ in moves.recv]
+    sent = [slots.size * row_bytes for _, slots in moves.send] + [0] * len(moves.recv)
+    recv = [0] * len(moves.send) + [slots.size * row_bytes for _, slots in moves.recv]
+    traffic.record(kind, dist.get_rank(group), topology, peers, sent, recv)
