@@ -564,10 +564,35 @@ def test_good_split(parse, split):
 
 
 def test_moe_parallel_mode_is_one_extensible_constant(parse, monkeypatch):
-    expect_error(parse("--moe-parallel-mode", "replicate"), 1, "--moe-parallel-mode=replicate",
-                 "valid: ep, fssdp")
-    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate"))
-    assert validate_args(parse("--moe-parallel-mode", "replicate"), 1).moe_parallel_mode == "replicate"
+    expect_error(parse("--moe-parallel-mode", "zebra"), 1, "--moe-parallel-mode=zebra",
+                 "valid: ep, fssdp, replicate")
+    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate", "zebra"))
+    assert validate_args(parse("--moe-parallel-mode", "zebra"), 1).moe_parallel_mode == "zebra"
+
+
+def test_replicate_defaults_and_refusals(parse):
+    args = validate_args(parse("--moe-parallel-mode", "replicate"), 4)
+    assert (args.replicate_slots_per_rank, args.replicate_policy, args.moe_load_window) == (4, "adaptive", 1)
+    assert args.expert_model_parallel_size == 4 and args.expert_data_parallel_size == 1
+    args = validate_args(parse("--moe-parallel-mode", "replicate", "--replicate-policy", "flexmoe",
+                               "--replicate-rebalance-interval", "50", "--moe-expert-capacity-factor", "1.0"), 4)
+    assert (args.replicate_policy, args.replicate_rebalance_interval, args.moe_expert_capacity_factor) == ("flexmoe", 50, 1.0)
+    # tiny has 8 experts: 4 ranks x 1 slot cannot hold them
+    expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-slots-per-rank", "1"), 4,
+                 "--replicate-slots-per-rank=1", "--num-experts=8 > ranks x slots = 4 x 1", "valid: >= 2")
+    expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-policy", "best"), 4,
+                 "--replicate-policy=best", "valid: adaptive, static, flexmoe")
+    expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-rebalance-interval", "50"), 4,
+                 "--replicate-rebalance-interval=50", "only applies with --replicate-policy flexmoe")
+    expect_error(parse("--moe-parallel-mode", "replicate", "--expert-model-parallel-size", "2"), 4,
+                 "--expert-model-parallel-size=2", "replicate group is the expert-parallel group", "valid: world size")
+    expect_error(parse("--moe-parallel-mode", "replicate", "--save", "/tmp/x", "--save-interval", "5"), 4,
+                 "--save=/tmp/x", "not supported in replicate mode")
+    expect_error(parse("--replicate-slots-per-rank", "2"), 4,
+                 "--replicate-slots-per-rank=2", "only applies with --moe-parallel-mode replicate (mode is ep)")
+    expect_error(parse("--moe-parallel-mode", "fssdp", "--replicate-offload-optimizer"), 4,
+                 "--replicate-offload-optimizer=True", "only applies with --moe-parallel-mode replicate (mode is fssdp)")
+    expect_error(parse("--moe-load-window", "2"), 4, "--moe-load-window=2", "fssdp or replicate (mode is ep")
 
 
 def test_fssdp_defaults_and_values(parse):

@@ -6,7 +6,7 @@ dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per 
 intra/inter-node). Imports `placement`; never `training` or the modes.
 """
 
-from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
+from megatron_patches.comm.groups import ContiguousGroups, node_layout, ring_allreduce_numel
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.streams import CommStream, comm_stream
 from megatron_patches.comm.traffic import LinkBytes, TrafficCounter, default_counter
@@ -25,6 +25,7 @@ __all__ = [
     "TrafficCounter",
     "comm_stream",
     "default_counter",
+    "node_layout",
     "plan_rank_transfers",
     "ring_allreduce_numel",
 ]

@@ -22,6 +22,8 @@ algorithms, whose wire bytes a process cannot observe; the counters state the mo
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 from typing import Sequence
 
 import numpy as np
@@ -32,7 +34,7 @@ from megatron_patches.comm.traffic import TrafficCounter, default_counter
 from megatron_patches.placement.replicate import contiguous_rank_groups
 from megatron_patches.placement.types import ElementShardLayout, Topology
 
-__all__ = ["ContiguousGroups", "ring_allreduce_numel"]
+__all__ = ["ContiguousGroups", "node_layout", "ring_allreduce_numel"]
 
 
 def ring_allreduce_numel(numel: int, members: int) -> np.ndarray:
@@ -190,3 +192,25 @@ class ContiguousGroups:
         peer_P = np.array([start + (i + 1) % members, start + (i - 1) % members])
         counter.record(kind, self.position, topology, peer_P, np.array([sent_M[i], 0]), np.array([0, sent_M[i - 1]]))
         return work
+
+
+def node_layout(group_ranks: Sequence[int]) -> tuple[int, int]:
+    """(nodes, devices per node) of a group's global ranks, for a `Topology` of the group.
+
+    A rank's node is its Slurm node name (SLURMD_NODENAME, which tells apart the virtual nodes
+    of a test cluster too) or else its host name; gathered over the world (a collective: every
+    rank calls it). The group must be node-major with the same number of ranks per node.
+    """
+    key = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    node_ids = {name: i for i, name in enumerate(dict.fromkeys(keys))}
+    nodes_of = [node_ids[keys[r]] for r in group_ranks]
+    distinct = sorted(set(nodes_of))
+    counts = [nodes_of.count(n) for n in distinct]
+    if len(set(counts)) != 1 or nodes_of != sorted(nodes_of):
+        raise ValueError(
+            f"the group's ranks {list(group_ranks)} sit on nodes {[keys[r] for r in group_ranks]}: not node-major "
+            "with the same number of ranks per node; launch one process per device, equal processes per node"
+        )
+    return len(distinct), counts[0]

@@ -9,6 +9,7 @@ refuses any version other than the pinned one so that this can never happen sile
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Callable
 
@@ -29,7 +30,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -118,7 +119,8 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        # replicate mode applies the capacity per expert instance itself (DESIGN 4.6), not per expert
+        moe_expert_capacity_factor=None if args.moe_parallel_mode == "replicate" else args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=args.moe_grouped_gemm,
         bf16=args.bf16,
@@ -262,6 +264,25 @@ def optimizer(args, model_chunks):
     )
     fixes.use_expert_tp_group_for_expert_optimizer(opt)
     return opt
+
+
+def add_grad_norm_term(opt, extra_norm_sq: Callable[[], float]) -> None:
+    """Make Megatron's grad norm (used for clipping and logging) include parameters it does not own.
+
+    `get_megatron_optimizer` returns a ChainedOptimizer; its step() clips every sub-optimizer's
+    gradients by `self.get_grad_norm()` (optimizer/optimizer.py:1308-1330 in 0.16.1). Replacing
+    that method on the instance by sqrt(norm^2 + extra_norm_sq()) gives clipping and the returned
+    norm the squared norm of gradients held outside the optimizer (replicate mode's expert
+    slices); the caller clips those with the same factor.
+    """
+    if not isinstance(opt, ChainedOptimizer):
+        raise TypeError(f"expected Megatron's ChainedOptimizer, got {type(opt).__name__}")
+    own = opt.get_grad_norm
+
+    def get_grad_norm():
+        return math.sqrt(float(own()) ** 2 + float(extra_norm_sq()))
+
+    opt.get_grad_norm = get_grad_norm
 
 
 def scheduler(args, opt) -> OptimizerParamScheduler:

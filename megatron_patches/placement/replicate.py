@@ -221,6 +221,11 @@ class TokenSpread:
     instances, before the receivers cap them (`accounting.apply_capacity` of it gives
     processed_ED). Tokens dropped at the source because their expert has no instance on another
     rank are not in it."""
+    kept_K: np.ndarray
+    """Tokens of each `plan` entry that are processed; int64 [K] <= plan.tokens_K. A receiver
+    serves its local tokens first, then remote arrivals in ascending source order, so every
+    source can tell from the counts alone which of its tokens will be dropped (and drop them
+    before sending). Summed per (expert, destination) it is processed_ED."""
 
     @property
     def processed(self) -> int:
@@ -300,6 +305,16 @@ def spread_tokens(
     arrivals_ED = np.bincount(e_p * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
     remote_ED = np.minimum(arrivals_ED, cap_ED - local_ED)
     dropped_E += (arrivals_ED - remote_ED).sum(axis=1)
+    # Step 3 per transfer: the room left after the local tokens, served in ascending source order.
+    order = np.lexsort((r_p, dest, e_p))
+    share_sorted = share[order]
+    cell = e_p[order] * R + dest[order]
+    before = np.cumsum(share_sorted) - share_sorted  # arrivals ahead of it, across cells
+    first = np.concatenate(([True], cell[1:] != cell[:-1]))
+    before -= np.maximum.accumulate(np.where(first, before, 0))  # ... within its (expert, destination)
+    room = (cap_ED - local_ED).ravel()[cell]
+    kept_remote = np.empty_like(share)
+    kept_remote[order] = np.clip(room - before, 0, share_sorted)
     le, lr = np.nonzero(local_ED)
     plan = DispatchPlan(
         np.concatenate((lr, r_p)),
@@ -310,4 +325,5 @@ def spread_tokens(
         E,
         R,
     )
-    return TokenSpread(local_ED + remote_ED, dropped_E, cap, plan)
+    kept_K = np.concatenate((local_ED[le, lr], kept_remote)).astype(np.int64)
+    return TokenSpread(local_ED + remote_ED, dropped_E, cap, plan, kept_K)

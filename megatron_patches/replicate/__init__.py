@@ -12,7 +12,12 @@ layer's experts:
   into the next placement's slots, with bytes per phase; whole experts to and from an
   expert-granular layout for per-expert checkpoints.
 
-Imports `placement` and `comm`; independent of Megatron's MoE layer.
+Training integration (imported from their modules, as they need Megatron-Core): `config`
+(ReplicateConfig from the command line), `layer` (ReplicateMoELayer, Megatron's MoELayer on
+the slots) and `runtime` (ReplicateRuntime: routing under capacity, gradients, the expert
+optimizer step beside Megatron's, the next placement by policy, metrics).
+
+This package's top level imports `placement` and `comm` only.
 """
 
 from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts

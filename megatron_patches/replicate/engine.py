@@ -83,6 +83,7 @@ class ReplicatedExperts:
         offload: keep the optimizer state in host memory (`--replicate-offload-optimizer`).
         topology: devices = group ranks, for intra/inter-node byte counts; None = one node.
         traffic: the counter bytes are recorded into; None = `traffic.default_counter()`.
+        decay_mask_N: bool [N], elements weight decay applies to (`ExpertSlices`); None = all.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class ReplicatedExperts:
         offload: bool = False,
         topology: Topology | None = None,
         traffic: TrafficCounter | None = None,
+        decay_mask_N: torch.Tensor | None = None,
     ):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"pass the replicate process group explicitly, got {group!r}")
@@ -121,7 +123,9 @@ class ReplicatedExperts:
         self.traffic = default_counter() if traffic is None else traffic
         """Where the bytes of every phase are recorded."""
         device = weights_EN.device if device is None else torch.device(device)
-        self.slices = ExpertSlices(weights_EN, self.rank, G, adam=adam, device=device, offload=offload)
+        self.slices = ExpertSlices(
+            weights_EN, self.rank, G, adam=adam, device=device, offload=offload, decay_mask_N=decay_mask_N
+        )
         """This rank's never-moving slices of the master weights and Adam state."""
         E, N = weights_EN.shape
         self.slots = SlotWeights(

@@ -67,6 +67,8 @@ class ExpertSlices:
         adam: the optimizer's hyper-parameters.
         device: where gradients come from and weights go to (the slots' device).
         offload: keep the master weights and Adam state in host memory and step there.
+        decay_mask_N: bool [N], the elements weight decay applies to (Megatron decays weight
+            matrices, not biases); None = every element.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class ExpertSlices:
         adam: AdamConfig,
         device: torch.device | str,
         offload: bool = False,
+        decay_mask_N: torch.Tensor | None = None,
     ):
         if not isinstance(weights_EN, torch.Tensor) or weights_EN.dim() != 2 or not weights_EN.is_floating_point():
             got = (
@@ -112,6 +115,10 @@ class ExpertSlices:
         """Adam's second moment [E, n_r]."""
         self.step_count = torch.tensor(0.0, dtype=torch.float32)
         """Adam steps taken (all experts step together), a float32 CPU scalar like torch.optim.Adam's."""
+        if decay_mask_N is not None and (decay_mask_N.dtype != torch.bool or tuple(decay_mask_N.shape) != (N,)):
+            raise ValueError(f"decay_mask_N must be a bool [{N}] tensor, got {decay_mask_N.dtype} {tuple(decay_mask_N.shape)}")
+        self.decay_mask_n = None if decay_mask_N is None else decay_mask_N[self.start : self.stop].to(self.state_device)
+        """Which elements of this slice weight decay applies to; None = all."""
 
     @property
     def num_experts(self) -> int:
@@ -138,6 +145,16 @@ class ExpertSlices:
             raise ValueError(f"rank {self.rank}: the gradient slice must have shape {self.shape}, got {got}")
         grad = grad_En.to(self.state_device, torch.float32)
         cfg = self.adam
+        lr = cfg.lr if lr is None else float(lr)
+        weight_decay = cfg.weight_decay
+        if weight_decay and self.decay_mask_n is not None:
+            if not cfg.decoupled_weight_decay:
+                raise ValueError("a weight-decay mask needs decoupled weight decay (AdamW), as Megatron uses")
+            # AdamW's first operation is param *= 1 - lr * wd; on the masked elements only, then
+            # the step without decay: the same values as torch's AdamW on separate param groups.
+            keep = torch.tensor(1.0 - lr * weight_decay, dtype=torch.float32)
+            self.master_En.mul_(torch.where(self.decay_mask_n, keep, torch.ones((), dtype=torch.float32)))
+            weight_decay = 0.0
         adam(
             [self.master_En],
             [grad],
@@ -149,8 +166,8 @@ class ExpertSlices:
             amsgrad=False,
             beta1=cfg.betas[0],
             beta2=cfg.betas[1],
-            lr=cfg.lr if lr is None else float(lr),
-            weight_decay=cfg.weight_decay,
+            lr=lr,
+            weight_decay=weight_decay,
             eps=cfg.eps,
             maximize=False,
         )

@@ -35,12 +35,13 @@ REPO_ROOT = Path(megatron_patches.__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "models" / "tiny.yaml"
 
 # How MoE experts are placed and synchronised (--moe-parallel-mode). 'ep' is stock Megatron-Core
-# expert parallelism, the baseline; 'fssdp' fully sharded sparse data parallelism; later issues
-# add 'replicate' and 'zebra' here.
-MOE_PARALLEL_MODES = ("ep", "fssdp")
+# expert parallelism, the baseline; 'fssdp' fully sharded sparse data parallelism; 'replicate'
+# per-iteration adaptive expert replication; a later issue adds 'zebra' here.
+MOE_PARALLEL_MODES = ("ep", "fssdp", "replicate")
 
-# --moe-load-window when not given: FSSDP predicts from the mean of 5 iterations (DESIGN 4.1).
-DEFAULT_LOAD_WINDOW = 5
+# --moe-load-window when not given: FSSDP predicts from the mean of 5 iterations (DESIGN 4.1);
+# replicate mode places the next iteration from the last one's popularity (DESIGN 4.6).
+DEFAULT_LOAD_WINDOW = {"fssdp": 5, "replicate": 1}
 
 MODEL_FAMILIES = ("gpt", "bert")
 
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(parser)
     _add_moe_args(parser)
     _add_fssdp_args(parser)
+    _add_replicate_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_learning_rate_args(parser)
@@ -348,7 +350,35 @@ def _add_fssdp_args(parser):
     group.add_argument(
         "--moe-load-window", type=int, default=None,
         help=f"Iterations averaged to predict the next iteration's expert loads (default "
-        f"{DEFAULT_LOAD_WINDOW} in fssdp mode). New flag.",
+        f"{DEFAULT_LOAD_WINDOW['fssdp']} in fssdp mode, {DEFAULT_LOAD_WINDOW['replicate']} in replicate mode). New flag.",
+    )
+
+
+def _add_replicate_args(parser):
+    group = parser.add_argument_group(title="replicate (--moe-parallel-mode replicate)")
+    group.add_argument(
+        "--replicate-slots-per-rank", type=int, default=4,
+        help="s: expert instances each rank runs per MoE layer; every iteration the ranks x s "
+        "instances are shared out among the experts by popularity. With "
+        "--moe-expert-capacity-factor, an instance takes at most factor x tokens / (ranks x s) "
+        "tokens (the rest are dropped); without it nothing is dropped. New flag.",
+    )
+    group.add_argument(
+        "--replicate-offload-optimizer", action="store_true",
+        help="Keep the experts' fp32 master weights and Adam state in host memory and step them "
+        "there. New flag.",
+    )
+    group.add_argument(
+        "--replicate-policy", type=str, default="adaptive",
+        help="adaptive: new replica counts every iteration (DESIGN 4.6); static: every expert keeps "
+        "ranks x s / experts instances (DeepSpeed-style baseline); flexmoe: new counts every "
+        "--replicate-rebalance-interval iterations, moving optimizer state with the experts "
+        "(FlexMoE-style baseline). New flag.",
+    )
+    group.add_argument(
+        "--replicate-rebalance-interval", type=int, default=10,
+        help="With --replicate-policy flexmoe: iterations between re-placements (10, 50 and 100 in "
+        "the comparison). New flag.",
     )
 
 
@@ -714,7 +744,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_parallel_layout(args, world_size)
     _resolve_model_shape(args)
     _resolve_moe(args)
-    _resolve_fssdp(args)
+    _resolve_mode_flags(args)
     _resolve_batch(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
@@ -960,55 +990,91 @@ def _resolve_moe(args):
               "Megatron-Core's flex dispatcher needs TP x EP > 1; valid here: alltoall, allgather")
 
 
-def _resolve_fssdp(args):
+def _resolve_mode_flags(args):
+    """Every mode's own flags are refused in the other modes (compared with the parser defaults)."""
     mode = args.moe_parallel_mode
-    if mode != "fssdp":
-        parser = build_parser()
-        for dest in (d for d in vars(args) if d.startswith("fssdp_")):
+    parser = build_parser()
+    for prefix, owner in (("fssdp_", "fssdp"), ("replicate_", "replicate")):
+        if mode == owner:
+            continue
+        for dest in (d for d in vars(args) if d.startswith(prefix)):
             if getattr(args, dest) != parser.get_default(dest):
                 _fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
-                      f"only applies with --moe-parallel-mode fssdp (mode is {mode})")
+                      f"only applies with --moe-parallel-mode {owner} (mode is {mode})")
+    if mode not in DEFAULT_LOAD_WINDOW:
         if args.moe_load_window is not None:
             _fail("--moe-load-window", args.moe_load_window,
-                  f"only applies with --moe-parallel-mode fssdp (mode is {mode}; ep places experts statically)")
+                  f"only applies with --moe-parallel-mode {' or '.join(DEFAULT_LOAD_WINDOW)} (mode is {mode}; "
+                  "ep places experts statically)")
         return
     if args.moe_load_window is None:
-        args.moe_load_window = DEFAULT_LOAD_WINDOW
+        args.moe_load_window = DEFAULT_LOAD_WINDOW[mode]
     if args.moe_load_window < 1:
         _fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
-    if args.fssdp_reshard_interval < 0:
-        _fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
-    if not args.fssdp_memory_budget_mb > 0:
-        _fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
     if args.num_experts is None:
-        _fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to shard)")
+        _fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to place)")
+    expert_group = args.world_size // (args.pipeline_model_parallel_size * args.expert_tensor_parallel_size)
     refusals = (
         ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size < 2,
-         "fssdp places expert copies on the other ranks of the expert-parallel group, so it needs at "
+         f"{mode} places expert instances on the other ranks of the expert-parallel group, so it needs at "
          "least 2 (launch several ranks, e.g. torchrun --nproc-per-node 4); with one rank use "
          "--moe-parallel-mode ep"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
-         "fssdp routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
+         f"{mode} routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
-         "fssdp copies whole experts; valid: 1"),
+         f"{mode} copies whole experts; valid: 1"),
         ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_data_parallel_size != 1,
-         f"the FSSDP group is the expert-parallel group and must span all data-parallel replicas "
+         f"the {mode} group is the expert-parallel group and must span all data-parallel replicas "
          f"(expert-data-parallel size is {args.expert_data_parallel_size}); valid: world size / "
-         f"(--pipeline-model-parallel-size x --expert-tensor-parallel-size) = "
-         f"{args.world_size // (args.pipeline_model_parallel_size * args.expert_tensor_parallel_size)}"),
+         f"(--pipeline-model-parallel-size x --expert-tensor-parallel-size) = {expert_group}"),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm,
-         "fssdp runs each materialized expert with Megatron's MLP module; drop --moe-grouped-gemm"),
+         f"{mode} runs each expert instance with Megatron's MLP module; drop --moe-grouped-gemm"),
         ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,
-         "padding is per expert rank, copies make it per instance; not supported in fssdp mode"),
+         f"padding is per expert rank, instances make it per instance; not supported in {mode} mode"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce,
-         "fssdp adds the reduced expert gradients into Megatron's grad buffer after the backward; "
-         "not supported together with DDP's overlapped reduce yet"),
+         f"{mode} handles the expert gradients after the backward; not supported together with DDP's "
+         "overlapped reduce yet"),
         ("--overlap-param-gather", True, args.overlap_param_gather,
-         "not supported in fssdp mode (it needs --overlap-grad-reduce)"),
+         f"not supported in {mode} mode (it needs --overlap-grad-reduce)"),
     )
     for flag, value, refused, why in refusals:
         if refused:
             _fail(flag, value, why)
+    if mode == "fssdp":
+        _resolve_fssdp(args)
+    else:
+        _resolve_replicate(args)
+
+
+def _resolve_fssdp(args):
+    if args.fssdp_reshard_interval < 0:
+        _fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
+    if not args.fssdp_memory_budget_mb > 0:
+        _fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
+
+
+def _resolve_replicate(args):
+    from megatron_patches.replicate.config import POLICIES
+
+    slots, ep, experts = args.replicate_slots_per_rank, args.expert_model_parallel_size, args.num_experts
+    if slots < 1:
+        _fail("--replicate-slots-per-rank", slots, "must be at least 1")
+    if experts > ep * slots:
+        _fail("--replicate-slots-per-rank", slots,
+              f"every expert needs at least one instance: --num-experts={experts} > ranks x slots = {ep} x {slots}; "
+              f"valid: >= {-(-experts // ep)}")
+    if args.replicate_policy not in POLICIES:
+        _fail("--replicate-policy", args.replicate_policy, f"valid: {', '.join(POLICIES)}")
+    if args.replicate_rebalance_interval < 1:
+        _fail("--replicate-rebalance-interval", args.replicate_rebalance_interval, "must be at least 1 iteration")
+    if args.replicate_policy != "flexmoe" and args.replicate_rebalance_interval != build_parser().get_default("replicate_rebalance_interval"):
+        _fail("--replicate-rebalance-interval", args.replicate_rebalance_interval,
+              f"only applies with --replicate-policy flexmoe (policy is {args.replicate_policy})")
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value is not None:
+            _fail(flag, value, "checkpoints are not supported in replicate mode yet (the experts' optimizer "
+                  "state lives in the replicate runtime's slices, which Megatron's checkpoint does not cover); "
+                  "train without --save/--load, or use --moe-parallel-mode ep or fssdp")
 
 
 def _resolve_batch(args):

@@ -170,16 +170,29 @@ def pretrain(args) -> Summary:
     # metrics and the trace cover the whole model.
     pattern = mcore.moe_layer_pattern(mcore.transformer_config(args, use_cuda))
     layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
-    fssdp = None
+    fssdp = replicate = None
+    moe_spec_fn = stock_moe_spec
     if args.moe_parallel_mode == "fssdp":
         from megatron_patches.fssdp import FSSDPConfig, FSSDPRuntime
 
         fssdp = FSSDPRuntime(FSSDPConfig.from_args(args), args.num_experts, layer_numbers, use_cuda)
-    model, config = build_model(args, vocab, on_gpu=use_cuda, moe_spec_fn=fssdp.moe_spec if fssdp else stock_moe_spec)
+        moe_spec_fn = fssdp.moe_spec
+    elif args.moe_parallel_mode == "replicate":
+        from megatron_patches.replicate import AdamConfig
+        from megatron_patches.replicate.config import ReplicateConfig
+        from megatron_patches.replicate.runtime import ReplicateRuntime
+
+        # The experts' optimizer takes Megatron's Adam settings (AdamW: decoupled weight decay).
+        adam = AdamConfig(args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.weight_decay, decoupled_weight_decay=True)
+        replicate = ReplicateRuntime(ReplicateConfig.from_args(args), args.num_experts, layer_numbers, use_cuda, adam)
+        moe_spec_fn = replicate.moe_spec
+    model, config = build_model(args, vocab, on_gpu=use_cuda, moe_spec_fn=moe_spec_fn)
     ddp = mcore.wrap_ddp(config, model, args)
     if fssdp is not None:
         fssdp.attach(mcore.transformer_layers(model), config)
     optimizer = mcore.optimizer(args, [ddp])
+    if replicate is not None:
+        replicate.attach(mcore.transformer_layers(model), config, optimizer)
     scheduler = mcore.scheduler(args, optimizer)
     num_params = sum(p.numel() for p in model.parameters())
     log0(f"model: {args.model_family} | {num_params:,} parameters on rank 0 | vocab {tokenizer.vocab_size} padded to {vocab}")
@@ -232,14 +245,22 @@ def pretrain(args) -> Summary:
         optimizer.zero_grad()
         if fssdp is not None:
             fssdp.begin_iteration(iteration)
+        if replicate is not None:
+            replicate.begin_iteration()
         losses = mcore.forward_backward(
             forward_step, train_iter, [ddp], args.num_micro_batches, args.seq_length, args.micro_batch_size, forward_only=False
         )
+        lr_used = optimizer.param_groups[0]["lr"]
         update_ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         loss = _mean_loss_over_world(losses)
         loads = recorder.collect()
         fssdp_record = fssdp.end_iteration(loads.processed_LE) if fssdp is not None else None
+        replicate_record = (
+            replicate.end_iteration(iteration, update_ok, grad_norm, lr_used, args.clip_grad, loads.routed_LE)
+            if replicate is not None
+            else None
+        )
         elapsed = time.perf_counter() - started
         if fssdp is not None:
             for line in fssdp.log:
@@ -253,10 +274,13 @@ def pretrain(args) -> Summary:
             trace_routed.append(loads.routed_LE)
             trace_sources.append(loads.source_routed_LSE)
         log_now = iteration % args.log_interval == 0 or iteration == args.train_iters
-        # token copies crossing ranks: EP's ownership, or where fssdp's dispatch plans sent them
-        remote_copies = fssdp_record["a2a_remote_copies"] if fssdp_record is not None else loads.remote_copies
+        # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
+        mode_record = fssdp_record or replicate_record
+        remote_copies = mode_record["a2a_remote_copies"] if mode_record is not None else loads.remote_copies
         if fssdp_record is not None and log_now:
             fssdp_record["memory"] = fssdp.memory_report(optimizer)
+        if replicate_record is not None and log_now:
+            replicate_record["memory"] = replicate.memory_report()
         if writer is not None and log_now:
             writer.log(
                 {
@@ -271,6 +295,7 @@ def pretrain(args) -> Summary:
                     "moe_layers": metrics.moe_layer_records(loads, layer_numbers, args.expert_model_parallel_size),
                     "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
                     **({"fssdp": fssdp_record} if fssdp_record is not None else {}),
+                    **({"replicate": replicate_record} if replicate_record is not None else {}),
                 }
             )
         if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:

@@ -9,7 +9,7 @@ Definitions (the same in logs, tests, placement tools and the simulator):
 - imbalance = max(device_tokens) / mean(device_tokens) (1.0 when nothing was routed);
 - survival = processed / routed (1.0 without a capacity factor);
 - bytes["a2a"]: the expert all-to-all payload, counted as token copies processed on another
-  rank (ep: the expert's EP rank; fssdp: the holder the dispatch plan chose) x hidden x
+  rank (ep: the expert's EP rank; fssdp, replicate: the holder the dispatch plan chose) x hidden x
   element size, for dispatch and combine, forward and backward (4 transfers per remote
   copy), summed over ranks.
 """
@@ -186,6 +186,12 @@ class MetricsWriter:
             placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
             spag = sum(fssdp["bytes"]["spag"].values())
             placed = f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
+        replicate = record.get("replicate")
+        if replicate is not None:
+            # Megatron's router drops nothing in replicate mode; the instances' capacity does.
+            placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
+            placed = f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)"
+            survival = min(layer["survival"] for layer in replicate["layers"])
         print(
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
@@ -206,6 +212,8 @@ class MetricsWriter:
                 self._tb.add_scalar(f"bytes/{kind}", value, iteration)
             if fssdp is not None:
                 self._log_fssdp_tb(fssdp, iteration)
+            if replicate is not None:
+                self._log_replicate_tb(replicate, iteration)
 
     def _log_fssdp_tb(self, fssdp: dict, iteration: int) -> None:
         self._tb.add_scalar("fssdp/overlap_degree", fssdp["t"], iteration)
@@ -221,6 +229,18 @@ class MetricsWriter:
             if name in fssdp.get("memory", {}):
                 self._tb.add_scalar(f"fssdp/{name}_max_rank", max(fssdp["memory"][name]), iteration)
         self._tb.add_scalar("fssdp/copies_bytes_peak_max_rank", max(fssdp["copies_bytes_peak"]), iteration)
+
+    def _log_replicate_tb(self, replicate: dict, iteration: int) -> None:
+        self._tb.add_scalar("replicate/survival", replicate["survival"], iteration)
+        for layer in replicate["layers"]:
+            self._tb.add_scalar(f"replicate/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
+            self._tb.add_scalar(f"replicate/survival_layer{layer['layer']}", layer["survival"], iteration)
+            self._tb.add_scalar(f"replicate/max_replicas_layer{layer['layer']}", max(layer["replicas"]), iteration)
+        for kind, link in replicate["bytes"].items():
+            for where, value in link.items():
+                self._tb.add_scalar(f"replicate/bytes_{kind}_{where}", value, iteration)
+        for kind, seconds in replicate["seconds"].items():
+            self._tb.add_scalar(f"replicate/seconds_{kind}", seconds, iteration)
 
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)

@@ -272,6 +272,16 @@ def test_spread_tokens_plan_matches_its_counts(E, R, s, cf, seed):
     assert ((spread.plan.tokens_K == 0) | (placement.counts_ED[spread.plan.expert_K, spread.plan.dest_K] > 0)).all()
     processed, dropped_arrival = apply_capacity(spread.plan, placement, spread.capacity)
     assert np.array_equal(processed, spread.processed_ED)
+    # the kept part of every transfer: at most what was sent, summing to the processed counts,
+    # with each receiver's remote room filled by the lowest sources first
+    plan, kept = spread.plan, spread.kept_K
+    assert ((0 <= kept) & (kept <= plan.tokens_K)).all()
+    kept_ED = np.zeros_like(processed)
+    np.add.at(kept_ED, (plan.expert_K, plan.dest_K), kept)
+    assert np.array_equal(kept_ED, spread.processed_ED)
+    for k in np.flatnonzero(kept < plan.tokens_K):
+        same = (plan.expert_K == plan.expert_K[k]) & (plan.dest_K == plan.dest_K[k]) & (plan.source_K != plan.dest_K)
+        assert (kept[same & (plan.source_K > plan.source_K[k])] == 0).all()
     dropped_at_source = src.sum() - spread.plan.routed_SE().sum()
     assert dropped_arrival.sum() + dropped_at_source == spread.dropped
     # what is not sent was routed to an expert with no instance on another rank

@@ -338,6 +338,37 @@ def test_adam_slices_equal_torch_adam_on_full_vectors():
             assert sl.step_count.item() == 30
 
 
+def test_adam_slices_with_decay_mask_equal_adamw_param_groups():
+    # Megatron's optimizer: AdamW with weight decay on the weight matrices, none on the biases.
+    # Each expert row is [weight (7 elements), bias (4)]; the slices must match bit for bit.
+    E, N, G, W = 2, 11, 3, 7
+    rng = np.random.default_rng(3)
+    W_EN = torch.from_numpy(rng.standard_normal((E, N))).float()
+    cfg = AdamConfig(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    weights = [torch.nn.Parameter(W_EN[e, :W].clone()) for e in range(E)]
+    biases = [torch.nn.Parameter(W_EN[e, W:].clone()) for e in range(E)]
+    opt = torch.optim.AdamW(
+        [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0.0}], lr=cfg.lr
+    )
+    mask_N = torch.arange(N) < W
+    slices = [ExpertSlices(W_EN, r, G, adam=cfg, device="cpu", decay_mask_N=mask_N) for r in range(G)]
+    for step in range(20):
+        grad_EN = torch.from_numpy(rng.standard_normal((E, N))).float()
+        lr = 1e-2 / (step + 1)
+        for e in range(E):
+            weights[e].grad, biases[e].grad = grad_EN[e, :W].clone(), grad_EN[e, W:].clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        for sl in slices:
+            sl.step(grad_EN[:, sl.start : sl.stop], lr)
+    ref_EN = torch.cat([torch.stack([p.detach() for p in weights]), torch.stack([p.detach() for p in biases])], dim=1)
+    for sl in slices:
+        assert torch.equal(sl.master_En, ref_EN[:, sl.start : sl.stop])
+    with pytest.raises(ValueError, match="decay_mask_N must be a bool"):
+        ExpertSlices(W_EN, 0, G, adam=cfg, device="cpu", decay_mask_N=torch.ones(N))
+
+
 def test_slot_weights_assignment_and_in_place_fill():
     slots = SlotWeights([[0, 0, 1, 2, 2, 2], [2, 2, 2, 2, 3, 3]], 0, 4, 2, dtype=torch.float32, device="cpu")
     assert slots.held_experts.tolist() == [0, 1, 2] and slots.held_row_S.tolist() == [0, 0, 1, 2, 2, 2]

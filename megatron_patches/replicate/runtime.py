@@ -1,0 +1,354 @@
+"""The replicate runtime: per-iteration expert replication for all MoE layers of a stage.
+
+DESIGN 4.6 inside Megatron-Core training. The replicate group is Megatron's expert-parallel
+group, which must span every data-parallel replica (expert-data-parallel 1, expert-tensor-
+parallel 1), so its G ranks see every token of the stage. Per MoE layer and rank:
+
+- `ReplicatedExperts` (engine.py) holds the s slots (the instances this rank runs), slice r of
+  every expert's fp32 master weights and Adam state (never moving), and moves the gradients
+  and the updated weights;
+- Megatron's local experts stay in the module, frozen: the initial weights come from them
+  (deterministic per global expert id, identical to ep mode's), and they are the checkpoint form.
+
+Per iteration, on every rank in the same order:
+
+    route (each micro-batch, each layer)   counts [G, E] all-reduced; tokens spread over the
+                                           instances under the capacity; the overflow dropped
+    finalize_model_grads (wrapped)         slot gradients -> summed slices [E, n_r], x 1/DP like
+                                           Megatron's DDP; their squared norm is added to
+                                           Megatron's grad norm (clipping sees every parameter once)
+    end_iteration                          Adam on the slices (same lr and clip factor as
+                                           Megatron's step), the next placement from the
+                                           popularity (policy), weights pushed into its slots
+
+The placement is the same on every rank: it comes from all-reduced counts only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+from megatron_patches.comm.groups import ContiguousGroups, node_layout
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.comm.virtual import tokens_from_source
+from megatron_patches.compat import mcore
+from megatron_patches.compat.moe import with_moe_layer
+from megatron_patches.placement.accounting import imbalance
+from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.replicate import assign_slots, replica_counts, spread_tokens
+from megatron_patches.placement.types import Topology
+from megatron_patches.replicate.config import ReplicateConfig
+from megatron_patches.replicate.engine import ReplicatedExperts
+from megatron_patches.replicate.layer import ReplicateMoELayer
+from megatron_patches.replicate.slices import AdamConfig
+
+__all__ = ["ReplicateRuntime"]
+
+TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights")
+"""rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
+gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots."""
+
+# Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
+# (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32).
+CLIP_EPS = 1.0e-6
+
+
+@dataclass
+class IterationStats:
+    """What the layers routed and processed in one iteration (global: from all-reduced counts)."""
+
+    routed_LE: np.ndarray
+    """Token copies routed per layer and expert, before dropping."""
+    processed_LED: np.ndarray
+    """Token copies processed per layer, expert and rank."""
+    replicas_LE: np.ndarray
+    """Instances per layer and expert class of the placement the iteration ran with."""
+    remote_copies: int = 0
+    """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
+    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0})
+    """This rank's time in the placement planner (scheduler), in spreading and routing tokens
+    (metadata), and in the slices' Adam step and weight push (optimizer)."""
+
+
+class ReplicateRuntime:
+    """Coordinates replicate mode for the MoE layers of this pipeline stage (see module docstring)."""
+
+    def __init__(self, config: ReplicateConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool, adam: AdamConfig):
+        self.config = config
+        self.num_experts = num_experts
+        self.moe_layer_numbers = list(moe_layer_numbers)
+        """Global numbers of all MoE layers of the model (the load tracker covers all)."""
+        self.on_gpu = on_gpu
+        self.adam = adam
+        """The expert optimizer's hyper-parameters (Megatron's Adam settings)."""
+        if parallel_state.get_expert_tensor_parallel_world_size() != 1:
+            raise ValueError("replicate mode needs --expert-tensor-parallel-size 1 (slots hold whole experts)")
+        if parallel_state.get_expert_data_parallel_world_size() != 1:
+            raise ValueError(
+                "replicate mode needs the expert-parallel group to span every data-parallel replica "
+                f"(expert-data-parallel size is {parallel_state.get_expert_data_parallel_world_size()})"
+            )
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        own = tuple(dist.get_process_group_ranks(ep_group))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, own)
+        # Every range of every EP group, registered once by every process in the same order.
+        self.contiguous = ContiguousGroups(sorted(set(everyone)))
+        self.num_devices = self.contiguous.size
+        """G, ranks of the replicate group."""
+        if self.num_devices < 2:
+            raise ValueError("replicate mode needs an expert-parallel group of at least 2 ranks")
+        self.group = self.contiguous.get(0, self.num_devices)
+        """The replicate group (all G ranks; its rank d is device d of the placements)."""
+        self.rank = self.contiguous.position
+        nodes, per_node = node_layout(own)
+        self.topology = Topology(nodes, per_node, 1.0, 1.0)
+        """Devices and nodes of the group (bandwidths unused: only the byte split intra/inter)."""
+        if num_experts > self.num_devices * config.slots_per_rank:
+            raise ValueError(
+                f"replicate mode: {num_experts} experts need at least one slot each, but {self.num_devices} ranks x "
+                f"{config.slots_per_rank} slots = {self.num_devices * config.slots_per_rank}"
+            )
+        self.traffic = TrafficCounter()
+        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window)
+        self.layers: list = []
+        """This stage's replicate MoE layers, in forward order."""
+        self.experts: dict[int, ReplicatedExperts] = {}
+        """Layer number -> the layer's slots, slices and traffic engine."""
+        self.grads: dict[int, torch.Tensor] = {}
+        """Layer number -> this iteration's summed gradient slices [E, n_r] (after the backward)."""
+        self.grad_norm_sq = 0.0
+        """Squared norm of all experts' gradients of the stage's layers, summed over the world."""
+        self.stats: IterationStats | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def moe_spec(self, moe_layer_spec, args):
+        """`moe_spec_fn` for `training.model.build_model`: Megatron's MoE layer -> ReplicateMoELayer."""
+        return with_moe_layer(moe_layer_spec, ReplicateMoELayer, runtime=self)
+
+    def register_layer(self, layer) -> None:
+        self.layers.append(layer)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.config.slots_per_rank
+
+    def initial_slots(self) -> np.ndarray:
+        """Every class gets G*s/E instances (the remainder to the lowest ids): static replication."""
+        counts_E = replica_counts(np.ones(self.num_experts), self.num_devices, self.slots_per_rank)
+        return assign_slots(counts_E, self.num_devices, self.slots_per_rank)
+
+    def attach(self, transformer_layers, config, optimizer) -> None:
+        """Builds every layer's slots and slices; wraps finalize_model_grads and the grad norm.
+
+        Call once on every rank, after the model, DDP and the optimizer are built.
+        """
+        moe = [layer.mlp for layer in transformer_layers if layer.mlp in self.layers]
+        if not moe:
+            raise ValueError("replicate mode: this pipeline stage has no replicate MoE layer (the layer spec was not injected)")
+        self.layers = moe
+        slots = self.initial_slots()
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        for layer in moe:
+            layout = layer.expert_layout
+            owned_ON = torch.stack([layout.flatten(expert) for expert in layer.experts.local_experts])
+            parts = [torch.empty_like(owned_ON) for _ in range(self.num_devices)]
+            dist.all_gather(parts, owned_ON, group=ep_group)
+            weights_EN = torch.cat(parts)  # EP's contiguous layout: rank d owns experts [d E/G, (d+1) E/G)
+            # Megatron decays weight matrices, not biases or 1-D parameters.
+            decay_N = torch.cat(
+                [torch.full((shape.numel(),), len(shape) > 1 and not name.endswith("bias")) for name, shape in zip(layout.names, layout.shapes)]
+            )
+            self.experts[layer.layer_number] = ReplicatedExperts(
+                weights_EN,
+                slots,
+                self.group,
+                self.contiguous,
+                adam=self.adam,
+                device=self.device,
+                offload=self.config.offload_optimizer,
+                topology=self.topology,
+                traffic=self.traffic,
+                decay_mask_N=decay_N,
+            )
+        original = config.finalize_model_grads_func
+
+        def finalize_model_grads(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self.reduce_gradients()
+            return result
+
+        config.finalize_model_grads_func = finalize_model_grads
+        mcore.add_grad_norm_term(optimizer, lambda: self.grad_norm_sq)
+
+    # ---- per iteration ---------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        self.traffic.reset()
+        L = len(self.layers)
+        self.stats = IterationStats(
+            np.zeros((L, self.num_experts), dtype=np.int64),
+            np.zeros((L, self.num_experts, self.num_devices), dtype=np.int64),
+            np.stack([self.experts[layer.layer_number].slots.placement.instances_E() for layer in self.layers]),
+        )
+        self.grads = {}
+        self.grad_norm_sq = 0.0
+        for experts in self.experts.values():
+            experts.slots.slots_SN.grad = None
+
+    def route(self, layer, counts_E: torch.Tensor) -> np.ndarray:
+        """This source's tokens per (expert, destination rank) for one micro-batch of `layer`; int64 [E, G].
+
+        Collective over the group: the counts of every source are all-reduced (one [G, E]
+        buffer, each rank filling its row), then every rank computes the same spread.
+        """
+        counts_GE = torch.zeros((self.num_devices, self.num_experts), dtype=torch.int64, device=self.device)
+        counts_GE[self.rank] = counts_E.to(self.device)
+        self.contiguous.all_reduce(counts_GE, 0, self.num_devices, kind="rep_popularity", traffic=self.traffic, topology=self.topology)
+        started = time.perf_counter()
+        loads_GE = counts_GE.cpu().numpy()
+        placement = self.experts[layer.layer_number].slots.placement
+        # Dropless: a capacity factor of G*s makes an instance's capacity every token of the layer.
+        factor = self.config.capacity_factor or float(self.num_devices * self.slots_per_rank)
+        spread = spread_tokens(placement, loads_GE, factor, self.slots_per_rank)
+        tokens_ED = tokens_from_source(spread.plan, self.rank, spread.kept_K)
+        if layer.training:
+            index = self.layers.index(layer)
+            self.stats.routed_LE[index] += loads_GE.sum(axis=0)
+            self.stats.processed_LED[index] += spread.processed_ED
+            self.stats.remote_copies += int(spread.kept_K[spread.plan.source_K != spread.plan.dest_K].sum())
+            self.stats.seconds["metadata"] += time.perf_counter() - started
+        return tokens_ED
+
+    def reduce_gradients(self) -> None:
+        """After the backward: every layer's slot gradients -> summed slices, scaled as Megatron's DDP."""
+        # DDP divides every gradient by the data-parallel size (the loss is a per-replica mean).
+        scale = 1.0 / parallel_state.get_data_parallel_world_size()
+        local = torch.zeros((), dtype=torch.float64)
+        for layer in self.layers:
+            experts = self.experts[layer.layer_number]
+            grad_SN = experts.slots.slots_SN.grad
+            if grad_SN is None:
+                grad_SN = torch.zeros_like(experts.slots.slots_SN)
+            grad_En = experts.reduce_gradients(grad_SN).mul_(scale)
+            self.grads[layer.layer_number] = grad_En
+            local += grad_En.double().square().sum().cpu()
+        # The slices partition every expert's elements; each stage has one replicate group (EDP = 1),
+        # so the world-wide sum counts every expert parameter exactly once.
+        total = local.to(self.device)
+        dist.all_reduce(total)
+        self.grad_norm_sq = float(total.item())
+
+    def end_iteration(self, iteration: int, update_ok: bool, grad_norm, lr: float, clip_grad: float, routed_LE: np.ndarray) -> dict:
+        """Step the experts' slices like Megatron stepped its parameters, place the next iteration
+        and push the weights into its slots; returns the iteration's replicate metrics.
+
+        Args:
+            iteration: the iteration that just ran (1-based).
+            update_ok: Megatron's step result (False = skipped, e.g. fp16 overflow).
+            grad_norm: the total grad norm Megatron returned (the experts' term included).
+            lr: the learning rate Megatron's step used.
+            clip_grad: Megatron's --clip-grad (0 = no clipping).
+            routed_LE: global routed token copies per MoE layer of the whole model this iteration.
+        """
+        if len(self.grads) != len(self.layers):
+            raise RuntimeError("replicate: the iteration ended before every layer's expert gradients were reduced")
+        seconds = self.stats.seconds
+        started = time.perf_counter()
+        self.tracker.observe(routed_LE)
+        next_slots = self._next_slots(iteration)
+        seconds["scheduler"] += time.perf_counter() - started
+        factor = 1.0
+        if clip_grad > 0 and grad_norm is not None:
+            factor = min(1.0, clip_grad / (float(grad_norm) + CLIP_EPS))
+        started = time.perf_counter()
+        for layer in self.layers:
+            experts = self.experts[layer.layer_number]
+            if update_ok:
+                grad_En = self.grads[layer.layer_number]
+                experts.step(grad_En.mul_(factor) if factor < 1.0 else grad_En, lr)
+            experts.push(next_slots[layer.layer_number])
+        seconds["optimizer"] += time.perf_counter() - started
+        self.grads = {}
+        return self._metrics()
+
+    def _next_slots(self, iteration: int) -> dict[int, np.ndarray]:
+        """The slot assignment of every layer for the next iteration, by the policy."""
+        policy = self.config.policy
+        out = {}
+        predicted_LE = self.tracker.predict()
+        for layer in self.layers:
+            current = self.experts[layer.layer_number].slots.slot_expert_RS
+            if policy == "static" or (policy == "flexmoe" and iteration % self.config.rebalance_interval != 0):
+                out[layer.layer_number] = current
+                continue
+            row = self.moe_layer_numbers.index(layer.layer_number)
+            counts_E = replica_counts(predicted_LE[row], self.num_devices, self.slots_per_rank)
+            out[layer.layer_number] = assign_slots(counts_E, self.num_devices, self.slots_per_rank)
+        return out
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    def _metrics(self) -> dict:
+        """Global replicate figures of the iteration (identical on every rank)."""
+        snapshot = self.traffic.snapshot()
+        fields = ("sent_intra", "sent_inter")
+        local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
+        bytes_sum = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(bytes_sum, group=self.group)
+        seconds = torch.tensor(list(self.stats.seconds.values()), dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
+        values = bytes_sum.tolist()
+        traffic = {kind: {"intra": int(values[2 * i]), "inter": int(values[2 * i + 1])} for i, kind in enumerate(TRAFFIC_KINDS)}
+        layers = []
+        routed = processed = 0
+        for index, layer in enumerate(self.layers):
+            routed_E = self.stats.routed_LE[index]
+            processed_ED = self.stats.processed_LED[index]
+            device_D = processed_ED.sum(axis=0)
+            routed += int(routed_E.sum())
+            processed += int(processed_ED.sum())
+            layers.append(
+                {
+                    "layer": layer.layer_number,
+                    "routed": int(routed_E.sum()),
+                    "processed": int(processed_ED.sum()),
+                    "survival": float(processed_ED.sum() / routed_E.sum()) if routed_E.sum() else 1.0,
+                    "device_tokens": device_D.tolist(),
+                    "imbalance": imbalance(device_D),
+                    "popularity": routed_E.tolist(),
+                    "replicas": self.stats.replicas_LE[index].tolist(),
+                }
+            )
+        return {
+            "policy": self.config.policy,
+            "slots_per_rank": self.slots_per_rank,
+            "survival": processed / routed if routed else 1.0,
+            "layers": layers,
+            "bytes": traffic,
+            "a2a_remote_copies": self.stats.remote_copies,
+            "seconds": dict(zip(self.stats.seconds, seconds.tolist())),
+        }
+
+    def memory_report(self) -> dict:
+        """Bytes per rank (gathered over the group): slots (working weights) and the experts'
+        fp32 master weights + Adam moments (the slices, on the host with offload)."""
+        slots = sum(e.slots.slots_SN.numel() * e.slots.slots_SN.element_size() for e in self.experts.values())
+        state = sum(e.slices.state_bytes() for e in self.experts.values())
+        local = torch.tensor([slots, state], dtype=torch.float64, device=self.device)
+        parts = [torch.zeros_like(local) for _ in range(self.num_devices)]
+        dist.all_gather(parts, local, group=self.group)
+        stacked = torch.stack(parts).cpu().to(torch.int64)
+        return {"slot_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
