@@ -1,0 +1,809 @@
+"""Zebra engine: one training iteration of a GPT-MoE model split over attention and expert ranks.
+
+DESIGN 4.7 / 4.8. The model is Megatron's own GPTModel, built on every rank exactly as ep mode
+builds it with TP = PP = EP = 1 (``training.model.build_model``: non-expert weights from
+Megatron's initialisation, experts from (seed, layer, global expert id)); the engine is a new
+forward/backward schedule over its modules, not a new model:
+
+- attention ranks (the first M of each ZP group) keep the embedding, every layer's norms,
+  self-attention and router, the final norm and the output layer; data-parallel over all
+  attention ranks of all ZP groups;
+- expert ranks (the next N) keep the experts of every layer (``placement.zebra.expert_owners``:
+  expert rank r holds a contiguous block of n/N experts); under Asym-EA the last o*n2 experts of
+  every block of a layer with o chunks belong to the attention ranks instead. Every rank keeps
+  only what it owns: the other parameters are released right after construction (their storage
+  is replaced by an empty tensor), so the weights of an offloaded expert "move" by construction
+  (every rank built the same model from the same seeds) and its Adam state is created where it
+  lives. The plan is fixed for the run.
+
+One iteration runs R micro-batches per attention rank through the Theorem-1 task order of
+``placement.zebra.task_order`` (per role: one compute queue, one dispatch queue, one combine
+queue). Per layer l and micro-batch j:
+
+    A_F(l,j)  attention rank: [combine of layer l-1: un-permute the returned expert outputs, add
+              the residual | embedding for l = 0] -> input norm -> self-attention -> residual add
+              -> pre-MLP norm -> router -> permute the normed tokens by owner rank then expert
+    D_F(l,j)  all-gather of the per-expert token counts over the ZP group, then two all-to-alls
+              (tokens, probabilities) with uneven splits: attention ranks -> owners of the experts
+    E_F(l,j)  owner: sort the received rows by local expert (Megatron's sort_chunks_by_idxs
+              order), run each expert MLP (probabilities applied inside, as SequentialMLP does)
+    C_F(l,j)  all-to-all of the expert outputs back to the attention ranks
+    A_F(L,j)  head: combine of layer L-1, final norm, output layer, loss; A_B(L,j) right after
+    C_B(l,j)  all-to-all of the gradient of the expert outputs (produced by A_B(l+1,j))
+    E_B(l,j)  owner: expert backward -> gradients of the received tokens and probabilities
+    D_B(l,j)  all-to-all of those gradients back to the attention ranks
+    A_B(l,j)  one autograd backward of segment A_F(l,j) from the gradient of its residual output
+              (from A_B(l+1,j)) together with the returned gradients of the dispatched tokens and
+              probabilities: the expert-input gradient meets the gate-branch gradient inside the
+              same backward, so no weight gets its backward twice.
+
+Every A_F segment starts from detached leaves (the previous segment's residual output and the
+received expert outputs), so a backward stops at the attention output of each layer and resumes
+only in the next A_B task.
+
+Execution: a single host thread walks the three queues in order. A collective is launched when
+it is at the head of its queue and its local producer has run (a receiver posts it as soon as it
+reaches the head); it is complete when all its async works are. A compute task runs when it is at
+the head of the compute queue and its local inputs are complete; while nothing can progress the
+thread waits for the collective the compute head needs. Dispatch and combine use two process
+groups per ZP group (one each), and on GPU two CUDA streams (``comm.streams.CommStream``) ordered
+against the compute stream by events; on CPU they are async gloo works. The GPU path has not run
+on a GPU yet.
+
+After the schedule: the dense gradients are summed over the attention ranks, each expert's over
+the ranks of all ZP groups that hold it; the losses were scaled by 1 / (R * attention ranks), so
+the sums are the gradients of the mean micro-batch loss, as ep mode's DDP averages them. The
+optimizer is torch's AdamW on each rank's own parameters with Megatron's parameter groups (no
+weight decay for biases and 1-D parameters; the keys OptimizerParamScheduler sets) and Megatron's
+global-norm clipping over all parameters, each counted once.
+
+Equivalence with ep mode holds without dropout (the schedule draws dropout masks in another
+order) and, as in ep mode, without token dropping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+from megatron_patches.comm.streams import CommStream
+from megatron_patches.compat import mcore
+from megatron_patches.placement.zebra import Task, expert_owners, task_order
+from megatron_patches.zebra.config import ZebraConfig
+from megatron_patches.zebra.pools import ZebraLayout
+from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
+
+__all__ = ["AdamSettings", "IterationResult", "ZebraEngine", "ZebraEngineError", "masked_mean_loss"]
+
+# Backoff of the host thread while every stream waits on other ranks.
+_MIN_IDLE_S = 20e-6
+_MAX_IDLE_S = 1e-3
+
+
+class ZebraEngineError(ValueError):
+    """A model or setting the zebra engine cannot run; the message names the value and what is valid."""
+
+
+def masked_mean_loss(losses_BS: torch.Tensor, batch: dict) -> torch.Tensor:
+    """ep mode's GPT loss of one micro-batch: the mean token loss over batch["loss_mask"]."""
+    mask_BS = batch["loss_mask"].float()
+    return (losses_BS.float() * mask_BS).sum() / mask_BS.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """Adam hyper-parameters, as Megatron-LM's flags name them (the scheduler sets lr and wd later)."""
+
+    lr: float
+    """--lr: peak learning rate (max_lr of every parameter group)."""
+    min_lr: float
+    """--min-lr: floor of the learning-rate schedule."""
+    weight_decay: float
+    """--weight-decay: decoupled (AdamW) weight decay of non-bias, non-1-D parameters."""
+    beta1: float
+    """--adam-beta1."""
+    beta2: float
+    """--adam-beta2."""
+    eps: float
+    """--adam-eps."""
+    clip_grad: float
+    """--clip-grad: global gradient-norm clipping threshold; 0 disables clipping."""
+
+    @classmethod
+    def from_args(cls, args) -> "AdamSettings":
+        return cls(args.lr, args.min_lr, args.weight_decay, args.adam_beta1, args.adam_beta2, args.adam_eps,
+                   args.clip_grad)
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    """What one training iteration returns (the same on every rank)."""
+
+    loss: float
+    """Mean micro-batch loss over all micro-batches of all attention ranks."""
+    grad_norm: float
+    """Global gradient norm before clipping (every parameter counted once)."""
+
+
+@dataclass
+class _Exchange:
+    """Split sizes of one (layer, micro-batch)'s four all-to-alls on this rank, from D_F's counts."""
+
+    send_splits: list[int]
+    """Rows this rank dispatches to each rank of its ZP group (as a token source)."""
+    recv_splits: list[int]
+    """Rows this rank receives from each rank of its ZP group (as an expert owner)."""
+    counts_SK: torch.Tensor
+    """[group ranks, local experts] rows per (source rank, local expert), int64."""
+
+
+@dataclass
+class _Segment:
+    """What A_F(l, j) keeps for its backward A_B(l, j) and for the combine in A_F(l+1, j)."""
+
+    inputs: list[torch.Tensor]
+    """Leaves the segment started from: [] for layer 0; else [residual of layer l-1, received outputs]."""
+    hidden_SBH: torch.Tensor
+    """The residual stream after self-attention (the input of the MoE residual add)."""
+    sent_XH: torch.Tensor
+    """Dispatched tokens, sorted by owner rank, then expert, then token."""
+    sent_probs_X: torch.Tensor
+    """Their routing probabilities."""
+    sorted_indices: torch.Tensor
+    """permute's token index of every dispatched row (for unpermute)."""
+    routing_map_TE: torch.Tensor
+    """Routing map with columns in owner-major expert order (for unpermute)."""
+    counts_E: torch.Tensor
+    """Tokens per expert in expert-id order, int64 (what D_F gathers)."""
+
+
+class _Collective:
+    """One all-to-all task in flight on this rank: the async works of its current stage."""
+
+    def __init__(self, task: Task, works: list, next_stage: Callable[[], list] | None, finish: Callable[[], None]):
+        self.task = task
+        self.works = works
+        self.next_stage = next_stage
+        self.finish = finish
+
+    def poll(self) -> bool:
+        """True when every stage has completed; launches the next stage as soon as the current
+        one has (never blocks)."""
+        while all(work.is_completed() for work in self.works):
+            for work in self.works:
+                work.wait()
+            if self.next_stage is None:
+                return True
+            launch, self.next_stage = self.next_stage, None
+            self.works = launch()
+        return False
+
+
+class ZebraEngine:
+    """Runs training iterations of ``model`` in zebra mode on this rank (see the module docstring).
+
+    ``model``: the unwrapped GPTModel of ``training.model.build_model`` under Megatron parallel
+    state TP = PP = EP = ETP = 1, every layer MoE, on every rank of the world. ``layout``: the
+    rank roles (``zebra.pools.zebra_layout`` for this world and model). Creates its process
+    groups (a collective over the whole world: every rank constructs its engine in the same order).
+    """
+
+    def __init__(
+        self,
+        model,
+        config: ZebraConfig,
+        layout: ZebraLayout,
+        adam: AdamSettings,
+        *,
+        loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = masked_mean_loss,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.model = model
+        self.loss_fn = loss_fn
+        self._check(model, config, layout)
+        world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        per_group = layout.attention_ranks + layout.expert_ranks
+        self.zp_group = self.rank // per_group
+        self.group_rank = self.rank % per_group
+        self.role = layout.roles[self.rank]
+        self.layers = mcore.transformer_layers(model)
+        self.num_layers = len(self.layers)
+        self.num_experts = model.config.num_moe_experts
+        self.hidden = model.config.hidden_size
+        self.plan = layout.asym_ea
+        self.device = next(model.parameters()).device
+
+        # Process groups: every rank creates every group, in one order.
+        self._dispatch_groups = [dist.new_group(list(g)) for g in layout.zp_groups]
+        self._combine_groups = [dist.new_group(list(g)) for g in layout.zp_groups]
+        attention_dp = dist.new_group(list(layout.attention_dp_group))
+        expert_dp = [dist.new_group(list(g)) for g in layout.expert_dp_groups]
+        offloaded_dp = [dist.new_group(list(g)) for g in layout.offloaded_expert_dp_groups]
+        self.dispatch_group = self._dispatch_groups[self.zp_group]
+        self.combine_group = self._combine_groups[self.zp_group]
+
+        # Expert ownership per layer (ZP-group-local ranks), and this rank's experts.
+        self.owners_LE = [expert_owners(self.plan, layer) for layer in range(self.num_layers)]
+        self.owner_order_LE = [torch.from_numpy(np.argsort(o, kind="stable")) for o in self.owners_LE]
+        self.my_experts_L = [[int(e) for e in np.flatnonzero(o == self.group_rank)] for o in self.owners_LE]
+        self.has_experts_L = [bool(e) for e in self.my_experts_L]
+
+        # Keep what this rank owns, release the rest.
+        expert_params = {
+            id(p)
+            for layer in self.layers
+            for expert in layer.mlp.experts.local_experts
+            for p in expert.parameters()
+        }
+        owned_expert_params = {
+            id(p)
+            for layer, mine in zip(self.layers, self.my_experts_L)
+            for e in mine
+            for p in layer.mlp.experts.local_experts[e].parameters()
+        }
+        self.dense_params: list[torch.nn.Parameter] = []
+        self.expert_params: list[torch.nn.Parameter] = []
+        named = []
+        for name, p in model.named_parameters():
+            if id(p) in owned_expert_params:
+                self.expert_params.append(p)
+                named.append((name, p))
+            elif id(p) not in expert_params and self.role == "attention":
+                self.dense_params.append(p)
+                named.append((name, p))
+            else:
+                p.requires_grad_(False)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # Gradient reduction groups: dense over all attention ranks; experts over the same
+        # group-local rank of every ZP group (they hold the same experts).
+        self._dense_dp = attention_dp if self.role == "attention" else None
+        if self.role == "expert":
+            self._expert_dp = expert_dp[self.group_rank - layout.attention_ranks]
+        else:
+            self._expert_dp = offloaded_dp[self.group_rank]
+        self._dp_sizes = (len(layout.attention_dp_group), layout.num_groups)
+        # Norm: dense parameters counted on the first attention rank only, experts on ZP group 0.
+        self._norm_counts_dense = self.rank == layout.attention_dp_group[0]
+        self._norm_counts_experts = self.zp_group == 0
+
+        decay = [p for name, p in named if not (len(p.shape) == 1 or name.endswith(".bias"))]
+        no_decay = [p for name, p in named if len(p.shape) == 1 or name.endswith(".bias")]
+        common = dict(lr_mult=1.0, is_decoupled_lr=False, max_lr=adam.lr, min_lr=adam.min_lr, default_config=True)
+        self.adam = adam
+        self.optimizer = torch.optim.AdamW(
+            [dict(params=decay, wd_mult=1.0, **common), dict(params=no_decay, wd_mult=0.0, **common)],
+            lr=adam.lr, weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+        )
+        """torch AdamW over this rank's parameters with Megatron's groups; Megatron's
+        OptimizerParamScheduler can drive it (it sets lr and weight_decay per group)."""
+
+        self._streams = {"dispatch": CommStream(self.device), "combine": CommStream(self.device)}
+        self._use_cuda = self.device.type == "cuda"
+        self.order = task_order(
+            self.num_layers, config.microbatches, self.role,
+            [layer for layer, o in enumerate(self.plan.offload_chunks_L) if o > 0],
+        )
+        """The planned task order of this rank's role: {"compute" | "dispatch" | "combine": [Task]}."""
+        self.timeline: RankTimeline | None = None
+        """The last iteration's executed tasks (when ``record_timeline`` is on)."""
+        self.record_timeline = config.timeline is not None
+        """Record task times (a barrier starts each iteration's clock)."""
+
+    # ------------------------------------------------------------------------------------------
+    # Checks
+    # ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check(model, config: ZebraConfig, layout: ZebraLayout) -> None:
+        if not dist.is_initialized():
+            raise ZebraEngineError("the zebra engine needs torch.distributed initialised (one process per rank)")
+        if dist.get_world_size() != layout.world_size:
+            raise ZebraEngineError(f"the layout is for {layout.world_size} ranks, the world has {dist.get_world_size()}")
+        if (layout.attention_ranks, layout.expert_ranks) != (config.attention_ranks, config.expert_ranks):
+            raise ZebraEngineError(
+                f"layout M={layout.attention_ranks}, N={layout.expert_ranks} differs from the config's "
+                f"--zebra-attention-ranks={config.attention_ranks}, --zebra-expert-ranks={config.expert_ranks}"
+            )
+        sizes = {
+            "--tensor-model-parallel-size": parallel_state.get_tensor_model_parallel_world_size(),
+            "--pipeline-model-parallel-size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "--expert-model-parallel-size": parallel_state.get_expert_model_parallel_world_size(),
+            "--expert-tensor-parallel-size": parallel_state.get_expert_tensor_parallel_world_size(),
+        }
+        for flag, size in sizes.items():
+            if size != 1:
+                raise ZebraEngineError(f"{flag}={size}: zebra mode builds the whole model on every rank; valid: 1")
+        if not hasattr(model, "decoder") or not hasattr(model, "output_layer"):
+            raise ZebraEngineError(f"zebra mode runs GPT models; got {type(model).__name__} (valid: --model-family gpt)")
+        cfg = model.config
+        refusals = (
+            ("--num-experts", cfg.num_moe_experts, not cfg.num_moe_experts, "zebra needs an MoE model"),
+            ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
+             "zebra mode is dropless; valid: None"),
+            ("--moe-aux-loss-coeff", cfg.moe_aux_loss_coeff, bool(cfg.moe_aux_loss_coeff),
+             "the auxiliary loss needs token statistics of all attention ranks, not implemented; valid: 0"),
+            ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
+             cfg.moe_shared_expert_intermediate_size is not None, "shared experts are not supported in zebra mode"),
+            ("--moe-grouped-gemm", cfg.moe_grouped_gemm, cfg.moe_grouped_gemm,
+             "zebra runs each expert's MLP module; drop --moe-grouped-gemm"),
+            ("moe_router_padding_for_quantization", cfg.moe_router_padding_for_quantization,
+             cfg.moe_router_padding_for_quantization, "not supported in zebra mode"),
+        )
+        for flag, value, refused, why in refusals:
+            if refused:
+                raise ZebraEngineError(f"{flag}={value!r}: {why}")
+        layers = mcore.transformer_layers(model)
+        dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "router")]
+        if dense:
+            raise ZebraEngineError(
+                f"layers {dense} are dense (--moe-layer-freq); zebra needs every layer to be MoE (valid: 1)"
+            )
+        if layout.asym_ea.shape.num_layers != len(layers) or layout.asym_ea.shape.num_experts != cfg.num_moe_experts:
+            raise ZebraEngineError(
+                f"the layout was made for {layout.asym_ea.shape.num_layers} layers x "
+                f"{layout.asym_ea.shape.num_experts} experts, the model has {len(layers)} x {cfg.num_moe_experts}"
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # One iteration
+    # ------------------------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, microbatches: Sequence[dict] | None) -> IterationResult:
+        """One training iteration: zero gradients, R micro-batches forward and backward through
+        the zebra schedule, gradient sums, clipping and the Adam step.
+
+        ``microbatches``: on attention ranks the R micro-batches of this data-parallel rank
+        (dicts with "tokens", "labels", "loss_mask", "position_ids" [b, s] and "attention_mask"
+        as ``training.data.gpt_batch`` returns them); ignored on expert ranks (pass None).
+        """
+        self.zero_grad()
+        loss = self.forward_backward(microbatches)
+        grad_norm = self.step()
+        return IterationResult(loss=loss, grad_norm=grad_norm)
+
+    def forward_backward(self, microbatches: Sequence[dict] | None) -> float:
+        """Run the schedule and sum the gradients over the data-parallel groups; the mean loss."""
+        R = self.config.microbatches
+        if self.role == "attention":
+            if microbatches is None or len(microbatches) != R:
+                got = None if microbatches is None else len(microbatches)
+                raise ZebraEngineError(f"attention rank {self.rank} got {got} micro-batches; --zebra-microbatches is {R}")
+            self._batches = [self._prepare(batch) for batch in microbatches]
+        else:
+            self._batches = None
+        self._state_reset()
+        if self.record_timeline:
+            dist.barrier()
+            self.timeline = RankTimeline(rank=self.rank, role=self.role, zp_group=self.zp_group)
+        self._t0 = self._mark("compute")
+        self._run_schedule()
+        self._reduce_gradients()
+        total = torch.tensor([sum(self._losses)], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total[0]) / (len(self.layout.attention_dp_group) * R)
+
+    def step(self) -> float:
+        """Global-norm clipping (Megatron's rule) and the AdamW step; the norm before clipping."""
+        squares = torch.zeros(1, dtype=torch.float64)
+        for params, counted in ((self.dense_params, self._norm_counts_dense),
+                                (self.expert_params, self._norm_counts_experts)):
+            if counted:
+                for p in params:
+                    if p.grad is not None:
+                        squares += torch.norm(p.grad.float()).double().cpu() ** 2
+        dist.all_reduce(squares)
+        grad_norm = float(squares[0]) ** 0.5
+        if self.adam.clip_grad > 0:
+            clip_coeff = self.adam.clip_grad / (grad_norm + 1.0e-6)
+            if clip_coeff < 1.0:
+                for p in self.dense_params + self.expert_params:
+                    if p.grad is not None:
+                        p.grad.mul_(clip_coeff)
+        self.optimizer.step()
+        return grad_norm
+
+    def write_timeline(self, path: str) -> None:
+        """Collective: write the last iteration's timeline of every rank to ``path`` (rank 0 writes)."""
+        if self.timeline is None:
+            raise ZebraEngineError("no timeline was recorded (construct with --zebra-timeline or set record_timeline)")
+        header = {
+            "num_layers": self.num_layers,
+            "microbatches": self.config.microbatches,
+            "attention_ranks": self.layout.attention_ranks,
+            "expert_ranks": self.layout.expert_ranks,
+            "offload_chunks": list(self.plan.offload_chunks_L),
+            "device": self.device.type,
+        }
+        gathered = gather_timeline(self.timeline, header)
+        if gathered is not None:
+            write_timeline(path, gathered)
+
+    # ------------------------------------------------------------------------------------------
+    # Schedule execution
+    # ------------------------------------------------------------------------------------------
+
+    def _state_reset(self) -> None:
+        self._losses: list[float] = []
+        self._exchange: dict[tuple[int, int], _Exchange] = {}
+        self._segments: dict[tuple[int, int], _Segment] = {}
+        self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._received: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_received: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_sent: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._expert_in: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._expert_out: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._grad_expert_out: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_expert_in: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _local_deps_done(self, task: Task, done: set[str]) -> bool:
+        """Inputs produced on this rank (its own compute tasks, all-to-alls) have completed; tasks
+        of the other role are reached only through an all-to-all."""
+        other = "expert:" if self.role == "attention" else "attention:"
+        return all(dep in done for dep in task.deps if not dep.startswith(other))
+
+    def _run_schedule(self) -> None:
+        queues = {stream: deque(tasks) for stream, tasks in self.order.items()}
+        in_flight: dict[str, _Collective] = {}
+        starts: dict[str, object] = {}
+        done: set[str] = set()
+        idle_s = _MIN_IDLE_S
+        while any(queues.values()):
+            progressed = False
+            for stream in ("dispatch", "combine"):
+                queue = queues[stream]
+                if not queue:
+                    continue
+                task = queue[0]
+                collective = in_flight.get(stream)
+                if collective is None and self._local_deps_done(task, done):
+                    starts[task.id] = self._mark(stream)
+                    in_flight[stream] = self._launch(task)
+                    progressed = True
+                elif collective is not None and collective.poll():
+                    self._complete(stream, collective, starts.pop(task.id), done)
+                    queue.popleft()
+                    del in_flight[stream]
+                    progressed = True
+            queue = queues["compute"]
+            if queue and self._local_deps_done(queue[0], done):
+                task = queue.popleft()
+                start = self._mark("compute")
+                self._compute(task)
+                self._record("compute", task, start, self._mark("compute"))
+                done.add(task.id)
+                progressed = True
+            if progressed:
+                idle_s = _MIN_IDLE_S
+            else:
+                idle_s = self._idle(in_flight, queues, idle_s)
+        self._resolve_timeline()
+
+    def _idle(self, in_flight: dict[str, "_Collective"], queues: dict[str, deque], idle_s: float) -> float:
+        """Nothing could progress: sleep briefly and poll again (the next backoff is returned).
+
+        Polling instead of blocking on one collective keeps every stream live: a completed
+        collective must let its stream launch the next one (and a count gather its token
+        exchange) at once, since the other ranks may need that to complete the awaited one."""
+        if not in_flight:
+            heads = {stream: q[0].id for stream, q in queues.items() if q}
+            raise RuntimeError(f"zebra schedule stuck on rank {self.rank}: no collective in flight, heads {heads}")
+        time.sleep(idle_s)
+        return min(2 * idle_s, _MAX_IDLE_S)
+
+    def _complete(self, stream: str, collective: _Collective, start, done: set[str]) -> None:
+        with self._streams[stream].finish():
+            collective.finish()
+            end = self._mark(stream)
+        self._record(stream, collective.task, start, end)
+        done.add(collective.task.id)
+
+    # ------------------------------------------------------------------------------------------
+    # Timeline clock: host time on CPU, CUDA events on GPU (resolved after the iteration)
+    # ------------------------------------------------------------------------------------------
+
+    def _mark(self, stream: str):
+        if not self._use_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        cuda_stream = self._streams[stream].cuda_stream if stream != "compute" else torch.cuda.current_stream()
+        event.record(cuda_stream)
+        return event
+
+    def _record(self, stream: str, task: Task, start, end) -> None:
+        if self.timeline is not None and self.record_timeline:
+            self.timeline.spans.append((stream, task.label, start, end))
+
+    def _resolve_timeline(self) -> None:
+        if self.timeline is None or not self.record_timeline:
+            return
+        if self._use_cuda:
+            torch.cuda.synchronize()
+
+            def seconds(mark):
+                return self._t0.elapsed_time(mark) / 1e3
+        else:
+
+            def seconds(mark):
+                return mark - self._t0
+
+        self.timeline.spans = [
+            TaskSpan(stream, label, seconds(start), seconds(end)) for stream, label, start, end in self.timeline.spans
+        ]
+
+    # ------------------------------------------------------------------------------------------
+    # Compute tasks
+    # ------------------------------------------------------------------------------------------
+
+    def _prepare(self, batch: dict) -> dict:
+        missing = {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"} - set(batch)
+        if missing:
+            raise ZebraEngineError(f"a micro-batch lacks {sorted(missing)} (training.data.gpt_batch gives all five)")
+        prepared = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        if self.model.position_embedding_type == "rope":
+            prepared["rotary_pos_emb"] = self.model.rotary_pos_emb(prepared["tokens"].shape[1])
+        else:
+            prepared["rotary_pos_emb"] = None
+        return prepared
+
+    def _compute(self, task: Task) -> None:
+        key = (task.layer, task.microbatch)
+        if task.kind == "A" and task.phase == "F":
+            if task.layer == self.num_layers:
+                self._head_forward(task.microbatch)
+            else:
+                self._attention_forward(*key)
+        elif task.kind == "A":
+            if task.layer == self.num_layers:
+                self._head_backward(task.microbatch)
+            else:
+                self._attention_backward(*key)
+        elif task.phase == "F":
+            self._experts_forward(*key)
+        else:
+            self._experts_backward(*key)
+
+    def _combine_input(self, layer: int, mb: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The output of layer ``layer``: un-permute the returned expert outputs, add the residual.
+        Starts from detached leaves, so the backward of the caller's segment stops here."""
+        segment = self._segments[(layer, mb)]
+        residual_SBH = segment.hidden_SBH.detach().requires_grad_()
+        received_XH = self._received.pop((layer, mb)).requires_grad_()
+        moe_TH = unpermute(
+            received_XH,
+            segment.sorted_indices,
+            restore_shape=(residual_SBH.shape[0] * residual_SBH.shape[1], self.hidden),
+            routing_map=segment.routing_map_TE,
+        )
+        transformer_layer = self.layers[layer]
+        output_SBH = transformer_layer.mlp_bda(transformer_layer.training, transformer_layer.config.bias_dropout_fusion)(
+            (moe_TH.view(residual_SBH.shape), None), residual_SBH, transformer_layer.hidden_dropout
+        )
+        return output_SBH, [residual_SBH, received_XH]
+
+    def _attention_forward(self, layer: int, mb: int) -> None:
+        batch = self._batches[mb]
+        if layer == 0:
+            hidden_SBH = self.model.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])
+            inputs: list[torch.Tensor] = []
+        else:
+            hidden_SBH, inputs = self._combine_input(layer - 1, mb)
+        tl = self.layers[layer]
+        attention = tl.self_attention(
+            tl.input_layernorm(hidden_SBH), attention_mask=batch["attention_mask"],
+            rotary_pos_emb=batch["rotary_pos_emb"],
+        )
+        mid_SBH = tl.self_attn_bda(tl.training, tl.config.bias_dropout_fusion)(attention, hidden_SBH, tl.hidden_dropout)
+        normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
+        probs_TE, routing_TE = tl.mlp.router(normed_SBH)
+        order_E = self.owner_order_LE[layer].to(routing_TE.device)
+        routing_ord_TE = routing_TE[:, order_E]
+        sent_XH, sent_probs_X, sorted_indices = permute(
+            normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E],
+            num_out_tokens=int(routing_TE.sum()),
+        )
+        self._segments[(layer, mb)] = _Segment(
+            inputs=inputs, hidden_SBH=mid_SBH, sent_XH=sent_XH, sent_probs_X=sent_probs_X,
+            sorted_indices=sorted_indices, routing_map_TE=routing_ord_TE,
+            counts_E=routing_TE.sum(dim=0).to(torch.int64),
+        )
+
+    def _head_forward(self, mb: int) -> None:
+        batch = self._batches[mb]
+        hidden_SBH, inputs = self._combine_input(self.num_layers - 1, mb)
+        hidden_SBH = self.model.decoder.final_layernorm(hidden_SBH)
+        weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
+        logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
+        losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)
+        loss = self.loss_fn(losses_BS, batch)
+        self._losses.append(float(loss.detach()))
+        self._head_loss[mb] = (loss, inputs)
+
+    def _head_backward(self, mb: int) -> None:
+        loss, inputs = self._head_loss.pop(mb)
+        (loss / (len(self.layout.attention_dp_group) * self.config.microbatches)).backward()
+        self._store_input_grads(self.num_layers - 1, mb, inputs)
+
+    def _store_input_grads(self, layer: int, mb: int, inputs: list[torch.Tensor]) -> None:
+        """Gradients of a segment's leaves: the residual's goes to A_B(layer), the received
+        outputs' to C_B(layer)."""
+        residual, received = inputs
+        self._grad_hidden[(layer, mb)] = residual.grad if residual.grad is not None else torch.zeros_like(residual)
+        self._grad_received[(layer, mb)] = received.grad if received.grad is not None else torch.zeros_like(received)
+
+    def _attention_backward(self, layer: int, mb: int) -> None:
+        segment = self._segments.pop((layer, mb))
+        grad_sent_XH, grad_sent_probs_X = self._grad_sent.pop((layer, mb))
+        outputs = [segment.hidden_SBH, segment.sent_XH, segment.sent_probs_X]
+        grads = [self._grad_hidden.pop((layer, mb)), grad_sent_XH, grad_sent_probs_X.to(segment.sent_probs_X.dtype)]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if segment.inputs:
+            self._store_input_grads(layer - 1, mb, segment.inputs)
+
+    def _expert_major(self, counts_SK: torch.Tensor) -> torch.Tensor:
+        """Row index that turns received rows (source-major, then local expert) into expert-major
+        order (local expert, then source), Megatron's sort_chunks_by_idxs order."""
+        sources, experts = counts_SK.shape
+        offsets = torch.cumsum(counts_SK.reshape(-1), 0) - counts_SK.reshape(-1)
+        offsets_SK = offsets.view(sources, experts)
+        pieces = [
+            torch.arange(int(offsets_SK[s, k]), int(offsets_SK[s, k] + counts_SK[s, k]))
+            for k in range(experts) for s in range(sources)
+        ]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+    def _experts_forward(self, layer: int, mb: int) -> None:
+        tokens_XH, probs_X = self._expert_in.pop((layer, mb))
+        tokens_XH.requires_grad_()
+        probs_X.requires_grad_()
+        mine = self.my_experts_L[layer]
+        if not mine:
+            self._expert_out[(layer, mb)] = (tokens_XH, probs_X, tokens_XH.new_zeros((0, self.hidden)))
+            return
+        counts_SK = self._exchange[(layer, mb)].counts_SK
+        index = self._expert_major(counts_SK).to(tokens_XH.device)
+        sorted_XH, sorted_probs_X = tokens_XH[index], probs_X[index]
+        cfg = self.model.config
+        if cfg.moe_apply_probs_on_input:
+            # SequentialMLP: scale the input instead, probabilities reset to 1.
+            sorted_XH = (sorted_probs_X.unsqueeze(-1) * sorted_XH).to(tokens_XH.dtype)
+            sorted_probs_X = torch.ones_like(sorted_probs_X)
+        per_expert = counts_SK.sum(dim=0).tolist()
+        experts = self.layers[layer].mlp.experts.local_experts
+        outputs = [
+            experts[e](chunk_XH, chunk_probs_X)[0]
+            for e, chunk_XH, chunk_probs_X in zip(mine, sorted_XH.split(per_expert), sorted_probs_X.split(per_expert))
+        ]
+        output_XH = torch.cat(outputs)[torch.argsort(index)]
+        self._expert_out[(layer, mb)] = (tokens_XH, probs_X, output_XH)
+
+    def _experts_backward(self, layer: int, mb: int) -> None:
+        tokens_XH, probs_X, output_XH = self._expert_out.pop((layer, mb))
+        grad_output_XH = self._grad_expert_out.pop((layer, mb))
+        if output_XH.requires_grad and output_XH.numel():
+            output_XH.backward(grad_output_XH)
+        grad_tokens = tokens_XH.grad if tokens_XH.grad is not None else torch.zeros_like(tokens_XH)
+        grad_probs = probs_X.grad if probs_X.grad is not None else torch.zeros_like(probs_X)
+        self._grad_expert_in[(layer, mb)] = (grad_tokens, grad_probs)
+
+    # ------------------------------------------------------------------------------------------
+    # All-to-all tasks
+    # ------------------------------------------------------------------------------------------
+
+    def _a2a(self, stream: str, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
+        group = self.dispatch_group if stream == "dispatch" else self.combine_group
+        received = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        with self._streams[stream].launch(send, received):
+            work = dist.all_to_all_single(received, send.contiguous(), recv_splits, send_splits, group=group,
+                                          async_op=True)
+        return received, work
+
+    def _launch(self, task: Task) -> _Collective:
+        key = (task.layer, task.microbatch)
+        stream = "dispatch" if task.kind == "D" else "combine"
+        empty_XH = torch.zeros((0, self.hidden), dtype=self.model.config.params_dtype, device=self.device)
+        if (task.kind, task.phase) == ("D", "F"):
+            return self._launch_dispatch(task, empty_XH)
+        exchange = self._exchange[key]
+        if (task.kind, task.phase) == ("C", "F"):
+            send = self._expert_out[key][2].detach() if key in self._expert_out else empty_XH
+            received, work = self._a2a(stream, send, exchange.recv_splits, exchange.send_splits)
+
+            def finish():
+                if self.role == "attention":
+                    self._received[key] = received
+
+            return _Collective(task, [work], None, finish)
+        if (task.kind, task.phase) == ("C", "B"):
+            send = self._grad_received.pop(key) if self.role == "attention" else empty_XH
+            received, work = self._a2a(stream, send, exchange.send_splits, exchange.recv_splits)
+
+            def finish():
+                if key in self._expert_out:
+                    self._grad_expert_out[key] = received
+
+            return _Collective(task, [work], None, finish)
+        # D_B: gradients of the expert inputs back to the token sources.
+        if key in self._grad_expert_in:
+            grad_tokens, grad_probs = self._grad_expert_in.pop(key)
+        else:
+            grad_tokens, grad_probs = empty_XH, torch.zeros(0, dtype=torch.float32, device=self.device)
+        tokens, work_tokens = self._a2a(stream, grad_tokens, exchange.recv_splits, exchange.send_splits)
+        probs, work_probs = self._a2a(stream, grad_probs.to(self._probs_dtype), exchange.recv_splits,
+                                      exchange.send_splits)
+
+        def finish():
+            if self.role == "attention":
+                self._grad_sent[key] = (tokens, probs)
+
+        return _Collective(task, [work_tokens, work_probs], None, finish)
+
+    @property
+    def _probs_dtype(self) -> torch.dtype:
+        """Routing probabilities travel in fp32 (Megatron's router computes them in fp32 or the
+        router dtype; fp32 holds either exactly)."""
+        return torch.float32
+
+    def _launch_dispatch(self, task: Task, empty_XH: torch.Tensor) -> _Collective:
+        """D_F: gather the per-expert counts of every rank of the ZP group, then send the tokens
+        and probabilities with the split sizes the counts give."""
+        key = (task.layer, task.microbatch)
+        segment = self._segments.get(key) if self.role == "attention" else None
+        counts_E = segment.counts_E if segment is not None else torch.zeros(self.num_experts, dtype=torch.int64)
+        counts_E = counts_E.to(self.device)
+        gathered = [torch.empty_like(counts_E) for _ in range(self.layout.attention_ranks + self.layout.expert_ranks)]
+        with self._streams["dispatch"].launch(counts_E):
+            work = dist.all_gather(gathered, counts_E, group=self.dispatch_group, async_op=True)
+        result: dict[str, torch.Tensor] = {}
+
+        def send_tokens() -> list:
+            counts_GE = torch.stack(gathered).cpu()
+            owners_E = torch.from_numpy(self.owners_LE[task.layer])
+            group_size = counts_GE.shape[0]
+            mine = self.my_experts_L[task.layer]
+            send_splits = [int(counts_GE[self.group_rank, owners_E == d].sum()) for d in range(group_size)]
+            counts_SK = counts_GE[:, mine]
+            self._exchange[key] = _Exchange(send_splits, counts_SK.sum(dim=1).tolist(), counts_SK)
+            tokens = segment.sent_XH.detach() if segment is not None else empty_XH
+            probs = (segment.sent_probs_X.detach() if segment is not None
+                     else torch.zeros(0, dtype=self._probs_dtype, device=self.device)).to(self._probs_dtype)
+            result["tokens"], work_tokens = self._a2a("dispatch", tokens, send_splits, self._exchange[key].recv_splits)
+            result["probs"], work_probs = self._a2a("dispatch", probs, send_splits, self._exchange[key].recv_splits)
+            return [work_tokens, work_probs]
+
+        def finish():
+            if self.role == "expert" or self.has_experts_L[task.layer]:
+                self._expert_in[key] = (result["tokens"], result["probs"])
+
+        return _Collective(task, [work], send_tokens, finish)
+
+    # ------------------------------------------------------------------------------------------
+    # Gradient sums
+    # ------------------------------------------------------------------------------------------
+
+    def _reduce_gradients(self) -> None:
+        for params, group, size in ((self.dense_params, self._dense_dp, self._dp_sizes[0]),
+                                    (self.expert_params, self._expert_dp, self._dp_sizes[1])):
+            if group is None or size == 1 or not params:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()

@@ -1,0 +1,286 @@
+"""Zebra engine on 4 gloo ranks (M = 2 attention, N = 2 expert ranks, R = 4 micro-batches).
+
+The reference is Megatron's own GPTModel with the same weights (training.model.build_model with
+TP = PP = EP = 1), Megatron's DDP, optimizer and scheduler, on one rank, fed the same 8
+micro-batches per iteration (attention rank a runs micro-batches 4a..4a+3). In fp32 without
+dropout the zebra schedule computes the same function, so losses, the first iteration's
+gradients, gradient norms and the weights after 3 Adam steps agree within 1e-5 relative, with
+and without Asym-EA. Asym-EA "1,2" moves one expert of layer 0 and both experts of every expert
+rank's block of layer 1 to the attention ranks (so the expert ranks compute nothing at layer 1).
+Tokens: real GPT-2 BPE ids of the embedded Austen corpus (training.corpus), 16 tokens + 1 label.
+
+One spawn of 4 ranks runs both variants, records the timeline and the executed order per stream,
+and checks an early refusal; the reference runs in the pytest process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_mp.py
+
+from _mp import run_ranks, single_rank_group  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+M, N, R = 2, 2, 4
+ITERS = 3
+SEQ, MBS = 16, 2
+VOCAB = 50304  # GPT-2's 50,257 padded to a multiple of 128
+FLAGS = [
+    "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "64",
+    "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+    "--num-experts", "4", "--moe-router-topk", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--micro-batch-size", str(MBS), "--global-batch-size", str(MBS * M * R), "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257", "--lr", "3e-3", "--lr-warmup-iters", "0",
+    "--train-iters", str(ITERS), "--weight-decay", "0.1", "--clip-grad", "0.5", "--seed", "1234",
+]
+VARIANTS = {"plain": "off", "asym": "1,2"}
+
+
+def corpus_tokens() -> list[int]:
+    """The first ITERS x 8 x MBS x (SEQ + 1) token ids of the embedded corpus."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_patches.training.corpus import ensure_default_corpus
+
+    dataset = IndexedDataset(str(ensure_default_corpus("gpt").data_prefix))
+    needed = ITERS * M * R * MBS * (SEQ + 1)
+    ids: list[int] = []
+    for document in range(len(dataset)):
+        ids.extend(int(t) for t in dataset[document])
+        if len(ids) >= needed:
+            return ids[:needed]
+    raise AssertionError(f"the corpus has fewer than {needed} tokens")
+
+
+def micro_batches(tokens: list[int]) -> list[list[dict]]:
+    """Per iteration, the M x R micro-batches (ep's gpt_batch layout: [b, s] tensors)."""
+    ids = torch.tensor(tokens, dtype=torch.int64).view(ITERS, M * R, MBS, SEQ + 1)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    return [
+        [
+            {
+                "tokens": ids[it, j, :, :-1].clone(),
+                "labels": ids[it, j, :, 1:].clone(),
+                "loss_mask": torch.ones(MBS, SEQ),
+                "position_ids": torch.arange(SEQ).expand(MBS, SEQ).clone(),
+                "attention_mask": causal,
+            }
+            for j in range(M * R)
+        ]
+        for it in range(ITERS)
+    ]
+
+
+def _megatron_setup():
+    from megatron_patches.compat import mcore, prepare_megatron
+    from megatron_patches.training.arguments import parse_args, validate_args
+
+    prepare_megatron(use_cuda=False)
+    mcore.initialize_model_parallel(1, 1, 1, 1)
+    return validate_args(parse_args(FLAGS), 1)
+
+
+def _fresh_model(args):
+    from megatron_patches.compat import mcore
+    from megatron_patches.training.model import build_model
+
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    mcore.seed_model_parallel_rng(args.seed)
+    model, _ = build_model(args, VOCAB, on_gpu=False)
+    return model
+
+
+def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
+    """Rank body: both variants, 3 iterations each; gradients and weights saved to out_dir."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore
+    from megatron_patches.config import load_cluster_config
+    from megatron_patches.zebra.config import ZebraConfig
+    from megatron_patches.zebra.engine import AdamSettings, ZebraEngine, ZebraEngineError
+    from megatron_patches.zebra.pools import zebra_layout
+
+    args = _megatron_setup()
+    rank = dist.get_rank()
+    batches = micro_batches(tokens)
+    cluster = load_cluster_config("local_cpu")
+    out = {"rank": rank}
+
+    # A layout made for another world size is refused before any process group is created.
+    model = _fresh_model(args)
+    wrong = zebra_layout(cluster, 1, 1, 2, num_layers=2, num_experts=4)
+    try:
+        ZebraEngine(model, ZebraConfig(1, 1, R), wrong, AdamSettings.from_args(args))
+        out["refusal"] = None
+    except ZebraEngineError as err:
+        out["refusal"] = str(err)
+
+    for variant, asym in VARIANTS.items():
+        model = _fresh_model(args)
+        timeline = str(Path(out_dir) / f"timeline_{variant}.json")
+        layout = zebra_layout(cluster, M, N, 4, num_layers=2, num_experts=4, asym_ea=asym)
+        engine = ZebraEngine(model, ZebraConfig(M, N, R, asym_ea=asym, timeline=timeline), layout,
+                             AdamSettings.from_args(args))
+        scheduler = mcore.scheduler(args, engine.optimizer)
+        names = {id(p): name for name, p in model.named_parameters()}
+        owned = engine.dense_params + engine.expert_params
+        losses, norms = [], []
+        for it in range(ITERS):
+            mine = batches[it][rank * R : (rank + 1) * R] if engine.role == "attention" else None
+            engine.zero_grad()
+            losses.append(engine.forward_backward(mine))
+            if it == 0:
+                torch.save({names[id(p)]: p.grad.clone() for p in owned if p.grad is not None},
+                           Path(out_dir) / f"{variant}_grads_{rank}.pt")
+            norms.append(engine.step())
+            scheduler.step(increment=1)
+        torch.save({names[id(p)]: p.detach().clone() for p in owned}, Path(out_dir) / f"{variant}_weights_{rank}.pt")
+        engine.write_timeline(timeline)
+        out[variant] = {
+            "role": engine.role,
+            "losses": losses,
+            "norms": norms,
+            "experts": engine.my_experts_L,
+            "planned": {stream: [t.label for t in tasks] for stream, tasks in engine.order.items()},
+            "executed": {stream: engine.timeline.executed_order(stream) for stream in engine.order},
+        }
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def reference(tokens: list[int]) -> dict:
+    """Megatron GPTModel + DDP + optimizer + scheduler on one rank, the same 8 micro-batches."""
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore
+    from megatron_patches.training import loop
+
+    with single_rank_group():
+        args = _megatron_setup()
+        try:
+            model = _fresh_model(args)
+            ddp = mcore.wrap_ddp(model.config, model, args)
+            optimizer = mcore.optimizer(args, [ddp])
+            scheduler = mcore.scheduler(args, optimizer)
+            losses, norms, grads = [], [], {}
+            for it, batch in enumerate(micro_batches(tokens)):
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
+                out = mcore.forward_backward(loop.gpt_forward_step, iter(batch), [ddp], M * R, SEQ, MBS, False)
+                if it == 0:
+                    grads = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+                _, grad_norm, _ = optimizer.step()
+                scheduler.step(increment=1)
+                losses.append(loop._mean_loss_over_world(out))
+                norms.append(float(grad_norm))
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        finally:
+            parallel_state.destroy_model_parallel()
+    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("zebra_engine")
+    tokens = corpus_tokens()
+    ranks = run_ranks(4, __file__, "zebra_worker", timeout=240, args=[str(out_dir), tokens])
+    return out_dir, ranks, reference(tokens)
+
+
+def _merged(out_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of all ranks; a name held by several ranks must hold the same values."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank in range(4):
+        for name, tensor in torch.load(out_dir / f"{prefix}_{rank}.pt").items():
+            if name in merged:
+                torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0, msg=f"{prefix} {name} differs")
+            merged[name] = tensor
+    return merged
+
+
+def _assert_close_norms(got: dict, expected: dict, what: str) -> None:
+    assert sorted(got) == sorted(expected), f"{what}: parameters differ"
+    for name, ref in expected.items():
+        error = float(torch.linalg.vector_norm(got[name].double() - ref.double()))
+        scale = float(torch.linalg.vector_norm(ref.double()))
+        assert error <= 1e-5 * scale + 1e-12, f"{what} {name}: |diff| {error:.3e} vs |ref| {scale:.3e}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_zebra_equals_megatron_reference(runs, variant):
+    out_dir, ranks, ref = runs
+    for result in ranks:
+        np.testing.assert_allclose(result[variant]["losses"], ref["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(result[variant]["norms"], ref["norms"], rtol=1e-5, atol=0)
+    assert ref["losses"][-1] < ref["losses"][0]  # the steps really train
+    _assert_close_norms(_merged(out_dir, f"{variant}_grads"), ref["grads"], "gradient")
+    _assert_close_norms(_merged(out_dir, f"{variant}_weights"), ref["weights"], "weight")
+
+
+def test_expert_placement_follows_the_asym_ea_plan(runs):
+    _, ranks, _ = runs
+    roles = [r["plain"]["role"] for r in ranks]
+    assert roles == ["attention", "attention", "expert", "expert"]
+    assert [r["plain"]["experts"] for r in ranks] == [[[], []], [[], []], [[0, 1], [0, 1]], [[2, 3], [2, 3]]]
+    # "1,2": layer 0 gives expert 1 of rank 2 and expert 3 of rank 3 to attention ranks 0 and 1;
+    # layer 1 gives all four experts, two to each attention rank.
+    assert [r["asym"]["experts"] for r in ranks] == [[[1], [0, 1]], [[3], [2, 3]], [[0], []], [[2], []]]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_executed_order_per_stream_is_the_planned_order(runs, variant):
+    out_dir, ranks, _ = runs
+    for result in ranks:
+        assert result[variant]["executed"] == result[variant]["planned"]
+    timeline = json.loads((out_dir / f"timeline_{variant}.json").read_text())
+    assert [r["role"] for r in timeline["ranks"]] == ["attention", "attention", "expert", "expert"]
+    for rank in timeline["ranks"]:
+        compute = [t for t in rank["tasks"] if t["stream"] == "compute"]
+        assert all(t["start"] <= t["end"] for t in rank["tasks"])
+        # one compute stream: its tasks never overlap
+        assert all(a["end"] <= b["start"] for a, b in zip(compute, compute[1:]))
+    attention_e = [t for t in timeline["ranks"][0]["tasks"] if t["task"].startswith("E_")]
+    assert bool(attention_e) == (variant == "asym")
+
+
+def test_plot_timeline_draws_and_reports_bubbles(runs, tmp_path, capsys):
+    out_dir, _, _ = runs
+    spec = importlib.util.spec_from_file_location("plot_timeline", REPO / "tools" / "plot_timeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    png = tmp_path / "timeline.png"
+    tool.main([str(out_dir / "timeline_plain.json"), "--out", str(png)])
+    assert png.stat().st_size > 10_000
+    lines = capsys.readouterr().out.splitlines()
+    bubbles = [line for line in lines if line.startswith("rank ")]
+    assert len(bubbles) == 4 and all("bubble" in line for line in bubbles)
+
+
+def test_bad_configs_fail_early(runs):
+    from megatron_patches.zebra.config import ZebraConfig, ZebraConfigError
+
+    _, ranks, _ = runs
+    for result in ranks:
+        assert "the layout is for 2 ranks, the world has 4" in result["refusal"]
+    with pytest.raises(ZebraConfigError, match="--zebra-microbatches=0"):
+        ZebraConfig(2, 2, 0)
+    with pytest.raises(ZebraConfigError, match="--zebra-asym-ea=auto needs --zebra-profile"):
+        ZebraConfig(2, 2, 4, asym_ea="auto")
+    with pytest.raises(ZebraConfigError, match="--zebra-asym-ea='1,x'"):
+        ZebraConfig(2, 2, 4, asym_ea="1,x")
+    with pytest.raises(ZebraConfigError, match="chunks per layer must be integers >= 0"):
+        ZebraConfig(2, 2, 4, asym_ea="1,-1")
+    with pytest.raises(ZebraConfigError, match="--zebra-profile='/nonexistent.json': no such file"):
+        ZebraConfig(2, 2, 4, profile="/nonexistent.json")
