@@ -453,6 +453,8 @@ class ZebraEngine:
         """Inputs produced on this rank (its own compute tasks, all-to-alls) have completed; tasks
         of the other role are reached only through an all-to-all."""
         other = "expert:" if self.role == "attention" else "attention:"
+        if task.role == "group" and (task.kind, task.phase) != ("D", "F") and f"D_F({task.layer},{task.microbatch})" not in done:
+            return False  # its split sizes come from the counts that D_F(l, j) gathered
         return all(dep in done for dep in task.deps if not dep.startswith(other))
 
     def _run_schedule(self) -> None:

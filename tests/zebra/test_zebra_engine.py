@@ -210,12 +210,13 @@ def _merged(out_dir: Path, prefix: str) -> dict[str, torch.Tensor]:
     return merged
 
 
-def _assert_close_norms(got: dict, expected: dict, what: str) -> None:
+def _assert_close_norms(got: dict, expected: dict, what: str, rtol: float) -> None:
+    """Per parameter: |got - expected| <= rtol * |expected| (2-norms over the whole tensor)."""
     assert sorted(got) == sorted(expected), f"{what}: parameters differ"
     for name, ref in expected.items():
         error = float(torch.linalg.vector_norm(got[name].double() - ref.double()))
         scale = float(torch.linalg.vector_norm(ref.double()))
-        assert error <= 1e-5 * scale + 1e-12, f"{what} {name}: |diff| {error:.3e} vs |ref| {scale:.3e}"
+        assert error <= rtol * scale + 1e-12, f"{what} {name}: |diff| {error:.3e} vs |ref| {scale:.3e}"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -225,8 +226,12 @@ def test_zebra_equals_megatron_reference(runs, variant):
         np.testing.assert_allclose(result[variant]["losses"], ref["losses"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(result[variant]["norms"], ref["norms"], rtol=1e-5, atol=0)
     assert ref["losses"][-1] < ref["losses"][0]  # the steps really train
-    _assert_close_norms(_merged(out_dir, f"{variant}_grads"), ref["grads"], "gradient")
-    _assert_close_norms(_merged(out_dir, f"{variant}_weights"), ref["weights"], "weight")
+    _assert_close_norms(_merged(out_dir, f"{variant}_grads"), ref["grads"], "gradient", rtol=1e-5)
+    # Weights after 3 Adam steps get 1e-4: the key bias of attention has an analytically zero
+    # gradient (softmax ignores a constant added to every key), so its elements receive rounding
+    # noise of ~1e-10, which Adam normalises to steps of +-lr with a noise-dependent sign in
+    # either run (measured: 1.5e-5 relative on linear_qkv.bias, everything else below 1e-6).
+    _assert_close_norms(_merged(out_dir, f"{variant}_weights"), ref["weights"], "weight", rtol=1e-4)
 
 
 def test_expert_placement_follows_the_asym_ea_plan(runs):
