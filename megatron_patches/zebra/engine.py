@@ -45,7 +45,8 @@ Execution: a single host thread walks the three queues in order. A collective is
 it is at the head of its queue and its local producer has run (a receiver posts it as soon as it
 reaches the head); it is complete when all its async works are. A compute task runs when it is at
 the head of the compute queue and its local inputs are complete; while nothing can progress the
-thread waits for the collective the compute head needs. Dispatch and combine use two process
+thread polls again after a short sleep (never blocking on one collective, so every stream stays
+live). Dispatch and combine use two process
 groups per ZP group (one each), and on GPU two CUDA streams (``comm.streams.CommStream``) ordered
 against the compute stream by events; on CPU they are async gloo works. The GPU path has not run
 on a GPU yet.
@@ -63,6 +64,7 @@ order) and, as in ep mode, without token dropping.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -81,7 +83,12 @@ from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
 
-__all__ = ["AdamSettings", "IterationResult", "ZebraEngine", "ZebraEngineError", "masked_mean_loss"]
+__all__ = ["SCHEDULES", "AdamSettings", "IterationResult", "ZebraEngine", "ZebraEngineError", "masked_mean_loss",
+           "naive_order"]
+
+SCHEDULES = ("zebra", "naive")
+"""zebra: Theorem-1 order (placement.zebra.task_order); naive: one micro-batch at a time (its whole
+forward and backward before the next one starts), the no-overlap baseline of tools/bench_zebra.py."""
 
 # Backoff of the host thread while every stream waits on other ranks.
 _MIN_IDLE_S = 20e-6
@@ -187,6 +194,17 @@ class _Collective:
         return False
 
 
+def naive_order(num_layers: int, num_microbatches: int, role: str, offloaded_layers: Sequence[int] = ()) -> dict[str, list[Task]]:
+    """Per stream, micro-batch after micro-batch: the one-micro-batch Theorem-1 order repeated R
+    times (so a rank never works on two micro-batches at once)."""
+    single = task_order(num_layers, 1, role, offloaded_layers)
+
+    def relabel(task: Task, mb: int) -> Task:
+        return dataclasses.replace(task, microbatch=mb, deps=tuple(d.replace(",0)", f",{mb})") for d in task.deps))
+
+    return {stream: [relabel(t, mb) for mb in range(num_microbatches) for t in tasks] for stream, tasks in single.items()}
+
+
 class ZebraEngine:
     """Runs training iterations of ``model`` in zebra mode on this rank (see the module docstring).
 
@@ -204,11 +222,20 @@ class ZebraEngine:
         adam: AdamSettings,
         *,
         loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = masked_mean_loss,
+        schedule: str = "zebra",
+        emulated_expert_slowdown: float = 1.0,
     ) -> None:
         self.config = config
         self.layout = layout
         self.model = model
         self.loss_fn = loss_fn
+        if schedule not in SCHEDULES:
+            raise ZebraEngineError(f"schedule={schedule!r} is invalid; valid: {list(SCHEDULES)}")
+        if not emulated_expert_slowdown >= 1.0:
+            raise ZebraEngineError(f"emulated_expert_slowdown={emulated_expert_slowdown!r} is invalid; valid: >= 1.0")
+        self.emulated_expert_slowdown = emulated_expert_slowdown
+        """Benchmark-only emulation of slower expert GPUs (tools/bench_zebra.py; no training flag
+        sets it): after each expert task an expert rank sleeps (factor - 1) x the task's time."""
         self._check(model, config, layout)
         world = dist.get_world_size()
         self.rank = dist.get_rank()
@@ -289,7 +316,7 @@ class ZebraEngine:
 
         self._streams = {"dispatch": CommStream(self.device), "combine": CommStream(self.device)}
         self._use_cuda = self.device.type == "cuda"
-        self.order = task_order(
+        self.order = (task_order if schedule == "zebra" else naive_order)(
             self.num_layers, config.microbatches, self.role,
             [layer for layer, o in enumerate(self.plan.offload_chunks_L) if o > 0],
         )
@@ -485,6 +512,7 @@ class ZebraEngine:
                 task = queue.popleft()
                 start = self._mark("compute")
                 self._compute(task)
+                self._emulate_slow_expert(task, start)
                 self._record("compute", task, start, self._mark("compute"))
                 done.add(task.id)
                 progressed = True
@@ -493,6 +521,16 @@ class ZebraEngine:
             else:
                 idle_s = self._idle(in_flight, queues, idle_s)
         self._resolve_timeline()
+
+    def _emulate_slow_expert(self, task: Task, start) -> None:
+        if self.emulated_expert_slowdown == 1.0 or task.kind != "E" or self.role != "expert":
+            return
+        if self._use_cuda:
+            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(self._mark("compute")) / 1e3
+        else:
+            elapsed = time.perf_counter() - start
+        time.sleep((self.emulated_expert_slowdown - 1.0) * elapsed)
 
     def _idle(self, in_flight: dict[str, "_Collective"], queues: dict[str, deque], idle_s: float) -> float:
         """Nothing could progress: sleep briefly and poll again (the next backoff is returned).
