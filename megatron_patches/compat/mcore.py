@@ -115,6 +115,7 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
         sequence_parallel=args.sequence_parallel,
         num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,

@@ -51,9 +51,10 @@ from megatron_patches.replicate.slices import AdamConfig
 
 __all__ = ["ReplicateRuntime"]
 
-TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights")
+TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights", "flexmoe_state")
 """rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
-gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots."""
+gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots;
+flexmoe_state: the optimizer state the FlexMoE-style baseline moves with its re-placed experts."""
 
 # Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
 # (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32).
@@ -72,9 +73,10 @@ class IterationStats:
     """Instances per layer and expert class of the placement the iteration ran with."""
     remote_copies: int = 0
     """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
-    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0})
+    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "flexmoe_state": 0.0})
     """This rank's time in the placement planner (scheduler), in spreading and routing tokens
-    (metadata), and in the slices' Adam step and weight push (optimizer)."""
+    (metadata), in the slices' Adam step and weight push (optimizer), and moving the FlexMoE
+    baseline's optimizer state (flexmoe_state)."""
 
 
 class ReplicateRuntime:
@@ -279,8 +281,12 @@ class ReplicateRuntime:
             if update_ok:
                 grad_En = self.grads[layer.layer_number]
                 experts.step(grad_En.mul_(factor) if factor < 1.0 else grad_En, lr)
+            if self.config.policy == "flexmoe":
+                moved = time.perf_counter()
+                self._move_state_like_flexmoe(experts, next_slots[layer.layer_number])
+                seconds["flexmoe_state"] += time.perf_counter() - moved
             experts.push(next_slots[layer.layer_number])
-        seconds["optimizer"] += time.perf_counter() - started
+        seconds["optimizer"] += time.perf_counter() - started - seconds["flexmoe_state"]
         self.grads = {}
         return self._metrics()
 
@@ -298,6 +304,48 @@ class ReplicateRuntime:
             counts_E = replica_counts(predicted_LE[row], self.num_devices, self.slots_per_rank)
             out[layer.layer_number] = assign_slots(counts_E, self.num_devices, self.slots_per_rank)
         return out
+
+    def _move_state_like_flexmoe(self, experts: ReplicatedExperts, next_slots_RS: np.ndarray) -> None:
+        """The FlexMoE-style baseline's extra cost: optimizer state travels with a re-placed expert.
+
+        FlexMoE keeps an expert's fp32 master weights and Adam moments with its replicas, so a
+        rank that gains a class receives that state. Here the state never has to move (the
+        slices stay put), so this sends exactly those bytes (every rank's slice of the three
+        rows, by batched point-to-point, one message per pair of ranks) and discards them on
+        arrival: the baseline's bytes and time are real, its numerics are those of the
+        decoupled optimizer.
+        """
+        current_ED = experts.slots.placement.counts_ED > 0
+        gained_ED = np.zeros_like(current_ED)
+        for rank, row in enumerate(next_slots_RS):
+            gained_ED[np.unique(row), rank] = True
+        gained_ED &= ~current_ED
+        if not gained_ED.any():
+            return
+        sl = experts.slices
+        state_3En = torch.stack([sl.master_En, sl.exp_avg_En, sl.exp_avg_sq_En]).to(experts.slots.slots_SN.device)
+        width = sl.layout.offsets()
+        ops, peers, sent, received = [], [], [], []
+        for peer in range(self.num_devices):
+            if peer == self.rank:
+                continue
+            # ranks with an empty slice (N < G) have nothing to send or receive
+            to_peer = np.flatnonzero(gained_ED[:, peer]) if sl.shape[1] else np.empty(0, dtype=np.int64)
+            from_peer = np.flatnonzero(gained_ED[:, self.rank])
+            if to_peer.size:
+                message = state_3En[:, torch.from_numpy(to_peer)].contiguous()
+                ops.append(dist.P2POp(dist.isend, message, group=self.group, group_peer=peer))
+            n_peer = int(width[peer + 1] - width[peer])
+            if from_peer.size and n_peer:
+                buffer = state_3En.new_empty((3, from_peer.size, n_peer))
+                ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))
+            if to_peer.size or from_peer.size:
+                peers.append(peer)
+                sent.append(3 * to_peer.size * sl.shape[1] * 4 if to_peer.size else 0)
+                received.append(3 * from_peer.size * n_peer * 4 if from_peer.size and n_peer else 0)
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        self.traffic.record("flexmoe_state", self.rank, self.topology, peers, sent, received)
 
     # ---- metrics ---------------------------------------------------------------------------
 

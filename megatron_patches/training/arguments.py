@@ -264,6 +264,11 @@ def _add_moe_args(parser):
                        "list of 0/1.")
     group.add_argument("--moe-router-topk", type=int, default=2,
                        help="Number of experts to route to for each token. The default is 2.")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Enable pre-softmax routing for MoE, which means softmax is before the "
+                       "top-k selection. Switched on automatically with --moe-router-topk 1 "
+                       "(Megatron-Core refuses top-1 without it: a softmax over one selected expert "
+                       "is always 1, so the router would get no gradient).")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")
@@ -957,6 +962,8 @@ def _resolve_moe(args):
     if args.moe_router_topk > experts:
         _fail("--moe-router-topk", args.moe_router_topk,
               f"exceeds --num-experts={experts}; valid: 1..{experts}")
+    if args.moe_router_topk == 1:
+        args.moe_router_pre_softmax = True
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     if args.moe_ffn_hidden_size % etp != 0:

@@ -1,0 +1,159 @@
+"""Replicate mode end to end: `pretrain_gpt_moe.py --moe-parallel-mode replicate` on 4 gloo ranks.
+
+Dropless, replicate mode computes Megatron EP's model: every token copy meets an instance with
+the expert's current weights, the slot gradients sum to the expert's gradient, and the
+experts' AdamW (on never-moving slices) takes Megatron's lr, clip factor and weight-decay
+groups. So its losses and grad norms must equal ep's within 1e-5 relative over 30 iterations,
+while the placement changes every iteration (several slots of one class on one rank included).
+Per iteration the measured bytes must equal DESIGN 4.6's formulas for the placement that ran,
+and never exceed static replication's. With a capacity factor, adaptive replication must keep
+clearly more tokens than the static baseline on the same data and seed; the FlexMoE-style
+baseline re-places only every k iterations and moves the optimizer state of its new replicas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_training_distributed import launch
+
+from megatron_patches.placement.replicate import assign_slots
+
+pytestmark = pytest.mark.slow
+
+ITERS = 30
+COMMON = [
+    "--lr-warmup-iters", "5", "--lr-decay-iters", str(ITERS), "--log-interval", "1", "--eval-interval", "1000",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+G, S, LAYERS, EXPERTS, MICRO_BATCHES = 4, 4, 2, 8, 1
+N = 16_576  # elements per tiny expert: fc1 64x128 + 128, fc2 128x64 + 64
+SLICE_R = np.array([len(a) for a in np.array_split(np.arange(N), G)])
+TOKENS_PER_ITERATION = 16 * 128
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("replicate")
+
+
+@pytest.fixture(scope="module")
+def ep_run(workdir):
+    return launch(G, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep")
+
+
+def train_records(run):
+    return [record for record in run.records if "loss" in record]
+
+
+def holders(replicas_E, slots: int = S) -> np.ndarray:
+    """bool [E, G]: which ranks hold a class, for the contiguous assignment of these counts."""
+    slots_RS = assign_slots(np.asarray(replicas_E), G, slots)
+    held_EG = np.zeros((len(replicas_E), G), dtype=bool)
+    for rank, row in enumerate(slots_RS):
+        held_EG[row, rank] = True
+    return held_EG
+
+
+def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
+    """DESIGN 4.6 per layer: (b) ring all-reduce among a class's m_e holders, (c) each rank
+    fetches slice r of the classes it does not hold, (e) each rank receives the other slices of
+    the classes it holds."""
+    held_EG = holders(replicas_E)
+    m_E = held_EG.sum(axis=1)
+    h_G = held_EG.sum(axis=0)
+    return {
+        "rep_grad_allreduce": int((2 * (m_E - 1) * N).sum()) * element_bytes,
+        "rep_grad_fetch": int(((EXPERTS - h_G) * SLICE_R).sum()) * element_bytes,
+        "rep_weights": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
+    }
+
+
+def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, workdir):
+    run = launch(G, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "replicate"], workdir, "replicate")
+    records, reference = train_records(run), train_records(ep_run)
+    assert len(records) == len(reference) == ITERS
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=1e-5, atol=0)
+    np.testing.assert_allclose([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol=1e-5)
+
+    static_counts = np.full(EXPERTS, G * S // EXPERTS)
+    # DESIGN 4.6: static replication's volumes when every rank's s slots hold distinct classes
+    static_grad = (2 * N * (S * G - EXPERTS) + N * (EXPERTS - S)) * 4
+    static_weights = S * N * (G - 1) * 4
+    several_slots_one_class = changed = 0
+    for i, record in enumerate(records):
+        rep = record["replicate"]
+        assert rep["survival"] == 1.0
+        expected = dict.fromkeys(("rep_grad_allreduce", "rep_grad_fetch", "rep_weights"), 0)
+        for layer, next_layer in zip(rep["layers"], records[min(i + 1, ITERS - 1)]["replicate"]["layers"]):
+            assert layer["processed"] == layer["routed"] == TOKENS_PER_ITERATION * 2
+            assert sum(layer["device_tokens"]) == layer["routed"] and sum(layer["popularity"]) == layer["routed"]
+            replicas = np.array(layer["replicas"])
+            assert replicas.min() >= 1 and replicas.sum() == G * S
+            several_slots_one_class += int((holders(replicas).sum(axis=0) < S).any())
+            changed += int(not np.array_equal(replicas, static_counts))
+            this = formula_bytes(replicas)
+            expected["rep_grad_allreduce"] += this["rep_grad_allreduce"]
+            expected["rep_grad_fetch"] += this["rep_grad_fetch"]
+            # the weights pushed at the end of iteration i fill iteration i+1's slots
+            expected["rep_weights"] += formula_bytes(next_layer["replicas"])["rep_weights"]
+            # never more than static replication's volumes; equal when a rank's slots hold distinct classes
+            distinct = bool((holders(replicas).sum(axis=0) == S).all())
+            grad = this["rep_grad_allreduce"] + this["rep_grad_fetch"]
+            assert grad == static_grad if distinct else grad < static_grad
+            assert this["rep_weights"] == static_weights if distinct else this["rep_weights"] < static_weights
+        measured = {kind: rep["bytes"][kind]["intra"] for kind in expected}
+        if i < ITERS - 1:  # the last push fills an iteration the records do not show
+            assert measured == expected, f"iteration {record['iteration']}"
+        # one [G, E] int64 ring all-reduce per layer and micro-batch: 2 (G - 1) G E 8 bytes in all
+        assert rep["bytes"]["rep_popularity"]["intra"] == LAYERS * MICRO_BATCHES * 2 * (G - 1) * G * EXPERTS * 8
+        assert all(link["inter"] == 0 for link in rep["bytes"].values())
+        assert record["bytes"]["a2a"] == 4 * rep["a2a_remote_copies"] * 64 * 4
+        # the experts' master weights and Adam moments exist once, evenly sliced; s slots per layer
+        assert rep["memory"]["optimizer_state_bytes"] == [3 * 4 * LAYERS * EXPERTS * n for n in SLICE_R]
+        assert rep["memory"]["slot_bytes"] == [LAYERS * S * N * 4] * G
+    # the placement really adapted, with several slots of one class on a rank (step (a) exercised)
+    assert changed >= ITERS and several_slots_one_class >= ITERS
+
+
+def capacity_run(workdir, name: str, *flags: str):
+    common = [
+        *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
+        "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8",
+    ]
+    records = train_records(launch(G, [*common, *flags], workdir, name))
+    for record in records:
+        for layer in record["replicate"]["layers"]:
+            assert layer["routed"] == TOKENS_PER_ITERATION and layer["processed"] <= layer["routed"]
+            assert layer["survival"] == pytest.approx(layer["processed"] / layer["routed"])
+    return records
+
+
+def test_adaptive_replication_keeps_more_tokens_than_static_and_flexmoe_moves_state(workdir):
+    adaptive = capacity_run(workdir, "adaptive", "--replicate-offload-optimizer")
+    static = capacity_run(workdir, "static", "--replicate-policy", "static")
+    survival_adaptive = np.mean([r["replicate"]["survival"] for r in adaptive])
+    survival_static = np.mean([r["replicate"]["survival"] for r in static])
+    assert survival_static < 0.9, "the router must be skewed enough for the capacity to drop tokens"
+    assert survival_adaptive > survival_static + 0.1, (survival_adaptive, survival_static)
+    # the first iteration runs the static placement in both, on the same data
+    assert adaptive[0]["replicate"]["survival"] == static[0]["replicate"]["survival"]
+    for record in static:
+        assert all(layer["replicas"] == [2] * 16 for layer in record["replicate"]["layers"])
+
+    every = 4
+    flexmoe = capacity_run(workdir, "flexmoe", "--replicate-policy", "flexmoe", "--replicate-rebalance-interval", str(every))
+    for before, after in zip(flexmoe, flexmoe[1:]):
+        rebalanced = before["iteration"] % every == 0
+        gained = 0
+        for old, new in zip(before["replicate"]["layers"], after["replicate"]["layers"]):
+            if not rebalanced:
+                assert old["replicas"] == new["replicas"]
+            old_held, new_held = holders(old["replicas"], 8), holders(new["replicas"], 8)
+            gained += int(((new_held & ~old_held) * (N - SLICE_R)).sum())
+        # a rank gaining a class receives its master weights and both Adam moments (fp32)
+        assert before["replicate"]["bytes"]["flexmoe_state"]["intra"] == 3 * 4 * gained
+        assert (gained > 0) <= rebalanced
+    assert any(r["replicate"]["bytes"]["flexmoe_state"]["intra"] > 0 for r in flexmoe)
+
