@@ -94,6 +94,10 @@ forward and backward before the next one starts), the no-overlap baseline of too
 _MIN_IDLE_S = 20e-6
 _MAX_IDLE_S = 1e-3
 
+# Routing probabilities travel in fp32: Megatron's router computes them in fp32 or the router
+# dtype, which fp32 holds exactly; the receiver casts back to the dtype it needs.
+_PROBS_DTYPE = torch.float32
+
 
 class ZebraEngineError(ValueError):
     """A model or setting the zebra engine cannot run; the message names the value and what is valid."""
@@ -237,7 +241,6 @@ class ZebraEngine:
         """Benchmark-only emulation of slower expert GPUs (tools/bench_zebra.py; no training flag
         sets it): after each expert task an expert rank sleeps (factor - 1) x the task's time."""
         self._check(model, config, layout)
-        world = dist.get_world_size()
         self.rank = dist.get_rank()
         per_group = layout.attention_ranks + layout.expert_ranks
         self.zp_group = self.rank // per_group
@@ -322,7 +325,7 @@ class ZebraEngine:
         )
         """The planned task order of this rank's role: {"compute" | "dispatch" | "combine": [Task]}."""
         self.timeline: RankTimeline | None = None
-        """The last iteration's executed tasks (when ``record_timeline`` is on)."""
+        """The last recorded iteration's executed tasks (when ``record_timeline`` is on)."""
         self.record_timeline = config.timeline is not None
         """Record task times (a barrier starts each iteration's clock)."""
 
@@ -402,7 +405,23 @@ class ZebraEngine:
         return IterationResult(loss=loss, grad_norm=grad_norm)
 
     def forward_backward(self, microbatches: Sequence[dict] | None) -> float:
-        """Run the schedule and sum the gradients over the data-parallel groups; the mean loss."""
+        """Run the schedule and sum the gradients over the data-parallel groups; the mean loss.
+        Gradients accumulate into ``.grad`` (``zero_grad`` first); same arguments as ``train_step``."""
+        self._take_batches(microbatches)
+        self._run_schedule(self.order)
+        self._reduce_gradients()
+        return self._mean_loss()
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[dict] | None) -> float:
+        """Forward only (the F tasks of the same order, no gradients): the mean loss, as
+        ``forward_backward`` computes it. Same arguments as ``train_step``."""
+        self._take_batches(microbatches)
+        forward = {stream: [t for t in tasks if t.phase == "F"] for stream, tasks in self.order.items()}
+        self._run_schedule(forward)
+        return self._mean_loss()
+
+    def _take_batches(self, microbatches: Sequence[dict] | None) -> None:
         R = self.config.microbatches
         if self.role == "attention":
             if microbatches is None or len(microbatches) != R:
@@ -411,16 +430,12 @@ class ZebraEngine:
             self._batches = [self._prepare(batch) for batch in microbatches]
         else:
             self._batches = None
-        self._state_reset()
-        if self.record_timeline:
-            dist.barrier()
-            self.timeline = RankTimeline(rank=self.rank, role=self.role, zp_group=self.zp_group)
-        self._t0 = self._mark("compute")
-        self._run_schedule()
-        self._reduce_gradients()
+
+    def _mean_loss(self) -> float:
+        """Mean micro-batch loss over every attention rank (a collective over the world)."""
         total = torch.tensor([sum(self._losses)], dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total[0]) / (len(self.layout.attention_dp_group) * R)
+        return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
 
     def step(self) -> float:
         """Global-norm clipping (Megatron's rule) and the AdamW step; the norm before clipping."""
@@ -484,8 +499,14 @@ class ZebraEngine:
             return False  # its split sizes come from the counts that D_F(l, j) gathered
         return all(dep in done for dep in task.deps if not dep.startswith(other))
 
-    def _run_schedule(self) -> None:
-        queues = {stream: deque(tasks) for stream, tasks in self.order.items()}
+    def _run_schedule(self, order: dict[str, list[Task]]) -> None:
+        self._state_reset()
+        self._recording = self.record_timeline
+        self._marks: list[tuple] = []
+        if self._recording:
+            dist.barrier()  # one start for every rank's clock
+        self._t0 = self._mark("compute")
+        queues = {stream: deque(tasks) for stream, tasks in order.items()}
         in_flight: dict[str, _Collective] = {}
         starts: dict[str, object] = {}
         done: set[str] = set()
@@ -564,11 +585,11 @@ class ZebraEngine:
         return event
 
     def _record(self, stream: str, task: Task, start, end) -> None:
-        if self.timeline is not None and self.record_timeline:
-            self.timeline.spans.append((stream, task.label, start, end))
+        if self._recording:
+            self._marks.append((stream, task.label, start, end))
 
     def _resolve_timeline(self) -> None:
-        if self.timeline is None or not self.record_timeline:
+        if not self._recording:
             return
         if self._use_cuda:
             torch.cuda.synchronize()
@@ -580,9 +601,10 @@ class ZebraEngine:
             def seconds(mark):
                 return mark - self._t0
 
-        self.timeline.spans = [
-            TaskSpan(stream, label, seconds(start), seconds(end)) for stream, label, start, end in self.timeline.spans
-        ]
+        self.timeline = RankTimeline(
+            rank=self.rank, role=self.role, zp_group=self.zp_group,
+            spans=[TaskSpan(stream, label, seconds(start), seconds(end)) for stream, label, start, end in self._marks],
+        )
 
     # ------------------------------------------------------------------------------------------
     # Compute tasks
@@ -783,7 +805,7 @@ class ZebraEngine:
         else:
             grad_tokens, grad_probs = empty_XH, torch.zeros(0, dtype=torch.float32, device=self.device)
         tokens, work_tokens = self._a2a(stream, grad_tokens, exchange.recv_splits, exchange.send_splits)
-        probs, work_probs = self._a2a(stream, grad_probs.to(self._probs_dtype), exchange.recv_splits,
+        probs, work_probs = self._a2a(stream, grad_probs.to(_PROBS_DTYPE), exchange.recv_splits,
                                       exchange.send_splits)
 
         def finish():
@@ -791,12 +813,6 @@ class ZebraEngine:
                 self._grad_sent[key] = (tokens, probs)
 
         return _Collective(task, [work_tokens, work_probs], None, finish)
-
-    @property
-    def _probs_dtype(self) -> torch.dtype:
-        """Routing probabilities travel in fp32 (Megatron's router computes them in fp32 or the
-        router dtype; fp32 holds either exactly)."""
-        return torch.float32
 
     def _launch_dispatch(self, task: Task, empty_XH: torch.Tensor) -> _Collective:
         """D_F: gather the per-expert counts of every rank of the ZP group, then send the tokens
@@ -820,7 +836,7 @@ class ZebraEngine:
             self._exchange[key] = _Exchange(send_splits, counts_SK.sum(dim=1).tolist(), counts_SK)
             tokens = segment.sent_XH.detach() if segment is not None else empty_XH
             probs = (segment.sent_probs_X.detach() if segment is not None
-                     else torch.zeros(0, dtype=self._probs_dtype, device=self.device)).to(self._probs_dtype)
+                     else torch.zeros(0, dtype=_PROBS_DTYPE, device=self.device)).to(_PROBS_DTYPE)
             result["tokens"], work_tokens = self._a2a("dispatch", tokens, send_splits, self._exchange[key].recv_splits)
             result["probs"], work_probs = self._a2a("dispatch", probs, send_splits, self._exchange[key].recv_splits)
             return [work_tokens, work_probs]
