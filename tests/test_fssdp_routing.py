@@ -1,4 +1,4 @@
-"""The FSSDP layer's per-token routing to expert instances (`fssdp.layer.virtual_routing`)."""
+"""The FSSDP layer's per-token routing to expert instances (`comm.virtual.virtual_routing`, used by the fssdp and replicate layers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_patches.fssdp.layer import virtual_routing
+from megatron_patches.comm.virtual import virtual_routing
 
 
 def random_case(rng, T: int, E: int, D: int, topk: int):

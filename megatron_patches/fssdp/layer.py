@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
 from megatron_patches.placement import fssdp as planner
 
@@ -165,8 +166,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
             self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
-        tokens_ED = _tokens_from_source(plan, self.runtime.rank, self.num_experts, self.runtime.num_devices)
-        return virtual_routing(routing_map_TE, probs_TE, tokens_ED)
+        return virtual_routing(routing_map_TE, probs_TE, tokens_from_source(plan, self.runtime.rank))
 
     def before_dispatch(self):
         layer_pass = self._pass
@@ -250,45 +250,3 @@ def _merge_rows(plan, before, held_HN: torch.Tensor, extra_XN: torch.Tensor, ext
     fresh = ~np.isin(new_chunks, old_chunks)
     merged_HN[torch.from_numpy(plan.held_row_E[new_chunks[fresh]])] = extra_XN[torch.from_numpy(np.flatnonzero(fresh))]
     return merged_HN
-
-
-def _tokens_from_source(plan, source: int, num_experts: int, num_devices: int) -> np.ndarray:
-    """Tokens this source sends per (expert, destination device); int64 [E, D]."""
-    mine = plan.source_K == source
-    tokens_ED = np.zeros((num_experts, num_devices), dtype=np.int64)
-    np.add.at(tokens_ED, (plan.expert_K[mine], plan.dest_K[mine]), plan.tokens_K[mine])
-    return tokens_ED
-
-
-def virtual_routing(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, tokens_ED: np.ndarray):
-    """Routing map and probs over virtual experts v = d*E + e from a per-expert destination split.
-
-    The token copies of expert e, in token order, go to the destinations in ascending device
-    order: the first tokens_ED[e, 0] to device 0, the next tokens_ED[e, 1] to device 1, ...
-
-    Args:
-        routing_map_TE: bool [T, E], Megatron's routing map on this source.
-        probs_TE: float [T, E], the routing probabilities (0 where not routed).
-        tokens_ED: int [E, D], this source's tokens per (expert, destination); row sums must
-            equal routing_map_TE's column sums.
-    Returns:
-        (routing_map_TV bool [T, D*E], probs_TV [T, D*E]).
-    """
-    T, E = routing_map_TE.shape
-    D = tokens_ED.shape[1]
-    counts_E = routing_map_TE.sum(dim=0).cpu().numpy()
-    if not np.array_equal(tokens_ED.sum(axis=1), counts_E):
-        raise RuntimeError(f"dispatch plan sends {tokens_ED.sum(axis=1).tolist()} tokens per expert, routed {counts_E.tolist()}")
-    device = routing_map_TE.device
-    # dest_of_copy[offset_E[e] + i] = destination of the i-th routed token of expert e
-    dest_of_copy = torch.from_numpy(np.repeat(np.tile(np.arange(D), E), tokens_ED.ravel())).to(device)
-    offset_E = torch.from_numpy(np.cumsum(counts_E) - counts_E).to(device)
-    rank_TE = routing_map_TE.to(torch.int64).cumsum(dim=0) - 1
-    token_K, expert_K = routing_map_TE.nonzero(as_tuple=True)
-    dest_K = dest_of_copy[offset_E[expert_K] + rank_TE[token_K, expert_K]]
-    column_K = dest_K * E + expert_K
-    routing_map_TV = torch.zeros((T, D * E), dtype=torch.bool, device=device)
-    routing_map_TV[token_K, column_K] = True
-    probs_TV = probs_TE.new_zeros((T, D * E))
-    probs_TV[token_K, column_K] = probs_TE[token_K, expert_K]
-    return routing_map_TV, probs_TV

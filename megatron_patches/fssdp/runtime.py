@@ -23,8 +23,6 @@ their point-to-point traffic never interleaves with Megatron's all-to-alls on th
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from megatron_patches.comm.groups import node_layout
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
@@ -114,27 +113,6 @@ class IterationStats:
         self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
 
 
-def _node_layout(group_ranks: list[int]) -> tuple[int, int]:
-    """(nodes, devices per node) of the group's ranks.
-
-    A rank's node is its Slurm node name (SLURMD_NODENAME, which tells apart the virtual nodes
-    of a test cluster too) or else its host name; gathered over the world (a collective).
-    """
-    key = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    keys = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, key)
-    node_ids = {name: i for i, name in enumerate(dict.fromkeys(keys))}
-    nodes_of = [node_ids[keys[r]] for r in group_ranks]
-    distinct = sorted(set(nodes_of))
-    counts = [nodes_of.count(n) for n in distinct]
-    if len(set(counts)) != 1 or nodes_of != sorted(nodes_of):
-        raise ValueError(
-            f"the FSSDP group's ranks {group_ranks} sit on nodes {[keys[r] for r in group_ranks]}: not node-major "
-            "with the same number of ranks per node; launch one process per device, equal processes per node"
-        )
-    return len(distinct), counts[0]
-
-
 class FSSDPRuntime:
     """Coordinates FSSDP for the MoE layers of this pipeline stage (see module docstring)."""
 
@@ -160,7 +138,7 @@ class FSSDPRuntime:
         ranks = dist.get_process_group_ranks(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_devices = len(ranks)
-        self.nodes, self.devices_per_node = _node_layout(ranks)
+        self.nodes, self.devices_per_node = node_layout(ranks)
         self.traffic = TrafficCounter()
         self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window)
         self.layers: list = []

@@ -191,6 +191,8 @@ def pretrain(args) -> Summary:
     if fssdp is not None:
         fssdp.attach(mcore.transformer_layers(model), config)
     optimizer = mcore.optimizer(args, [ddp])
+    if fssdp is not None:
+        fssdp.attach_optimizer(optimizer)  # re-sharding moves the experts' optimizer state too
     if replicate is not None:
         replicate.attach(mcore.transformer_layers(model), config, optimizer)
     scheduler = mcore.scheduler(args, optimizer)

@@ -229,6 +229,9 @@ class MetricsWriter:
             if name in fssdp.get("memory", {}):
                 self._tb.add_scalar(f"fssdp/{name}_max_rank", max(fssdp["memory"][name]), iteration)
         self._tb.add_scalar("fssdp/copies_bytes_peak_max_rank", max(fssdp["copies_bytes_peak"]), iteration)
+        if fssdp.get("reshard"):
+            self._tb.add_scalar("fssdp/reshard_moved", fssdp["reshard"]["moved"], iteration)
+            self._tb.add_scalar("fssdp/reshard_seconds", fssdp["reshard"]["seconds"], iteration)
 
     def _log_replicate_tb(self, replicate: dict, iteration: int) -> None:
         self._tb.add_scalar("replicate/survival", replicate["survival"], iteration)
