@@ -5,11 +5,12 @@ TP = PP = EP = 1), Megatron's DDP, optimizer and scheduler, on one rank, fed the
 micro-batches per iteration (attention rank a runs micro-batches 4a..4a+3). In fp32 without
 dropout the zebra schedule computes the same function, so losses, the first iteration's
 gradients, gradient norms and a forward-only evaluation agree within 1e-5 relative and the
-weights after 3 Adam steps within 1e-4, with and without Asym-EA. Asym-EA "1,2" moves one expert of layer 0 and both experts of every expert
-rank's block of layer 1 to the attention ranks (so the expert ranks compute nothing at layer 1).
+weights after 3 Adam steps within 1e-4, with and without Asym-EA, and with two ZP groups. Asym-EA "1,2" moves one expert of layer 0 and both
+experts of every expert rank's block of layer 1 to the attention ranks (so the expert ranks
+compute nothing at layer 1).
 Tokens: real GPT-2 BPE ids of the embedded Austen corpus (training.corpus), 16 tokens + 1 label.
 
-One spawn of 4 ranks runs both variants, records the timeline and the executed order per stream,
+One spawn of 4 ranks runs the three variants, records their timelines and executed orders per stream,
 and checks an early refusal; the reference runs in the pytest process.
 """
 
@@ -43,7 +44,10 @@ FLAGS = [
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257", "--lr", "3e-3", "--lr-warmup-iters", "0",
     "--train-iters", str(ITERS), "--weight-decay", "0.1", "--clip-grad", "0.5", "--seed", "1234",
 ]
-VARIANTS = {"plain": "off", "asym": "1,2"}
+# name: (M, N, --zebra-asym-ea); "groups" is two ZP groups of one attention and one expert rank
+# each (ranks 0, 2 attention; 1, 3 expert): dense gradients summed over ranks 0 and 2, expert
+# gradients over 1 and 3, and over 0 and 2 for the expert of layer 0 that Asym-EA moves.
+VARIANTS = {"plain": (M, N, "off"), "asym": (M, N, "1,2"), "groups": (1, 1, "1,0")}
 
 
 def corpus_tokens() -> list[int]:
@@ -102,7 +106,7 @@ def _fresh_model(args):
 
 
 def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
-    """Rank body: both variants, 3 iterations each; gradients and weights saved to out_dir."""
+    """Rank body: every variant, 3 iterations each; gradients and weights saved to out_dir."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -127,18 +131,20 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
     except ZebraEngineError as err:
         out["refusal"] = str(err)
 
-    for variant, asym in VARIANTS.items():
+    for variant, (m, n, asym) in VARIANTS.items():
         model = _fresh_model(args)
         timeline = str(Path(out_dir) / f"timeline_{variant}.json")
-        layout = zebra_layout(cluster, M, N, 4, num_layers=2, num_experts=4, asym_ea=asym)
-        engine = ZebraEngine(model, ZebraConfig(M, N, R, asym_ea=asym, timeline=timeline), layout,
+        layout = zebra_layout(cluster, m, n, 4, num_layers=2, num_experts=4, asym_ea=asym)
+        engine = ZebraEngine(model, ZebraConfig(m, n, R, asym_ea=asym, timeline=timeline), layout,
                              AdamSettings.from_args(args))
+        # this attention rank's share of every iteration's M x R micro-batches
+        share = layout.attention_dp_group.index(rank) if engine.role == "attention" else None
         scheduler = mcore.scheduler(args, engine.optimizer)
         names = {id(p): name for name, p in model.named_parameters()}
         owned = engine.dense_params + engine.expert_params
         losses, norms = [], []
         for it in range(ITERS):
-            mine = batches[it][rank * R : (rank + 1) * R] if engine.role == "attention" else None
+            mine = batches[it][share * R : (share + 1) * R] if share is not None else None
             engine.zero_grad()
             losses.append(engine.forward_backward(mine))
             if it == 0:
@@ -157,7 +163,7 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             "executed": {stream: engine.timeline.executed_order(stream) for stream in engine.order},
         }
         # forward only, on the first iteration's data with the trained weights
-        first = batches[0][rank * R : (rank + 1) * R] if engine.role == "attention" else None
+        first = batches[0][share * R : (share + 1) * R] if share is not None else None
         out[variant]["eval_loss"] = engine.evaluate(first)
     parallel_state.destroy_model_parallel()
     return out
@@ -250,6 +256,9 @@ def test_expert_placement_follows_the_asym_ea_plan(runs):
     # "1,2": layer 0 gives expert 1 of rank 2 and expert 3 of rank 3 to attention ranks 0 and 1;
     # layer 1 gives all four experts, two to each attention rank.
     assert [r["asym"]["experts"] for r in ranks] == [[[1], [0, 1]], [[3], [2, 3]], [[0], []], [[2], []]]
+    # two groups, "1,0": in each group the expert rank gives expert 3 of layer 0 to its attention rank
+    assert [r["groups"]["role"] for r in ranks] == ["attention", "expert", "attention", "expert"]
+    assert [r["groups"]["experts"] for r in ranks] == [[[3], []], [[0, 1, 2], [0, 1, 2, 3]]] * 2
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -258,14 +267,14 @@ def test_executed_order_per_stream_is_the_planned_order(runs, variant):
     for result in ranks:
         assert result[variant]["executed"] == result[variant]["planned"]
     timeline = json.loads((out_dir / f"timeline_{variant}.json").read_text())
-    assert [r["role"] for r in timeline["ranks"]] == ["attention", "attention", "expert", "expert"]
+    assert [r["role"] for r in timeline["ranks"]] == [r[variant]["role"] for r in ranks]
     for rank in timeline["ranks"]:
         compute = [t for t in rank["tasks"] if t["stream"] == "compute"]
         assert all(t["start"] <= t["end"] for t in rank["tasks"])
         # one compute stream: its tasks never overlap
         assert all(a["end"] <= b["start"] for a, b in zip(compute, compute[1:]))
     attention_e = [t for t in timeline["ranks"][0]["tasks"] if t["task"].startswith("E_")]
-    assert bool(attention_e) == (variant == "asym")
+    assert bool(attention_e) == (variant != "plain")
 
 
 def test_plot_timeline_draws_and_reports_bubbles(runs, tmp_path, capsys):
