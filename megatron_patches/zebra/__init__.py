@@ -5,6 +5,14 @@
   profile.
 - `profiler`: per-micro-batch times and memory of one device type (tools/profile_moe.py),
   merged into the profile file that Asym-EA (`placement.zebra`) reads.
+- `config`: ZebraConfig and the `--zebra-*` flags (`add_zebra_args`).
+- `engine`: ZebraEngine, the zig-zag forward/backward schedule over Megatron-Core's own
+  modules (attention ranks: embedding, attention, router, head; expert ranks: the experts),
+  Asym-EA owners, the AdamW step with Megatron's groups and clipping.
+- `timeline`: start/end of every task per rank and stream, bubble fractions
+  (tools/plot_timeline.py draws them).
+
+Not yet a `--moe-parallel-mode` of the training loop (tested against Megatron's model directly).
 
 The planning side (profile format, Asym-EA, task order) lives in `megatron_patches.placement.zebra`.
 """
