@@ -220,11 +220,7 @@ class MetricsWriter:
         for layer in fssdp["layers"]:
             self._tb.add_scalar(f"fssdp/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             self._tb.add_scalar(f"fssdp/replicas_layer{layer['layer']}", sum(layer["replicas"]), iteration)
-        for kind, link in fssdp["bytes"].items():
-            for where, value in link.items():
-                self._tb.add_scalar(f"fssdp/bytes_{kind}_{where}", value, iteration)
-        for kind, seconds in fssdp["exposed_s"].items():
-            self._tb.add_scalar(f"fssdp/exposed_s_{kind}", seconds, iteration)
+        self._log_mode_tb("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s", iteration)
         for name in ("shard_bytes", "optimizer_state_bytes"):
             if name in fssdp.get("memory", {}):
                 self._tb.add_scalar(f"fssdp/{name}_max_rank", max(fssdp["memory"][name]), iteration)
@@ -239,11 +235,15 @@ class MetricsWriter:
             self._tb.add_scalar(f"replicate/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             self._tb.add_scalar(f"replicate/survival_layer{layer['layer']}", layer["survival"], iteration)
             self._tb.add_scalar(f"replicate/max_replicas_layer{layer['layer']}", max(layer["replicas"]), iteration)
-        for kind, link in replicate["bytes"].items():
+        self._log_mode_tb("replicate", replicate["bytes"], replicate["seconds"], "seconds", iteration)
+
+    def _log_mode_tb(self, mode: str, traffic: dict, seconds: dict, seconds_name: str, iteration: int) -> None:
+        """A mode's bytes per kind and link class, and its seconds per kind."""
+        for kind, link in traffic.items():
             for where, value in link.items():
-                self._tb.add_scalar(f"replicate/bytes_{kind}_{where}", value, iteration)
-        for kind, seconds in replicate["seconds"].items():
-            self._tb.add_scalar(f"replicate/seconds_{kind}", seconds, iteration)
+                self._tb.add_scalar(f"{mode}/bytes_{kind}_{where}", value, iteration)
+        for kind, value in seconds.items():
+            self._tb.add_scalar(f"{mode}/{seconds_name}_{kind}", value, iteration)
 
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
