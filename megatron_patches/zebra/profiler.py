@@ -115,6 +115,7 @@ _RUN_DEFAULTS = dict(
     expert_model_parallel_size=1,
     expert_tensor_parallel_size=1,
     sequence_parallel=False,
+    moe_parallel_mode="ep",
 )
 
 
@@ -325,6 +326,8 @@ def transformer_config(request: ProfileRequest):
         bf16=request.dtype == "bf16",
         fp16=request.dtype == "fp16",
     )
+    # as training.arguments resolves it: Megatron-Core refuses top-1 routing without pre-softmax
+    args.moe_router_pre_softmax = bool(getattr(args, "moe_router_pre_softmax", False)) or args.moe_router_topk == 1
     if not args.group_query_attention:
         args.num_query_groups = None
     return mcore.transformer_config(args, on_gpu=request.device == "cuda")
