@@ -18,7 +18,7 @@ import pytest
 
 from test_training_distributed import launch
 
-from megatron_patches.placement.replicate import assign_slots
+from megatron_patches.placement.replicate import assign_slots, slot_placement
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +49,7 @@ def train_records(run):
 
 def holders(replicas_E, slots: int = S) -> np.ndarray:
     """bool [E, G]: which ranks hold a class, for the contiguous assignment of these counts."""
-    slots_RS = assign_slots(np.asarray(replicas_E), G, slots)
-    held_EG = np.zeros((len(replicas_E), G), dtype=bool)
-    for rank, row in enumerate(slots_RS):
-        held_EG[row, rank] = True
-    return held_EG
+    return slot_placement(assign_slots(np.asarray(replicas_E), G, slots), len(replicas_E)).counts_ED > 0
 
 
 def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:

@@ -42,7 +42,7 @@ from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import with_moe_layer
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
-from megatron_patches.placement.replicate import assign_slots, replica_counts, spread_tokens
+from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement, spread_tokens
 from megatron_patches.placement.types import Topology
 from megatron_patches.replicate.config import ReplicateConfig
 from megatron_patches.replicate.engine import ReplicatedExperts
@@ -316,10 +316,7 @@ class ReplicateRuntime:
         decoupled optimizer.
         """
         current_ED = experts.slots.placement.counts_ED > 0
-        gained_ED = np.zeros_like(current_ED)
-        for rank, row in enumerate(next_slots_RS):
-            gained_ED[np.unique(row), rank] = True
-        gained_ED &= ~current_ED
+        gained_ED = (slot_placement(next_slots_RS, self.num_experts).counts_ED > 0) & ~current_ED
         if not gained_ED.any():
             return
         sl = experts.slices
