@@ -35,19 +35,30 @@ from abc import abstractmethod
 import torch
 from torch.func import functional_call
 
-from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding, replace_prefix_for_sharding
+from megatron.core.optimizer import _get_param_groups
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 __all__ = [
+    "EXPERT_STATE_NAMES",
     "ExpertLayout",
     "InstanceMoELayer",
     "InstanceTokenDispatcher",
+    "dense_optimizer",
+    "ep_optimizer_sharded_state_dict",
+    "expert_checkpoint_keys",
     "expert_optimizer_tensors",
+    "frozen_expert_param_groups",
     "held_experts_sharded_state_dict",
+    "load_ep_optimizer_state",
     "with_moe_layer",
 ]
 
@@ -278,3 +289,179 @@ def expert_optimizer_tensors(optimizer, param: torch.nn.Parameter) -> list[torch
                 )
         return [tensor.view(-1) for tensor in out]
     raise ValueError(f"no optimizer holds the expert parameter of shape {tuple(param.shape)}")
+
+
+# ----------------------------------------------------------------------------------------
+# ep mode's optimizer checkpoint for experts Megatron's optimizer does not hold (replicate)
+# ----------------------------------------------------------------------------------------
+
+EXPERT_STATE_NAMES = ("exp_avg", "exp_avg_sq")
+"""Adam's per-element state, keyed in a checkpoint as `optimizer.state.<name>.<model param key>`."""
+
+# ep mode's optimizer is a ChainedOptimizer of two: get_megatron_optimizer (optimizer/__init__.py
+# in 0.16.1) builds the dense parameters' optimizer first and the expert-parallel ones' second,
+# and ChainedOptimizer.sharded_state_dict (optimizer.py:1184) prefixes each one's keys with
+# chained_<index>. when it has several.
+DENSE_INDEX, EXPERT_INDEX = 0, 1
+
+
+def dense_optimizer(optimizer):
+    """The single sub-optimizer of Megatron's optimizer for a model whose experts are frozen.
+
+    Supported: FP32Optimizer (fp32 training) and Float16OptimizerWithFloat16Params (bf16 / fp16
+    without --use-distributed-optimizer); their per-parameter checkpoint forms are what
+    `ep_optimizer_sharded_state_dict` reproduces for the experts.
+    """
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if len(subs) != 1:
+        raise ValueError(
+            f"expected one optimizer over the non-expert parameters (the experts are frozen), got {len(subs)}: "
+            f"{[type(s).__name__ for s in subs]}"
+        )
+    sub = subs[0]
+    if type(sub) not in (FP32Optimizer, Float16OptimizerWithFloat16Params):
+        raise ValueError(
+            f"checkpoints of frozen-expert modes support FP32Optimizer and Float16OptimizerWithFloat16Params, "
+            f"got {type(sub).__name__} (drop --use-distributed-optimizer)"
+        )
+    return sub
+
+
+def frozen_expert_param_groups(model_chunks, optimizer, expert_params) -> list[tuple[dict, list]]:
+    """The frozen expert parameters grouped and ordered as ep mode's expert optimizer holds them.
+
+    Megatron groups trainable parameters only (`_get_param_groups`, optimizer/__init__.py:108):
+    the experts become trainable for the call (no autograd runs meanwhile) and frozen again.
+    Collective over the world (Megatron aligns the group keys across ranks).
+
+    Returns one (fields, params) per expert group in ep's order: `fields` are Megatron's group
+    fields (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr, default_config, max_lr,
+    min_lr), `params` the group's expert parameters in model order.
+    """
+    dense = dense_optimizer(optimizer)
+    wanted = {id(p) for p in expert_params}
+    thawed = [p for p in expert_params if not p.requires_grad]
+    for p in thawed:
+        p.requires_grad_(True)
+    try:
+        groups = _get_param_groups(model_chunks, dense.config, None)
+    finally:
+        for p in thawed:
+            p.requires_grad_(False)
+    out = []
+    for group in groups:
+        if not group["is_expert_parallel"]:
+            continue
+        params = [p for p in group["params"] if id(p) in wanted]
+        out.append(({k: v for k, v in group.items() if k != "params"}, params))
+    found = sum(len(params) for _, params in out)
+    if found != len(wanted):
+        raise ValueError(f"{len(wanted)} expert parameters given, {found} of them in Megatron's expert-parallel groups")
+    return out
+
+
+def _group_key(group: dict) -> tuple:
+    # MegatronOptimizer._filter_and_reorder_param_groups matches groups by these fields.
+    return tuple(group[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr"))
+
+
+def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_state, step, is_loading: bool) -> dict:
+    """ep mode's optimizer sharded state dict, for a model whose experts the optimizer does not hold.
+
+    {0: the dense optimizer's own sharded state dict, 1: the expert optimizer's, built as
+    Megatron builds it for ep}, each under ep's chained_<index>. prefix: the same keys, offsets
+    and common structure as an ep checkpoint, so ep loads it and it loads from ep's.
+
+    Args:
+        optimizer: Megatron's optimizer over the non-expert parameters (see `dense_optimizer`).
+        model_sd: the model's sharded state dict; its tensors of the expert parameters give the
+            keys and offsets (ep's: Megatron's for each global expert id).
+        expert_groups: `frozen_expert_param_groups`.
+        expert_state: expert parameter -> {name: tensor of the parameter's shape} for
+            `EXPERT_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param" (the
+            fp32 master weights). Saving: the values; loading: buffers of the right dtype.
+        step: the experts' Adam step count (saving only; a loaded one comes from the checkpoint).
+        is_loading: a template to load into (the dense optimizer creates its state for it).
+    """
+    dense = dense_optimizer(optimizer)
+    dense_sd = dense.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    add_prefix_for_sharding(dense_sd, f"chained_{DENSE_INDEX}.")
+
+    sharded_of = {id(value.data): value for value in _sharded_tensors(model_sd)}
+    hyper = {_group_key(g): g for g in dense.optimizer.param_groups}
+    state, param_groups, fp32_groups, next_id = {}, [], [], 0
+    for fields, params in expert_groups:
+        if _group_key(fields) not in hyper:
+            raise ValueError(
+                f"no dense parameter group has the expert group's (wd_mult, lr_mult, is_decoupled_lr) = "
+                f"{_group_key(fields)}: its learning rate and weight decay are unknown"
+            )
+        ids = list(range(next_id, next_id + len(params)))
+        next_id += len(params)
+        group = {k: v for k, v in hyper[_group_key(fields)].items() if k != "params"}
+        param_groups.append({**group, **fields, "params": LocalNonpersistentObject(ids)})
+        fp32_row = []
+        for i, param in zip(ids, params):
+            if id(param) not in sharded_of:
+                raise ValueError(f"an expert parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+            tensors = expert_state[param]
+            state[i] = {
+                name: make_sharded_optimizer_tensor(sharded_of[id(param)], tensors[name], prefix=f"optimizer.state.{name}")
+                for name in EXPERT_STATE_NAMES
+            }
+            if isinstance(dense, Float16OptimizerWithFloat16Params):
+                fp32_row.append(make_sharded_optimizer_tensor(sharded_of[id(param)], tensors["fp32_param"], prefix="optimizer.state.fp32_param"))
+        fp32_groups.append(fp32_row)
+    if not is_loading:
+        state["common_step"] = torch.tensor(float(step), dtype=torch.float32)
+    inner = {"state": state, "param_groups": param_groups}
+    if isinstance(dense, Float16OptimizerWithFloat16Params):
+        expert_sd = {"optimizer": inner, "fp32_from_fp16_params": fp32_groups}
+        if dense.grad_scaler:
+            expert_sd["grad_scaler"] = dense.grad_scaler.state_dict()
+    else:
+        expert_sd = inner
+    add_prefix_for_sharding(expert_sd, f"chained_{EXPERT_INDEX}.")
+    return {DENSE_INDEX: dense_sd, EXPERT_INDEX: expert_sd}
+
+
+def expert_checkpoint_keys(optimizer, model_sd, expert_groups) -> dict[str, list[str]]:
+    """The checkpoint keys of the experts' optimizer tensors in ep's form: {name: [key, ...]} for
+    `EXPERT_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param"."""
+    dense = dense_optimizer(optimizer)
+    names = EXPERT_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
+    sharded_of = {id(value.data): value for value in _sharded_tensors(model_sd)}
+    keys = {name: [] for name in names}
+    for _, params in expert_groups:
+        for param in params:
+            for name in names:
+                keys[name].append(f"chained_{EXPERT_INDEX}.optimizer.state.{name}.{sharded_of[id(param)].key}")
+    return {name: sorted(set(k)) for name, k in keys.items()}
+
+
+def load_ep_optimizer_state(optimizer, loaded: dict, expert_groups, with_experts: bool):
+    """Loads the dense part of a loaded ep-form optimizer state dict into the dense optimizer.
+
+    Returns (expert parameter -> {name: loaded tensor}, the experts' step count) when
+    `with_experts` (the template had the expert part), else ({}, None).
+    """
+    dense = dense_optimizer(optimizer)
+    dense.load_state_dict(loaded[DENSE_INDEX])
+    if not with_experts:
+        return {}, None
+    expert = loaded[EXPERT_INDEX]
+    inner = expert["optimizer"] if isinstance(dense, Float16OptimizerWithFloat16Params) else expert
+    step = inner["state"].get("common_step")
+    out, next_id = {}, 0
+    for g, (_, params) in enumerate(expert_groups):
+        for j, param in enumerate(params):
+            out[param] = {name: inner["state"][next_id][name] for name in EXPERT_STATE_NAMES}
+            if isinstance(dense, Float16OptimizerWithFloat16Params):
+                out[param]["fp32_param"] = expert["fp32_from_fp16_params"][g][j]
+            next_id += 1
+    return out, None if step is None else float(step)
+
+
+def _sharded_tensors(sharded_state_dict):
+    """Every ShardedTensor in a nested sharded state dict."""
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]

@@ -43,9 +43,9 @@ from megatron_patches.compat.moe import with_moe_layer
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement, spread_tokens
-from megatron_patches.placement.types import Topology
+from megatron_patches.placement.types import ShardLayout, Topology
 from megatron_patches.replicate.config import ReplicateConfig
-from megatron_patches.replicate.engine import ReplicatedExperts
+from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
 from megatron_patches.replicate.layer import ReplicateMoELayer
 from megatron_patches.replicate.slices import AdamConfig
 
@@ -343,6 +343,125 @@ class ReplicateRuntime:
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
         self.traffic.record("flexmoe_state", self.rank, self.topology, peers, sent, received)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    #
+    # The checkpoint form is ep mode's: every expert lives in the frozen Megatron local expert
+    # that EP's contiguous layout gives it (group rank d = EP rank d holds experts
+    # [d E/G, (d+1) E/G)), whose sharded keys are ep's, and its Adam state goes under ep's
+    # optimizer keys (compat.moe.ep_optimizer_sharded_state_dict). The placement (slot
+    # assignment per layer, popularity history) travels as common state, so a resumed run places
+    # its next iteration as the uninterrupted one would.
+
+    def expert_params(self) -> list[torch.nn.Parameter]:
+        """The frozen Megatron expert parameters of this stage's replicate layers, in model order."""
+        return [p for layer in self.layers for p in layer.experts.parameters()]
+
+    def _owner_layout(self, layer) -> ShardLayout:
+        """EP's layout of the layer's experts; checks that it is the layout of the frozen modules."""
+        shard = ShardLayout.even(self.num_experts, self.num_devices)
+        mine = shard.experts_of(self.rank).tolist()
+        if mine != list(layer.local_expert_indices):
+            raise RuntimeError(
+                f"replicate rank {self.rank} holds Megatron's local experts {list(layer.local_expert_indices)} of layer "
+                f"{layer.layer_number}, but EP's contiguous layout gives it {mine} (the replicate group must be the EP group)"
+            )
+        return shard
+
+    def export_experts(self) -> tuple[dict, float]:
+        """Every expert's current weights into its frozen local expert module, and its optimizer state.
+
+        Collective over the replicate group (the whole experts are gathered from the slices on
+        their EP owner). The modules receive the fp32 master weights cast to their dtype.
+
+        Returns (expert parameter -> {"fp32_param", "exp_avg", "exp_avg_sq"}: fp32 tensors of
+        the parameter's shape, the experts' Adam step count).
+        """
+        out, step = {}, 0.0
+        for layer in self.layers:
+            owned = self.experts[layer.layer_number].gather_to_owners(self._owner_layout(layer))
+            step = owned["step"]
+            layout = layer.expert_layout
+            for i, module in enumerate(layer.experts.local_experts):
+                views = {name: layout.views(owned[name][i]) for name in STATE_NAMES}
+                for name, param in module.named_parameters():
+                    with torch.no_grad():
+                        param.copy_(views["weights"][name])
+                    out[param] = {
+                        "fp32_param": views["weights"][name],
+                        "exp_avg": views["exp_avg"][name],
+                        "exp_avg_sq": views["exp_avg_sq"][name],
+                    }
+        return out, step
+
+    def import_experts(self, state: dict | None, step: float | None) -> None:
+        """Sets every expert's slices from the frozen local expert modules and fills the slots.
+
+        Collective over the replicate group. The master weights come from state[param]
+        ["fp32_param"] where given, else from the module (cast to fp32); the Adam moments from
+        state[param]["exp_avg"/"exp_avg_sq"], or zeros (with step 0) when `state` is None.
+
+        Args:
+            state: expert parameter -> {name: tensor of its shape}, or None (fresh moments).
+            step: the experts' Adam step count (ignored when `state` is None).
+        """
+        for layer in self.layers:
+            layout = layer.expert_layout
+            rows = {name: [] for name in STATE_NAMES}
+            for module in layer.experts.local_experts:
+                params = dict(module.named_parameters())
+
+                def flat(name: str) -> torch.Tensor:
+                    return torch.cat([state[params[n]][name].reshape(-1).float() for n in layout.names])
+
+                has_master = state is not None and all("fp32_param" in state[params[n]] for n in layout.names)
+                rows["weights"].append(flat("fp32_param") if has_master else layout.flatten(module).float())
+                for name in ("exp_avg", "exp_avg_sq"):
+                    rows[name].append(flat(name) if state is not None else torch.zeros(layout.numel))
+            experts = self.experts[layer.layer_number]
+            held = {name: torch.stack(values).to(self.device) for name, values in rows.items()}
+            experts.scatter_from_owners(self._owner_layout(layer), held, 0.0 if state is None else float(step))
+
+    def placement_state_dict(self) -> dict:
+        """The slot assignment of every MoE layer of the model and the popularity history (plain
+        numbers, identical on every rank). Collective over the world (each pipeline stage adds
+        its own layers)."""
+        mine = {layer.layer_number: self.experts[layer.layer_number].slots.slot_expert_RS.tolist() for layer in self.layers}
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, mine)
+        slots = {}
+        for stage in stages:
+            slots.update(stage)
+        tracker = self.tracker.state_dict()
+        # Plain lists and ints: Megatron reads common state with torch.load(weights_only=True).
+        return {
+            "slots": dict(sorted(slots.items())),
+            "observed": int(tracker["observed"]),
+            "history_loads": tracker["history_loads"].tolist(),
+        }
+
+    def load_placement_state_dict(self, state: dict) -> list[str]:
+        """Adopts a saved placement (before `import_experts` fills the slots); returns log notes.
+
+        A placement saved with another number of ranks, slots or MoE layers does not apply: the
+        run then starts from static replication with no popularity history, and says so.
+        """
+        saved = {int(k): np.asarray(v, dtype=np.int64) for k, v in state["slots"].items()}
+        shape = (self.num_devices, self.slots_per_rank)
+        loads_LE = (len(self.moe_layer_numbers), self.num_experts)
+        history = np.asarray(state["history_loads"], dtype=np.int64)
+        if history.size == 0:
+            history = history.reshape(0, *loads_LE)
+        mismatch = [n for n in self.moe_layer_numbers if n not in saved or saved[n].shape != shape]
+        if mismatch or history.shape[1:] != loads_LE:
+            return [
+                f"replicate: the saved placement does not fit {self.num_devices} ranks x {self.slots_per_rank} slots "
+                f"and {len(self.moe_layer_numbers)} MoE layers; starting from static replication"
+            ]
+        for layer in self.layers:
+            self.experts[layer.layer_number].slots.assign(saved[layer.layer_number])
+        self.tracker.load_state_dict({"observed": state["observed"], "history_loads": history})
+        return [f"replicate: restored the placement and {self.tracker.num_observed} observed iterations of popularity"]
 
     # ---- metrics ---------------------------------------------------------------------------
 
