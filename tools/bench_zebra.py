@@ -104,7 +104,6 @@ def measured_plan(timeline: dict, shape, slowdown: float):
 
 
 def rank_main(rank: int, world: int, store: str, opts) -> None:
-    import dataclasses
     import datetime
     import time
 
@@ -118,22 +117,20 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
     from megatron.core import parallel_state
 
     from megatron_patches.compat import mcore, prepare_megatron
-    from megatron_patches.config import load_cluster_config
     from megatron_patches.placement.zebra import ZebraShape
     from megatron_patches.training.arguments import parse_args as parse_training_args
     from megatron_patches.training.arguments import validate_args
     from megatron_patches.training.model import build_model
     from megatron_patches.zebra.config import ZebraConfig
     from megatron_patches.zebra.engine import AdamSettings, ZebraEngine
-    from megatron_patches.zebra.pools import zebra_layout
+    from megatron_patches.zebra.pools import local_pool, zebra_layout
     from megatron_patches.zebra.timeline import bubble_fractions, read_timeline
 
     prepare_megatron(use_cuda=False)
     mcore.initialize_model_parallel(1, 1, 1, 1)
     args = validate_args(parse_training_args(model_flags(opts)), 1)
     M, N, R = opts.attention_ranks, opts.expert_ranks, opts.microbatches
-    local = load_cluster_config("local_cpu")  # one node of identical CPU "devices", widened to the world
-    cluster = dataclasses.replace(local, nodes=(dataclasses.replace(local.nodes[0], gpus_per_node=world),))
+    cluster = local_pool(world)  # one node of identical CPU "devices", widened to the world
     vocab = ((opts.vocab_size + 127) // 128) * 128
     generator = torch.Generator().manual_seed(1234)
     S, B = opts.seq_length, opts.micro_batch_size

@@ -36,6 +36,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import router as moe_router
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -139,6 +140,32 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
     )
 
 
+class SeedIsolatedSequentialMLP(SequentialMLP):
+    """Megatron's SequentialMLP whose construction leaves the CPU default generator untouched.
+
+    With use_cpu_initialization (every CPU run) Megatron draws each linear's initial weight from
+    the default generator, experts included, so every weight built after an MoE layer's experts
+    (the next layer's attention, router, ...) would depend on how many experts this rank builds,
+    i.e. on EP. The experts are re-initialised from (seed, layer, global expert id) anyway
+    (training.model.init_experts_from_global_ids), so their construction runs on a forked
+    generator: the non-expert weights are then the same for every EP and mode (zebra builds
+    EP = 1). On GPU Megatron already draws experts from the expert-parallel RNG tracker."""
+
+    def __init__(self, *args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(*args, **kwargs)
+
+
+def _seed_isolated_experts(moe_layer_spec: ModuleSpec) -> ModuleSpec:
+    mlp = moe_layer_spec.submodules.mlp
+    experts = mlp.submodules.experts
+    if experts.module is not SequentialMLP:
+        return moe_layer_spec  # grouped-GEMM experts: GPU only, drawn from the expert RNG tracker
+    experts = dataclasses.replace(experts, module=SeedIsolatedSequentialMLP)
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    return dataclasses.replace(moe_layer_spec, submodules=dataclasses.replace(moe_layer_spec.submodules, mlp=mlp))
+
+
 def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[ModuleSpec, ModuleSpec]:
     """(dense layer spec, MoE layer spec) of one transformer layer.
 
@@ -153,6 +180,7 @@ def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[M
     else:
         dense = get_gpt_layer_local_spec(normalization=config.normalization)
         moe = get_gpt_layer_local_spec(normalization=config.normalization, **kwargs)
+    moe = _seed_isolated_experts(moe)
     if family == "gpt":
         return dense, moe
 

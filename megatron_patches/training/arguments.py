@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 import megatron_patches
+from megatron_patches.zebra.config import add_zebra_args
 
 REPO_ROOT = Path(megatron_patches.__file__).resolve().parents[1]
 
@@ -36,8 +37,8 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "models" / "tiny.yaml"
 
 # How MoE experts are placed and synchronised (--moe-parallel-mode). 'ep' is stock Megatron-Core
 # expert parallelism, the baseline; 'fssdp' fully sharded sparse data parallelism; 'replicate'
-# per-iteration adaptive expert replication; a later issue adds 'zebra' here.
-MOE_PARALLEL_MODES = ("ep", "fssdp", "replicate")
+# per-iteration adaptive expert replication; 'zebra' attention/expert disaggregation.
+MOE_PARALLEL_MODES = ("ep", "fssdp", "replicate", "zebra")
 
 # --moe-load-window when not given: FSSDP predicts from the mean of 5 iterations (DESIGN 4.1);
 # replicate mode places the next iteration from the last one's popularity (DESIGN 4.6).
@@ -93,7 +94,7 @@ EMBEDDED_CORPUS_SPLIT = "949,51,0"
 # in their own group.
 DERIVED_VALUES = {
     "world_size": "number of ranks, as given to validate_args",
-    "data_parallel_size": "world size / (TP x PP)",
+    "data_parallel_size": "world size / (TP x PP); in zebra mode the number of attention ranks",
     "expert_data_parallel_size": "world size / (PP x ETP x EP)",
     "num_micro_batches": "global batch / (micro batch x data-parallel size)",
     "params_dtype": "torch dtype of the parameters: float32, or bfloat16/float16 with --bf16/--fp16",
@@ -173,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_moe_args(parser)
     _add_fssdp_args(parser)
     _add_replicate_args(parser)
+    add_zebra_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_learning_rate_args(parser)
@@ -934,7 +936,8 @@ def _resolve_moe(args):
 
     valid_ep = [ep for ep in _divisors(experts) if ranks_per_stage % (etp * ep) == 0]
     if args.expert_model_parallel_size is None:
-        args.expert_model_parallel_size = max(valid_ep)
+        # zebra builds the whole model on every rank and runs its own expert parallelism.
+        args.expert_model_parallel_size = 1 if args.moe_parallel_mode == "zebra" else max(valid_ep)
     ep = args.expert_model_parallel_size
     if experts % ep != 0:
         _fail("--expert-model-parallel-size", ep,
@@ -1001,13 +1004,15 @@ def _resolve_mode_flags(args):
     """Every mode's own flags are refused in the other modes (compared with the parser defaults)."""
     mode = args.moe_parallel_mode
     parser = build_parser()
-    for prefix, owner in (("fssdp_", "fssdp"), ("replicate_", "replicate")):
+    for prefix, owner in (("fssdp_", "fssdp"), ("replicate_", "replicate"), ("zebra_", "zebra")):
         if mode == owner:
             continue
         for dest in (d for d in vars(args) if d.startswith(prefix)):
             if getattr(args, dest) != parser.get_default(dest):
                 _fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
                       f"only applies with --moe-parallel-mode {owner} (mode is {mode})")
+    if mode == "zebra":
+        _resolve_zebra(args)
     if mode not in DEFAULT_LOAD_WINDOW:
         if args.moe_load_window is not None:
             _fail("--moe-load-window", args.moe_load_window,
@@ -1082,6 +1087,75 @@ def _resolve_replicate(args):
             _fail(flag, value, "checkpoints are not supported in replicate mode yet (the experts' optimizer "
                   "state lives in the replicate runtime's slices, which Megatron's checkpoint does not cover); "
                   "train without --save/--load, or use --moe-parallel-mode ep or fssdp")
+
+
+def _resolve_zebra(args):
+    """Zebra: every refusal before any process group, including the pool checks of
+    zebra.pools.zebra_layout (world divisible by M + N, experts by N, Asym-EA shape, GPU types,
+    profile memory bounds); the data-parallel size becomes the number of attention ranks."""
+    from megatron_patches.zebra.config import ZebraConfig, ZebraConfigError
+    from megatron_patches.zebra.pools import PoolError, pool_cluster, zebra_layout
+
+    for flag, dest in (("--zebra-attention-ranks", "zebra_attention_ranks"), ("--zebra-expert-ranks", "zebra_expert_ranks"),
+                       ("--zebra-microbatches", "zebra_microbatches")):
+        if getattr(args, dest) is None:
+            _fail(flag, None, "required with --moe-parallel-mode zebra (an integer >= 1)")
+    if args.num_experts is None:
+        _fail("--moe-parallel-mode", "zebra", "needs --num-experts (a dense model has no experts to disaggregate)")
+    why_whole_model = "zebra builds the whole model on every rank and splits it by role; valid: 1"
+    refusals = (
+        ("--model-family", args.model_family, args.model_family != "gpt", "zebra mode trains GPT models; valid: gpt"),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size, args.tensor_model_parallel_size != 1,
+         why_whole_model),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, args.pipeline_model_parallel_size != 1,
+         why_whole_model),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size != 1,
+         "zebra's expert parallelism is --zebra-expert-ranks (the experts of a ZP group are spread over its N "
+         "expert ranks); valid: 1"),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
+         why_whole_model),
+        ("--moe-layer-freq", args.moe_layer_freq, args.moe_layer_freq != 1,
+         "zebra needs every layer to be MoE (expert ranks hold the experts of every layer); valid: 1"),
+        ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, args.moe_expert_capacity_factor is not None,
+         "zebra mode is dropless; leave it unset"),
+        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, args.moe_aux_loss_coeff != 0,
+         "the auxiliary loss needs the token statistics of all attention ranks, not implemented in zebra; valid: 0"),
+        ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
+        ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
+         "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),
+        ("--fp16", True, args.fp16, "zebra's optimizer steps the model's own parameters without master weights or "
+         "loss scaling; train in float32 (drop --fp16)"),
+        ("--bf16", True, args.bf16, "zebra's optimizer steps the model's own parameters without master weights; "
+         "train in float32 (drop --bf16)"),
+        ("--use-distributed-optimizer", True, args.use_distributed_optimizer,
+         "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
+        ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
+        ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
+        ("--moe-log-loads", args.moe_log_loads, args.moe_log_loads is not None,
+         "load traces record Megatron's router in ep, fssdp and replicate modes; not recorded in zebra mode"),
+        ("--save", args.save, args.save is not None, "checkpoints are not supported in zebra mode yet"),
+        ("--load", args.load, args.load is not None, "checkpoints are not supported in zebra mode yet"),
+    )
+    for flag, value, refused, why in refusals:
+        if refused:
+            _fail(flag, value, why)
+    try:
+        config = ZebraConfig.from_args(args)
+        layout = zebra_layout(pool_cluster(config.cluster, args.world_size), config.attention_ranks,
+                              config.expert_ranks, args.world_size, num_layers=args.num_layers,
+                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile)
+    except (ZebraConfigError, PoolError) as err:
+        raise ArgumentError(str(err)) from None
+    # Only attention ranks read data: one global batch = micro batch x R x attention ranks.
+    args.data_parallel_size = len(layout.attention_dp_group)
+    expected = args.micro_batch_size * config.microbatches * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = expected
+    if args.global_batch_size != expected:
+        _fail("--global-batch-size", args.global_batch_size,
+              f"zebra runs --zebra-microbatches={config.microbatches} micro-batches of --micro-batch-size="
+              f"{args.micro_batch_size} on each of its {args.data_parallel_size} attention ranks; valid: {expected} "
+              "(or leave it unset)")
 
 
 def _resolve_batch(args):

@@ -150,6 +150,27 @@ def moe_layer_records(loads: IterationLoads, layer_numbers: list[int], ep_size: 
     return records
 
 
+def zebra_layer_records(routed_LE: np.ndarray, owners_LE: list[np.ndarray], layout, layer_numbers: list[int]) -> list[dict]:
+    """Per layer of a zebra run: tokens per expert, and per rank position of a ZP group (attention
+    ranks first, then expert ranks; summed over ZP groups) the tokens its experts processed.
+    Imbalance is over the positions that hold experts in that layer; zebra is dropless."""
+    positions = layout.attention_ranks + layout.expert_ranks
+    records = []
+    for i, number in enumerate(layer_numbers):
+        device_P = np.bincount(owners_LE[i], weights=routed_LE[i], minlength=positions).astype(np.int64)
+        holders = np.unique(owners_LE[i])
+        records.append(
+            {
+                "layer": number,
+                "expert_tokens": routed_LE[i].tolist(),
+                "device_tokens": device_P.tolist(),
+                "imbalance": float(imbalance_of(device_P[holders])),
+                "survival": 1.0,
+            }
+        )
+    return records
+
+
 @dataclass
 class MetricsWriter:
     """Rank-0 sinks: a human line on stdout, one JSON object per line, TensorBoard."""
@@ -192,6 +213,9 @@ class MetricsWriter:
             placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
             placed = f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)"
             survival = min(layer["survival"] for layer in replicate["layers"])
+        zebra = record.get("zebra")
+        if zebra is not None:
+            placed = f" (zebra M={zebra['attention_ranks']} N={zebra['expert_ranks']} R={zebra['microbatches']})"
         print(
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "

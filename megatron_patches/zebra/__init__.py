@@ -12,7 +12,7 @@
 - `timeline`: start/end of every task per rank and stream, bubble fractions
   (tools/plot_timeline.py draws them).
 
-Not yet a `--moe-parallel-mode` of the training loop (tested against Megatron's model directly).
+The training loop runs it as `--moe-parallel-mode zebra` (training/loop.py `pretrain_zebra`).
 
 The planning side (profile format, Asym-EA, task order) lives in `megatron_patches.placement.zebra`.
 """

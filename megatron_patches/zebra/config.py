@@ -65,6 +65,10 @@ class ZebraConfig:
     timeline: str | None = None
     """--zebra-timeline: JSON file that receives every task's start and end per rank and stream
     (tools/plot_timeline.py draws it); None records nothing."""
+    cluster: str | None = None
+    """--zebra-cluster: the cluster config (name under configs/clusters or a YAML path) whose
+    node groups are the pools (attention GPU type first); None = this machine, one pool of
+    identical devices (``zebra.pools.local_pool``)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -101,6 +105,7 @@ class ZebraConfig:
             asym_ea=args.zebra_asym_ea,
             profile=args.zebra_profile,
             timeline=args.zebra_timeline,
+            cluster=args.zebra_cluster,
         )
 
 
@@ -132,6 +137,13 @@ def add_zebra_args(parser: argparse.ArgumentParser) -> None:
         "--zebra-profile", type=str, default=None,
         help="Profile file of tools/profile_moe.py (one entry per GPU type); needed by "
         "--zebra-asym-ea auto, checked against the memory bounds otherwise. New flag.",
+    )
+    group.add_argument(
+        "--zebra-cluster", type=str, default=None,
+        help="Cluster config of the pool (a name under configs/clusters, e.g. zebra_o1, or a YAML "
+        "path): its node groups give each rank's GPU type (attention type first), checked against "
+        "the roles and looked up in --zebra-profile. Default: this machine as one pool of identical "
+        "devices (configs/clusters/local_cpu.yaml widened to the world size). New flag.",
     )
     group.add_argument(
         "--zebra-timeline", type=str, default=None,

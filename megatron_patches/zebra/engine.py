@@ -433,19 +433,19 @@ class ZebraEngine:
 
     def _mean_loss(self) -> float:
         """Mean micro-batch loss over every attention rank (a collective over the world)."""
-        total = torch.tensor([sum(self._losses)], dtype=torch.float64)
+        total = torch.tensor([sum(self._losses)], dtype=torch.float64, device=self.device)  # NCCL: device tensors
         dist.all_reduce(total)
         return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
 
     def step(self) -> float:
         """Global-norm clipping (Megatron's rule) and the AdamW step; the norm before clipping."""
-        squares = torch.zeros(1, dtype=torch.float64)
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
         for params, counted in ((self.dense_params, self._norm_counts_dense),
                                 (self.expert_params, self._norm_counts_experts)):
             if counted:
                 for p in params:
                     if p.grad is not None:
-                        squares += torch.norm(p.grad.float()).double().cpu() ** 2
+                        squares += torch.norm(p.grad.float()).double() ** 2
         dist.all_reduce(squares)
         grad_norm = float(squares[0]) ** 0.5
         if self.adam.clip_grad > 0:
@@ -456,6 +456,18 @@ class ZebraEngine:
                         p.grad.mul_(clip_coeff)
         self.optimizer.step()
         return grad_norm
+
+    def last_run_counts(self) -> tuple[np.ndarray, dict[str, int]]:
+        """Collective: of the last schedule run (train_step or evaluate), summed over the world:
+        token copies routed per layer and expert [L, E] (int64), and the all-to-all bytes sent to
+        other ranks per stream ({"dispatch", "combine"}; the count all-gather not included)."""
+        streams = ("dispatch", "combine")
+        packed = torch.cat([self._routed_LE.reshape(-1), torch.tensor([self._bytes_sent[s] for s in streams])])
+        packed = packed.to(self.device)  # NCCL reduces device tensors only
+        dist.all_reduce(packed)
+        packed = packed.cpu()
+        routed_LE = packed[: self._routed_LE.numel()].view_as(self._routed_LE).numpy()
+        return routed_LE, {s: int(v) for s, v in zip(streams, packed[self._routed_LE.numel():])}
 
     def write_timeline(self, path: str) -> None:
         """Collective: write the last iteration's timeline of every rank to ``path`` (rank 0 writes)."""
@@ -479,6 +491,8 @@ class ZebraEngine:
 
     def _state_reset(self) -> None:
         self._losses: list[float] = []
+        self._routed_LE = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64)
+        self._bytes_sent = {"dispatch": 0, "combine": 0}
         self._exchange: dict[tuple[int, int], _Exchange] = {}
         self._segments: dict[tuple[int, int], _Segment] = {}
         self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -682,6 +696,7 @@ class ZebraEngine:
             sorted_indices=sorted_indices, routing_map_TE=routing_ord_TE,
             counts_E=routing_TE.sum(dim=0).to(torch.int64),
         )
+        self._routed_LE[layer] += self._segments[(layer, mb)].counts_E.cpu()
 
     def _head_forward(self, mb: int) -> None:
         batch = self._batches[mb]
@@ -769,6 +784,8 @@ class ZebraEngine:
     def _a2a(self, stream: str, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
         group = self.dispatch_group if stream == "dispatch" else self.combine_group
         received = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        row_bytes = send.element_size() * int(np.prod(send.shape[1:]))  # 1 for a vector
+        self._bytes_sent[stream] += (sum(send_splits) - send_splits[self.group_rank]) * row_bytes
         with self._streams[stream].launch(send, received):
             work = dist.all_to_all_single(received, send.contiguous(), recv_splits, send_splits, group=group,
                                           async_op=True)

@@ -19,14 +19,15 @@ the value and what would be valid.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_patches.config.clusters import ClusterConfig
+from megatron_patches.config.clusters import ClusterConfig, load_cluster_config
 from megatron_patches.placement.zebra import AsymEAPlan, ZebraProfile, ZebraShape, load_zebra_profile, resolve_asym_ea
 
-__all__ = ["PoolError", "ZebraLayout", "rank_device_types", "zebra_layout"]
+__all__ = ["PoolError", "ZebraLayout", "local_pool", "pool_cluster", "rank_device_types", "zebra_layout"]
 
 
 class PoolError(ValueError):
@@ -80,6 +81,24 @@ class ZebraLayout:
     def expert_ranks_of(self, group: int) -> tuple[int, ...]:
         """The N expert ranks of ZP group ``group`` (its expert-parallel group)."""
         return self.zp_groups[group][self.attention_ranks :]
+
+
+def local_pool(world_size: int) -> ClusterConfig:
+    """This machine as one pool of ``world_size`` identical devices: configs/clusters/local_cpu.yaml
+    with its one node widened to the world (local runs and tests; every rank has the same type)."""
+    local = load_cluster_config("local_cpu")
+    return dataclasses.replace(local, nodes=(dataclasses.replace(local.nodes[0], gpus_per_node=world_size),))
+
+
+def pool_cluster(name_or_path: str | None, world_size: int) -> ClusterConfig:
+    """The cluster of --zebra-cluster (a name under configs/clusters or a YAML path), or
+    ``local_pool(world_size)`` when it is None."""
+    if name_or_path is None:
+        return local_pool(world_size)
+    try:
+        return load_cluster_config(name_or_path)
+    except (OSError, ValueError) as err:
+        raise PoolError(f"--zebra-cluster {name_or_path}: {err}") from None
 
 
 def _check_positive(name: str, value) -> None:
