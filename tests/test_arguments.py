@@ -564,10 +564,55 @@ def test_good_split(parse, split):
 
 
 def test_moe_parallel_mode_is_one_extensible_constant(parse, monkeypatch):
-    expect_error(parse("--moe-parallel-mode", "zebra"), 1, "--moe-parallel-mode=zebra",
-                 "valid: ep, fssdp, replicate")
-    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate", "zebra"))
-    assert validate_args(parse("--moe-parallel-mode", "zebra"), 1).moe_parallel_mode == "zebra"
+    expect_error(parse("--moe-parallel-mode", "swift"), 1, "--moe-parallel-mode=swift",
+                 "valid: ep, fssdp, replicate, zebra")
+    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate", "zebra", "swift"))
+    assert validate_args(parse("--moe-parallel-mode", "swift"), 1).moe_parallel_mode == "swift"
+
+
+ZEBRA_2_2_4 = ("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+               "--zebra-microbatches", "4")
+
+
+def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
+    args = validate_args(parse(*ZEBRA_2_2_4, "--micro-batch-size", "3"), 8)
+    # 2 ZP groups of 2 + 2: 4 attention ranks read data, 4 micro-batches each
+    assert (args.expert_model_parallel_size, args.data_parallel_size) == (1, 4)
+    assert (args.global_batch_size, args.num_micro_batches) == (3 * 4 * 4, 4)
+    assert validate_args(parse(*ZEBRA_2_2_4, "--zebra-asym-ea", "1,0,2,1"), 4).zebra_asym_ea == "1,0,2,1"
+
+
+@pytest.mark.parametrize("flags, world, fragments", [
+    (("--moe-parallel-mode", "zebra"), 4, ("--zebra-attention-ranks=None", "required with --moe-parallel-mode zebra")),
+    ((), 6, ("world size 6 is not divisible by M + N = 2 + 2 = 4", "multiples of 4")),
+    (("--zebra-expert-ranks", "3"), 5, ("--zebra-expert-ranks=3 does not divide the 8 experts", "valid: [1, 2, 4, 8]")),
+    (("--zebra-attention-ranks", "3", "--zebra-asym-ea", "auto"), 5, ("--zebra-asym-ea=auto needs --zebra-profile",)),
+    (("--zebra-attention-ranks", "3", "--zebra-asym-ea", "1,1,1,1"), 5, ("needs M to divide N or N to divide M",)),
+    (("--zebra-asym-ea", "1,x"), 4, ("--zebra-asym-ea='1,x' is invalid",)),
+    (("--global-batch-size", "16"), 4, ("--global-batch-size=16", "valid: 32 (or leave it unset)")),
+    (("--expert-model-parallel-size", "2"), 4, ("--expert-model-parallel-size=2", "--zebra-expert-ranks", "valid: 1")),
+    (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"), 4,
+     ("--tensor-model-parallel-size=2", "valid: 1")),
+    (("--moe-expert-capacity-factor", "1.0"), 4, ("--moe-expert-capacity-factor=1.0", "dropless")),
+    (("--moe-aux-loss-coeff", "0.01"), 4, ("--moe-aux-loss-coeff=0.01", "valid: 0")),
+    (("--bf16",), 4, ("--bf16=True", "float32")),
+    (("--moe-layer-freq", "2"), 4, ("--moe-layer-freq=2", "every layer to be MoE")),
+    (("--save", "/tmp/x", "--save-interval", "5"), 4, ("--save=/tmp/x", "not supported in zebra mode")),
+    (("--zebra-cluster", "nowhere"), 4, ("--zebra-cluster nowhere", "unknown cluster config", "zebra_o1")),
+    # zebra_o1 = 6 A40 then 6 V100: 12 ranks, M = N = 6 -> 8 experts do not divide over 6 expert ranks
+    (("--zebra-cluster", "zebra_o1", "--zebra-attention-ranks", "6", "--zebra-expert-ranks", "6"), 12,
+     ("--zebra-expert-ranks=6 does not divide the 8 experts",)),
+    (("--zebra-cluster", "zebra_o1", "--zebra-attention-ranks", "4", "--zebra-expert-ranks", "8"), 12,
+     ("8 V100-SXM2-16GB devices", "has 6")),
+])
+def test_zebra_refusals_name_the_value_and_what_is_valid(parse, flags, world, fragments):
+    base = ZEBRA_2_2_4 if "--moe-parallel-mode" not in flags else ()
+    expect_error(parse(*base, *flags), world, *fragments)
+
+
+def test_zebra_flags_only_apply_in_zebra_mode(parse):
+    expect_error(parse("--zebra-microbatches", "4"), 4,
+                 "--zebra-microbatches=4", "only applies with --moe-parallel-mode zebra (mode is ep)")
 
 
 def test_replicate_defaults_and_refusals(parse):

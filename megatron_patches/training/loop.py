@@ -198,6 +198,12 @@ def pretrain(args) -> Summary:
         adam = AdamConfig(args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.weight_decay, decoupled_weight_decay=True)
         replicate = ReplicateRuntime(ReplicateConfig.from_args(args), args.num_experts, layer_numbers, use_cuda, adam)
         moe_spec_fn = replicate.moe_spec
+        slots = args.expert_model_parallel_size * args.replicate_slots_per_rank
+        if slots == args.num_experts:
+            log0(f"replicate: ranks x slots = {args.expert_model_parallel_size} x {args.replicate_slots_per_rank} = "
+                 f"{slots} = --num-experts, so every expert gets exactly one instance and every policy places the "
+                 "experts alike (DESIGN 4.6: at least one instance each); raise --replicate-slots-per-rank to leave "
+                 "room for replicas")
     model, config = build_model(args, vocab, on_gpu=use_cuda, moe_spec_fn=moe_spec_fn)
     ddp = mcore.wrap_ddp(config, model, args)
     if fssdp is not None:
