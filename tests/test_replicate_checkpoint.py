@@ -14,14 +14,21 @@ the placement (slots per layer, popularity history) as common state. One launch 
 Dropless replicate equals ep within 1e-5 (tests/test_replicate_training.py); Adam restarted
 from zero moments would move the weights differently from the second step after a resume on,
 so matching losses over K iterations show the moments crossed the checkpoint.
+
+The runs are fp32 (bf16 does not run on CPU); for bf16 / fp16 (Float16OptimizerWithFloat16Params,
+whose form adds the fp32 master weights) and fp32 alike, one forked process checks that the
+optimizer sharded state dict built for frozen experts is ep's own, key for key, offset for offset
+and in its whole nested structure (common values included).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from _mp import run_forked
 from test_training_distributed import launch
 
 pytestmark = pytest.mark.slow
@@ -98,3 +105,88 @@ def test_ep_checkpoint_loads_in_replicate_mode(runs):
     output = runs["d"].output
     assert "checkpoint: replicate: the checkpoint holds no replicate placement (saved in another mode); starting from static replication" in output
     assert f"checkpoint: replicate: experts' master weights and Adam moments loaded (step {2 * K})" in output
+
+
+# ---- the optimizer's checkpoint form, in one process ---------------------------------------
+
+
+def _describe(sharded_state_dict) -> dict[str, str]:
+    """Every leaf of a nested sharded state dict by its path: sharded tensors by key, global shape,
+    offset and dtype; non-persistent objects (parameter ids) and common values by their repr."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    out = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(value, ShardedTensor):
+            out[path] = f"{value.key} {value.global_shape} {value.global_offset} {value.dtype}"
+        elif isinstance(value, LocalNonpersistentObject):
+            out[path] = f"nonpersistent {value.unwrap()!r}"
+        else:
+            out[path] = repr(value)
+
+    walk(sharded_state_dict, "")
+    return out
+
+
+def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
+    """On each of 2 ranks (EP 2): ep's optimizer sharded state dict for a tiny MoE GPT, and the one built for the same model
+    with frozen experts by `compat.moe.ep_optimizer_sharded_state_dict` (loading templates)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_patches.compat import moe, prepare_megatron
+
+    prepare_megatron(False)
+    # EP = 2: with EP = 1 Megatron counts experts as dense parameters (their allreduce attribute).
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(1234)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def build(frozen: bool):
+        config = TransformerConfig(
+            num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=2, moe_router_topk=2,
+            moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+            hidden_dropout=0.0, attention_dropout=0.0,
+        )
+        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2), vocab_size=64, max_sequence_length=8)
+        if bf16:
+            model = Float16Module(config, model)
+        experts = [p for name, p in model.named_parameters() if ".experts." in name]
+        for p in experts if frozen else []:
+            p.requires_grad_(False)
+        ddp = DistributedDataParallel(
+            config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16), module=model
+        )
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=dtype), [ddp])
+        return ddp, optimizer, experts
+
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    ddp, optimizer, _ = build(frozen=False)
+    ep_form = optimizer.sharded_state_dict(ddp.sharded_state_dict(), is_loading=True, metadata=metadata)
+    ddp, optimizer, experts = build(frozen=True)
+    model_sd = ddp.sharded_state_dict()
+    groups = moe.frozen_expert_param_groups([ddp], optimizer, experts)
+    buffers = {p: {name: torch.zeros(p.shape) for name in ("exp_avg", "exp_avg_sq", "fp32_param")} for p in experts}
+    frozen_form = moe.ep_optimizer_sharded_state_dict(optimizer, model_sd, groups, buffers, None, is_loading=True)
+    return [_describe(ep_form), _describe(frozen_form)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_frozen_expert_optimizer_form_is_eps(bf16):
+    for ep_form, frozen_form in run_forked(2, _ep_and_frozen_forms, timeout=300, args=(bf16,)):
+        assert any("chained_1.optimizer.state.exp_avg." in v for v in ep_form.values())
+        assert any("fp32_param" in v for v in ep_form.values()) == bf16
+        assert frozen_form == ep_form
