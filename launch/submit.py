@@ -16,7 +16,10 @@ issue fails with "mode X is not available yet (available: ep)"), that the job as
 nodes or GPUs per node than the cluster has, the training flags and their TP x PP x DP x EP
 arithmetic (megatron_patches.training.arguments.validate_args on the exact command line the
 job will run, at the job's world size), that the model state fits the GPUs' memory, and for
-zebra the attention/expert rank split of the hetjob components.
+zebra the attention/expert rank split of the hetjob components. A zebra job passes the run's
+cluster config to training as --zebra-cluster, so zebra's own checks (attention ranks on the
+faster GPU type, devices per role, the --zebra-profile entries of the pool's GPU types) run
+here on the real pool too; an error from validate_args says which run key set the flag.
 
 The job script comes from launch/templates/job.sbatch.in, one template for both layouts so
 they cannot drift apart; submit.py fills in what differs:
@@ -57,10 +60,12 @@ from megatron_patches.config import (  # noqa: E402
     ClusterConfig,
     ConfigError,
     GpuType,
+    available_clusters,
     count_parameters,
     load_cluster_config,
     model_config_from_dict,
 )
+from megatron_patches.config.clusters import CLUSTERS_DIR  # noqa: E402
 from megatron_patches.config.models import (  # noqa: E402
     MODELS_DIR,
     ModelConfig,
@@ -87,6 +92,7 @@ RESERVED_FLAGS = {
     "log_json": "the launcher writes <output_dir>/<job id>/metrics.jsonl",
     "tensorboard_dir": "set `tensorboard: true` (writes <output_dir>/<job id>/tensorboard)",
     "moe_log_loads": "set `trace: true` (writes <output_dir>/<job id>/loads.npz)",
+    "zebra_cluster": "zebra mode gets the run's cluster config (its `cluster` key or --cluster) from the launcher",
 }
 
 # Shell variables of the job script that launcher-set flag values refer to.
@@ -641,7 +647,9 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
     try:
         model_path = Path(resolve_config_path(overrides.model or _resolve_path(run.model, REPO), MODELS_DIR,
                                               available_models(), "model")).resolve()
-        cluster = load_cluster_config(overrides.cluster or _resolve_path(run.cluster, REPO))
+        cluster_path = Path(resolve_config_path(overrides.cluster or _resolve_path(run.cluster, REPO), CLUSTERS_DIR,
+                                                available_clusters(), "cluster")).resolve()
+        cluster = load_cluster_config(cluster_path)
         model_values = read_yaml_mapping(model_path)
     except ConfigError as error:
         raise SubmitError(str(error)) from None
@@ -655,16 +663,22 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
         _flags_from_mapping(run.train, actions, model_values, f"{run.source} train"),
         _flags_from_mapping(run.mode_flags.get(mode, {}), actions, model_values, f"{run.source} mode_flags.{mode}"),
         [Flag("moe_parallel_mode", ("--moe-parallel-mode", mode), "run config mode")],
+        # Zebra's pool checks (attention ranks on the faster GPU type, devices per role) and its
+        # profile lookup (by GPU type) read the cluster the job runs on; without the flag
+        # training would assume one local pool of identical devices.
+        [Flag("zebra_cluster", ("--zebra-cluster", _cluster_reference(cluster_path)), "the run's cluster")]
+        if mode == "zebra" else [],
         _flags_from_command_line(list(overrides.training), parser),
     )
     outputs = [Flag("log_json", ("--log-json", "$RUN_DIR/metrics.jsonl"), "launcher")]
     if run.tensorboard:
-        outputs.append(Flag("tensorboard_dir", ("--tensorboard-dir", "$RUN_DIR/tensorboard"), "launcher"))
+        outputs.append(Flag("tensorboard_dir", ("--tensorboard-dir", "$RUN_DIR/tensorboard"),
+                            f"{run.source} tensorboard: true"))
     if run.trace:
-        outputs.append(Flag("moe_log_loads", ("--moe-log-loads", "$RUN_DIR/loads.npz"), "launcher"))
+        outputs.append(Flag("moe_log_loads", ("--moe-log-loads", "$RUN_DIR/loads.npz"), f"{run.source} trace: true"))
     if any(f.dest == "save_interval" for f in flags) or model_values.get("save_interval") is not None:
-        outputs += [Flag("save", ("--save", "$CKPT_DIR"), "launcher"),
-                    Flag("load", ("--load", "$CKPT_DIR"), "launcher")]
+        why = "save_interval (the launcher then checkpoints to $CKPT_DIR)"
+        outputs += [Flag("save", ("--save", "$CKPT_DIR"), why), Flag("load", ("--load", "$CKPT_DIR"), why)]
     flags = _group_order(flags + outputs, parser)
 
     argv = [token for flag in flags for token in flag.tokens]
@@ -672,14 +686,20 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
     # in the repository, so check from there too.
     with _working_directory(REPO):
         args = _parse_training_flags(argv, flags)
+        # The hetjob split first: its messages name the components, which is what a launcher user changes.
+        zp_groups = zebra_groups(args, components) if mode == "zebra" else 1
         world = sum(c.ranks for c in components)
         try:
             arguments.validate_args(args, world_size=world)
         except arguments.ArgumentError as error:
+            # validate_args names the flag first (`--fp16=True: ...`, `--zebra-profile FILE: ...`);
+            # say which key of the run set it.
+            option = re.match(r"(--[\w-]+)[= ]", str(error))
+            sources = [f.source for f in flags if option and f.tokens[0] == option.group(1)]
             raise SubmitError(f"training flags at world size {world} "
-                              f"({' + '.join(str(c.ranks) for c in components)} ranks): {error}") from None
+                              f"({' + '.join(str(c.ranks) for c in components)} ranks): {error}"
+                              + (f" (from {sources[-1]})" if sources else "")) from None
 
-    zp_groups = zebra_groups(args, components) if mode == "zebra" else 1
     memory_notes = check_model_memory(args, mode, components, zp_groups)
     explicit_backend = next((f.tokens[1] for f in flags if f.dest == "distributed_backend" and len(f.tokens) > 1), None)
     backend = "gloo" if args.cpu else explicit_backend or "nccl"
@@ -707,6 +727,11 @@ def _working_directory(path: Path):
         yield
     finally:
         os.chdir(previous)
+
+
+def _cluster_reference(path: Path) -> str:
+    """How the job names a cluster config: its name when it is one of configs/clusters, else its path."""
+    return path.stem if path.parent == CLUSTERS_DIR.resolve() else _display_path(path)
 
 
 def _display_path(path: Path) -> str:
@@ -746,11 +771,7 @@ def _header(job: Job) -> str:
         f"#   {job.command_line or 'python launch/submit.py --run ' + run.source} --dry-run",
         f"# Model {_display_path(job.model_path)}, cluster {job.cluster.name}, mode {job.mode}, "
         f"{'CPU ranks (gloo)' if job.on_cpu else 'GPUs (' + job.backend + ')'}.",
-        f"# Parallelism: world {job.world_size} = TP {args.tensor_model_parallel_size} x PP "
-        f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; experts: EP "
-        f"{args.expert_model_parallel_size} x ETP {args.expert_tensor_parallel_size} x expert-DP "
-        f"{args.expert_data_parallel_size}; global batch {args.global_batch_size} = "
-        f"{args.num_micro_batches} micro-batch(es) x {args.micro_batch_size} x DP {args.data_parallel_size}.",
+        _parallelism_line(job),
     ]
     lines += [f"# {note[0].upper()}{note[1:]}." for note in job.memory_notes]
     for component, options in zip(job.components, job.slurm):
@@ -767,6 +788,24 @@ def _header(job: Job) -> str:
             lines.append(f"#SBATCH --gpus-per-node={component.ranks_per_node}")
         lines += options.sbatch_lines()
     return "\n".join(lines)
+
+
+def _parallelism_line(job: Job) -> str:
+    """How the world splits; zebra's split is by role, not Megatron's TP x PP x DP grid."""
+    args = job.args
+    if job.mode == "zebra":
+        m, n = args.zebra_attention_ranks, args.zebra_expert_ranks
+        moved = "" if str(args.zebra_asym_ea).strip() == "off" else " before Asym-EA moves some"
+        return (f"# Zebra: world {job.world_size} = {job.world_size // (m + n)} ZP group(s) x ({m} attention + {n} "
+                f"expert ranks); attention ranks data-parallel (DP {args.data_parallel_size}), each expert rank holds "
+                f"{args.num_experts // n} of the {args.num_experts} experts of every layer{moved}; global batch "
+                f"{args.global_batch_size} = {args.zebra_microbatches} micro-batches x {args.micro_batch_size} x "
+                f"{args.data_parallel_size} attention ranks.")
+    return (f"# Parallelism: world {job.world_size} = TP {args.tensor_model_parallel_size} x PP "
+            f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; experts: EP "
+            f"{args.expert_model_parallel_size} x ETP {args.expert_tensor_parallel_size} x expert-DP "
+            f"{args.expert_data_parallel_size}; global batch {args.global_batch_size} = "
+            f"{args.num_micro_batches} micro-batch(es) x {args.micro_batch_size} x DP {args.data_parallel_size}.")
 
 
 def _layout_text(job: Job) -> str:
@@ -786,7 +825,8 @@ def _flag_arrays(job: Job) -> tuple[str, str]:
         by_group.setdefault(titles[flag.dest], []).append(flag)
     definitions, references = [], []
     for title, flags in by_group.items():
-        name = re.sub(r"\W+", "_", title).strip("_") + "_args"
+        # "zebra (--moe-parallel-mode zebra)" -> zebra_args
+        name = re.sub(r"\W+", "_", title.split(" (")[0]).strip("_") + "_args"
         if len(flags) == 1:
             definitions.append(f"{name}=({flags[0].shell()})")
         else:

@@ -19,10 +19,12 @@ import pytest
 import yaml
 
 from megatron_patches.config import load_cluster_config
+from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("*.yaml"))
+ZEBRA_RUN_FILES = [path for path in RUN_FILES if path.stem.startswith("zebra_")]
 TEST_DATA = REPO / "tests" / "data" / "slurm"
 
 
@@ -92,16 +94,40 @@ def test_paper_run_dry_runs_in_its_own_mode(path):
     assert f"--moe-parallel-mode {mode}" in script
 
 
-# The ep baseline of each paper run. zebra_c2 (10 GPUs) only fits with the distributed optimizer:
-# 24 experts over 10 ranks give EP 2 and 18.5 GB of model state per 16 GB T4 otherwise.
-EP_EXTRA = {"zebra_c2": ["--use-distributed-optimizer"]}
+@pytest.mark.parametrize("path", ZEBRA_RUN_FILES, ids=lambda p: p.stem)
+def test_zebra_paper_run_trains_in_zebra_mode_on_its_pool(path):
+    """A zebra paper run is one ZP group over the whole pool: component 0 = the M attention GPUs
+    (the cluster's first node group), component 1 = the N expert GPUs; training gets the pool as
+    --zebra-cluster and none of the flags zebra refuses (fp16, load traces, checkpoints)."""
+    values = yaml.safe_load(path.read_text())
+    cluster = load_cluster_config(values["cluster"])
+    job = plan(path)
+    script = submit.render_script(job)
+    argv = expanded_argv(script)
+    m, n = (values["mode_flags"]["zebra"][key] for key in ("zebra_attention_ranks", "zebra_expert_ranks"))
+    attention, expert = cluster.nodes
+    assert (m, n) == (attention.num_devices, expert.num_devices) and job.world_size == m + n
+    assert [(c.gpu.name, c.ranks, c.role) for c in job.components] == [
+        (attention.gpu, m, "attention pool"), (expert.gpu, n, "expert pool")]
+    assert argv[argv.index("--zebra-cluster") + 1] == values["cluster"] == job.args.zebra_cluster
+    for refused_flag in ("--fp16", "--bf16", "--moe-log-loads", "--save", "--load", "--use-distributed-optimizer"):
+        assert refused_flag not in argv
+    assert job.zp_groups == 1 and "export ZP_GROUPS=1" in script and f"--het-ranks {m},{n} --zp-groups 1" in script
+    # Only the attention ranks read data: global batch = micro-batch x R x M.
+    args = job.args
+    assert args.data_parallel_size == m and args.global_batch_size == args.micro_batch_size * 4 * m
+    assert (f"# Zebra: world {m + n} = 1 ZP group(s) x ({m} attention + {n} expert ranks); attention ranks "
+            f"data-parallel (DP {m}), each expert rank holds {args.num_experts // n} of the {args.num_experts} "
+            f"experts of every layer; global batch {args.global_batch_size} = 4 micro-batches x 1 x {m} attention "
+            "ranks.") in script
+    assert re.search(rf"^zebra_args=\(\n  --zebra-attention-ranks {m}\n", script, re.M)
 
 
 @pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: p.stem)
 def test_paper_run_as_ep_baseline(path):
     values = yaml.safe_load(path.read_text())
     cluster = load_cluster_config(values["cluster"])
-    job = plan(path, mode="ep", training=EP_EXTRA.get(path.stem, []))
+    job = plan(path, mode="ep")
     script = submit.render_script(job)
     bash_syntax_ok(script)
 
@@ -380,7 +406,6 @@ def test_zebra_groups_from_the_component_sizes():
         submit.zebra_groups(args, _components(4))
 
 
-@pytest.mark.skipif("zebra" not in MOE_PARALLEL_MODES, reason="zebra mode does not exist yet")
 def test_zebra_hetjob_interleaves_zp_groups():
     job = plan(REPO / "configs" / "runs" / "zebra_o1.yaml",
                training=["--zebra-attention-ranks", "3", "--zebra-expert-ranks", "3"])
@@ -490,3 +515,104 @@ def test_readme_lists_every_run():
     section = readme[readme.index("<!-- cluster-section-start -->"):readme.index("<!-- cluster-section-end -->")]
     for path in RUN_FILES:
         assert f"--run configs/runs/{path.name}" in section, path.name
+
+
+# ----------------------------------------------------------------------------------------------
+# Zebra requests refused before sbatch
+# ----------------------------------------------------------------------------------------------
+
+O1 = REPO / "configs" / "runs" / "zebra_o1.yaml"
+ZEBRA_FP16 = ("--fp16=True: zebra's optimizer steps the model's own parameters without master weights or loss "
+              "scaling; train in float32 (drop --fp16)")
+
+
+def het_run(**changes) -> dict:
+    """An inline zebra run of the tiny model on the 2-component CPU test pool (M = N = 2)."""
+    run = yaml.safe_load((TEST_DATA / "run_cpu_het.yaml").read_text())
+    run.update(changes)
+    return run
+
+
+def test_zebra_refusals_name_the_run_key_that_caused_them():
+    """The published runs' fp16, a load trace, checkpoints: zebra refuses them in validate_args;
+    the message says which key of the run config produced the flag."""
+    flags = yaml.safe_load((TEST_DATA / "run_cpu_het.yaml").read_text())["mode_flags"]["zebra"]
+    assert refused(het_run(mode_flags={"zebra": {**flags, "fp16": True}})) == (
+        f"training flags at world size 4 (2 + 2 ranks): {ZEBRA_FP16} (from inline mode_flags.zebra.fp16)")
+    assert refused(het_run(trace=True)) == (
+        "training flags at world size 4 (2 + 2 ranks): --moe-log-loads=$RUN_DIR/loads.npz: load traces record "
+        "Megatron's router in ep, fssdp and replicate modes; not recorded in zebra mode (from inline trace: true)")
+    train = yaml.safe_load((TEST_DATA / "run_cpu_het.yaml").read_text())["train"]
+    assert refused(het_run(train={**train, "save_interval": 3})) == (
+        "training flags at world size 4 (2 + 2 ranks): --save=$CKPT_DIR: checkpoints are not supported in zebra mode "
+        "yet (from save_interval (the launcher then checkpoints to $CKPT_DIR))")
+    assert refused(O1, training=["--bf16"]).endswith("train in float32 (drop --bf16) (from command line)")
+    # The same settings are fine for the ep baseline of the same hetjob.
+    assert plan(het_run(trace=True), mode="ep").args.moe_log_loads == "$RUN_DIR/loads.npz"
+
+
+def test_zebra_split_must_match_the_hetjob_components():
+    assert refused(het_run(), training=["--zebra-attention-ranks", "3"]) == (
+        "--zebra-attention-ranks=3 does not divide the 2 attention ranks (component 0); valid: divisors of 2")
+    assert refused(O1, training=["--zebra-expert-ranks", "3"]) == (
+        "--zebra-expert-ranks=3: 1 ZP group(s) of 6 attention rank(s) need 1 x 3 = 3 expert ranks, but component 1 "
+        "has 6; valid: 6")
+    assert refused(het_run(), nodes=(1, 1), gpus_per_node=(2, 1)) == (
+        "--zebra-expert-ranks=2: 1 ZP group(s) of 2 attention rank(s) need 1 x 2 = 2 expert ranks, but component 1 "
+        "has 1; valid: 1")
+    message = refused(tiny_run(mode="zebra", mode_flags=het_run()["mode_flags"]))
+    assert message == "mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); this one has 1"
+
+
+def test_zebra_model_must_fit_the_pool():
+    """Mixtral-D3's 40 experts do not divide over O1's 6 expert GPUs; Mixtral-W2's experts
+    (4 layers x 24 x 3 x 2048 x 7168 = 4,227,858,432 parameters) over O3's 3 V100-16GB are
+    4,227,858,432 / 3 x 16 B = 22.5 GB of fp32 model state per GPU."""
+    message = refused(O1, model="mixtral_d3")
+    assert message.startswith("training flags at world size 12 (6 + 6 ranks): --zebra-expert-ranks=6 does not divide "
+                              "the 40 experts per layer: every expert rank must hold the same number; valid: "
+                              "[1, 2, 4, 5, 8, 10, 20, 40] (from ")
+    message = refused(REPO / "configs" / "runs" / "zebra_o3.yaml", model="mixtral_w2")
+    assert message.startswith("model state needs at least 22.5 GB per GPU on component 1 (expert pool), more than the "
+                              "16 GB of a V100-SXM2-16GB")
+
+
+def test_zebra_pool_check_sees_the_clusters_gpu_types(tmp_path):
+    """--zebra-cluster carries the run's cluster into training's pool check: a pool that lists the
+    faster GPUs second would put the attention ranks on the slower ones, refused before sbatch
+    (an ep job on the same pool is fine)."""
+    cluster = yaml.safe_load((TEST_DATA / "cluster_cpu_het.yaml").read_text())
+    cluster["name"] = "slow_first"
+    cluster["gpu_types"]["cpu-attention"]["peak_fp16_tflops"] = 0.01
+    path = tmp_path / "slow_first.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    assert refused(het_run(cluster=str(path))) == (
+        "training flags at world size 4 (2 + 2 ranks): ZP group 0: attention rank 0 runs on a cpu-attention "
+        "(0.01 TFLOP/s fp16) but expert rank 2 on a faster cpu-expert (0.0375 TFLOP/s); the attention ranks must be "
+        "the newer, faster GPUs: list their node group first in the cluster config")
+    assert plan(het_run(cluster=str(path)), mode="ep").world_size == 4
+    # A cluster outside configs/clusters reaches training as a path (repository-relative inside it).
+    job = plan(het_run())
+    assert job.args.zebra_cluster == "tests/data/slurm/cluster_cpu_het.yaml"
+    assert refused(het_run(mode_flags={"zebra": {"zebra_cluster": "zebra_o1"}})).startswith(
+        "inline mode_flags.zebra.zebra_cluster: not allowed here; zebra mode gets the run's cluster config")
+    assert refused(O1, training=["--zebra-cluster", "zebra_o2"]) == (
+        "command line: --zebra-cluster is not allowed; zebra mode gets the run's cluster config (its `cluster` key or "
+        "--cluster) from the launcher")
+
+
+def test_zebra_profile_is_read_for_the_pools_gpu_types(tmp_path):
+    """--zebra-asym-ea auto reads the profile's entries for the pool's GPU types (A40-48GB
+    attention, V100-SXM2-16GB expert on O1); a profile of other types is refused before sbatch."""
+    shape = ZebraShape(num_layers=8, num_experts=24, attention_ranks=6, expert_ranks=6)  # Mixtral-D1 on O1
+    profile = tmp_path / "o1.json"
+    save_device_profile(profile, shape, DeviceProfile("A40-48GB", 1.0, 1.5, 64, None))
+    save_device_profile(profile, shape, DeviceProfile("V100-SXM2-16GB", None, 3.0, None, 64))
+    job = plan(O1, training=["--zebra-asym-ea", "auto", "--zebra-profile", str(profile)])
+    assert job.memory_notes[1] == ("model state on component 1 (expert pool) not estimated: Asym-EA decides at "
+                                   "start-up how many experts move")
+    cpu = tmp_path / "cpu.json"
+    save_device_profile(cpu, shape, DeviceProfile("cpu", 1.0, 1.5, 64, 64))
+    message = refused(O1, training=["--zebra-asym-ea", "auto", "--zebra-profile", str(cpu)])
+    assert message == (f"training flags at world size 12 (6 + 6 ranks): --zebra-profile {cpu}: {cpu} has no "
+                       "measurements for attention device type 'A40-48GB' (profiled types: ['cpu']) (from command line)")

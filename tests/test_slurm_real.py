@@ -3,16 +3,19 @@
 
 - a homogeneous job: 2 nodes x 2 CPU ranks, the tiny GPT-MoE on the embedded corpus, 3 iterations
   (fssdp once that mode exists, ep until then);
-- a 2-component hetjob (attention pool, expert pool; 1 node x 2 ranks each): zebra once it
-  exists, until then ep across both components, which already exercises the hetjob mechanics:
-  rank order, component derived from SLURM_NTASKS_HET_GROUP_<n>, MASTER_ADDR of component 0;
+- a 2-component hetjob in zebra mode: attention pool (component 0, 1 node x 2 ranks) and expert
+  pool (component 1, 1 node x 2 ranks), M = 2, N = 2, R = 4, 6 iterations: rank order, the
+  component derived from SLURM_NTASKS_HET_GROUP_<n>, MASTER_ADDR of component 0, the pool's
+  device types reaching training through --zebra-cluster, experts computed on the expert ranks
+  only, and a falling loss;
 - a failing job's exit status reaches `submit.py --wait`;
-- bad requests are refused by submit.py before anything reaches sbatch;
+- bad requests (ep and zebra) are refused by submit.py before anything reaches sbatch;
 - GPU requests (fake mknod GPUs) are accepted by Slurm as generated (`sbatch --test-only`).
 
 Each job is checked through what it leaves behind: exit status (`sbatch --wait`), the log (git
 revision, start/end, preflight table, `summary:` line), preflight.json (which rank ran where)
-and metrics.jsonl (finite losses). Run alone with `pytest -m slurm`.
+and metrics.jsonl (finite losses). Run alone with `pytest -m slurm`. About 3 minutes in all on
+the 2-core development VM, most of it the two training jobs.
 """
 
 from __future__ import annotations
@@ -74,16 +77,19 @@ def finished_job(cluster, done: subprocess.CompletedProcess, out: Path) -> tuple
     return job_id, text
 
 
-def check_log_and_metrics(text: str, run_dir: Path, iterations: int) -> None:
+def check_log_and_metrics(text: str, run_dir: Path, iterations: int) -> list[dict]:
+    """The job log's bookkeeping and metrics.jsonl's losses; the training records."""
     assert re.search(r"^\[job\] git revision [0-9a-f]{40}", text, re.M)
     assert re.search(r"^\[job\] \S+ \(job \d+\) started \d{4}-\d\d-\d\dT", text, re.M)
     assert re.search(r"^\[job\] finished \d{4}-\d\d-\d\dT.* exit status 0$", text, re.M)
     assert re.search(rf"^summary: {iterations} iterations \| loss [0-9.]+ -> [0-9.]+", text, re.M)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert [r["iteration"] for r in records if "loss" in r] == list(range(1, iterations + 1))
+    records = [r for r in records if "loss" in r]
+    losses = [r["loss"] for r in records]
+    assert [r["iteration"] for r in records] == list(range(1, iterations + 1))
     assert all(math.isfinite(loss) and 0 < loss < 20 for loss in losses)
     assert "SLURM_JOB_ID=" in (run_dir / "env.txt").read_text()
+    return records
 
 
 def test_homogeneous_job_on_two_nodes(cluster, corpus, tmp_path):
@@ -107,26 +113,48 @@ def test_homogeneous_job_on_two_nodes(cluster, corpus, tmp_path):
     assert re.search(rf"^\[job\] rendezvous 127\.0\.0\.1:\d+ \(node {nodes[0]}\)", text, re.M)
 
 
-def test_hetjob_attention_pool_first(cluster, corpus, tmp_path):
-    mode = "zebra" if "zebra" in MOE_PARALLEL_MODES else "ep"
+def test_zebra_hetjob_attention_pool_first(cluster, corpus, tmp_path):
+    """Zebra on a real hetjob: component 0 = the M = 2 attention ranks, component 1 = the N = 2
+    expert ranks (one ZP group), trained from the generated script."""
     out = tmp_path / "out"
-    done = submit(cluster, "--run", str(TEST_DATA / "run_cpu_het.yaml"), "--mode", mode,
-                  "--output-dir", str(out), "--wait")
+    done = submit(cluster, "--run", str(TEST_DATA / "run_cpu_het.yaml"), "--output-dir", str(out), "--wait")
     job_id, text = finished_job(cluster, done, out)
     run_dir = out / job_id
-    check_log_and_metrics(text, run_dir, iterations=3)
-    assert "[job] layout: 1 node(s) x 2 cpu-attention" in text and "+ 1 node(s) x 2 cpu-expert" in text
+    records = check_log_and_metrics(text, run_dir, iterations=6)
+    script = (out / "slurm_test_het.sbatch").read_text()
+    assert "--moe-parallel-mode zebra" in script
+    assert "--zebra-cluster tests/data/slurm/cluster_cpu_het.yaml" in script
+    assert "[job] layout: 1 node(s) x 2 cpu-attention (attention pool) + 1 node(s) x 2 cpu-expert (expert pool)" in text
     assert "preflight: OK: 4 ranks on 2 node(s) (gloo)" in text
+    # Training saw the pool's device types (from --zebra-cluster, not a local pool) and the roles.
+    assert ("zebra: 1 ZP group(s) of M=2 attention + N=2 expert ranks (cpu-attention / cpu-expert); "
+            "R=4 micro-batches per attention rank") in text
 
     ranks = json.loads((run_dir / "preflight.json").read_text())["ranks"]
-    # Component 0 (attention pool) holds ranks 0-1 on one node, component 1 ranks 2-3 on another;
-    # preflight itself checked each rank's node against its component's node list.
+    # Ranks 0-1 (zebra's attention ranks) run in component 0 on one node, ranks 2-3 (expert
+    # ranks) in component 1 on another; preflight itself checked each rank's node against its
+    # component's node list.
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     assert [r["component"] for r in ranks] == [0, 0, 1, 1]
     assert ranks[0]["node"] == ranks[1]["node"] != ranks[2]["node"] == ranks[3]["node"]
     env_lines = dict(line.split("=", 1) for line in (run_dir / "env.txt").read_text().splitlines())
     assert env_lines["HET_NODES_0"].split() == [ranks[0]["node"]]
     assert env_lines["HET_NODES_1"].split() == [ranks[2]["node"]]
     assert env_lines["SLURM_HET_SIZE"] == "2"
+
+    # Every iteration: the tiny model's 2 MoE layers route global batch 16 x 128 tokens x top-2
+    # = 4096 token copies, all of them to the expert ranks (positions 2, 3; Asym-EA is off).
+    for record in records:
+        assert record["zebra"] == {"attention_ranks": 2, "expert_ranks": 2, "zp_groups": 1, "microbatches": 4,
+                                   "offload_chunks": [0, 0]}
+        for layer in record["moe_layers"]:
+            assert sum(layer["expert_tokens"]) == 16 * 128 * 2
+            attention_tokens, expert_tokens = layer["device_tokens"][:2], layer["device_tokens"][2:]
+            assert attention_tokens == [0, 0] and sum(expert_tokens) == 16 * 128 * 2 and min(expert_tokens) > 0
+        assert record["bytes"]["a2a_dispatch"] > 0 and record["bytes"]["a2a_combine"] > 0
+    # It learns: 6 Adam steps at lr 1e-3 on the embedded corpus (10.83 -> 10.60 when measured).
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.05, losses
 
 
 def test_failing_job_reports_its_exit_status(cluster, tmp_path):
@@ -146,16 +174,20 @@ def test_failing_job_reports_its_exit_status(cluster, tmp_path):
 def test_bad_requests_never_reach_sbatch(cluster, tmp_path):
     before = cluster.jobs_submitted()
     out = tmp_path / "out"
-    run = str(TEST_DATA / "run_cpu_2x2.yaml")
+    run, het = str(TEST_DATA / "run_cpu_2x2.yaml"), str(TEST_DATA / "run_cpu_het.yaml")
     cases = {
-        ("--nodes", "3"): ("nodes=3: more than cluster cluster_cpu_2x2 has (2 node(s) x 2 cpu-rank = 4 GPUs); "
-                           "valid: 1..2"),
-        ("--gpus-per-node", "4"): "gpus_per_node=4: more than the 2 cpu-rank per node of cluster cluster_cpu_2x2",
-        ("--tensor-model-parallel-size", "3"): "--tensor-model-parallel-size=3:",
-        ("--expert-model-parallel-size", "3"): "--expert-model-parallel-size=3:",
+        (run, "--nodes", "3"): ("nodes=3: more than cluster cluster_cpu_2x2 has (2 node(s) x 2 cpu-rank = 4 GPUs); "
+                                "valid: 1..2"),
+        (run, "--gpus-per-node", "4"): "gpus_per_node=4: more than the 2 cpu-rank per node of cluster cluster_cpu_2x2",
+        (run, "--tensor-model-parallel-size", "3"): "--tensor-model-parallel-size=3:",
+        (run, "--expert-model-parallel-size", "3"): "--expert-model-parallel-size=3:",
+        (het, "--zebra-expert-ranks", "1"): ("--zebra-expert-ranks=1: 1 ZP group(s) of 2 attention rank(s) need 1 x 1 = "
+                                             "1 expert ranks, but component 1 has 2; valid: 2"),
+        (het, "--bf16"): "--bf16=True: zebra's optimizer steps the model's own parameters without master weights",
+        (het, "--zebra-expert-ranks", "3", "--gpus-per-node", "2,3"): "gpus_per_node=3: more than the 2 cpu-expert",
     }
-    for args, message in cases.items():
-        done = submit(cluster, "--run", run, *args, "--output-dir", str(out), "--wait")
+    for (run_file, *args), message in cases.items():
+        done = submit(cluster, "--run", run_file, *args, "--output-dir", str(out), "--wait")
         assert done.returncode == 2, done.stdout + done.stderr
         assert message in done.stderr
     assert cluster.jobs_submitted() == before
