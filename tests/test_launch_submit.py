@@ -561,7 +561,8 @@ def test_zebra_split_must_match_the_hetjob_components():
         "--zebra-expert-ranks=2: 1 ZP group(s) of 2 attention rank(s) need 1 x 2 = 2 expert ranks, but component 1 "
         "has 1; valid: 1")
     message = refused(tiny_run(mode="zebra", mode_flags=het_run()["mode_flags"]))
-    assert message == "mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); this one has 1"
+    assert message == ("mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); "
+                       "this one has 1")
 
 
 def test_zebra_model_must_fit_the_pool():
@@ -615,4 +616,5 @@ def test_zebra_profile_is_read_for_the_pools_gpu_types(tmp_path):
     save_device_profile(cpu, shape, DeviceProfile("cpu", 1.0, 1.5, 64, 64))
     message = refused(O1, training=["--zebra-asym-ea", "auto", "--zebra-profile", str(cpu)])
     assert message == (f"training flags at world size 12 (6 + 6 ranks): --zebra-profile {cpu}: {cpu} has no "
-                       "measurements for attention device type 'A40-48GB' (profiled types: ['cpu']) (from command line)")
+                       "measurements for attention device type 'A40-48GB' (profiled types: ['cpu']) "
+                       "(from command line)")

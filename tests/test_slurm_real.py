@@ -181,8 +181,8 @@ def test_bad_requests_never_reach_sbatch(cluster, tmp_path):
         (run, "--gpus-per-node", "4"): "gpus_per_node=4: more than the 2 cpu-rank per node of cluster cluster_cpu_2x2",
         (run, "--tensor-model-parallel-size", "3"): "--tensor-model-parallel-size=3:",
         (run, "--expert-model-parallel-size", "3"): "--expert-model-parallel-size=3:",
-        (het, "--zebra-expert-ranks", "1"): ("--zebra-expert-ranks=1: 1 ZP group(s) of 2 attention rank(s) need 1 x 1 = "
-                                             "1 expert ranks, but component 1 has 2; valid: 2"),
+        (het, "--zebra-expert-ranks", "1"): ("--zebra-expert-ranks=1: 1 ZP group(s) of 2 attention rank(s) need "
+                                             "1 x 1 = 1 expert ranks, but component 1 has 2; valid: 2"),
         (het, "--bf16"): "--bf16=True: zebra's optimizer steps the model's own parameters without master weights",
         (het, "--zebra-expert-ranks", "3", "--gpus-per-node", "2,3"): "gpus_per_node=3: more than the 2 cpu-expert",
     }
