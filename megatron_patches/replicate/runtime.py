@@ -410,17 +410,18 @@ class ReplicateRuntime:
             rows = {name: [] for name in STATE_NAMES}
             for module in layer.experts.local_experts:
                 params = dict(module.named_parameters())
-
-                def flat(name: str) -> torch.Tensor:
-                    return torch.cat([state[params[n]][name].reshape(-1).float() for n in layout.names])
-
-                has_master = state is not None and all("fp32_param" in state[params[n]] for n in layout.names)
-                rows["weights"].append(flat("fp32_param") if has_master else layout.flatten(module).float())
-                for name in ("exp_avg", "exp_avg_sq"):
-                    rows[name].append(flat(name) if state is not None else torch.zeros(layout.numel))
+                saved = {n: {} if state is None else state[params[n]] for n in layout.names}
+                for name in STATE_NAMES:
+                    key = "fp32_param" if name == "weights" else name
+                    if all(key in saved[n] for n in layout.names):
+                        rows[name].append(torch.cat([saved[n][key].reshape(-1).float() for n in layout.names]))
+                    elif name == "weights":  # no fp32 copy in the checkpoint (fp32 training): the module's
+                        rows[name].append(layout.flatten(module).float())
+                    else:
+                        rows[name].append(torch.zeros(layout.numel))
             experts = self.experts[layer.layer_number]
-            held = {name: torch.stack(values).to(self.device) for name, values in rows.items()}
-            experts.scatter_from_owners(self._owner_layout(layer), held, 0.0 if state is None else float(step))
+            held = {name: torch.stack([row.to(self.device) for row in values]) for name, values in rows.items()}
+            experts.scatter_from_owners(self._owner_layout(layer), held, 0.0 if state is None else float(step or 0.0))
 
     def placement_state_dict(self) -> dict:
         """The slot assignment of every MoE layer of the model and the popularity history (plain
