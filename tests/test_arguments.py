@@ -631,8 +631,9 @@ def test_replicate_defaults_and_refusals(parse):
                  "--replicate-rebalance-interval=50", "only applies with --replicate-policy flexmoe")
     expect_error(parse("--moe-parallel-mode", "replicate", "--expert-model-parallel-size", "2"), 4,
                  "--expert-model-parallel-size=2", "replicate group is the expert-parallel group", "valid: world size")
-    expect_error(parse("--moe-parallel-mode", "replicate", "--save", "/tmp/x", "--save-interval", "5"), 4,
-                 "--save=/tmp/x", "not supported in replicate mode")
+    expect_error(parse("--moe-parallel-mode", "replicate", "--use-distributed-optimizer", "--save", "/tmp/x",
+                       "--save-interval", "5"), 4, "--save=/tmp/x", "not --use-distributed-optimizer's")
+    assert validate_args(parse("--moe-parallel-mode", "replicate", "--save", "/tmp/x", "--save-interval", "5"), 4).save == "/tmp/x"
     expect_error(parse("--replicate-slots-per-rank", "2"), 4,
                  "--replicate-slots-per-rank=2", "only applies with --moe-parallel-mode replicate (mode is ep)")
     expect_error(parse("--moe-parallel-mode", "fssdp", "--replicate-offload-optimizer"), 4,

@@ -1083,10 +1083,9 @@ def _resolve_replicate(args):
         _fail("--replicate-rebalance-interval", args.replicate_rebalance_interval,
               f"only applies with --replicate-policy flexmoe (policy is {args.replicate_policy})")
     for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value is not None:
-            _fail(flag, value, "checkpoints are not supported in replicate mode yet (the experts' optimizer "
-                  "state lives in the replicate runtime's slices, which Megatron's checkpoint does not cover); "
-                  "train without --save/--load, or use --moe-parallel-mode ep or fssdp")
+        if value is not None and args.use_distributed_optimizer:
+            _fail(flag, value, "replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer "
+                  "(fp32 or bf16/fp16 master weights), not --use-distributed-optimizer's; drop one of the two")
 
 
 def _resolve_zebra(args):

@@ -221,7 +221,9 @@ def pretrain(args) -> Summary:
     dp_size = parallel_state.get_data_parallel_world_size()
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     if args.load:
-        loaded, notes = checkpoint.load(args.load, [ddp], optimizer, scheduler, not args.no_load_optim, not args.no_load_rng)
+        loaded, notes = checkpoint.load(
+            args.load, [ddp], optimizer, scheduler, not args.no_load_optim, not args.no_load_rng, replicate=replicate
+        )
         state.update({k: loaded[k] for k in state})
         for note in notes:
             log0(f"checkpoint: {note}")
@@ -323,11 +325,11 @@ def pretrain(args) -> Summary:
             if writer is not None:
                 writer.log_eval(iteration, eval_loss)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            path = checkpoint.save(args.save, iteration, [ddp], optimizer, scheduler, state)
+            path = checkpoint.save(args.save, iteration, [ddp], optimizer, scheduler, state, replicate=replicate)
             log0(f"checkpoint: saved {path}")
 
     if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > start_iteration:
-        path = checkpoint.save(args.save, args.train_iters, [ddp], optimizer, scheduler, state)
+        path = checkpoint.save(args.save, args.train_iters, [ddp], optimizer, scheduler, state, replicate=replicate)
         log0(f"checkpoint: saved {path}")
     if dist.get_rank() == 0 and args.moe_log_loads and trace_routed:
         write_trace(
