@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from _mp import run_forked
+from _mp import run_ranks
 from test_training_distributed import launch
 
 pytestmark = pytest.mark.slow
@@ -186,7 +186,9 @@ def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_frozen_expert_optimizer_form_is_eps(bf16):
-    for ep_form, frozen_form in run_forked(2, _ep_and_frozen_forms, timeout=300, args=(bf16,)):
+    # Fresh processes, not forks: by this point in a full run the pytest process has thread pools,
+    # and a forked child that inherits them can hang (it did in CI, past the 300 s timeout).
+    for ep_form, frozen_form in run_ranks(2, __file__, "_ep_and_frozen_forms", timeout=300, args=(bf16,)):
         assert any("chained_1.optimizer.state.exp_avg." in v for v in ep_form.values())
         assert any("fp32_param" in v for v in ep_form.values()) == bf16
         assert frozen_form == ep_form
