@@ -111,7 +111,7 @@ def test_checkpoints_move_between_ep_and_fssdp(ep_run, workdir):
     Both checkpoints are Megatron's per-expert sharded tensors (FSSDP's owners are Megatron's
     local experts), so the other mode loads them as they are."""
     half = ITERS // 3
-    # The fssdp side also calibrates after the gate (t = m = 2 leaves room for extra copies).
+    # The fssdp side may also calibrate after the gate (t = m = 2 leaves room for extra copies).
     modes = {
         "ep": ["--moe-parallel-mode", "ep"],
         "fssdp": ["--moe-parallel-mode", "fssdp", "--fssdp-calibrate", "--fssdp-overlap-degree", "2",
@@ -127,5 +127,8 @@ def test_checkpoints_move_between_ep_and_fssdp(ep_run, workdir):
         assert resumed.records[0]["iteration"] == half + 1
         assert_same_losses(resumed, ep_run, first=half)
         fssdp_run = resumed if loader == "fssdp" else saved
+        # Calibration gathers only when the measured expert time says it pays off, so whether it
+        # happens depends on the machine's speed (a quiet CI box once saw none in 10 iterations):
+        # the records are checked either way (spag_calibrate bytes iff calibrations, sprs = spag +
+        # spag_calibrate), and the losses above must equal ep's with or without it.
         check_fssdp_records(fssdp_run, remat=False)
-        assert any(r["fssdp"]["calibrations"] > 0 for r in fssdp_run.records if "loss" in r)
