@@ -11,7 +11,8 @@ process group starts.
 import os
 import sys
 
-from megatron_patches.training.arguments import ArgumentError, parse_args, validate_args
+from megatron_patches.training.arguments import ArgumentError, parse_args
+from megatron_patches.training.validation import validate_args
 
 
 def main(argv=None) -> int:

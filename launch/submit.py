@@ -14,7 +14,7 @@ Everything is checked before sbatch, each error naming the value and what would 
 the run config's keys, the model and cluster names, that the mode exists (a mode of a later
 issue fails with "mode X is not available yet (available: ep)"), that the job asks for no more
 nodes or GPUs per node than the cluster has, the training flags and their TP x PP x DP x EP
-arithmetic (megatron_patches.training.arguments.validate_args on the exact command line the
+arithmetic (megatron_patches.training.validation.validate_args on the exact command line the
 job will run, at the job's world size), that the model state fits the GPUs' memory, and for
 zebra the attention/expert rank split of the hetjob components. A zebra job passes the run's
 cluster config to training as --zebra-cluster, so zebra's own checks (attention ranks on the
@@ -73,7 +73,8 @@ from megatron_patches.config.models import (  # noqa: E402
     read_yaml_mapping,
     resolve_config_path,
 )
-from megatron_patches.training import arguments  # noqa: E402
+from megatron_patches.config.flags import moe_layer_freq  # noqa: E402
+from megatron_patches.training import arguments, validation  # noqa: E402
 
 TEMPLATES = REPO / "launch" / "templates"
 RUNS_DIR = REPO / "configs" / "runs"
@@ -364,7 +365,7 @@ def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.A
         elif isinstance(value, list) and action.nargs in ("*", "+"):
             tokens = (option, *(str(item) for item in value))
         elif isinstance(value, (dict, bool)) or (
-                isinstance(value, list) and action.type is not arguments.moe_layer_freq):
+                isinstance(value, list) and action.type is not moe_layer_freq):
             raise SubmitError(f"{where}.{dest}={value!r}: expected a single value for {option}")
         else:
             tokens = (option, str(value))
@@ -690,7 +691,7 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
         zp_groups = zebra_groups(args, components) if mode == "zebra" else 1
         world = sum(c.ranks for c in components)
         try:
-            arguments.validate_args(args, world_size=world)
+            validation.validate_args(args, world_size=world)
         except arguments.ArgumentError as error:
             # validate_args names the flag first (`--fp16=True: ...`, `--zebra-profile FILE: ...`);
             # say which key of the run set it.

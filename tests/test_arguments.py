@@ -1,4 +1,5 @@
-"""Tests of the training script's arguments (megatron_patches/training/arguments.py).
+"""Tests of the training script's arguments (megatron_patches/training/: arguments.py, yaml_config.py,
+validation.py, flag_docs.py; each mode's flags in its config.py).
 
 One test per validation rule (each asserts that the message names the flag and the offending
 value), YAML layering (defaults < config < later config < CLI), YAML key and type errors, the
@@ -14,15 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_patches.config.flags import fail, moe_layer_freq
+from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.training import arguments as A
-from megatron_patches.training.arguments import (
-    ArgumentError,
-    build_parser,
-    describe_args,
-    flag_reference_markdown,
-    parse_args,
-    validate_args,
-)
+from megatron_patches.training import flag_docs, modes
+from megatron_patches.training.arguments import ArgumentError, build_parser, parse_args
+from megatron_patches.training.flag_docs import describe_args, flag_reference_markdown
+from megatron_patches.training.validation import validate_args
 
 # A small MoE model given explicitly, so that the tests do not depend on tiny.yaml's values.
 MODEL = {
@@ -339,12 +338,12 @@ def test_mock_data_defaults_to_the_null_tokenizer(parse):
 
 
 def test_moe_layer_freq_forms(parse, write_yaml):
-    assert A.moe_layer_freq("2") == 2
-    assert A.moe_layer_freq("([1]*3+[0]*1)*3") == [1, 1, 1, 0] * 3
-    assert A.moe_layer_freq([1, 0]) == [1, 0]
+    assert moe_layer_freq("2") == 2
+    assert moe_layer_freq("([1]*3+[0]*1)*3") == [1, 1, 1, 0] * 3
+    assert moe_layer_freq([1, 0]) == [1, 0]
     for bad in ("9**9", "__import__('os')", "[1]*1000000", "[1]+2"):
         with pytest.raises(ValueError):
-            A.moe_layer_freq(bad)
+            moe_layer_freq(bad)
     args = validate_args(parse("--num-layers", "4", "--moe-layer-freq", "([1]+[0])*2"), 1)
     assert args.moe_layer_freq == [1, 0, 1, 0]
     config = write_yaml("freq.yaml", {**MODEL, "moe_layer_freq": [0, 1, 0, 1]})
@@ -563,11 +562,29 @@ def test_good_split(parse, split):
     assert validate_args(parse("--split", split), 1).split == split
 
 
-def test_moe_parallel_mode_is_one_extensible_constant(parse, monkeypatch):
+def test_a_mode_is_one_registry_line_with_its_own_flags_and_rules(parse, monkeypatch):
     expect_error(parse("--moe-parallel-mode", "swift"), 1, "--moe-parallel-mode=swift",
                  "valid: ep, fssdp, replicate, zebra")
-    monkeypatch.setattr(A, "MOE_PARALLEL_MODES", ("ep", "fssdp", "replicate", "zebra", "swift"))
-    assert validate_args(parse("--moe-parallel-mode", "swift"), 1).moe_parallel_mode == "swift"
+
+    def add_args(parser):
+        parser.add_argument_group(title="swift").add_argument("--swift-knob", type=int, default=3)
+
+    def validate(args):
+        if args.swift_knob > 5:
+            fail("--swift-knob", args.swift_knob, "valid: at most 5")
+        args.swift_validated = True
+
+    monkeypatch.setitem(modes.MODES, "swift", ModeSpec("swift", "test mode", "tests:Nothing", add_args, validate))
+    args = validate_args(parse("--moe-parallel-mode", "swift", "--swift-knob", "4"), 1)
+    assert (args.moe_parallel_mode, args.swift_knob, args.swift_validated) == ("swift", 4, True)
+    expect_error(parse("--moe-parallel-mode", "swift", "--swift-knob", "6"), 1, "--swift-knob=6", "valid: at most 5")
+    # its flags are refused in another mode, and the other modes' flags in it
+    expect_error(parse("--swift-knob", "4"), 1, "--swift-knob=4", "only applies with --moe-parallel-mode swift (mode is ep)")
+    expect_error(parse("--moe-parallel-mode", "swift", "--fssdp-calibrate"), 4, "--fssdp-calibrate=True",
+                 "only applies with --moe-parallel-mode fssdp (mode is swift)")
+    # it places experts statically (no default_load_window), so the load window is refused
+    expect_error(parse("--moe-parallel-mode", "swift", "--moe-load-window", "2"), 1, "--moe-load-window=2",
+                 "only applies with --moe-parallel-mode fssdp or replicate")
 
 
 ZEBRA_2_2_4 = ("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
@@ -820,7 +837,7 @@ def test_namespace_has_every_attribute_build_tokenizer_reads(parse):
 def test_docs_flags_md_is_in_sync_with_the_parser():
     docs = A.REPO_ROOT / "docs" / "flags.md"
     assert docs.read_text() == flag_reference_markdown(), (
-        "docs/flags.md is stale: python -m megatron_patches.training.arguments > docs/flags.md")
+        "docs/flags.md is stale: python -m megatron_patches.training.flag_docs > docs/flags.md")
 
 
 def test_flag_reference_lists_every_flag_and_dest():
@@ -840,7 +857,7 @@ def test_describe_args_lists_every_dest_grouped(parse):
     text = describe_args(args)
     for dest, value in vars(args).items():
         line = next(line for line in text.splitlines() if line.startswith(f"  {dest} ."))
-        assert line.endswith(A._show(value))
+        assert line.endswith(flag_docs._show(value))
     titles = [line for line in text.splitlines() if line and not line.startswith((" ", "-"))]
     assert titles[:3] == ["config:", "model:", "moe:"]
     assert titles[-2:] == ["derived (validate_args):", "other:"]

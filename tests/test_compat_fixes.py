@@ -155,7 +155,8 @@ def test_fix1_gradients_equal_out_of_place_reference(world1, stock_reduce):
 
 def _args(tp: int, ep: int, sequence_parallel: bool = False, distributed_optimizer: bool = False):
     """Training arguments of a tiny GPT-MoE with biases (the project's own parser/validation)."""
-    from megatron_patches.training.arguments import parse_args, validate_args
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
 
     dp = dist.get_world_size() // tp
     flags = [

@@ -20,8 +20,8 @@ import pytest
 import regex
 import torch
 
-from megatron_patches.training import corpus
-from megatron_patches.training.corpus import (
+from megatron_patches.data import corpus
+from megatron_patches.data.corpus import (
     CorpusError,
     RVector,
     austen_chapters,
@@ -399,7 +399,7 @@ def test_cache_is_reused_and_incomplete_caches_are_rebuilt(tmp_path, sources, gp
 def test_concurrent_preparers_build_once(tmp_path, sources):
     """Two processes (as torchrun ranks would) ask for the same corpus at the same time."""
     code = (
-        "import sys; from megatron_patches.training.corpus import prepare_corpus; "
+        "import sys; from megatron_patches.data.corpus import prepare_corpus; "
         "p = prepare_corpus('gpt', sys.argv[1], 1, sources=sys.argv[2]); "
         "print('RESULT', p.data_prefix, p.num_tokens)"
     )

@@ -25,7 +25,8 @@ def expert_weights(flags: list[str]) -> dict:
     from megatron.core import parallel_state
 
     from megatron_patches.compat import mcore, prepare_megatron
-    from megatron_patches.training.arguments import parse_args, validate_args
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
     from megatron_patches.training.model import build_model, moe_layers
 
     args = validate_args(parse_args(SMALL + flags), dist.get_world_size())

@@ -55,7 +55,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus():
     """Prepare the embedded corpus once, before any job, so that ranks never build it at once."""
-    from megatron_patches.training.corpus import ensure_default_corpus
+    from megatron_patches.data.corpus import ensure_default_corpus
 
     return ensure_default_corpus("gpt")
 

@@ -119,7 +119,7 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
     from megatron_patches.compat import mcore, prepare_megatron
     from megatron_patches.placement.zebra import ZebraShape
     from megatron_patches.training.arguments import parse_args as parse_training_args
-    from megatron_patches.training.arguments import validate_args
+    from megatron_patches.training.validation import validate_args
     from megatron_patches.training.model import build_model
     from megatron_patches.zebra.config import ZebraConfig
     from megatron_patches.zebra.engine import AdamSettings, ZebraEngine

@@ -5,7 +5,7 @@
     python tools/prepare_data.py --family bert --max-documents 20  # WordPiece, sentence-level
 
 Sources come from Debian (`r-cran-janeaustenr`) and PyPI (`openai-whisper` sdist for GPT-2's
-BPE ranks); see megatron_patches/training/corpus.py. Prepared data is cached: a second run
+BPE ranks); see megatron_patches/data/corpus.py. Prepared data is cached: a second run
 returns at once. Prints what it built and the Megatron flags that use it.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches.training.corpus import (  # noqa: E402
+from megatron_patches.data.corpus import (  # noqa: E402
     TOKENIZER_TYPES,
     CorpusError,
     default_cache_dir,

@@ -121,8 +121,7 @@ def transformer_config(args, on_gpu: bool) -> TransformerConfig:
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        # replicate mode applies the capacity per expert instance itself (DESIGN 4.6), not per expert
-        moe_expert_capacity_factor=None if args.moe_parallel_mode == "replicate" else args.moe_expert_capacity_factor,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=args.moe_grouped_gemm,
         bf16=args.bf16,

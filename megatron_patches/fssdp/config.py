@@ -1,8 +1,59 @@
-"""FSSDP mode settings, from the command line (`--fssdp-*`, `--moe-load-window`)."""
+"""FSSDP mode settings: its flags (`--fssdp-*`), their validation, and FSSDPConfig read from them."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+from megatron_patches.config.flags import auto_or_int, fail
+from megatron_patches.mode.envelope import check_instance_mode
+from megatron_patches.mode.spec import ModeSpec
+
+DEFAULT_LOAD_WINDOW = 5
+"""--moe-load-window in fssdp mode: predict from the mean of the last 5 iterations (DESIGN 4.1)."""
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="fssdp (--moe-parallel-mode fssdp)")
+    group.add_argument(
+        "--fssdp-overlap-degree", type=auto_or_int, default="auto",
+        help="t: expert copies a device may receive per layer while attention runs. auto: "
+        "measured in the first iteration (run without copies) from the non-MoE time of a layer, "
+        "the point-to-point bandwidth and the bytes of one expert. New flag.",
+    )
+    group.add_argument(
+        "--fssdp-memory-capacity", type=auto_or_int, default="auto",
+        help="m: extra expert copies a device may hold per layer. auto: free memory per MoE layer "
+        "whose copies are alive over the bytes of one expert (GPU: 90%% of free memory; CPU: "
+        "--fssdp-memory-budget-mb). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-memory-budget-mb", type=float, default=256.0,
+        help="CPU only, with --fssdp-memory-capacity auto: host memory (MiB) a rank may spend on "
+        "expert copies. New flag.",
+    )
+    group.add_argument(
+        "--fssdp-reshard-interval", type=int, default=100,
+        help="Iterations between heterogeneous re-sharding decisions (0 = never). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-rematerialize", action="store_true",
+        help="Free each layer's expert copies right after its forward and gather them again for its "
+        "backward (less memory, one more gather per layer). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-calibrate", action="store_true",
+        help="After the gate, re-plan the copies with the actual loads and gather once more when the "
+        "cost model says it pays off. New flag.",
+    )
+
+
+def validate(args: argparse.Namespace) -> None:
+    check_instance_mode(args, "fssdp")
+    if args.fssdp_reshard_interval < 0:
+        fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
+    if not args.fssdp_memory_budget_mb > 0:
+        fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
 
 
 @dataclass(frozen=True)
@@ -39,3 +90,13 @@ class FSSDPConfig:
             calibrate=args.fssdp_calibrate,
             load_window=args.moe_load_window,
         )
+
+
+MODE = ModeSpec(
+    name="fssdp",
+    summary="fully sharded sparse data parallelism: experts sharded once, copies materialised by load",
+    runtime="megatron_patches.fssdp.runtime:FSSDPRuntime",
+    add_args=add_args,
+    validate=validate,
+    default_load_window=DEFAULT_LOAD_WINDOW,
+)

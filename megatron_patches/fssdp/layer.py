@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict

@@ -40,6 +40,7 @@ from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
 from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
+from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
@@ -113,10 +114,13 @@ class IterationStats:
         self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
 
 
-class FSSDPRuntime:
+class FSSDPRuntime(ModeRuntime):
     """Coordinates FSSDP for the MoE layers of this pipeline stage (see module docstring)."""
 
+    name = "fssdp"
+
     def __init__(self, config: FSSDPConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool):
+        super().__init__()
         self.config = config
         self.num_experts = num_experts
         self.moe_layer_numbers = list(moe_layer_numbers)
@@ -163,26 +167,30 @@ class FSSDPRuntime:
         self.block_index: list[int] = []
         """Index of each of `layers` among the stage's transformer layers (checkpoint keys)."""
         self.optimizer = None
-        """Megatron's optimizer (`attach_optimizer`): re-sharding moves its expert state."""
+        """Megatron's optimizer (set by attach): re-sharding moves its expert state."""
         self._started = False
         self._last_pass = None
-        self.log: list[str] = []
-        """Decisions to print on rank 0 (auto t and m)."""
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def moe_spec(self, moe_layer_spec, args):
-        """`moe_spec_fn` for `training.model.build_model`: Megatron's MoE layer -> FSSDPMoELayer."""
+    @classmethod
+    def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "FSSDPRuntime":
+        return cls(FSSDPConfig.from_args(args), args.num_experts, moe_layer_numbers, on_gpu)
+
+    def moe_spec(self, moe_layer_spec):
+        """Megatron's MoE layer -> FSSDPMoELayer."""
         return with_moe_layer(moe_layer_spec, FSSDPMoELayer, runtime=self)
 
     def register_layer(self, layer) -> None:
         self.layers.append(layer)
 
-    def attach(self, transformer_layers, config) -> None:
-        """Hooks the transformer layers holding FSSDP MoE layers; wraps finalize_model_grads.
+    def attach(self, transformer_layers, config, optimizer) -> None:
+        """Hooks the transformer layers holding FSSDP MoE layers; wraps finalize_model_grads;
+        keeps Megatron's optimizer, whose expert state re-sharding moves with the weights.
 
-        Call once, after the model and DDP are built, on every rank.
+        Call once, after the model, DDP and the optimizer are built, on every rank.
         """
+        self.optimizer = optimizer
         transformer_layers = list(transformer_layers)
         moe = [layer for layer in transformer_layers if layer.mlp in self.layers]
         if not moe:
@@ -214,13 +222,6 @@ class FSSDPRuntime:
             return original(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize_model_grads
-
-    def attach_optimizer(self, optimizer) -> None:
-        """Megatron's optimizer, whose expert state re-sharding moves with the weights.
-
-        Call once, after the optimizer is built, on every rank (needed when
-        `reshard_interval` > 0)."""
-        self.optimizer = optimizer
 
     @property
     def device(self) -> torch.device:
@@ -278,7 +279,7 @@ class FSSDPRuntime:
         self.traffic.reset()
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
         if not self._started and iteration > 1:
-            self.log.append(
+            self._log.append(
                 f"fssdp: resumed at iteration {iteration}: experts start from the even shard layout (EP's); "
                 "the re-shard layout is not part of checkpoints (they are per expert, placement-independent)"
             )
@@ -312,7 +313,7 @@ class FSSDPRuntime:
         self.stats.reshard = {"iteration": iteration, "adopted": adopt, "moved": moved if adopt else 0,
                               "bound_before": now, "bound_proposed": then}
         if not adopt:
-            self.log.append(
+            self._log.append(
                 f"fssdp: re-shard check at iteration {iteration}: layout kept (the proposal moves {moved} experts, "
                 f"mean imbalance bound {now:.3f} now, {then:.3f} proposed)"
             )
@@ -320,14 +321,14 @@ class FSSDPRuntime:
         if self.optimizer is None:
             raise RuntimeError(
                 "fssdp: re-sharding moves optimizer state but no optimizer was attached; call "
-                "FSSDPRuntime.attach_optimizer(optimizer) after building it (or pass --fssdp-reshard-interval 0)"
+                "FSSDPRuntime.attach(layers, config, optimizer) after building it (or pass --fssdp-reshard-interval 0)"
             )
         started = time.perf_counter()
         moves = plan_reshard(self.table, current, proposed, self.rank)
         exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
         self.stats.reshard_s = time.perf_counter() - started
         self.layout, self.table = proposed, moves.table
-        self.log.append(
+        self._log.append(
             f"fssdp: re-shard at iteration {iteration}: moved {moved} experts (weights and optimizer state), "
             f"mean imbalance bound {now:.3f} -> {then:.3f}; experts owned per layer and rank: "
             f"{proposed.counts_LD().tolist()}"
@@ -392,14 +393,15 @@ class FSSDPRuntime:
         if layer_pass.layer.training:
             self.stats.calibrations += 1
 
-    def end_iteration(self, processed_LE: np.ndarray) -> dict:
-        """Feed the iteration's global loads to the predictor; the iteration's FSSDP metrics.
+    def end_iteration(self, step: StepResult) -> dict:
+        """Feed the iteration's global processed loads to the predictor; the iteration's FSSDP
+        metrics.
 
         Called on every rank (it all-reduces byte counters and times).
         """
         if self.pending:
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
-        self.tracker.observe(processed_LE)
+        self.tracker.observe(step.processed_LE)
         if self.t is None:
             self.t = self._auto_overlap_degree()
         if self.config.calibrate and self.cost is None:
@@ -410,7 +412,7 @@ class FSSDPRuntime:
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         seconds = FORWARD_BACKWARD_FACTOR * float(local.item())
-        self.log.append(
+        self._log.append(
             f"fssdp: calibration cost model: {seconds * 1e6:.2f} us per token copy (expert forward + backward, "
             f"measured), {self.expert_bytes} bytes per extra copy"
         )
@@ -423,7 +425,7 @@ class FSSDPRuntime:
         t_non_moe = float(local.item())
         bw = planner.gather_bandwidth(self.topology)
         t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
-        self.log.append(
+        self._log.append(
             f"fssdp: auto overlap degree t = {t} (non-MoE time {t_non_moe * 1e3:.2f} ms per layer, "
             f"bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts)"
         )
@@ -439,7 +441,7 @@ class FSSDPRuntime:
         local = torch.tensor([budget / min(layers_alive, len(self.layers))], dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
         m = planner.memory_capacity(float(local.item()), self.expert_bytes)
-        self.log.append(
+        self._log.append(
             f"fssdp: auto memory capacity m = {m} ({source}: {local.item() / 2**20:.1f} MiB per layer with copies "
             f"alive, expert {self.expert_bytes} bytes)"
         )
@@ -548,11 +550,14 @@ class FSSDPRuntime:
             "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
         }
 
-    def memory_report(self, optimizer) -> dict:
+    def a2a_remote_copies(self, loads) -> int:
+        return self.stats.remote_copies
+
+    def memory_report(self) -> dict:
         """Bytes per rank (gathered over the group): owned expert shards and their optimizer state."""
         owned = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.experts.parameters())
         state = 0
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
             for group in inner.param_groups:
                 if not group.get("is_expert_parallel", False):

@@ -1,15 +1,75 @@
-"""Replicate mode settings, from the command line (`--replicate-*`, `--moe-expert-capacity-factor`,
-`--moe-load-window`)."""
+"""Replicate mode settings: its flags (`--replicate-*`), their validation, and ReplicateConfig read
+from them (with `--moe-expert-capacity-factor` and `--moe-load-window`)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+from megatron_patches.config.flags import fail
+from megatron_patches.mode.envelope import check_instance_mode
+from megatron_patches.mode.spec import ModeSpec
+
+DEFAULT_LOAD_WINDOW = 1
+"""--moe-load-window in replicate mode: the next placement follows the last iteration's
+popularity (DESIGN 4.6)."""
+DEFAULT_REBALANCE_INTERVAL = 10
 
 POLICIES = ("adaptive", "static", "flexmoe")
 """adaptive: new replica counts every iteration from the predicted popularity (DESIGN 4.6);
 static: every class keeps ranks x slots / E instances (the DeepSpeed-style baseline);
 flexmoe: new replica counts only every `rebalance_interval` iterations, moving optimizer state
 with the experts (the FlexMoE-style baseline, DESIGN 4.9)."""
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="replicate (--moe-parallel-mode replicate)")
+    group.add_argument(
+        "--replicate-slots-per-rank", type=int, default=4,
+        help="s: expert instances each rank runs per MoE layer; every iteration the ranks x s "
+        "instances are shared out among the experts by popularity. With "
+        "--moe-expert-capacity-factor, an instance takes at most factor x tokens / (ranks x s) "
+        "tokens (the rest are dropped); without it nothing is dropped. New flag.",
+    )
+    group.add_argument(
+        "--replicate-offload-optimizer", action="store_true",
+        help="Keep the experts' fp32 master weights and Adam state in host memory and step them "
+        "there. New flag.",
+    )
+    group.add_argument(
+        "--replicate-policy", type=str, default="adaptive",
+        help="adaptive: new replica counts every iteration (DESIGN 4.6); static: every expert keeps "
+        "ranks x s / experts instances (DeepSpeed-style baseline); flexmoe: new counts every "
+        "--replicate-rebalance-interval iterations, moving optimizer state with the experts "
+        "(FlexMoE-style baseline). New flag.",
+    )
+    group.add_argument(
+        "--replicate-rebalance-interval", type=int, default=DEFAULT_REBALANCE_INTERVAL,
+        help="With --replicate-policy flexmoe: iterations between re-placements (10, 50 and 100 in "
+        "the comparison). New flag.",
+    )
+
+
+def validate(args: argparse.Namespace) -> None:
+    check_instance_mode(args, "replicate")
+    slots, ep, experts = args.replicate_slots_per_rank, args.expert_model_parallel_size, args.num_experts
+    if slots < 1:
+        fail("--replicate-slots-per-rank", slots, "must be at least 1")
+    if experts > ep * slots:
+        fail("--replicate-slots-per-rank", slots,
+             f"every expert needs at least one instance: --num-experts={experts} > ranks x slots = {ep} x {slots}; "
+             f"valid: >= {-(-experts // ep)}")
+    if args.replicate_policy not in POLICIES:
+        fail("--replicate-policy", args.replicate_policy, f"valid: {', '.join(POLICIES)}")
+    if args.replicate_rebalance_interval < 1:
+        fail("--replicate-rebalance-interval", args.replicate_rebalance_interval, "must be at least 1 iteration")
+    if args.replicate_policy != "flexmoe" and args.replicate_rebalance_interval != DEFAULT_REBALANCE_INTERVAL:
+        fail("--replicate-rebalance-interval", args.replicate_rebalance_interval,
+             f"only applies with --replicate-policy flexmoe (policy is {args.replicate_policy})")
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value is not None and args.use_distributed_optimizer:
+            fail(flag, value, "replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer "
+                 "(fp32 or bf16/fp16 master weights), not --use-distributed-optimizer's; drop one of the two")
 
 
 @dataclass(frozen=True)
@@ -57,3 +117,13 @@ class ReplicateConfig:
             policy=args.replicate_policy,
             rebalance_interval=args.replicate_rebalance_interval,
         )
+
+
+MODE = ModeSpec(
+    name="replicate",
+    summary="adaptive per-iteration expert replication with a decoupled optimizer",
+    runtime="megatron_patches.replicate.runtime:ReplicateRuntime",
+    add_args=add_args,
+    validate=validate,
+    default_load_window=DEFAULT_LOAD_WINDOW,
+)

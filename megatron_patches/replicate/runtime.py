@@ -40,10 +40,12 @@ from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import with_moe_layer
+from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement, spread_tokens
 from megatron_patches.placement.types import ShardLayout, Topology
+from megatron_patches.replicate import checkpoint
 from megatron_patches.replicate.config import ReplicateConfig
 from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
 from megatron_patches.replicate.layer import ReplicateMoELayer
@@ -79,10 +81,13 @@ class IterationStats:
     baseline's optimizer state (flexmoe_state)."""
 
 
-class ReplicateRuntime:
+class ReplicateRuntime(ModeRuntime):
     """Coordinates replicate mode for the MoE layers of this pipeline stage (see module docstring)."""
 
+    name = "replicate"
+
     def __init__(self, config: ReplicateConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool, adam: AdamConfig):
+        super().__init__()
         self.config = config
         self.num_experts = num_experts
         self.moe_layer_numbers = list(moe_layer_numbers)
@@ -129,11 +134,30 @@ class ReplicateRuntime:
         self.grad_norm_sq = 0.0
         """Squared norm of all experts' gradients of the stage's layers, summed over the world."""
         self.stats: IterationStats | None = None
+        slots = self.num_devices * config.slots_per_rank
+        if slots == num_experts:
+            self._log.append(
+                f"replicate: ranks x slots = {self.num_devices} x {config.slots_per_rank} = {slots} = --num-experts, so "
+                "every expert gets exactly one instance and every policy places the experts alike (DESIGN 4.6: at least "
+                "one instance each); raise --replicate-slots-per-rank to leave room for replicas"
+            )
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def moe_spec(self, moe_layer_spec, args):
-        """`moe_spec_fn` for `training.model.build_model`: Megatron's MoE layer -> ReplicateMoELayer."""
+    @classmethod
+    def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ReplicateRuntime":
+        # The experts' optimizer takes Megatron's Adam settings (AdamW: decoupled weight decay).
+        adam = AdamConfig(args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.weight_decay, decoupled_weight_decay=True)
+        return cls(ReplicateConfig.from_args(args), args.num_experts, moe_layer_numbers, on_gpu, adam)
+
+    def transformer_config(self, config):
+        """Megatron's per-expert capacity off: replicate applies the capacity per expert instance
+        itself (DESIGN 4.6)."""
+        config.moe_expert_capacity_factor = None
+        return config
+
+    def moe_spec(self, moe_layer_spec):
+        """Megatron's MoE layer -> ReplicateMoELayer."""
         return with_moe_layer(moe_layer_spec, ReplicateMoELayer, runtime=self)
 
     def register_layer(self, layer) -> None:
@@ -197,7 +221,7 @@ class ReplicateRuntime:
 
     # ---- per iteration ---------------------------------------------------------------------
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, iteration: int) -> None:
         self.traffic.reset()
         L = len(self.layers)
         self.stats = IterationStats(
@@ -253,23 +277,17 @@ class ReplicateRuntime:
         dist.all_reduce(total)
         self.grad_norm_sq = float(total.item())
 
-    def end_iteration(self, iteration: int, update_ok: bool, grad_norm, lr: float, clip_grad: float, routed_LE: np.ndarray) -> dict:
-        """Step the experts' slices like Megatron stepped its parameters, place the next iteration
-        and push the weights into its slots; returns the iteration's replicate metrics.
-
-        Args:
-            iteration: the iteration that just ran (1-based).
-            update_ok: Megatron's step result (False = skipped, e.g. fp16 overflow).
-            grad_norm: the total grad norm Megatron returned (the experts' term included).
-            lr: the learning rate Megatron's step used.
-            clip_grad: Megatron's --clip-grad (0 = no clipping).
-            routed_LE: global routed token copies per MoE layer of the whole model this iteration.
-        """
+    def end_iteration(self, step: StepResult) -> dict:
+        """Step the experts' slices like Megatron stepped its parameters (same lr, same clip
+        factor from the total grad norm, which includes the experts' term; nothing when Megatron
+        skipped its step), place the next iteration from the routed loads and push the weights
+        into its slots; returns the iteration's replicate metrics."""
+        iteration, update_ok, grad_norm, lr, clip_grad = step.iteration, step.update_ok, step.grad_norm, step.lr, step.clip_grad
         if len(self.grads) != len(self.layers):
             raise RuntimeError("replicate: the iteration ended before every layer's expert gradients were reduced")
         seconds = self.stats.seconds
         started = time.perf_counter()
-        self.tracker.observe(routed_LE)
+        self.tracker.observe(step.routed_LE)
         next_slots = self._next_slots(iteration)
         seconds["scheduler"] += time.perf_counter() - started
         factor = 1.0
@@ -352,6 +370,14 @@ class ReplicateRuntime:
     # optimizer keys (compat.moe.ep_optimizer_sharded_state_dict). The placement (slot
     # assignment per layer, popularity history) travels as common state, so a resumed run places
     # its next iteration as the uninterrupted one would.
+
+    def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
+        checkpoint.save(directory, model_chunks, optimizer, common, self)
+
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+        notes: list[str] = []
+        loaded = checkpoint.load(directory, model_chunks, optimizer, template, load_optim, self, notes)
+        return loaded, notes
 
     def expert_params(self) -> list[torch.nn.Parameter]:
         """The frozen Megatron expert parameters of this stage's replicate layers, in model order."""
@@ -506,6 +532,9 @@ class ReplicateRuntime:
             "a2a_remote_copies": self.stats.remote_copies,
             "seconds": dict(zip(self.stats.seconds, seconds.tolist())),
         }
+
+    def a2a_remote_copies(self, loads) -> int:
+        return self.stats.remote_copies
 
     def memory_report(self) -> dict:
         """Bytes per rank (gathered over the group): slots (working weights) and the experts'

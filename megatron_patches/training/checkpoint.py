@@ -6,14 +6,10 @@ layouts; the distributed optimizer uses the fully-reshardable format); the loop 
 (iteration, consumed samples, LR scheduler) is common state; RNG states are per rank and
 are restored only when the world size is unchanged.
 
-Replicate mode (`replicate`: its ReplicateRuntime) writes and reads ep mode's checkpoint form:
-before saving, every expert's current weights go into the frozen Megatron local expert that
-EP's layout gives it (so the model's own sharded state dict writes them under ep's keys) and
-its fp32 master weights and Adam moments go under ep's expert-optimizer keys
-(`compat.moe.ep_optimizer_sharded_state_dict`). An ep, fssdp or replicate checkpoint therefore
-loads in any of the three modes. Loading in replicate mode fills the slices and the slots from
-the loaded experts; expert moments absent from the checkpoint start at zero (logged). The
-replicate placement (slots per layer, popularity history) is common state under "replicate".
+What the model and optimizer state look like on disk is the mode's
+(`ModeRuntime.save_checkpoint` / `load_checkpoint`): ep and fssdp write Megatron's own sharded
+state dicts (fssdp under per-expert keys, so placement-independent); replicate writes ep's form
+(replicate/checkpoint.py). Any of the three loads in any of the three.
 """
 
 from __future__ import annotations
@@ -23,10 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel import random as mp_random
-
-from megatron_patches.compat import mcore, moe
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -45,16 +38,15 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
-def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, replicate=None) -> Path:
+def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode) -> Path:
+    """Writes `<root>/iter_N/` (the mode's model + optimizer state, loop state, scheduler, RNG per
+    rank), then points the tracker file at it. `mode`: the run's ModeRuntime."""
     directory = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
-    if replicate is None:
-        mcore.save_checkpoint(str(directory), model_chunks, optimizer, common)
-    else:
-        _save_replicate(str(directory), model_chunks, optimizer, common, replicate)
+    mode.save_checkpoint(str(directory), model_chunks, optimizer, common)
     rng_dir = directory / "rng"
     rng_dir.mkdir(exist_ok=True)
     torch.save(
@@ -72,18 +64,15 @@ def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_sta
     return directory
 
 
-def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, replicate=None) -> tuple[dict, list[str]]:
+def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, mode) -> tuple[dict, list[str]]:
     """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log)."""
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER_FILE}; it does not hold a checkpoint saved by this script")
     directory = iteration_dir(root, iteration)
     template = {"loop_state": None, "scheduler": None}
-    notes = [f"loaded {directory}"]
-    if replicate is None:
-        loaded = mcore.load_checkpoint(str(directory), model_chunks, optimizer if load_optim else None, template)
-    else:
-        loaded = _load_replicate(str(directory), model_chunks, optimizer, template, load_optim, replicate, notes)
+    loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
+    notes = [f"loaded {directory}", *mode_notes]
     if load_optim:
         scheduler.load_state_dict(loaded["scheduler"])
     else:
@@ -99,52 +88,3 @@ def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_r
         else:
             notes.append(f"RNG states not restored: saved with {rng['world_size']} ranks, running with {dist.get_world_size()}")
     return loaded["loop_state"], notes
-
-
-def _save_replicate(directory: str, model_chunks, optimizer, common: dict, replicate) -> None:
-    expert_state, step = replicate.export_experts()
-    groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
-    model_sd = model_chunks[0].sharded_state_dict()
-    state = {
-        "model": model_sd,
-        "optimizer": moe.ep_optimizer_sharded_state_dict(optimizer, model_sd, groups, expert_state, step, is_loading=False),
-        "replicate": replicate.placement_state_dict(),
-        **common,
-    }
-    dist_checkpointing.save(state, directory)
-
-
-def _load_replicate(directory: str, model_chunks, optimizer, template: dict, load_optim: bool, replicate, notes: list[str]) -> dict:
-    """Loads an ep-form checkpoint into replicate mode: dense parts as ep, experts into the slices."""
-    model_sd = model_chunks[0].sharded_state_dict()
-    state = {"model": model_sd, **template}
-    groups, with_experts = None, False
-    if load_optim:
-        groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
-        wanted = moe.expert_checkpoint_keys(optimizer, model_sd, groups)
-        available = set(dist_checkpointing.load_tensors_metadata(directory))
-        missing = sorted(k for keys in wanted.values() for k in keys if k not in available)
-        with_experts = not missing
-        buffers = {
-            p: {name: torch.empty(p.shape, dtype=torch.float32, device=p.device) for name in wanted}
-            for _, params in groups
-            for p in params
-        }
-        state["optimizer"] = moe.ep_optimizer_sharded_state_dict(optimizer, model_sd, groups, buffers, None, is_loading=True)
-        if not with_experts:
-            del state["optimizer"][moe.EXPERT_INDEX]
-            notes.append(f"replicate: the experts' optimizer state is not in the checkpoint ({len(missing)} keys missing, "
-                         f"e.g. {missing[0]}); their Adam moments start at zero")
-    loaded = dist_checkpointing.load(state, directory)
-    model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
-    expert_state, step = {}, None
-    if load_optim:
-        expert_state, step = moe.load_ep_optimizer_state(optimizer, loaded.pop("optimizer"), groups, with_experts)
-    if "replicate" in loaded:
-        notes.extend(replicate.load_placement_state_dict(loaded["replicate"]))
-    else:
-        notes.append("replicate: the checkpoint holds no replicate placement (saved in another mode); starting from static replication")
-    replicate.import_experts(expert_state if with_experts else None, step)
-    if with_experts:
-        notes.append(f"replicate: experts' master weights and Adam moments loaded (step {step:g})")
-    return loaded

@@ -1,7 +1,7 @@
 """Model construction: a Megatron-Core GPT or BERT model whose MLPs are MoE blocks.
 
-The layer spec decides which MoE layer is used; later parallel modes inject their own
-MoELayer subclass through `layer_spec_fn`. Expert weights are re-initialised from
+The layer spec decides which MoE layer is used; a parallel mode injects its own MoELayer
+subclass (and its TransformerConfig changes) through its ModeRuntime (megatron_patches/mode). Expert weights are re-initialised from
 (seed, layer, global expert id) only, so every mode, world size and placement starts from
 the same model and checkpoints are interchangeable (DESIGN.md section 2).
 """
@@ -9,30 +9,26 @@ the same model and checkpoints are interchangeable (DESIGN.md section 2).
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import numpy as np
 import torch
 
 from megatron.core import parallel_state
 
 from megatron_patches.compat import mcore
+from megatron_patches.mode.runtime import ModeRuntime
 
 
-def stock_moe_spec(moe_spec, args):
-    """`ep` mode: Megatron's own MoE layer, unchanged (the baseline)."""
-    return moe_spec
+def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = None):
+    """The (unwrapped) model chunk of this pipeline stage, on the training device, and its
+    TransformerConfig.
 
-
-def build_model(args, vocab_size: int, on_gpu: bool, moe_spec_fn: Callable = stock_moe_spec):
-    """The (unwrapped) model chunk of this pipeline stage, on the training device.
-
-    `moe_spec_fn(megatron_moe_layer_spec, args)` lets a parallel mode inject its own MoE layer.
+    `mode` (default: ep, Megatron's own MoE layer) adapts the config and injects its MoE layer.
     """
-    config = mcore.transformer_config(args, on_gpu)
+    mode = mode or ModeRuntime()
+    config = mode.transformer_config(mcore.transformer_config(args, on_gpu))
     use_te = args.transformer_impl == "transformer_engine"
     dense_spec, moe_spec = mcore.layer_specs(args.model_family, config, use_te)
-    moe_spec = moe_spec_fn(moe_spec, args)
+    moe_spec = mode.moe_spec(moe_spec)
     # BertModel takes one layer spec for all layers (every layer MoE; arguments enforce it).
     spec = moe_spec if args.model_family == "bert" else mcore.block_spec(config, dense_spec, moe_spec, use_te)
     pre_process, post_process = mcore.pipeline_stage_flags()

@@ -1,8 +1,9 @@
 """Zebra mode settings from the command line (`--zebra-*`), validated before any process group.
 
-``add_zebra_args(parser)`` adds the flags (the training script's parser calls it);
-``ZebraConfig.from_args(args)`` reads them. Every refusal raises ``ZebraConfigError`` naming the
-flag, the value and what would be valid.
+``add_args(parser)`` adds the flags (the training script's parser, through the mode registry);
+``validate(args)`` checks them with the pool (training/validation.py calls it in zebra mode);
+``ZebraConfig.from_args(args)`` reads them. Every refusal raises ``ZebraConfigError`` (in
+``validate``: config.flags.ArgumentError) naming the flag, the value and what would be valid.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
-__all__ = ["ZebraConfig", "ZebraConfigError", "add_zebra_args", "parse_asym_ea"]
+from megatron_patches.config.flags import ArgumentError, fail
+from megatron_patches.mode.spec import ModeSpec
+from megatron_patches.zebra.pools import PoolError, pool_cluster, zebra_layout
+
+__all__ = ["ZebraConfig", "ZebraConfigError", "add_args", "validate", "MODE", "parse_asym_ea"]
 
 
 class ZebraConfigError(ValueError):
@@ -109,8 +114,8 @@ class ZebraConfig:
         )
 
 
-def add_zebra_args(parser: argparse.ArgumentParser) -> None:
-    """The --zebra-* flags (the training script's parser calls this)."""
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """The --zebra-* flags (the training script's parser adds them through the mode registry)."""
     group = parser.add_argument_group(title="zebra (--moe-parallel-mode zebra)")
     group.add_argument(
         "--zebra-attention-ranks", type=int, default=None,
@@ -150,3 +155,79 @@ def add_zebra_args(parser: argparse.ArgumentParser) -> None:
         help="Write every task's start and end per rank and stream of the last iteration to this "
         "JSON file (tools/plot_timeline.py draws it). New flag.",
     )
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Zebra: every refusal before any process group, including the pool checks of
+    zebra.pools.zebra_layout (world divisible by M + N, experts by N, Asym-EA shape, GPU types,
+    profile memory bounds); the data-parallel size becomes the number of attention ranks."""
+    for flag, dest in (("--zebra-attention-ranks", "zebra_attention_ranks"), ("--zebra-expert-ranks", "zebra_expert_ranks"),
+                       ("--zebra-microbatches", "zebra_microbatches")):
+        if getattr(args, dest) is None:
+            fail(flag, None, "required with --moe-parallel-mode zebra (an integer >= 1)")
+    if args.num_experts is None:
+        fail("--moe-parallel-mode", "zebra", "needs --num-experts (a dense model has no experts to disaggregate)")
+    why_whole_model = "zebra builds the whole model on every rank and splits it by role; valid: 1"
+    refusals = (
+        ("--model-family", args.model_family, args.model_family != "gpt", "zebra mode trains GPT models; valid: gpt"),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size, args.tensor_model_parallel_size != 1,
+         why_whole_model),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, args.pipeline_model_parallel_size != 1,
+         why_whole_model),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size != 1,
+         "zebra's expert parallelism is --zebra-expert-ranks (the experts of a ZP group are spread over its N "
+         "expert ranks); valid: 1"),
+        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
+         why_whole_model),
+        ("--moe-layer-freq", args.moe_layer_freq, args.moe_layer_freq != 1,
+         "zebra needs every layer to be MoE (expert ranks hold the experts of every layer); valid: 1"),
+        ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, args.moe_expert_capacity_factor is not None,
+         "zebra mode is dropless; leave it unset"),
+        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, args.moe_aux_loss_coeff != 0,
+         "the auxiliary loss needs the token statistics of all attention ranks, not implemented in zebra; valid: 0"),
+        ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
+        ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
+         "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),
+        ("--fp16", True, args.fp16, "zebra's optimizer steps the model's own parameters without master weights or "
+         "loss scaling; train in float32 (drop --fp16)"),
+        ("--bf16", True, args.bf16, "zebra's optimizer steps the model's own parameters without master weights; "
+         "train in float32 (drop --bf16)"),
+        ("--use-distributed-optimizer", True, args.use_distributed_optimizer,
+         "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
+        ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
+        ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
+        ("--moe-log-loads", args.moe_log_loads, args.moe_log_loads is not None,
+         "load traces record Megatron's router in ep, fssdp and replicate modes; not recorded in zebra mode"),
+        ("--save", args.save, args.save is not None, "checkpoints are not supported in zebra mode yet"),
+        ("--load", args.load, args.load is not None, "checkpoints are not supported in zebra mode yet"),
+    )
+    for flag, value, refused, why in refusals:
+        if refused:
+            fail(flag, value, why)
+    try:
+        config = ZebraConfig.from_args(args)
+        layout = zebra_layout(pool_cluster(config.cluster, args.world_size), config.attention_ranks,
+                              config.expert_ranks, args.world_size, num_layers=args.num_layers,
+                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile)
+    except (ZebraConfigError, PoolError) as err:
+        raise ArgumentError(str(err)) from None
+    # Only attention ranks read data: one global batch = micro batch x R x attention ranks.
+    args.data_parallel_size = len(layout.attention_dp_group)
+    expected = args.micro_batch_size * config.microbatches * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = expected
+    if args.global_batch_size != expected:
+        fail("--global-batch-size", args.global_batch_size,
+             f"zebra runs --zebra-microbatches={config.microbatches} micro-batches of --micro-batch-size="
+             f"{args.micro_batch_size} on each of its {args.data_parallel_size} attention ranks; valid: {expected} "
+             "(or leave it unset)")
+
+
+MODE = ModeSpec(
+    name="zebra",
+    summary="attention/expert disaggregation over a pool of mixed GPU generations",
+    runtime=None,  # runs its own loop (training/modes.py SEPARATE_LOOPS) until it moves onto ModeRuntime
+    add_args=add_args,
+    validate=validate,
+    default_expert_parallel_size=1,  # the whole model on every rank; zebra's own EP is --zebra-expert-ranks
+)

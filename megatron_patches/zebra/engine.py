@@ -397,7 +397,7 @@ class ZebraEngine:
 
         ``microbatches``: on attention ranks the R micro-batches of this data-parallel rank
         (dicts with "tokens", "labels", "loss_mask", "position_ids" [b, s] and "attention_mask"
-        as ``training.data.gpt_batch`` returns them); ignored on expert ranks (pass None).
+        as ``data.datasets.gpt_batch`` returns them); ignored on expert ranks (pass None).
         """
         self.zero_grad()
         loss = self.forward_backward(microbatches)
@@ -627,7 +627,7 @@ class ZebraEngine:
     def _prepare(self, batch: dict) -> dict:
         missing = {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"} - set(batch)
         if missing:
-            raise ZebraEngineError(f"a micro-batch lacks {sorted(missing)} (training.data.gpt_batch gives all five)")
+            raise ZebraEngineError(f"a micro-batch lacks {sorted(missing)} (data.datasets.gpt_batch gives all five)")
         prepared = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         if self.model.position_embedding_type == "rope":
             prepared["rotary_pos_emb"] = self.model.rotary_pos_emb(prepared["tokens"].shape[1])

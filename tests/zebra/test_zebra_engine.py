@@ -8,7 +8,7 @@ gradients, gradient norms and a forward-only evaluation agree within 1e-5 relati
 weights after 3 Adam steps within 1e-4, with and without Asym-EA, and with two ZP groups. Asym-EA "1,2" moves one expert of layer 0 and both
 experts of every expert rank's block of layer 1 to the attention ranks (so the expert ranks
 compute nothing at layer 1).
-Tokens: real GPT-2 BPE ids of the embedded Austen corpus (training.corpus), 16 tokens + 1 label.
+Tokens: real GPT-2 BPE ids of the embedded Austen corpus (data.corpus), 16 tokens + 1 label.
 
 One spawn of 4 ranks runs the three variants, records their timelines and executed orders per stream,
 and checks an early refusal; the reference runs in the pytest process.
@@ -54,7 +54,7 @@ def corpus_tokens() -> list[int]:
     """The first ITERS x 8 x MBS x (SEQ + 1) token ids of the embedded corpus."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_patches.training.corpus import ensure_default_corpus
+    from megatron_patches.data.corpus import ensure_default_corpus
 
     dataset = IndexedDataset(str(ensure_default_corpus("gpt").data_prefix))
     needed = ITERS * M * R * MBS * (SEQ + 1)
@@ -87,7 +87,8 @@ def micro_batches(tokens: list[int]) -> list[list[dict]]:
 
 def _megatron_setup():
     from megatron_patches.compat import mcore, prepare_megatron
-    from megatron_patches.training.arguments import parse_args, validate_args
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
 
     prepare_megatron(use_cuda=False)
     mcore.initialize_model_parallel(1, 1, 1, 1)

@@ -21,6 +21,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
 
+from megatron_patches.data import corpus
+
 
 def build_tokenizer(args):
     """Megatron's tokenizer for `--tokenizer-type`.
@@ -30,8 +32,6 @@ def build_tokenizer(args):
     offline machines cannot reach and which would ignore --vocab-file); every other type goes
     through the same builder Megatron-LM uses.
     """
-    from megatron_patches.training import corpus
-
     if args.tokenizer_type in ("GPT2BPETokenizer", "BertWordPieceLowerCase") and args.vocab_file:
         return corpus.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     namespace = SimpleNamespace(
@@ -52,12 +52,6 @@ def build_tokenizer(args):
     return megatron_build_tokenizer(namespace)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padding: a multiple of make_vocab_size_divisible_by x TP."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
 def _data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """Megatron-LM's --data-path forms: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...`."""
     if len(data_path) == 1:
@@ -72,12 +66,10 @@ def check_split_documents(prefixes: list[str], split: str) -> None:
     Megatron rounds split boundaries to whole documents; an empty split that is asked for
     samples makes GPTDataset._get_num_epochs loop forever, so refuse it up front.
     """
-    from megatron_patches.training.corpus import split_document_counts
-
     shares = parse_and_normalize_split(split)
     for prefix in prefixes:
         documents = IndexedDataset(prefix).document_indices.shape[0] - 1
-        counts = split_document_counts(split, documents)
+        counts = corpus.split_document_counts(split, documents)
         for name, share, count in zip(("train", "validation", "test"), shares, counts):
             if share > 0 and count == 0:
                 raise ValueError(

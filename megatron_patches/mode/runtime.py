@@ -1,0 +1,120 @@
+"""ModeRuntime: the steps the training loop calls on the selected MoE mode, in its order.
+
+    runtime = Runtime.from_args(args, moe_layer_numbers, on_gpu)   after process groups + seed
+    config  = runtime.transformer_config(config)                   building the model
+    spec    = runtime.moe_spec(megatron_moe_layer_spec)            building the model
+    runtime.attach(transformer_layers, config, optimizer)          after model, DDP, optimizer
+    runtime.load_checkpoint(...)                                   --load
+    per iteration:
+        runtime.begin_iteration(iteration)                         before the first forward
+        (Megatron's forward/backward and optimizer step)
+        record = runtime.end_iteration(step)                       after the step
+        runtime.a2a_remote_copies(loads), runtime.memory_report()  metrics
+        runtime.take_log()                                         lines for rank 0's log
+    runtime.save_checkpoint(...)                                   --save
+
+The implementation here is stock Megatron-Core expert parallelism (`ep`): Megatron's MoE layer,
+its DDP and optimizer, its checkpoint; every hook passes through. A mode overrides the steps
+it changes and nothing else. Every rank calls every step in the same order; a step that
+communicates says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_patches.compat import mcore
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training iteration produced, as end_iteration receives it."""
+
+    iteration: int
+    """The iteration that just ran (1-based)."""
+    update_ok: bool
+    """Megatron's step result (False: skipped, e.g. an fp16 overflow)."""
+    grad_norm: float | None
+    """The total grad norm Megatron's step returned (None without clipping or a norm)."""
+    lr: float
+    """The learning rate the step used."""
+    clip_grad: float
+    """--clip-grad (0: no clipping)."""
+    routed_LE: np.ndarray
+    """Global routed token copies per MoE layer of the whole model and expert (before dropping)."""
+    processed_LE: np.ndarray
+    """Global processed token copies per MoE layer and expert (after Megatron's dropping)."""
+
+
+class ModeRuntime:
+    """One MoE mode for the MoE layers of this pipeline stage; this class is `ep`."""
+
+    name = "ep"
+    """--moe-parallel-mode value; also the key of the mode's record in the JSON-lines metrics."""
+
+    def __init__(self) -> None:
+        self._log: list[str] = []
+
+    @classmethod
+    def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ModeRuntime":
+        """Built after Megatron's process groups and RNG exist, before the model.
+
+        Args:
+            args: the validated namespace (training/validation.py).
+            moe_layer_numbers: 1-based global numbers of every MoE layer of the model (all
+                stages: load statistics cover the whole model).
+            on_gpu: whether the model lives on CUDA.
+        """
+        return cls()
+
+    # ---- building ----------------------------------------------------------------------------
+
+    def transformer_config(self, config):
+        """Megatron's TransformerConfig for this mode (ep: unchanged)."""
+        return config
+
+    def moe_spec(self, moe_layer_spec):
+        """The layer spec of an MoE transformer layer (ep: Megatron's MoELayer)."""
+        return moe_layer_spec
+
+    def attach(self, transformer_layers, config, optimizer) -> None:
+        """Hook the built stage: its TransformerLayers, the TransformerConfig Megatron's
+        schedules read (finalize_model_grads_func lives there) and Megatron's optimizer."""
+
+    # ---- per iteration -----------------------------------------------------------------------
+
+    def begin_iteration(self, iteration: int) -> None:
+        """Before the iteration's first forward (plans for the iteration)."""
+
+    def end_iteration(self, step: StepResult) -> dict | None:
+        """After Megatron's optimizer step: the mode's own updates; returns the mode's record for
+        the metrics (None: nothing beyond the common record). May communicate."""
+        return None
+
+    def a2a_remote_copies(self, loads) -> int:
+        """Token copies the iteration's dispatch sent to another rank (all layers, sources and
+        micro-batches). ep: the tokens routed to experts another EP rank owns."""
+        return loads.remote_copies
+
+    def memory_report(self) -> dict | None:
+        """Bytes per rank the mode keeps (at log intervals); None: nothing to report. May communicate."""
+        return None
+
+    def take_log(self) -> list[str]:
+        """Decisions since the last call, for rank 0's log (emptied by the call)."""
+        lines, self._log = self._log, []
+        return lines
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
+        """Write model, optimizer and `common` (loop state, scheduler) as one torch_dist checkpoint."""
+        mcore.save_checkpoint(directory, model_chunks, optimizer, common)
+
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+        """Read a checkpoint into the model (and the optimizer with `load_optim`); returns the
+        loaded common entries named by `template` and notes for the log."""
+        loaded = mcore.load_checkpoint(directory, model_chunks, optimizer if load_optim else None, template)
+        return loaded, []

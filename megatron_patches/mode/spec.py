@@ -1,0 +1,66 @@
+"""A mode's declaration: name, flags, validation, runtime class (torch-free).
+
+The argument parser (training/arguments.py) adds every registered mode's flags; validation
+(training/validation.py) refuses each mode's flags outside its mode and calls the selected
+mode's `validate`; the loop (training/loop.py) imports the selected mode's runtime class only
+after the process groups exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+
+def _no_flags(parser: argparse.ArgumentParser) -> None:
+    """ep adds no flags: it is configured by Megatron-LM's own."""
+
+
+def _nothing_to_validate(args: argparse.Namespace) -> None:
+    """ep has nothing beyond Megatron-LM's own rules."""
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One MoE parallel mode, as the flag layer and the loop see it."""
+
+    name: str
+    """The --moe-parallel-mode value."""
+    summary: str
+    """One line for --help and docs: what the mode does."""
+    runtime: str | None
+    """`module:Class` of its ModeRuntime subclass; imported after the process groups exist
+    (it needs Megatron-Core and torch.distributed). None: the mode still runs a loop of its own
+    (training/modes.py SEPARATE_LOOPS)."""
+    add_args: Callable[[argparse.ArgumentParser], None] = _no_flags
+    """Adds the mode's own argument group. Its flags are refused (by their dest) when another
+    mode is selected and they differ from their defaults."""
+    validate: Callable[[argparse.Namespace], None] = _nothing_to_validate
+    """Checks and resolves the mode's flags on the namespace after Megatron-LM's shared rules
+    (parallel layout, model shape, MoE); raises config.flags.ArgumentError naming the flag."""
+    default_load_window: int | None = None
+    """--moe-load-window when not given (DESIGN 4.1); None: the mode places experts statically
+    and refuses the flag."""
+    default_expert_parallel_size: int | None = None
+    """--expert-model-parallel-size when not given; None: the largest valid one (Megatron
+    expert parallelism over as many ranks as the experts allow)."""
+
+    def runtime_class(self):
+        module, name = self.runtime.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def own_dests(self) -> list[str]:
+        """The dest names of the flags `add_args` registers."""
+        parser = argparse.ArgumentParser(add_help=False)
+        self.add_args(parser)
+        return [action.dest for action in parser._actions]
+
+
+EP = ModeSpec(
+    name="ep",
+    summary="stock Megatron-Core expert parallelism (the baseline every mode is compared with)",
+    runtime="megatron_patches.mode.runtime:ModeRuntime",
+)
+"""ep: Megatron's own MoE layer and expert parallelism, unchanged; its runtime is the base class."""

@@ -1,0 +1,95 @@
+"""The flags as text: `describe_args` (every value of a run, printed by rank 0) and
+`flag_reference_markdown` (docs/flags.md, generated from the parser; a test keeps it in sync):
+
+    python -m megatron_patches.training.flag_docs > docs/flags.md
+"""
+
+import argparse
+
+from megatron_patches.training.arguments import DERIVED_VALUES, build_parser
+from megatron_patches.training.yaml_config import type_name
+
+
+def describe_args(args: argparse.Namespace) -> str:
+    """Every value in `args`, sorted within the parser's groups, then derived and other values."""
+    parser = build_parser()
+    dests_by_group = []
+    seen = set()
+    for group in parser._action_groups:
+        dests = sorted(action.dest for action in group._group_actions
+                       if action.dest != "help" and hasattr(args, action.dest))
+        if dests:
+            dests_by_group.append((group.title, dests))
+            seen.update(dests)
+    derived = sorted(dest for dest in DERIVED_VALUES if hasattr(args, dest))
+    seen.update(derived)
+    other = sorted(dest for dest in vars(args) if dest not in seen)
+    if derived:
+        dests_by_group.append(("derived (validate_args)", derived))
+    if other:
+        dests_by_group.append(("other", other))
+
+    lines = ["------------------------ arguments ------------------------"]
+    for title, dests in dests_by_group:
+        lines.append(f"{title}:")
+        for dest in dests:
+            lines.append(f"  {dest} {'.' * max(2, 40 - len(dest))} {_show(getattr(args, dest))}")
+    lines.append("-------------------- end of arguments ---------------------")
+    return "\n".join(lines)
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return " ".join(str(item) for item in value)
+    return str(value)
+
+
+def flag_reference_markdown() -> str:
+    """The Markdown flag reference (docs/flags.md), generated from build_parser()."""
+    parser = build_parser()
+    lines = [
+        "# Flag reference",
+        "",
+        "Generated from the parser by `megatron_patches.training.flag_docs.flag_reference_markdown()`;",
+        "do not edit by hand. Regenerate with",
+        "`python -m megatron_patches.training.flag_docs > docs/flags.md`.",
+        "",
+        "Flags keep Megatron-LM's names, types, defaults and meanings; where a default differs,",
+        "the description says so. Values are layered: parser defaults, then the `--config`",
+        "YAML files in order (without `--config`, `configs/models/tiny.yaml`), then the flags",
+        "given on the command line. YAML keys are the dest names in the second column.",
+        "`validate_args` then resolves the derived values and refuses impossible combinations",
+        "before any process group starts.",
+    ]
+    for group in parser._action_groups:
+        actions = [action for action in group._group_actions if action.dest != "help"]
+        if not actions:
+            continue
+        lines += ["", f"## {group.title}", "", "| Flag | YAML key | Type | Default | Meaning |",
+                  "|---|---|---|---|---|"]
+        for action in actions:
+            yaml_key = "—" if action.dest == "config" else f"`{action.dest}`"
+            kind = "path, repeatable" if action.dest == "config" else type_name(action)
+            cells = [", ".join(f"`{option}`" for option in action.option_strings), yaml_key, kind,
+                     _default_cell(action), action.help.replace("%%", "%")]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines += ["", "## Derived values", "",
+              "Set by `validate_args(args, world_size)` and printed by `describe_args`:", "",
+              "| Name | Meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in DERIVED_VALUES.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _default_cell(action) -> str:
+    default = action.default
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, list):
+        return "`" + " ".join(str(item) for item in default) + "`"
+    return f"`{default}`"
+
+
+if __name__ == "__main__":
+    print(flag_reference_markdown(), end="")

@@ -1,0 +1,496 @@
+"""Validation of the training script's flags and the values derived from them.
+
+`validate_args(args, world_size)` runs before any process group: Megatron-LM's rules (sizes,
+choices, the TP x PP x DP and ETP x EP x EDP layouts, the model shape, MoE, batch, learning
+rate, device, precision, data, tokenizer, checkpoints), with the selected mode's own rules
+(`ModeSpec.validate`, in the mode's package) at the point where the parallel layout and the
+model are known. Every refusal is a config.flags.ArgumentError naming the flag, its value and
+what would be valid.
+"""
+
+import argparse
+import importlib.util
+import math
+from pathlib import Path
+
+from megatron_patches.config.flags import ArgumentError, divisors, fail
+from megatron_patches.training.arguments import (
+    DEFAULT_SPLIT,
+    DISTRIBUTED_BACKENDS,
+    EMBEDDED_CORPUS_SPLIT,
+    LOAD_BALANCING_TYPES,
+    LR_DECAY_STYLES,
+    MODEL_FAMILIES,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
+    TOKEN_DISPATCHER_TYPES,
+    TOKENIZER_TYPES,
+    TOKENIZERS_NEEDING_MODEL,
+    TOKENIZERS_NEEDING_VOCAB,
+    TOKENIZERS_NEEDING_VOCAB_AND_MERGES,
+    TOKENIZERS_NEEDING_VOCAB_SIZE,
+    TRANSFORMER_IMPLS,
+    build_parser,
+)
+from megatron_patches.training.modes import MODES
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Resolve derived values and refuse impossible combinations, before any process group.
+
+    Mutates and returns `args`; running it twice gives the same namespace. Raises ArgumentError
+    naming the flag, its value and what would be valid."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ArgumentError(f"world size {world_size!r}: must be a positive integer")
+    args.world_size = world_size
+    _check_sizes(args)
+    _check_choices(args)
+    _resolve_parallel_layout(args, world_size)
+    _resolve_model_shape(args)
+    _resolve_moe(args)
+    _resolve_mode_flags(args)
+    _resolve_batch(args)
+    _resolve_learning_rate(args)
+    _check_intervals(args)
+    _resolve_device(args)
+    _check_precision(args)
+    _resolve_data(args)
+    _resolve_tokenizer(args)
+    _check_checkpointing(args)
+    return args
+
+
+def _check_sizes(args):
+    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, dest) is None:
+            raise ArgumentError(
+                f"--{dest.replace('_', '-')} is not set: give it on the command line or in a "
+                "--config YAML (configs/models/*.yaml set it)"
+            )
+    positive = (
+        "num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+        "max_position_embeddings", "moe_ffn_hidden_size", "moe_router_topk", "micro_batch_size",
+        "global_batch_size", "train_iters", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "expert_model_parallel_size",
+        "expert_tensor_parallel_size", "make_vocab_size_divisible_by", "vocab_size",
+        "lr_decay_iters", "tiktoken_num_special_tokens", "kv_channels", "num_query_groups",
+        "rotary_base",
+    )
+    for dest in positive:
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be a positive integer")
+    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters")
+    for dest in non_negative:
+        value = getattr(args, dest)
+        if value < 0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be 0 or more")
+    if args.num_experts is not None and args.num_experts < 0:
+        fail("--num-experts", args.num_experts, "must be a positive integer (0 means no MoE)")
+    if args.num_experts == 0:
+        # Megatron-LM treats 0 experts as a dense model.
+        args.num_experts = None
+    for dest in ("hidden_dropout", "attention_dropout"):
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be a probability in [0, 1)")
+    for dest in ("adam_beta1", "adam_beta2"):
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be in [0, 1)")
+    for dest in ("adam_eps", "init_method_std"):
+        value = getattr(args, dest)
+        if not value > 0.0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be positive")
+    for dest in ("weight_decay", "clip_grad", "moe_aux_loss_coeff"):
+        value = getattr(args, dest)
+        if not value >= 0.0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be 0 or more")
+
+
+def _check_choices(args):
+    choices = (
+        ("--model-family", args.model_family, MODEL_FAMILIES),
+        ("--normalization", args.normalization, NORMALIZATIONS),
+        ("--position-embedding-type", args.position_embedding_type, POSITION_EMBEDDING_TYPES),
+        ("--moe-parallel-mode", args.moe_parallel_mode, tuple(MODES)),
+        ("--lr-decay-style", args.lr_decay_style, LR_DECAY_STYLES),
+        ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES),
+        ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type,
+         LOAD_BALANCING_TYPES),
+    )
+    for flag, value, valid in choices:
+        if value not in valid:
+            fail(flag, value, f"unknown value; valid: {', '.join(valid)}")
+    optional_choices = (
+        ("--tokenizer-type", args.tokenizer_type, TOKENIZER_TYPES,
+         " (the types megatron.core's build_tokenizer supports)"),
+        ("--distributed-backend", args.distributed_backend, DISTRIBUTED_BACKENDS, ""),
+        ("--transformer-impl", args.transformer_impl, TRANSFORMER_IMPLS, ""),
+    )
+    for flag, value, valid, note in optional_choices:
+        if value is not None and value not in valid:
+            fail(flag, value, f"unknown value; valid: {', '.join(valid)}{note}")
+
+
+def _resolve_parallel_layout(args, world_size):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp) != 0:
+        fail("--tensor-model-parallel-size", tp,
+             f"TP x --pipeline-model-parallel-size = {tp} x {pp} = {tp * pp} does not divide "
+             f"the world size {world_size}; valid: TP x PP in {divisors(world_size)}")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_layers % pp != 0:
+        fail("--num-layers", args.num_layers,
+             f"not divisible by --pipeline-model-parallel-size={pp}; valid PP: "
+             f"{divisors(args.num_layers)}")
+    if args.num_attention_heads % tp != 0:
+        fail("--num-attention-heads", args.num_attention_heads,
+             f"not divisible by --tensor-model-parallel-size={tp}; valid TP: "
+             f"{divisors(args.num_attention_heads)}")
+    if tp == 1:
+        # As Megatron-LM does: with TP 1 there is no sequence to split, and the flag would
+        # only change numerics.
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % tp != 0:
+        fail("--seq-length", args.seq_length,
+             f"--sequence-parallel splits the sequence over --tensor-model-parallel-size={tp} "
+             f"ranks; valid: a multiple of {tp}")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          and args.overlap_grad_reduce):
+        fail("--overlap-param-gather", True,
+             "needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+
+
+def _resolve_model_shape(args):
+    tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
+    if args.kv_channels is None:
+        if args.hidden_size % heads != 0:
+            fail("--hidden-size", args.hidden_size,
+                 f"not divisible by --num-attention-heads={heads}; valid: multiples of {heads}, "
+                 "or give --kv-channels")
+        args.kv_channels = args.hidden_size // heads
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if heads % groups != 0:
+            fail("--num-query-groups", groups,
+                 f"does not divide --num-attention-heads={heads}; valid: {divisors(heads)}")
+        if groups % tp != 0:
+            fail("--num-query-groups", groups,
+                 f"not divisible by --tensor-model-parallel-size={tp} (key/value heads are split "
+                 f"over TP ranks); valid: multiples of {tp} that divide {heads}")
+    if args.ffn_hidden_size is None:
+        # Megatron-LM's defaults; with SwiGLU, two thirds of 4h keep the parameter count.
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.ffn_hidden_size % tp != 0:
+        fail("--ffn-hidden-size", args.ffn_hidden_size,
+             f"not divisible by --tensor-model-parallel-size={tp} (the FFN is split over TP "
+             f"ranks); valid: multiples of {tp}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        fail("--seq-length", args.seq_length,
+             f"exceeds --max-position-embeddings={args.max_position_embeddings}; valid: "
+             f"seq-length <= {args.max_position_embeddings}, or raise --max-position-embeddings "
+             f"to at least {args.seq_length}")
+
+
+def _resolve_moe(args):
+    world, tp, pp = args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    experts = args.num_experts
+    # Megatron-Core lays the experts out as a second grid ETP x EP x expert-DP x PP over the
+    # same ranks, so ETP x EP must divide world / PP.
+    ranks_per_stage = world // pp
+    if experts is None:
+        if args.expert_model_parallel_size not in (None, 1):
+            fail("--expert-model-parallel-size", args.expert_model_parallel_size,
+                 "needs --num-experts (a dense model has no experts to distribute); valid: 1")
+        args.expert_model_parallel_size = 1
+        if args.moe_ffn_hidden_size is not None:
+            fail("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
+                 "needs --num-experts; valid: unset for a dense model")
+    if ranks_per_stage % etp != 0:
+        fail("--expert-tensor-parallel-size", etp,
+             f"does not divide world size / --pipeline-model-parallel-size = {world} / {pp} = "
+             f"{ranks_per_stage}; valid ETP: {divisors(ranks_per_stage)}")
+    if experts is None:
+        args.expert_data_parallel_size = ranks_per_stage // etp
+        return
+
+    valid_ep = [ep for ep in divisors(experts) if ranks_per_stage % (etp * ep) == 0]
+    if args.expert_model_parallel_size is None:
+        default = MODES[args.moe_parallel_mode].default_expert_parallel_size
+        args.expert_model_parallel_size = max(valid_ep) if default is None else default
+    ep = args.expert_model_parallel_size
+    if experts % ep != 0:
+        fail("--expert-model-parallel-size", ep,
+             f"--num-experts={experts} is not divisible by it; valid EP here: {valid_ep}")
+    if ranks_per_stage % (etp * ep) != 0:
+        fail("--expert-model-parallel-size", ep,
+             f"ETP x EP = {etp} x {ep} = {etp * ep} does not divide world size / "
+             f"--pipeline-model-parallel-size = {world} / {pp} = {ranks_per_stage} (Megatron-Core "
+             f"builds the expert grid ETP x EP x expert-DP x PP over the same ranks); valid EP "
+             f"here: {valid_ep}")
+    args.expert_data_parallel_size = ranks_per_stage // (etp * ep)
+
+    freq = args.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        fail("--moe-layer-freq", freq, "must be 1 or more (1 = every layer is MoE)")
+    if isinstance(freq, list) and (len(freq) != args.num_layers
+                                   or any(x not in (0, 1) for x in freq) or 1 not in freq):
+        fail("--moe-layer-freq", freq,
+             f"a layer pattern needs one 0 (dense) or 1 (MoE) per layer, {args.num_layers} in "
+             "all, with at least one 1")
+    if args.model_family == "bert" and freq != 1:
+        fail("--moe-layer-freq", freq,
+             "with --model-family bert every layer must be MoE: Megatron-Core's BertModel takes one "
+             "layer spec for all layers; valid: 1")
+    if args.moe_router_topk > experts:
+        fail("--moe-router-topk", args.moe_router_topk,
+             f"exceeds --num-experts={experts}; valid: 1..{experts}")
+    if args.moe_router_topk == 1:
+        args.moe_router_pre_softmax = True
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.moe_ffn_hidden_size % etp != 0:
+        fail("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
+             f"not divisible by --expert-tensor-parallel-size={etp} (each expert's FFN is split "
+             f"over ETP ranks); valid: multiples of {etp}")
+    if tp > 1 and not args.sequence_parallel:
+        fail("--tensor-model-parallel-size", tp,
+             "MoE with tensor parallelism needs --sequence-parallel: Megatron-Core's MoELayer "
+             "refuses to train with TP > 1 without it; add --sequence-parallel or use "
+             "--tensor-model-parallel-size=1")
+    if args.add_bias_linear and etp > 1:
+        fail("--expert-tensor-parallel-size", etp,
+             "Megatron-Core 0.16.1 supports MoE biases only with ETP=1 (transformer_config.py:1591 "
+             "asserts it; ETP defaults to TP); "
+             "use --expert-tensor-parallel-size=1 or --disable-bias-linear")
+    capacity = args.moe_expert_capacity_factor
+    if capacity is not None and not capacity > 0:
+        fail("--moe-expert-capacity-factor", capacity,
+             "must be positive (e.g. 1.0 = each expert takes its even share of tokens); leave it "
+             "unset for no token dropping")
+    if args.moe_pad_expert_input_to_capacity and capacity is None:
+        fail("--moe-pad-expert-input-to-capacity", True,
+             "needs --moe-expert-capacity-factor (padding is to the expert capacity)")
+    if capacity is not None and args.moe_router_load_balancing_type == "sinkhorn":
+        fail("--moe-router-load-balancing-type", "sinkhorn",
+             "Megatron-Core drops tokens by capacity only with aux_loss, seq_aux_loss, "
+             "global_aux_loss or none; valid with --moe-expert-capacity-factor: those four")
+    if args.moe_token_dispatcher_type == "flex" and tp * ep == 1:
+        fail("--moe-token-dispatcher-type", "flex",
+             "Megatron-Core's flex dispatcher needs TP x EP > 1; valid here: alltoall, allgather")
+
+
+def _resolve_mode_flags(args):
+    """Every mode's own flags are refused in the other modes (compared with the parser defaults);
+    the selected mode's load window and its own rules."""
+    mode = MODES[args.moe_parallel_mode]
+    parser = build_parser()
+    for other in MODES.values():
+        if other is mode:
+            continue
+        for dest in other.own_dests():
+            if getattr(args, dest) != parser.get_default(dest):
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
+                     f"only applies with --moe-parallel-mode {other.name} (mode is {mode.name})")
+    if mode.default_load_window is None:
+        if args.moe_load_window is not None:
+            adaptive = [spec.name for spec in MODES.values() if spec.default_load_window is not None]
+            fail("--moe-load-window", args.moe_load_window,
+                 f"only applies with --moe-parallel-mode {' or '.join(adaptive)} (mode is {mode.name}, "
+                 "which places experts statically)")
+    else:
+        if args.moe_load_window is None:
+            args.moe_load_window = mode.default_load_window
+        if args.moe_load_window < 1:
+            fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
+    mode.validate(args)
+
+
+def _resolve_batch(args):
+    dp, micro = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = micro * dp
+    if args.global_batch_size % (micro * dp) != 0:
+        fail("--global-batch-size", args.global_batch_size,
+             f"not a multiple of --micro-batch-size x data-parallel size = {micro} x {dp} = "
+             f"{micro * dp}; valid: multiples of {micro * dp}, e.g. {micro * dp} or "
+             f"{2 * micro * dp}")
+    args.num_micro_batches = args.global_batch_size // (micro * dp)
+
+
+def _resolve_learning_rate(args):
+    if not args.lr >= 0.0:
+        fail("--lr", args.lr, "must be 0 or more")
+    if not args.min_lr >= 0.0:
+        fail("--min-lr", args.min_lr, "must be 0 or more")
+    if args.min_lr > args.lr:
+        fail("--min-lr", args.min_lr, f"exceeds --lr={args.lr}; valid: 0 <= min-lr <= lr")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        fail("--lr-warmup-iters", args.lr_warmup_iters,
+             f"must be below --lr-decay-iters={args.lr_decay_iters} (Megatron-Core's scheduler "
+             f"requires warmup < decay); valid: 0..{args.lr_decay_iters - 1}")
+
+
+def _check_intervals(args):
+    for dest in ("log_interval", "eval_interval", "save_interval"):
+        value = getattr(args, dest)
+        if value is not None and value <= 0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be a positive number of iterations")
+
+
+def _resolve_device(args):
+    # Imported here so that building the parser and the docs stays torch-free.
+    import torch
+
+    # --cpu must not touch CUDA at all: the entry point hides the GPUs after validation, which
+    # only works while the CUDA runtime has not been initialised.
+    args.use_cuda = not args.cpu and torch.cuda.is_available()
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if args.use_cuda else "gloo"
+    if args.distributed_backend == "nccl" and not args.use_cuda:
+        fail("--distributed-backend", "nccl",
+             "NCCL needs CUDA, which is unavailable or disabled by --cpu; valid here: gloo")
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if args.use_cuda and have_te else "local"
+    if args.transformer_impl == "transformer_engine" and not (args.use_cuda and have_te):
+        fail("--transformer-impl", "transformer_engine",
+             "needs CUDA and the transformer-engine package (pip install "
+             "'megatron-patches[gpu]'); valid here: local")
+    if args.moe_grouped_gemm and not args.use_cuda:
+        fail("--moe-grouped-gemm", True,
+             "grouped GEMM kernels need CUDA; on CPU leave it off (experts then run one after "
+             "another)")
+    if args.moe_token_dispatcher_type == "flex" and not args.use_cuda:
+        fail("--moe-token-dispatcher-type", "flex",
+             "the flex dispatcher needs CUDA (DeepEP/HybridEP kernels); valid on CPU: alltoall, "
+             "allgather")
+
+
+def _check_precision(args):
+    import torch
+
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one (or neither for "
+                            "float32)")
+    if args.fp16 and args.expert_model_parallel_size > 1:
+        fail("--expert-model-parallel-size", args.expert_model_parallel_size,
+             "Megatron-LM does not support expert parallelism with --fp16; use --bf16 or EP=1")
+    if args.moe_grouped_gemm and not args.bf16:
+        fail("--moe-grouped-gemm", True, "needs --bf16 (as in Megatron-LM)")
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+
+def _data_prefixes(data_path: list[str]) -> list[str]:
+    """The dataset prefixes in Megatron-LM's --data-path forms: one prefix, `weight prefix ...`
+    pairs, or a list of prefixes (megatron.core.datasets.utils.get_blend_from_list)."""
+    if not data_path:
+        fail("--data-path", "(empty)", "give at least one dataset prefix")
+    if len(data_path) % 2 == 1:
+        return list(data_path)
+    weights = data_path[0::2]
+    parsed = []
+    for weight in weights:
+        try:
+            parsed.append(float(weight))
+        except ValueError:
+            parsed.append(None)
+    if all(weight is None for weight in parsed):
+        return list(data_path)
+    if any(weight is None for weight in parsed):
+        fail("--data-path", " ".join(data_path),
+             "mixes weight/prefix pairs with bare prefixes; valid: `prefix`, `w1 p1 w2 p2 ...` "
+             "or `p1 p2 ...`")
+    for weight, raw in zip(parsed, weights):
+        if not (math.isfinite(weight) and weight > 0):
+            fail("--data-path", " ".join(data_path),
+                 f"blend weight {raw} must be a positive number")
+    return list(data_path[1::2])
+
+
+def _resolve_data(args):
+    if args.mock_data and args.data_path is not None:
+        fail("--data-path", " ".join(args.data_path),
+             "given together with --mock-data; valid: one data source, --data-path or "
+             "--mock-data")
+    if args.data_path is not None:
+        for prefix in _data_prefixes(args.data_path):
+            missing = [f"{prefix}{suffix}" for suffix in (".bin", ".idx")
+                       if not Path(f"{prefix}{suffix}").is_file()]
+            if missing:
+                fail("--data-path", prefix,
+                     f"missing {' and '.join(missing)}; each prefix must name a Megatron indexed "
+                     "dataset <prefix>.bin + <prefix>.idx (tools/prepare_data.py builds one)")
+    if args.split is None:
+        # The embedded corpus has 269 documents: Megatron-LM's 969,30,1 would give its test
+        # split none (and Megatron's sampler then loops forever); the test split is unused here.
+        embedded = not args.data_path and not args.mock_data
+        args.split = EMBEDDED_CORPUS_SPLIT if embedded else DEFAULT_SPLIT
+    parts = [part.strip() for part in str(args.split).split(",")]
+    try:
+        proportions = [float(part) for part in parts]
+    except ValueError:
+        proportions = None
+    if (proportions is None or not 1 <= len(proportions) <= 3
+            or any(not (math.isfinite(p) and p >= 0) for p in proportions)
+            or sum(proportions) <= 0):
+        fail("--split", args.split,
+             "valid: 1 to 3 comma-separated non-negative proportions for train,validation,test "
+             f"with a positive sum, e.g. {DEFAULT_SPLIT} or 90,5,5")
+
+
+def _resolve_tokenizer(args):
+    has_data = args.data_path is not None or args.mock_data
+    if args.tokenizer_type is None:
+        if args.mock_data:
+            args.tokenizer_type = "NullTokenizer"
+        elif args.data_path is not None:
+            raise ArgumentError(
+                "--tokenizer-type is not set: it is required with --data-path (the tokenizer the "
+                f"data was prepared with); valid: {', '.join(TOKENIZER_TYPES)}")
+    for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if path is not None and not Path(path).is_file():
+            fail(flag, path, "file not found")
+    kind = args.tokenizer_type
+    if kind in TOKENIZERS_NEEDING_MODEL and args.tokenizer_model is not None:
+        # A HuggingFace tokenizer may also be a hub name; only local files can be checked.
+        if kind != "HuggingFaceTokenizer" and not Path(args.tokenizer_model).exists():
+            fail("--tokenizer-model", args.tokenizer_model, "file not found")
+    if not has_data:
+        # The default corpus brings its own tokenizer files; the training script sets them.
+        return
+    needs = []
+    if kind in TOKENIZERS_NEEDING_VOCAB_AND_MERGES:
+        needs = [("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)]
+    elif kind in TOKENIZERS_NEEDING_VOCAB:
+        needs = [("--vocab-file", args.vocab_file)]
+    elif kind in TOKENIZERS_NEEDING_MODEL:
+        needs = [("--tokenizer-model", args.tokenizer_model)]
+    elif kind in TOKENIZERS_NEEDING_VOCAB_SIZE:
+        needs = [("--vocab-size", args.vocab_size)]
+    missing = [flag for flag, value in needs if value is None]
+    if missing:
+        fail("--tokenizer-type", kind, f"needs {' and '.join(missing)}")
+
+
+def _check_checkpointing(args):
+    if args.save is not None and args.save_interval is None:
+        fail("--save", args.save, "needs --save-interval (as in Megatron-LM)")
+    if args.load is not None and not Path(args.load).is_dir():
+        resumes_own_save = args.save is not None and Path(args.load).resolve() == Path(
+            args.save).resolve()
+        if not resumes_own_save:
+            fail("--load", args.load,
+                 "directory not found; valid: an existing checkpoint directory, or the --save "
+                 "directory (then training starts fresh until a checkpoint exists)")
