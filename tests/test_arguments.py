@@ -636,16 +636,16 @@ def test_replicate_defaults_and_refusals(parse):
     args = validate_args(parse("--moe-parallel-mode", "replicate"), 4)
     assert (args.replicate_slots_per_rank, args.replicate_policy, args.moe_load_window) == (4, "adaptive", 1)
     assert args.expert_model_parallel_size == 4 and args.expert_data_parallel_size == 1
-    args = validate_args(parse("--moe-parallel-mode", "replicate", "--replicate-policy", "flexmoe",
+    args = validate_args(parse("--moe-parallel-mode", "replicate", "--replicate-policy", "periodic",
                                "--replicate-rebalance-interval", "50", "--moe-expert-capacity-factor", "1.0"), 4)
-    assert (args.replicate_policy, args.replicate_rebalance_interval, args.moe_expert_capacity_factor) == ("flexmoe", 50, 1.0)
+    assert (args.replicate_policy, args.replicate_rebalance_interval, args.moe_expert_capacity_factor) == ("periodic", 50, 1.0)
     # tiny has 8 experts: 4 ranks x 1 slot cannot hold them
     expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-slots-per-rank", "1"), 4,
                  "--replicate-slots-per-rank=1", "--num-experts=8 > ranks x slots = 4 x 1", "valid: >= 2")
     expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-policy", "best"), 4,
-                 "--replicate-policy=best", "valid: adaptive, static, flexmoe")
+                 "--replicate-policy=best", "valid: adaptive, static, periodic")
     expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-rebalance-interval", "50"), 4,
-                 "--replicate-rebalance-interval=50", "only applies with --replicate-policy flexmoe")
+                 "--replicate-rebalance-interval=50", "only applies with --replicate-policy periodic")
     expect_error(parse("--moe-parallel-mode", "replicate", "--expert-model-parallel-size", "2"), 4,
                  "--expert-model-parallel-size=2", "replicate group is the expert-parallel group", "valid: world size")
     expect_error(parse("--moe-parallel-mode", "replicate", "--use-distributed-optimizer", "--save", "/tmp/x",

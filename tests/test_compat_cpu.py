@@ -31,7 +31,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from _mp import run_forked, run_ranks, single_rank_group
+from support.mp import run_forked, run_ranks, single_rank_group
 from megatron_patches.compat import cpu
 
 SHIM_NAMES = [shim.name for shim in cpu.SHIMS]
@@ -292,7 +292,7 @@ def test_every_shim_has_a_necessity_check():
         assert shim.covers and callable(shim.apply), shim
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("name", SHIM_NAMES)
 def test_shim_is_necessary_and_sufficient(necessity, name):
     verdict = necessity[name]

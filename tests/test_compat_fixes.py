@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings
 
-from _mp import run_ranks, single_rank_group
+from support.mp import run_ranks, single_rank_group
 from megatron_patches.compat import fixes
 
 VOCAB = 128
@@ -403,7 +403,7 @@ def world2(tmp_path_factory):
     return run_ranks(2, __file__, "world2_checks", timeout=300, args=(str(tmp_path_factory.mktemp("world2")),))
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix1_keeps_the_all_reduce_on_two_ranks(world2):
     for rank in world2:
         assert rank["tp2_sp_ep2"]["tp2_reduce"] == {"fixed": True, "value": [3.0, 3.0, 3.0], "grad": [1.0, 1.0, 1.0]}
@@ -418,7 +418,7 @@ def _is_expert_fc2_bias(name: str) -> bool:
     return ".mlp.experts." in name and name.endswith("linear_fc2.bias")
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix2_stock_megatron_tags_expert_fc2_bias_sequence_parallel(world2):
     for rank in world2:
         tags = rank["tp2_sp_ep2"]["tags_stock"]
@@ -427,7 +427,7 @@ def test_fix2_stock_megatron_tags_expert_fc2_bias_sequence_parallel(world2):
         assert all(tags[name] is True for name in expert_biases)
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix2_untags_expert_fc2_biases_only(world2):
     for rank in world2:
         result = rank["tp2_sp_ep2"]
@@ -445,7 +445,7 @@ def test_fix2_untags_expert_fc2_biases_only(world2):
         assert result["untagged_again"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_world2_reference_has_the_same_loss(world2):
     for rank in world2:
         result = rank["tp2_sp_ep2"]
@@ -458,7 +458,7 @@ def _partner(key: str) -> str:
     return f"{layer} {(int(expert) + NUM_EXPERTS // 2) % NUM_EXPERTS}"
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix2_stock_finalize_sums_biases_of_different_experts(world2):
     for rank in world2:
         result = rank["tp2_sp_ep2"]
@@ -469,7 +469,7 @@ def test_fix2_stock_finalize_sums_biases_of_different_experts(world2):
             assert not torch.allclose(torch.tensor(stock), own, rtol=1e-3, atol=1e-6), key
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix2_expert_bias_grads_equal_single_rank_reference(world2):
     seen = set()
     for rank in world2:
@@ -485,7 +485,7 @@ def test_fix2_expert_bias_grads_equal_single_rank_reference(world2):
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix3_expert_optimizer_gets_the_expert_tp_group(world2):
     for rank in world2:
         result = rank["tp2_sp_ep2"]
@@ -494,14 +494,14 @@ def test_fix3_expert_optimizer_gets_the_expert_tp_group(world2):
         assert result["fix3_found"] is True
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix3_grad_norm_equals_single_rank_norm(world2):
     for rank in world2:
         result = rank["tp2_sp_ep2"]
         assert math.isclose(result["norm_fixed"], result["reference_norm"], rel_tol=1e-5), result
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix3_stock_grad_norm_drops_expert_biases_of_tp_rank_1(world2):
     """Stock: fc2 biases (no tensor-parallel attribute) count only on attention-TP rank 0, so the
     biases of the experts on TP rank 1 vanish: stock^2 = reference^2 - |those bias grads|^2."""
@@ -519,7 +519,7 @@ def test_fix3_stock_grad_norm_drops_expert_biases_of_tp_rank_1(world2):
 # ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix4_setup_shards_dense_params_over_two_dp_ranks(world2):
     for rank in world2:
         result = rank["round_trip"]
@@ -527,7 +527,7 @@ def test_fix4_setup_shards_dense_params_over_two_dp_ranks(world2):
         assert set(result["optimizer_types"]) == {"DistributedOptimizer"}
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix4_stock_load_fails_on_missing_step(world2):
     """distrib_optimizer.py:2101 leaves 'step' out of the loaded tensors, :940 copies every key."""
     for rank in world2:
@@ -536,7 +536,7 @@ def test_fix4_stock_load_fails_on_missing_step(world2):
         assert "_set_main_param_and_optimizer_states" in stock["traceback"]
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix4_without_private_steps_all_params_share_one_step_and_drift(world2):
     """Megatron's load_state_dict (distrib_optimizer.py:817-825) gives every parameter the same
     step tensor (one per sub-optimizer: dense, expert); torch Adam then advances it once per
@@ -553,7 +553,7 @@ def test_fix4_without_private_steps_all_params_share_one_step_and_drift(world2):
         assert shared["max_param_diff"] > 0, "the shared step must change the updates"
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix4_every_param_has_its_own_step_after_loading(world2):
     for rank in world2:
         fixed = rank["round_trip"]["fixed"]
@@ -564,7 +564,7 @@ def test_fix4_every_param_has_its_own_step_after_loading(world2):
         assert fixed["step_values"] == [2.0], "two optimizer steps were taken before saving"
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_fix4_resumed_steps_match_the_uninterrupted_run(world2):
     for rank in world2:
         result = rank["round_trip"]

@@ -13,22 +13,19 @@ Three levels:
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mp import run_ranks  # noqa: E402
-from test_training_distributed import launch  # noqa: E402
+from support.mp import run_ranks
+from support.training import launch
 
-from megatron_patches.comm.traffic import TrafficCounter  # noqa: E402
-from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard  # noqa: E402
-from megatron_patches.placement.types import ModelShardLayout, Topology  # noqa: E402
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
+from megatron_patches.placement.types import ModelShardLayout, Topology
 
 LAYERS, EXPERTS, RANKS = 3, 8, 4
 
@@ -130,6 +127,7 @@ def exchange_checks() -> dict:
     return report
 
 
+@pytest.mark.multirank
 def test_exchange_moves_slot_contents_on_gloo_ranks():
     reports = run_ranks(RANKS, __file__, "exchange_checks", timeout=180)
     row_bytes = reports[0]["row_bytes"]
@@ -160,7 +158,7 @@ FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp
          "--fssdp-reshard-interval", str(INTERVAL)]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_reshard_matches_ep_counts_bytes_and_resumes_in_ep(tmp_path):
     ep = launch(4, [*COMMON, "--train-iters", str(ITERS)], tmp_path, "ep")
     ckpt = tmp_path / "ckpt"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_training_distributed import launch
+from support.training import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ITERS = 30
 # tiny on the embedded Austen corpus, EP = FSSDP group = 4 ranks, no dropout (so the only

@@ -483,7 +483,7 @@ def test_preflight_layout_problems():
         "rank 1 runs on n3, which is not a node of component 1 (n2)"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_preflight_on_three_gloo_ranks(tmp_path):
     """The real check on 3 local ranks (torchrun), then a layout it must refuse."""
     out = tmp_path / "preflight.json"

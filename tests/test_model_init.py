@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _mp import run_ranks
+from support.mp import run_ranks
 
 SMALL = [
     "--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--moe-ffn-hidden-size", "32", "--num-attention-heads", "2",
@@ -60,7 +60,7 @@ def full_experts(results: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]
     }
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_expert_init_is_placement_independent():
     reference = full_experts(run_ranks(1, __file__, "expert_weights", 120, args=([],)))
     assert sorted(reference) == [f"{layer}:{e}" for layer in (1, 2) for e in range(4)]

@@ -28,10 +28,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from _mp import run_ranks
-from test_training_distributed import launch
+from support.mp import run_ranks
+from support.training import launch
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 G, K = 4, 3
 COMMON = [

@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_training_distributed import launch
+from support.training import launch
 
 from megatron_patches.placement.replicate import assign_slots, slot_placement
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ITERS = 30
 COMMON = [
@@ -126,7 +126,7 @@ def capacity_run(workdir, name: str, *flags: str):
     return records
 
 
-def test_adaptive_replication_keeps_more_tokens_than_static_and_flexmoe_moves_state(workdir):
+def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_state(workdir):
     adaptive = capacity_run(workdir, "adaptive", "--replicate-offload-optimizer")
     static = capacity_run(workdir, "static", "--replicate-policy", "static")
     survival_adaptive = np.mean([r["replicate"]["survival"] for r in adaptive])
@@ -139,8 +139,8 @@ def test_adaptive_replication_keeps_more_tokens_than_static_and_flexmoe_moves_st
         assert all(layer["replicas"] == [2] * 16 for layer in record["replicate"]["layers"])
 
     every = 4
-    flexmoe = capacity_run(workdir, "flexmoe", "--replicate-policy", "flexmoe", "--replicate-rebalance-interval", str(every))
-    for before, after in zip(flexmoe, flexmoe[1:]):
+    periodic = capacity_run(workdir, "periodic", "--replicate-policy", "periodic", "--replicate-rebalance-interval", str(every))
+    for before, after in zip(periodic, periodic[1:]):
         rebalanced = before["iteration"] % every == 0
         gained = 0
         for old, new in zip(before["replicate"]["layers"], after["replicate"]["layers"]):
@@ -149,7 +149,7 @@ def test_adaptive_replication_keeps_more_tokens_than_static_and_flexmoe_moves_st
             old_held, new_held = holders(old["replicas"], 8), holders(new["replicas"], 8)
             gained += int(((new_held & ~old_held) * (N - SLICE_R)).sum())
         # a rank gaining a class receives its master weights and both Adam moments (fp32)
-        assert before["replicate"]["bytes"]["flexmoe_state"]["intra"] == 3 * 4 * gained
+        assert before["replicate"]["bytes"]["moved_state"]["intra"] == 3 * 4 * gained
         assert (gained > 0) <= rebalanced
-    assert any(r["replicate"]["bytes"]["flexmoe_state"]["intra"] > 0 for r in flexmoe)
+    assert any(r["replicate"]["bytes"]["moved_state"]["intra"] > 0 for r in periodic)
 

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
-from slurm_cluster import SlurmUnavailable, missing_programs, start_cluster
+from support.slurm_cluster import SlurmUnavailable, missing_programs, start_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_DATA = REPO / "tests" / "data" / "slurm"

@@ -8,82 +8,15 @@ few launches that check several things at once.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_patches.placement.trace import read_trace
+from support.training import MOCK, NO_DROPOUT, check_moe_records, launch
 
-REPO = Path(__file__).resolve().parents[1]
-ENTRY = REPO / "pretrain_gpt_moe.py"
-
-pytestmark = pytest.mark.slow
-
-# A small, fast configuration on synthetic tokens (the mock dataset), for layout checks.
-MOCK = [
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "1000",
-]
-NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
-
-
-@dataclass
-class Run:
-    output: str
-    records: list[dict]
-
-    @property
-    def losses(self) -> list[float]:
-        return [r["loss"] for r in self.records if "loss" in r]
-
-    @property
-    def grad_norms(self) -> list[float]:
-        return [r["grad_norm"] for r in self.records if "loss" in r]
-
-
-def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int = 600) -> Run:
-    log = workdir / f"{name}.jsonl"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(ENTRY), *flags, "--log-json", str(log),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output[-6000:]}"
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    return Run(output, records)
-
-
-def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers: int, ep: int, dropless: bool = True) -> None:
-    for record in run.records:
-        if "loss" not in record:
-            continue
-        assert set(record) >= {"iteration", "loss", "tokens_per_s", "moe_layers", "bytes"}
-        assert "a2a" in record["bytes"]
-        assert len(record["moe_layers"]) == num_layers
-        for layer in record["moe_layers"]:
-            assert set(layer) >= {"layer", "expert_tokens", "device_tokens", "imbalance", "survival"}
-            # Every token is routed to exactly topk experts (counted before capacity dropping).
-            routed, processed = sum(layer["expert_tokens"]), sum(layer["device_tokens"])
-            assert routed == tokens_per_iteration * topk
-            assert len(layer["device_tokens"]) == ep
-            mean = processed / ep
-            assert layer["imbalance"] == pytest.approx(max(layer["device_tokens"]) / mean)
-            assert layer["survival"] == pytest.approx(processed / routed)
-            if dropless:
-                assert processed == routed and layer["survival"] == 1.0
-            else:
-                assert processed <= routed
+pytestmark = pytest.mark.e2e
 
 
 def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):

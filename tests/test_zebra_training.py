@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_training_distributed import REPO, launch  # noqa: E402
+from support.training import REPO, launch
 
-from megatron_patches.zebra.timeline import read_timeline  # noqa: E402
+from megatron_patches.zebra.timeline import read_timeline
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 ITERS = 20
 M, N, R = 2, 2, 4

@@ -8,7 +8,7 @@ Every run trains the same tiny GPT-MoE on the embedded Austen corpus with the sa
 data order, top-1 routing over 16 experts, 4 CPU ranks, capacity factor 1.0 per instance
 (tokens over capacity are dropped and pass through the residual). Only the placement policy
 differs (`--replicate-policy`): adaptive (new replica counts every iteration), static (every
-expert keeps ranks x slots / experts instances, the DeepSpeed-style baseline) and flexmoe-K
+expert keeps ranks x slots / experts instances, the DeepSpeed-style baseline) and periodic-K
 (new counts every K iterations, moving the new replicas' optimizer state).
 
 Slots: 8 per rank by default, not the 4 of the issue's sketch. With 4 ranks x 4 slots = 16
@@ -19,8 +19,8 @@ leave 16 instances to share out by popularity (static: 2 per expert).
 Output (in --out): one JSON-lines log per run, `convergence.png` (loss and token survival per
 iteration per policy), `summary.json`, and this table on stdout: tokens dropped in all, mean
 survival, iterations to reach the target loss (the highest final smoothed loss among the runs,
-so every run reaches it), mean iteration time (excluding the first), and FlexMoE's moved
-optimizer-state bytes and time. CPU ranks share the cores: the times compare runs of this one
+so every run reaches it), mean iteration time (excluding the first), and the periodic
+baseline's moved optimizer-state bytes and time. CPU ranks share the cores: the times compare runs of this one
 invocation only.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = ("adaptive", "static", "flexmoe-10", "flexmoe-50", "flexmoe-100")
+POLICIES = ("adaptive", "static", "periodic-10", "periodic-50", "periodic-100")
 SMOOTH = 10  # iterations in the moving average used for the target-loss crossing
 
 
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer")
     parser.add_argument("--slots-per-rank", type=int, default=8, help="expert instances per rank and layer (see above)")
     parser.add_argument("--capacity-factor", type=float, default=1.0, help="per-instance capacity factor")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"runs, from {', '.join(POLICIES)} (any flexmoe-K)")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), help=f"runs, from {', '.join(POLICIES)} (any periodic-K)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "convergence", help="output directory")
     parser.add_argument("flags", nargs="*", help="extra training flags for every run (after --)")
     args = parser.parse_args(argv)
@@ -63,20 +63,20 @@ def parse_args(argv=None):
             f"--experts={args.experts} > ranks x slots = {args.nproc} x {args.slots_per_rank}: every expert needs a slot"
         )
     for policy in args.policies:
-        if policy not in ("adaptive", "static") and not _flexmoe_interval(policy):
-            parser.error(f"--policies: {policy!r} is not adaptive, static or flexmoe-K with an integer K >= 1")
+        if policy not in ("adaptive", "static") and not _periodic_interval(policy):
+            parser.error(f"--policies: {policy!r} is not adaptive, static or periodic-K with an integer K >= 1")
     return args
 
 
-def _flexmoe_interval(policy: str) -> int | None:
+def _periodic_interval(policy: str) -> int | None:
     name, _, k = policy.partition("-")
-    return int(k) if name == "flexmoe" and k.isdigit() and int(k) >= 1 else None
+    return int(k) if name == "periodic" and k.isdigit() and int(k) >= 1 else None
 
 
 def policy_flags(policy: str) -> list[str]:
-    k = _flexmoe_interval(policy)
+    k = _periodic_interval(policy)
     if k is not None:
-        return ["--replicate-policy", "flexmoe", "--replicate-rebalance-interval", str(k)]
+        return ["--replicate-policy", "periodic", "--replicate-rebalance-interval", str(k)]
     return ["--replicate-policy", policy]
 
 
@@ -106,7 +106,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     for policy, records in runs.items():
         layers = [layer for r in records for layer in r["replicate"]["layers"]]
         crossing = np.flatnonzero(smoothed[policy] <= target)
-        flexmoe = [r["replicate"] for r in records]
+        replicate = [r["replicate"] for r in records]
         table[policy] = {
             "tokens_dropped": int(sum(layer["routed"] - layer["processed"] for layer in layers)),
             "tokens_routed": int(sum(layer["routed"] for layer in layers)),
@@ -115,8 +115,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             # the smoothed curve's first point averages iterations 1..SMOOTH
             "iterations_to_target": int(crossing[0]) + SMOOTH if crossing.size else None,
             "mean_iteration_s": float(np.mean([r["iteration_time_s"] for r in records[1:]])),
-            "flexmoe_state_bytes": int(sum(sum(x["bytes"]["flexmoe_state"].values()) for x in flexmoe)),
-            "flexmoe_state_s": float(sum(x["seconds"]["flexmoe_state"] for x in flexmoe)),
+            "moved_state_bytes": int(sum(sum(x["bytes"]["moved_state"].values()) for x in replicate)),
+            "moved_state_s": float(sum(x["seconds"]["moved_state"] for x in replicate)),
             "scheduler_and_metadata_share": float(
                 np.mean([(r["replicate"]["seconds"]["scheduler"] + r["replicate"]["seconds"]["metadata"]) / r["iteration_time_s"] for r in records])
             ),
@@ -152,14 +152,14 @@ def main(argv=None) -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(runs, args.out / "convergence.png")
     print(f"\ntarget loss {summary['target_loss']:.4f} ({SMOOTH}-iteration moving average; the highest final value of all runs)")
-    header = f"{'policy':<12} {'dropped':>10} {'survival':>9} {'final loss':>10} {'iters to target':>16} {'s/iter':>8} {'FlexMoE state MiB':>18} {'state s':>8} {'sched+meta':>10}"
+    header = f"{'policy':<12} {'dropped':>10} {'survival':>9} {'final loss':>10} {'iters to target':>16} {'s/iter':>8} {'moved state MiB':>18} {'state s':>8} {'sched+meta':>10}"
     print(header)
     print("-" * len(header))
     for policy, row in summary["runs"].items():
         reach = row["iterations_to_target"] if row["iterations_to_target"] is not None else "-"
         print(
             f"{policy:<12} {row['tokens_dropped']:>10} {row['mean_survival']:>9.3f} {row['final_loss']:>10.4f} {reach:>16} "
-            f"{row['mean_iteration_s']:>8.3f} {row['flexmoe_state_bytes'] / 2**20:>18.2f} {row['flexmoe_state_s']:>8.3f} "
+            f"{row['mean_iteration_s']:>8.3f} {row['moved_state_bytes'] / 2**20:>18.2f} {row['moved_state_s']:>8.3f} "
             f"{row['scheduler_and_metadata_share']:>10.2%}"
         )
     print(f"\nwrote {args.out / 'summary.json'}, {args.out / 'convergence.png'} and one .jsonl per run")

@@ -284,8 +284,7 @@ class FSSDPRuntime(ModeRuntime):
                 "the re-shard layout is not part of checkpoints (they are per expert, placement-independent)"
             )
         self._started = True
-        interval = self.config.reshard_interval
-        if interval and iteration > 1 and (iteration - 1) % interval == 0:
+        if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
         self.plans = {}
         for index, layer in enumerate(self.layers):
@@ -295,24 +294,19 @@ class FSSDPRuntime(ModeRuntime):
             self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
 
     def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
-        """Heterogeneous re-sharding (DESIGN 4.3, the rule of placement.policies.FSSDPPolicy):
-        adopt `heterogeneous_shard` of the predicted loads when it lowers the mean imbalance
-        bound and moves at least one expert; move those experts' weights and optimizer state.
+        """Heterogeneous re-sharding by `placement.fssdp.decide_reshard` (the simulator's rule
+        too); when adopted, move the moved experts' weights and optimizer state.
 
         Runs between iterations (gradient buffers are zero, the optimizer has stepped), on
         every rank with the same inputs, so every rank takes the same decision.
         """
         rows = [self.moe_layer_numbers.index(layer.layer_number) for layer in self.layers]
-        loads_LE = predicted_LE[rows]
         current = self.layout
-        proposed = planner.heterogeneous_shard(loads_LE, self.topology, current=current)
-        now = float(planner.shard_imbalance_bound(current, loads_LE, t).mean())
-        then = float(planner.shard_imbalance_bound(proposed, loads_LE, t).mean())
-        moved = int((proposed.owners_LE != current.owners_LE).sum())
-        adopt = then < now and moved > 0
-        self.stats.reshard = {"iteration": iteration, "adopted": adopt, "moved": moved if adopt else 0,
+        decision = planner.decide_reshard(current, predicted_LE[rows], self.topology, t)
+        proposed, moved, now, then = decision.proposed, decision.moved, decision.bound_before, decision.bound_proposed
+        self.stats.reshard = {"iteration": iteration, "adopted": decision.adopt, "moved": moved if decision.adopt else 0,
                               "bound_before": now, "bound_proposed": then}
-        if not adopt:
+        if not decision.adopt:
             self._log.append(
                 f"fssdp: re-shard check at iteration {iteration}: layout kept (the proposal moves {moved} experts, "
                 f"mean imbalance bound {now:.3f} now, {then:.3f} proposed)"

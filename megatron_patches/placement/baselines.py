@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement
+from megatron_patches.placement.replicate import popularity_slots, slot_placement
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -611,5 +611,4 @@ def static_replication(num_experts: int, num_ranks: int, slots_per_rank: int) ->
     16 classes -> 4 instances each), laid out contiguously. Tokens over an instance's capacity
     are dropped (`replicate.spread_tokens`); the placement never changes, so nothing moves.
     """
-    counts_E = replica_counts(np.ones(num_experts), num_ranks, slots_per_rank)
-    return slot_placement(assign_slots(counts_E, num_ranks, slots_per_rank), num_experts)
+    return slot_placement(popularity_slots(np.ones(num_experts), num_ranks, slots_per_rank), num_experts)

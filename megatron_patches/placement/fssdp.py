@@ -50,6 +50,9 @@ __all__ = [
     "memory_capacity",
     "overlap_degree",
     "proportional_copies",
+    "ReshardDecision",
+    "decide_reshard",
+    "reshard_due",
     "shard_imbalance_bound",
     "shard_slots_D",
 ]
@@ -202,9 +205,9 @@ def _copy_candidates(eligible: np.ndarray, load_D: np.ndarray, holds_D: np.ndarr
     expert, a node gets a second copy only when every node has one, and within a round the
     least-loaded devices come first.
 
-    DESIGN ranks by "more free slots" where this ranks by predicted load. Measured on the
-    issue-3 trace (Zipf 1.2, 4 x 8 devices, t = 8, m = 4): free-slot order puts copies on
-    devices whose owned experts already exceed the mean load.
+    DESIGN ranks by "more free slots" where this ranks by predicted load: free-slot order puts
+    copies on devices whose owned experts already exceed the mean load (docs/benchmarks.md,
+    "Copy placement").
     """
     node = topology.node_of[eligible]
     load = load_D[eligible]
@@ -235,12 +238,9 @@ def _place_copies(
 
     Deviation from DESIGN 4.2 step 3, which fills every budgeted copy: with all D*m slots
     filled, every device takes exactly m copies however the copies are ordered, including a
-    device whose owned experts alone exceed the mean load. Measured on the issue-3 trace
-    (`tools/plan.py`, 4 x 8 devices, t = 8, m = 4, Zipf 1.2) with DESIGN's even-split dispatch
-    and sharding: mean imbalance 1.735 with DESIGN's placement, 1.718 filling every slot in
-    load order, 1.406 with this rule. With `dispatch`'s balanced split the placement hardly
-    matters for balance (1.159 vs 1.160), and this rule moves 17% fewer spAG / spRS bytes
-    (11.96 vs 14.48 GB per iteration) for 9% more all-to-all bytes (3.10 vs 2.83).
+    device whose owned experts alone exceed the mean load. Stopping early balances better with
+    an even-split dispatch and moves fewer spAG / spRS bytes with the balanced one
+    (docs/benchmarks.md, "Copy placement").
     """
     for e, budget, f in zip(experts.tolist(), budgets.tolist(), loads_E[experts].tolist()):
         holds_D = holds_ED[e]
@@ -293,9 +293,9 @@ def materialize(
     owners. Ties in load go to the lower expert id.
 
     Replica counts stay proportional to the copies DESIGN asks for, not to instances
-    (copies + the owner's one): measured on the issue-3 trace, counting the owner's instance
-    changes the mean imbalance by < 0.002 and adds 17% spAG / spRS bytes, because the
-    budgets are upper bounds that the heavy experts do not use up.
+    (copies + the owner's one): counting the owner's instance hardly changes the imbalance and
+    adds spAG / spRS bytes, because the budgets are upper bounds that the heavy experts do not
+    use up (docs/benchmarks.md, "Copy budgets").
     """
     loads_E = _check_layer_inputs(shard, topology, predicted_loads_E, "predicted_loads_E")
     t = min(check_int(t, "overlap degree t"), shard.num_experts)
@@ -384,9 +384,7 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
     already process for other experts, are topped up to a common level. Replicated experts go
     heaviest first (ties: lower id), and a second sweep refills each of them with the others'
     quotas fixed, which undoes most of the first sweep's order effects (unless the first
-    already reached the lower bound on the peak). Measured on the issue-3 trace: mean
-    imbalance 1.244 after one sweep, 1.160 after two, 0.002 above the bound that the
-    single-holder experts impose with the actual loads (no split can go below it).
+    already reached the lower bound on the peak; docs/benchmarks.md, "Balanced quotas").
 
     Args:
         holds_ED: which device holds which expert, bool or int [E, D]; every expert >= 1 holder.
@@ -594,12 +592,7 @@ def heterogeneous_shard(loads_LE, topology: Topology, current: ModelShardLayout 
     does not enter. The reason: between two re-shards the loads drift, and a J expert that
     falls out of the top-t is served by its owner alone. The slots J' leaves over sit on the
     devices that own few J' experts, i.e. heavy ones, so such an expert lands next to a heavy
-    J' expert. Measured on
-    the issue-3 trace over iterations 100-199 (after the re-shard at 100, with `dispatch`):
-    mean imbalance 1.158 with DESIGN's order (J into the device owning the fewest experts of
-    the layer) vs 1.125 with one greedy; on Zipf 0.8, 1.330 vs 1.136. (A prototype that
-    filled J last into the least-loaded device with a free slot gave 1.159, one that placed J
-    right after its own layer's J' 1.130, and 1.284 on Zipf 0.8.)
+    J' expert (docs/benchmarks.md, "Heterogeneous sharding order").
 
     Ties towards `current` keep an expert in place when the greedy has no reason to move it;
     with continuous loads such ties are rare, so the policy also adopts a new layout only
@@ -672,6 +665,42 @@ def shard_imbalance_bound(layout: ModelShardLayout, loads_LE, t: int) -> np.ndar
     return np.where(mean_L > 0, np.maximum(1.0, peak_L / np.where(mean_L > 0, mean_L, 1.0)), 1.0)
 
 
+def reshard_due(completed_iterations: int, interval: int) -> bool:
+    """Whether a re-shard decision is taken before the next iteration: after every `interval`
+    completed iterations (interval 0 = never), never before the first."""
+    return interval > 0 and completed_iterations > 0 and completed_iterations % interval == 0
+
+
+@dataclass(frozen=True)
+class ReshardDecision:
+    """The re-shard rule's verdict on one proposal (DESIGN 4.3)."""
+
+    proposed: ModelShardLayout
+    """`heterogeneous_shard` of the predicted loads, ties towards the current owners."""
+    adopt: bool
+    """True when the proposal lowers the mean imbalance bound and moves at least one expert."""
+    moved: int
+    """Experts whose owner differs between the current layout and the proposal."""
+    bound_before: float
+    """Mean over layers of `shard_imbalance_bound` of the current layout."""
+    bound_proposed: float
+    """The same for the proposal."""
+
+
+def decide_reshard(current: ModelShardLayout, loads_LE, topology: Topology, t: int) -> ReshardDecision:
+    """The one re-shard rule, shared by the runtime (fssdp/runtime.py) and the simulator
+    (policies.FSSDPPolicy): propose the heterogeneous sharding of the predicted loads and adopt
+    it only if it lowers the predicted imbalance, the mean over layers of
+    `shard_imbalance_bound`. DESIGN re-shards whenever the plan changed; the greedy's plan
+    changes with any reordering of nearly equal loads, so that would move nearly every expert
+    each time (docs/benchmarks.md, "Re-shard adoption", has the measurements)."""
+    proposed = heterogeneous_shard(loads_LE, topology, current=current)
+    before = float(shard_imbalance_bound(current, loads_LE, t).mean())
+    after = float(shard_imbalance_bound(proposed, loads_LE, t).mean())
+    moved = int((proposed.owners_LE != current.owners_LE).sum())
+    return ReshardDecision(proposed, adopt=after < before and moved > 0, moved=moved, bound_before=before, bound_proposed=after)
+
+
 # ----------------------------------------------------------------------------------------
 # Topology-aware dispatch (4.4)
 # ----------------------------------------------------------------------------------------
@@ -732,10 +761,9 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     Deviation from DESIGN 4.4, which keeps every local token local and splits the rest
     evenly: a device that holds a copy but is already busy with its own experts then
     processes all its local tokens, and an even split ignores how loaded each holder is.
-    Measured on the issue-3 trace: with DESIGN's placement and sharding, mean imbalance 1.735
-    (even split) vs 1.176 (quotas), inter-node all-to-all 1.21 -> 1.43 GB per iteration; with
-    the load-aware ones, 1.451 vs 1.160, 1.21 -> 1.60 GB. The extra crossing is the tokens
-    beyond a node's quotas. Given the quotas the routing keeps it to the minimum: the tokens
+    The quotas balance much better at the price of some inter-node all-to-all bytes
+    (docs/benchmarks.md, "Dispatch split"): the tokens beyond a node's quotas. Given the
+    quotas the routing keeps that crossing to the minimum: the tokens
     expert e sends from node n to other nodes are exactly max(0, tokens of e on n - quotas of
     e on n).
 

@@ -51,9 +51,8 @@ from megatron_patches.placement.baselines import (
 )
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import (
-    assign_slots,
     gradient_source_table,
-    replica_counts,
+    popularity_slots,
     slot_placement,
     spread_tokens,
 )
@@ -281,17 +280,10 @@ class EPPolicy(Policy):
 class FSSDPPolicy(Policy):
     """FSSDP: sparse materialization per layer and iteration, heterogeneous re-sharding every k.
 
-    Starts from the even shard layout. Every `reshard_interval` iterations it computes the
-    heterogeneous sharding of the predicted loads (ties towards the current owners) and adopts
-    it only if it lowers the predicted imbalance, the mean over layers of
-    `fssdp.shard_imbalance_bound`; then it moves the weights and optimizer state of every
-    expert whose owner changed. DESIGN re-shards whenever the plan changed; the greedy's plan
-    changes with any reordering of nearly equal loads, so that would move nearly every expert
-    each time. Measured on 400-iteration Zipf 1.2 traces (4 x 8 devices, t = 8, m = 4,
-    re-shard every 100): with drift 0.005, 70.8 GB moved by three re-shards vs 23.7 GB by the
-    one this rule keeps (mean imbalance 1.042 vs 1.043); with drift 0.05, 72.2 vs 48.1 GB
-    (1.147 vs 1.148); on the 200-iteration Zipf 2.0 trace it skips the only re-shard (24.4 GB)
-    and the imbalance is 1.141 instead of 1.145.
+    Starts from the even shard layout. Every `reshard_interval` iterations it applies the
+    runtime's own re-shard rule (`fssdp.decide_reshard`: adopt the heterogeneous sharding of
+    the predicted loads only if it lowers the predicted imbalance), then moves the weights and
+    optimizer state of every expert whose owner changed.
     """
 
     name = "fssdp"
@@ -309,14 +301,10 @@ class FSSDPPolicy(Policy):
     def plan(self, iteration, predicted_LE, source_loads_LDE):
         cfg = self.config
         moves: list[ExpertMove] = []
-        if iteration > 0 and iteration % cfg.reshard_interval == 0:
-            new = fssdp.heterogeneous_shard(predicted_LE, self.topology, current=self.shard)
-            t = cfg.overlap_degree
-            if (
-                new != self.shard
-                and fssdp.shard_imbalance_bound(new, predicted_LE, t).mean()
-                < fssdp.shard_imbalance_bound(self.shard, predicted_LE, t).mean()
-            ):
+        if fssdp.reshard_due(iteration, cfg.reshard_interval):
+            decision = fssdp.decide_reshard(self.shard, predicted_LE, self.topology, cfg.overlap_degree)
+            if decision.adopt:
+                new = decision.proposed
                 l_M, e_M = np.nonzero(new.owners_LE != self.shard.owners_LE)
                 moves = [
                     ExpertMove(int(l), int(e), int(self.shard.owners_LE[l, e]), int(new.owners_LE[l, e]))
@@ -392,8 +380,7 @@ class ReplicatePolicy(_SlotPolicy):
         D, s = self.topology.num_devices, self.slots_per_rank
         layers = []
         for l in range(self.num_layers):
-            counts_E = replica_counts(predicted_LE[l], D, s)
-            placement = slot_placement(assign_slots(counts_E, D, s), self.num_experts)
+            placement = slot_placement(popularity_slots(predicted_LE[l], D, s), self.num_experts)
             layers.append(self._spread(placement, source_loads_LDE[l]))
         return PolicyStep(iteration, tuple(layers))
 

@@ -26,6 +26,7 @@ from megatron_patches.placement.types import (
 __all__ = [
     "TokenSpread",
     "assign_slots",
+    "popularity_slots",
     "contiguous_rank_groups",
     "expert_rank_ranges",
     "gradient_source",
@@ -115,6 +116,17 @@ def assign_slots(counts_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
     if int(counts_E.sum()) != G * s:
         raise PlacementError(f"instance counts sum to {int(counts_E.sum())}, but there are {G} x {s} = {G * s} slots")
     return np.repeat(np.arange(counts_E.size, dtype=np.int64), counts_E).reshape(G, s)
+
+
+def popularity_slots(popularity_E, num_ranks: int, slots_per_rank: int) -> np.ndarray:
+    """The slot choice of DESIGN 4.6 (steps 1-3) for one layer; int64 [G, s] of expert ids.
+
+    Replica counts proportional to the popularity (`replica_counts`), laid out contiguously
+    (`assign_slots`); equal popularities give static replication. The one rule shared by the
+    runtime (replicate/runtime.py: the initial layout and every re-placement) and the
+    simulator's replicate and static policies.
+    """
+    return assign_slots(replica_counts(popularity_E, num_ranks, slots_per_rank), num_ranks, slots_per_rank)
 
 
 def slot_placement(slot_expert_RS, num_experts: int) -> InstancePlacement:

@@ -15,11 +15,12 @@ DEFAULT_LOAD_WINDOW = 1
 popularity (DESIGN 4.6)."""
 DEFAULT_REBALANCE_INTERVAL = 10
 
-POLICIES = ("adaptive", "static", "flexmoe")
+POLICIES = ("adaptive", "static", "periodic")
 """adaptive: new replica counts every iteration from the predicted popularity (DESIGN 4.6);
 static: every class keeps ranks x slots / E instances (the DeepSpeed-style baseline);
-flexmoe: new replica counts only every `rebalance_interval` iterations, moving optimizer state
-with the experts (the FlexMoE-style baseline, DESIGN 4.9)."""
+periodic: new replica counts only every `rebalance_interval` iterations, moving optimizer state
+with the experts (a baseline with FlexMoE's cost of moving state, DESIGN 4.9; the simulator's
+`flexmoe` system is FlexMoE's incremental replicate/relocate, a different policy)."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +40,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--replicate-policy", type=str, default="adaptive",
         help="adaptive: new replica counts every iteration (DESIGN 4.6); static: every expert keeps "
-        "ranks x s / experts instances (DeepSpeed-style baseline); flexmoe: new counts every "
+        "ranks x s / experts instances (DeepSpeed-style baseline); periodic: new counts every "
         "--replicate-rebalance-interval iterations, moving optimizer state with the experts "
         "(FlexMoE-style baseline). New flag.",
     )
     group.add_argument(
         "--replicate-rebalance-interval", type=int, default=DEFAULT_REBALANCE_INTERVAL,
-        help="With --replicate-policy flexmoe: iterations between re-placements (10, 50 and 100 in "
+        help="With --replicate-policy periodic: iterations between re-placements (10, 50 and 100 in "
         "the comparison). New flag.",
     )
 
@@ -63,9 +64,9 @@ def validate(args: argparse.Namespace) -> None:
         fail("--replicate-policy", args.replicate_policy, f"valid: {', '.join(POLICIES)}")
     if args.replicate_rebalance_interval < 1:
         fail("--replicate-rebalance-interval", args.replicate_rebalance_interval, "must be at least 1 iteration")
-    if args.replicate_policy != "flexmoe" and args.replicate_rebalance_interval != DEFAULT_REBALANCE_INTERVAL:
+    if args.replicate_policy != "periodic" and args.replicate_rebalance_interval != DEFAULT_REBALANCE_INTERVAL:
         fail("--replicate-rebalance-interval", args.replicate_rebalance_interval,
-             f"only applies with --replicate-policy flexmoe (policy is {args.replicate_policy})")
+             f"only applies with --replicate-policy periodic (policy is {args.replicate_policy})")
     for flag, value in (("--save", args.save), ("--load", args.load)):
         if value is not None and args.use_distributed_optimizer:
             fail(flag, value, "replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer "
@@ -87,9 +88,9 @@ class ReplicateConfig:
     load_window: int
     """Iterations of popularity averaged for the next placement (1 = the last iteration only)."""
     policy: str
-    """adaptive, static or flexmoe (see `POLICIES`)."""
+    """adaptive, static or periodic (see `POLICIES`)."""
     rebalance_interval: int
-    """flexmoe only: iterations between re-placements (10, 50, 100 in the FlexMoE comparison)."""
+    """periodic only: iterations between re-placements (10, 50, 100 in the FlexMoE comparison)."""
 
     def __post_init__(self) -> None:
         values = (

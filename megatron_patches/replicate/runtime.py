@@ -43,7 +43,7 @@ from megatron_patches.compat.moe import with_moe_layer
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
-from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement, spread_tokens
+from megatron_patches.placement.replicate import popularity_slots, slot_placement, spread_tokens
 from megatron_patches.placement.types import ShardLayout, Topology
 from megatron_patches.replicate import checkpoint
 from megatron_patches.replicate.config import ReplicateConfig
@@ -53,10 +53,10 @@ from megatron_patches.replicate.slices import AdamConfig
 
 __all__ = ["ReplicateRuntime"]
 
-TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights", "flexmoe_state")
+TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights", "moved_state")
 """rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
 gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots;
-flexmoe_state: the optimizer state the FlexMoE-style baseline moves with its re-placed experts."""
+moved_state: the optimizer state the FlexMoE-style baseline moves with its re-placed experts."""
 
 # Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
 # (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32).
@@ -75,10 +75,10 @@ class IterationStats:
     """Instances per layer and expert class of the placement the iteration ran with."""
     remote_copies: int = 0
     """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
-    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "flexmoe_state": 0.0})
+    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
     """This rank's time in the placement planner (scheduler), in spreading and routing tokens
     (metadata), in the slices' Adam step and weight push (optimizer), and moving the FlexMoE
-    baseline's optimizer state (flexmoe_state)."""
+    baseline's optimizer state (moved_state)."""
 
 
 class ReplicateRuntime(ModeRuntime):
@@ -173,8 +173,7 @@ class ReplicateRuntime(ModeRuntime):
 
     def initial_slots(self) -> np.ndarray:
         """Every class gets G*s/E instances (the remainder to the lowest ids): static replication."""
-        counts_E = replica_counts(np.ones(self.num_experts), self.num_devices, self.slots_per_rank)
-        return assign_slots(counts_E, self.num_devices, self.slots_per_rank)
+        return popularity_slots(np.ones(self.num_experts), self.num_devices, self.slots_per_rank)
 
     def attach(self, transformer_layers, config, optimizer) -> None:
         """Builds every layer's slots and slices; wraps finalize_model_grads and the grad norm.
@@ -299,12 +298,12 @@ class ReplicateRuntime(ModeRuntime):
             if update_ok:
                 grad_En = self.grads[layer.layer_number]
                 experts.step(grad_En.mul_(factor) if factor < 1.0 else grad_En, lr)
-            if self.config.policy == "flexmoe":
+            if self.config.policy == "periodic":
                 moved = time.perf_counter()
-                self._move_state_like_flexmoe(experts, next_slots[layer.layer_number])
-                seconds["flexmoe_state"] += time.perf_counter() - moved
+                self._move_state_with_experts(experts, next_slots[layer.layer_number])
+                seconds["moved_state"] += time.perf_counter() - moved
             experts.push(next_slots[layer.layer_number])
-        seconds["optimizer"] += time.perf_counter() - started - seconds["flexmoe_state"]
+        seconds["optimizer"] += time.perf_counter() - started - seconds["moved_state"]
         self.grads = {}
         return self._metrics()
 
@@ -315,15 +314,14 @@ class ReplicateRuntime(ModeRuntime):
         predicted_LE = self.tracker.predict()
         for layer in self.layers:
             current = self.experts[layer.layer_number].slots.slot_expert_RS
-            if policy == "static" or (policy == "flexmoe" and iteration % self.config.rebalance_interval != 0):
+            if policy == "static" or (policy == "periodic" and iteration % self.config.rebalance_interval != 0):
                 out[layer.layer_number] = current
                 continue
             row = self.moe_layer_numbers.index(layer.layer_number)
-            counts_E = replica_counts(predicted_LE[row], self.num_devices, self.slots_per_rank)
-            out[layer.layer_number] = assign_slots(counts_E, self.num_devices, self.slots_per_rank)
+            out[layer.layer_number] = popularity_slots(predicted_LE[row], self.num_devices, self.slots_per_rank)
         return out
 
-    def _move_state_like_flexmoe(self, experts: ReplicatedExperts, next_slots_RS: np.ndarray) -> None:
+    def _move_state_with_experts(self, experts: ReplicatedExperts, next_slots_RS: np.ndarray) -> None:
         """The FlexMoE-style baseline's extra cost: optimizer state travels with a re-placed expert.
 
         FlexMoE keeps an expert's fp32 master weights and Adam moments with its replicas, so a
@@ -360,7 +358,7 @@ class ReplicateRuntime(ModeRuntime):
                 received.append(3 * from_peer.size * n_peer * 4 if from_peer.size and n_peer else 0)
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-        self.traffic.record("flexmoe_state", self.rank, self.topology, peers, sent, received)
+        self.traffic.record("moved_state", self.rank, self.topology, peers, sent, received)
 
     # ---- checkpoints -------------------------------------------------------------------------
     #

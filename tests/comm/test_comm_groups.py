@@ -7,8 +7,6 @@ two parents works, and that nothing creates a group after construction; the ring
 are compared with the simulator's model in the test process.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,13 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_mp.py
 
-from _mp import run_forked, run_ranks, single_rank_group  # noqa: E402
+from support.mp import run_forked, run_ranks, single_rank_group
 
-from megatron_patches.comm import TrafficCounter  # noqa: E402
-from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel  # noqa: E402
-from megatron_patches.placement import (  # noqa: E402
+from megatron_patches.comm import TrafficCounter
+from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
+from megatron_patches.placement import (
     InstancePlacement,
     Topology,
     assign_slots,
@@ -133,7 +130,7 @@ def drive() -> list[dict]:
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 def test_contiguous_groups_on_four_gloo_ranks():
     per_rank = run_ranks(1, __file__, "drive", timeout=300, gloo=False)[0]
     assert [r["made"] for r in per_rank] == [len(contiguous_rank_groups(WORLD))] * WORLD

@@ -8,21 +8,18 @@ documented summation order) and returns its byte counters, which the test compar
 placement.accounting's formulas.
 """
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_mp.py
 
-from _mp import run_forked, run_ranks, single_rank_group  # noqa: E402
+from support.mp import run_forked, run_ranks, single_rank_group
 
-from megatron_patches.comm import SparseAllGather, SparseReduceScatter, TrafficCounter  # noqa: E402
-from megatron_patches.placement import (  # noqa: E402
+from megatron_patches.comm import SparseAllGather, SparseReduceScatter, TrafficCounter
+from megatron_patches.placement import (
     ElementShardLayout,
     InstancePlacement,
     PlacementError,
@@ -209,7 +206,7 @@ def as_lists(comm) -> list[list[int]]:
     return [arr.tolist() for arr in (comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D)]
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_sparse_collectives_on_gloo_ranks(world_size):
     per_rank = run_ranks(1, __file__, "drive", timeout=300, args=(world_size,), gloo=False)[0]

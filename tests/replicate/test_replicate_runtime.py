@@ -14,8 +14,6 @@ the DESIGN 4.6 formulas, per rank and link class, and with the simulator's
 In-process: the Adam slices alone, the slot buffer, argument errors and a world of one.
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_mp.py
 
-from _mp import run_forked, run_ranks, single_rank_group  # noqa: E402
+from support.mp import run_forked, run_ranks, single_rank_group
 
-from megatron_patches.comm import TrafficCounter  # noqa: E402
-from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel  # noqa: E402
-from megatron_patches.placement import (  # noqa: E402
+from megatron_patches.comm import TrafficCounter
+from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
+from megatron_patches.placement import (
     ByteModel,
     CommBytes,
     DispatchPlan,
@@ -47,7 +44,7 @@ from megatron_patches.placement import (  # noqa: E402
     replica_counts,
     slot_placement,
 )
-from megatron_patches.replicate import (  # noqa: E402
+from megatron_patches.replicate import (
     STATE_NAMES,
     AdamConfig,
     ExpertSlices,
@@ -245,7 +242,7 @@ def as_links(comm: CommBytes) -> list[list[int]]:
 # ---------------------------------------------------------------------------- tests
 
 
-@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_replicate_runtime_against_dense_reference(world_size):
     per_rank = run_ranks(1, __file__, "drive", timeout=300, args=(world_size,), gloo=False)[0]

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_mp.py
 
-from _mp import run_ranks, single_rank_group  # noqa: E402
+from support.mp import run_ranks, single_rank_group
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parents[2]
 M, N, R = 2, 2, 4

@@ -5,7 +5,7 @@ order, and both failing loudly (exit status and the tail of every rank's output)
 fails or the ranks run past the timeout:
 
 - `run_ranks(world_size, module, fn_name, timeout)`: one fresh Python process per rank
-  (`python tests/_mp.py ...`). Each pays the torch/Megatron imports (3-7 s), so group many
+  (`python tests/support/mp.py ...`). Each pays the torch/Megatron imports (3-7 s), so group many
   checks into one function.
 - `run_forked(world_size, fn, timeout)`: forks the *current* process once per rank. The children
   inherit its imports (a fork costs milliseconds) and its module state, so a process that has
@@ -218,6 +218,8 @@ def _forked_child(rank, world_size, fn, args, tmp_path: Path, log: Path) -> None
 
 
 def _main(module: str, fn_name: str, args_json: str, out_dir: str, gloo: str) -> None:
+    # The test module imports `support.*` as pytest's `pythonpath = ["tests"]` lets it.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if gloo == "1":
         _init_gloo(Path(out_dir) / "store", rank, world_size)
