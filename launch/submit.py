@@ -80,7 +80,7 @@ TEMPLATES = REPO / "launch" / "templates"
 RUNS_DIR = REPO / "configs" / "runs"
 
 KNOWN_MODES = ("ep", "fssdp", "replicate", "zebra")
-"""Every mode of the design (DESIGN.md section 1). Which of them exist today is
+"""Every mode of the design (docs/design.md section 1). Which of them exist today is
 arguments.MOE_PARALLEL_MODES; a run of a planned mode that does not exist yet is refused with
 a clear message, a name outside this list as unknown."""
 

@@ -32,7 +32,7 @@ from megatron_patches.config.models import MODELS_DIR
 from megatron_patches.config.clusters import CLUSTERS_DIR
 from megatron_patches.placement.types import Topology
 
-# Published sizes (DESIGN.md section 7) and which count of ours reproduces each: the FSSDP and
+# Published sizes (docs/design.md section 7) and which count of ours reproduces each: the FSSDP and
 # zebra papers count the transformer layers without the embedding tables; the replication paper
 # gives the dense base model (its MLPs not yet turned into experts).
 PUBLISHED = {
@@ -391,7 +391,7 @@ def test_model_files_and_names(tmp_path):
 # Cluster configs
 # ---------------------------------------------------------------------------------------------
 
-# name: [(gpu type, devices)] in device order, as published (DESIGN.md section 7).
+# name: [(gpu type, devices)] in device order, as published (docs/design.md section 7).
 CLUSTERS = {
     "cluster_a": [("V100-SXM2-32GB", 32)],
     "cluster_b": [("A100-SXM4-40GB", 32)],

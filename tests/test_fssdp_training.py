@@ -29,11 +29,6 @@ LAYERS, EXPERTS = 2, 8
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("fssdp")
-
-
-@pytest.fixture(scope="module")
 def ep_run(workdir):
     return launch(4, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep")
 

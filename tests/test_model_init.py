@@ -1,6 +1,6 @@
 """Expert weights depend only on (seed, layer, global expert id): never on EP, ETP or rank.
 
-Every parallel mode and checkpoint relies on this (DESIGN.md section 2), so it is checked on
+Every parallel mode and checkpoint relies on this (docs/design.md section 2), so it is checked on
 real Megatron models built at world sizes 1 and 2 under EP=1, EP=2 and ETP=2.
 """
 

@@ -34,11 +34,6 @@ TOKENS_PER_ITERATION = 16 * 128
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("replicate")
-
-
-@pytest.fixture(scope="module")
 def ep_run(workdir):
     return launch(G, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep")
 

@@ -1,7 +1,7 @@
 """Pure, deterministic planning for load-adaptive MoE expert placement (numpy only).
 
 Types (topology, shard layouts, instance placements, dispatch plans) and the planning
-algorithms of DESIGN.md section 4. No torch, no Megatron: the same inputs give the same
+algorithms of docs/design.md section 4. No torch, no Megatron: the same inputs give the same
 plan on every rank, so ranks never need to broadcast a plan.
 
 Modules: `types` (the vocabulary), `loads` (prediction), `fssdp` (materialization,

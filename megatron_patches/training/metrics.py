@@ -1,4 +1,4 @@
-"""Per-iteration MoE metrics (DESIGN.md section 5) and their sinks: stdout, JSON lines,
+"""Per-iteration MoE metrics (docs/design.md section 5) and their sinks: stdout, JSON lines,
 TensorBoard and the `.npz` expert-load trace.
 
 Definitions (the same in logs, tests, placement tools and the simulator):

@@ -3,7 +3,7 @@
 The layer spec decides which MoE layer is used; a parallel mode injects its own MoELayer
 subclass (and its TransformerConfig changes) through its ModeRuntime (megatron_patches/mode). Expert weights are re-initialised from
 (seed, layer, global expert id) only, so every mode, world size and placement starts from
-the same model and checkpoints are interchangeable (DESIGN.md section 2).
+the same model and checkpoints are interchangeable (docs/design.md section 2).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from megatron_patches.zebra.pools import PoolError, zebra_layout
 
 REPO = Path(__file__).resolve().parents[2]
 
-# DESIGN.md section 7: the zebra paper's pools, attention GPUs first.
+# docs/design.md section 7: the zebra paper's pools, attention GPUs first.
 PUBLISHED_POOLS = {
     "zebra_o1": (("A40-48GB", 6), ("V100-SXM2-16GB", 6)),
     "zebra_o2": (("A40-48GB", 4), ("V100-SXM2-16GB", 8)),

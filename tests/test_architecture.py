@@ -1,0 +1,61 @@
+"""The package layering of docs/architecture.md section 2, checked on every import of the code.
+
+Each package may import only the packages of the levels above it (and `mode/` for the mode
+packages); a new import that points down the stack fails here with the file and the import.
+Also checks that the architecture document names every package and every registered mode.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from megatron_patches.training.modes import MODES
+
+ROOT = Path(__file__).resolve().parents[1] / "megatron_patches"
+
+ALLOWED = {
+    "placement": set(),
+    "config": {"placement"},
+    "comm": {"placement"},
+    "compat": {"placement"},
+    "data": {"placement", "config"},
+    "mode": {"placement", "config", "comm", "compat"},
+    "fssdp": {"placement", "config", "comm", "compat", "mode"},
+    "replicate": {"placement", "config", "comm", "compat", "mode"},
+    "zebra": {"placement", "config", "comm", "compat", "mode"},
+    "sim": {"placement", "config"},
+    "training": {"placement", "config", "comm", "compat", "data", "mode", "fssdp", "replicate", "zebra"},
+}
+"""Package -> the packages it may import (docs/architecture.md, section 2)."""
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        found += [(node.lineno, name) for name in names if name.startswith("megatron_patches.")]
+    return found
+
+
+def test_every_import_points_up_the_layers():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(ALLOWED), "a package was added or removed: give it a level in ALLOWED and the document"
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        own = path.relative_to(ROOT).parts[0]
+        for line, name in _imports(path):
+            target = name.split(".")[1]
+            if target != own and target not in ALLOWED[own]:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name} ({own} may import {sorted(ALLOWED[own])})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_architecture_document_names_every_package_and_mode():
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    for package in ALLOWED:
+        assert f"`{package}/`" in text, package
+    for mode in MODES:
+        assert f"`{mode}`" in text, mode
