@@ -63,13 +63,12 @@ from megatron_patches.config import (  # noqa: E402
     available_clusters,
     count_parameters,
     load_cluster_config,
-    model_config_from_dict,
 )
 from megatron_patches.config.clusters import CLUSTERS_DIR  # noqa: E402
 from megatron_patches.config.models import (  # noqa: E402
     MODELS_DIR,
-    ModelConfig,
     available_models,
+    model_config_from_args,
     read_yaml_mapping,
     resolve_config_path,
 )
@@ -574,14 +573,6 @@ def zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
     return groups
 
 
-def _model_config(args: argparse.Namespace) -> ModelConfig:
-    """The model the validated flags describe, for the parameter count."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)}
-    if not args.group_query_attention:
-        values["num_query_groups"] = None
-    return model_config_from_dict(values, source="training flags")
-
-
 def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
     """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + 4 + 12
     (the DDP gradient buffer is fp32: compat.mcore.wrap_ddp sets grad_reduce_in_fp32; fp32
@@ -600,7 +591,7 @@ def check_model_memory(args: argparse.Namespace, mode: str, components: list[Com
     parameters on every attention rank, the experts over the N expert ranks of a ZP group."""
     if args.vocab_size is None:
         return ["model state not estimated: --vocab-size is unknown"]
-    counts = count_parameters(_model_config(args), args.tensor_model_parallel_size)
+    counts = count_parameters(model_config_from_args(args), args.tensor_model_parallel_size)
     experts = counts["experts"]
     dense = counts["total"] - experts
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -18,7 +18,7 @@ ALLOWED = {
     "placement": set(),
     "config": {"placement"},
     "comm": {"placement"},
-    "compat": {"placement"},
+    "compat": {"placement", "config"},
     "data": {"placement", "config"},
     "mode": {"placement", "config", "comm", "compat"},
     "fssdp": {"placement", "config", "comm", "compat", "mode"},

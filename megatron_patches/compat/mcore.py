@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_patches.compat import fixes
+from megatron_patches.config.run import ParallelConfig, RunSettings
 
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -91,41 +92,46 @@ def seed_model_parallel_rng(seed: int) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def transformer_config(args, on_gpu: bool) -> TransformerConfig:
-    """TransformerConfig from Megatron-LM-named arguments (field names are version-specific)."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu: bool) -> TransformerConfig:
+    """Megatron's TransformerConfig (its field names are version-specific).
+
+    `model` is the model's shape under Megatron-LM's flag names: a config.models.ModelConfig, or
+    the validated training namespace (the same names); `parallel` and `run` the rest
+    (config/run.py)."""
+    dtype = torch.bfloat16 if run.bf16 else torch.float16 if run.fp16 else torch.float32
+    freq = model.moe_layer_freq
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        kv_channels=args.kv_channels,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        moe_layer_freq=args.moe_layer_freq,
-        add_bias_linear=args.add_bias_linear,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        num_moe_experts=args.num_experts,
-        moe_router_topk=args.moe_router_topk,
-        moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        hidden_dropout=run.hidden_dropout,
+        attention_dropout=run.attention_dropout,
+        init_method_std=run.init_method_std,
+        kv_channels=model.kv_channels,
+        num_query_groups=model.num_query_groups if model.group_query_attention else None,
+        normalization=model.normalization,
+        gated_linear_unit=model.swiglu,
+        activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
+        moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
+        add_bias_linear=model.add_bias_linear,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_pre_softmax=run.moe_router_pre_softmax,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=run.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=run.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=run.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=run.moe_pad_expert_input_to_capacity,
+        moe_grouped_gemm=run.moe_grouped_gemm,
+        bf16=run.bf16,
+        fp16=run.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # CPU: initialise on the host; the fused kernels below need Apex/TE/CUDA.

@@ -250,6 +250,15 @@ def model_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> Mo
         raise ConfigError(f"{source}: {exc}") from None
 
 
+def model_config_from_args(args) -> ModelConfig:
+    """The ModelConfig a validated training namespace describes (its fields are flag dest names;
+    `--num-query-groups` counts only with `--group-query-attention`, as Megatron-LM reads it)."""
+    values = {name: getattr(args, name) for name in _FIELDS}
+    if not args.group_query_attention:
+        values["num_query_groups"] = None
+    return model_config_from_dict(values, source="training flags")
+
+
 def available_models() -> list[str]:
     """Names (file stems) of the model configs under configs/models, sorted."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))

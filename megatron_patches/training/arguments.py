@@ -25,6 +25,7 @@ from pathlib import Path
 
 import megatron_patches
 from megatron_patches.config.flags import ArgumentError, moe_layer_freq
+from megatron_patches.config.run import RUN_DEFAULTS
 from megatron_patches.training.modes import MODES, MOE_PARALLEL_MODES
 from megatron_patches.training.yaml_config import load_yaml
 
@@ -184,7 +185,7 @@ def _add_model_args(parser):
                        "This is added for computational efficiency reasons.")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Disable bias in the linear layers.")
-    group.add_argument("--init-method-std", type=float, default=0.02,
+    group.add_argument("--init-method-std", type=float, default=RUN_DEFAULTS.init_method_std,
                        help="Standard deviation of the zero mean normal distribution used for "
                        "weight initialization.")
     group.add_argument("--seed", type=int, default=1234,
@@ -210,18 +211,18 @@ def _add_moe_args(parser):
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")
-    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=RUN_DEFAULTS.moe_aux_loss_coeff,
                        help="Scaling coefficient for the aux loss: a starting value of 1e-2 is "
                        "recommended. One value (Megatron-LM also takes one per balancing type).")
     group.add_argument(
-        "--moe-router-load-balancing-type", type=str, default="aux_loss",
+        "--moe-router-load-balancing-type", type=str, default=RUN_DEFAULTS.moe_router_load_balancing_type,
         help="Determines the load balancing strategy for the router: "
         f"{', '.join(LOAD_BALANCING_TYPES)}. aux_loss is GShard/Switch's loss, seq_aux_loss "
         "DeepSeekV2's per-sample loss, sinkhorn S-BASE's balancing, none no balancing. One value "
         "(Megatron-LM also takes a list).",
     )
     group.add_argument(
-        "--moe-token-dispatcher-type", type=str, default="alltoall",
+        "--moe-token-dispatcher-type", type=str, default=RUN_DEFAULTS.moe_token_dispatcher_type,
         help=f"The type of token dispatcher to use: {', '.join(TOKEN_DISPATCHER_TYPES)}. "
         "Default alltoall (Megatron-LM: allgather, whose help recommends alltoall with expert "
         "parallelism): the all-to-all dispatcher is the EP baseline that this product's placement "
@@ -344,9 +345,9 @@ def _add_regularization_args(parser):
                        "its square.")
     group.add_argument("--adam-eps", type=float, default=1e-08,
                        help="Term added to the denominator to improve numerical stability.")
-    group.add_argument("--hidden-dropout", type=float, default=0.1,
+    group.add_argument("--hidden-dropout", type=float, default=RUN_DEFAULTS.hidden_dropout,
                        help="Dropout probability for hidden state transformer.")
-    group.add_argument("--attention-dropout", type=float, default=0.1,
+    group.add_argument("--attention-dropout", type=float, default=RUN_DEFAULTS.attention_dropout,
                        help="Post attention dropout probability.")
 
 

@@ -33,7 +33,7 @@ from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, metrics, modes
 from megatron_patches.training.flag_docs import describe_args
-from megatron_patches.training.model import build_model
+from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
 
 
@@ -155,7 +155,7 @@ def build(args) -> Run:
     seed_everything(args)
     tokenizer, vocab, train_ds, valid_ds = build_data(args)
 
-    pattern = mcore.moe_layer_pattern(mcore.transformer_config(args, args.use_cuda))
+    pattern = mcore.moe_layer_pattern(transformer_config(args, args.use_cuda))
     layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
     model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)

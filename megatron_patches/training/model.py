@@ -15,7 +15,13 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_patches.compat import mcore
+from megatron_patches.config.run import ParallelConfig, RunSettings
 from megatron_patches.mode.runtime import ModeRuntime
+
+
+def transformer_config(args, on_gpu: bool):
+    """Megatron's TransformerConfig of the validated flags (before the mode's changes)."""
+    return mcore.transformer_config(args, ParallelConfig.from_args(args), RunSettings.from_args(args), on_gpu)
 
 
 def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = None):
@@ -25,7 +31,7 @@ def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = 
     `mode` (default: ep, Megatron's own MoE layer) adapts the config and injects its MoE layer.
     """
     mode = mode or ModeRuntime()
-    config = mode.transformer_config(mcore.transformer_config(args, on_gpu))
+    config = mode.transformer_config(transformer_config(args, on_gpu))
     use_te = args.transformer_impl == "transformer_engine"
     dense_spec, moe_spec = mcore.layer_specs(args.model_family, config, use_te)
     moe_spec = mode.moe_spec(moe_spec)

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
+from megatron_patches.config.run import router_pre_softmax
 from megatron_patches.training.arguments import (
     DEFAULT_SPLIT,
     DISTRIBUTED_BACKENDS,
@@ -254,8 +255,7 @@ def _resolve_moe(args):
     if args.moe_router_topk > experts:
         fail("--moe-router-topk", args.moe_router_topk,
              f"exceeds --num-experts={experts}; valid: 1..{experts}")
-    if args.moe_router_topk == 1:
-        args.moe_router_pre_softmax = True
+    args.moe_router_pre_softmax = router_pre_softmax(args.moe_router_pre_softmax, args.moe_router_topk)
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     if args.moe_ffn_hidden_size % etp != 0:

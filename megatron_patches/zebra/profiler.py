@@ -65,13 +65,13 @@ import os
 import statistics
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from megatron_patches.config.models import ModelConfig, count_parameters, padded_vocab_size
+from megatron_patches.config.run import ParallelConfig, RunSettings, router_pre_softmax
 from megatron_patches.placement.zebra import PROFILE_FORMAT, DeviceProfile, ZebraShape, save_device_profile
 
 __all__ = [
@@ -98,25 +98,6 @@ ROLES = ("attention", "expert", "both")
 """--role: which role's figures to measure. "expert" skips the attention block (an expert GPU
 need not be able to run it); "attention" still times the experts, since T_E^attn is measured on
 the attention GPU."""
-
-# Megatron-LM's defaults for the run flags a TransformerConfig needs beyond the model config (the
-# training script's parser defaults; see training/arguments.py).
-_RUN_DEFAULTS = dict(
-    hidden_dropout=0.1,
-    attention_dropout=0.1,
-    init_method_std=0.02,
-    moe_aux_loss_coeff=0.0,
-    moe_router_load_balancing_type="aux_loss",
-    moe_token_dispatcher_type="alltoall",
-    moe_pad_expert_input_to_capacity=False,
-    moe_grouped_gemm=False,
-    tensor_model_parallel_size=1,
-    pipeline_model_parallel_size=1,
-    expert_model_parallel_size=1,
-    expert_tensor_parallel_size=1,
-    sequence_parallel=False,
-    moe_parallel_mode="ep",
-)
 
 
 class ProfileError(ValueError):
@@ -316,21 +297,16 @@ def megatron_session(device: str, seed: int) -> Iterator[None]:
 
 
 def transformer_config(request: ProfileRequest):
-    """The TransformerConfig the training script builds for this model (compat.mcore.transformer_config)."""
+    """The TransformerConfig the training script builds for this model on one rank (TP = PP = EP =
+    1), with the training flags' defaults for everything the model config does not set."""
     from megatron_patches.compat import mcore
 
-    model = request.model.to_dict()
-    args = types.SimpleNamespace(
-        **_RUN_DEFAULTS,
-        **model,
+    run = RunSettings(
+        moe_router_pre_softmax=router_pre_softmax(False, request.model.moe_router_topk),
         bf16=request.dtype == "bf16",
         fp16=request.dtype == "fp16",
     )
-    # as training.arguments resolves it: Megatron-Core refuses top-1 routing without pre-softmax
-    args.moe_router_pre_softmax = bool(getattr(args, "moe_router_pre_softmax", False)) or args.moe_router_topk == 1
-    if not args.group_query_attention:
-        args.num_query_groups = None
-    return mcore.transformer_config(args, on_gpu=request.device == "cuda")
+    return mcore.transformer_config(request.model, ParallelConfig(), run, on_gpu=request.device == "cuda")
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""What a run sets beyond the model's shape: the parallel layout and the run settings that
+Megatron's TransformerConfig needs (dropout, initialisation, router and dispatcher, precision).
+
+One source for these values: the training script's parser takes its defaults from
+`RunSettings` (training/arguments.py), validated flags become both dataclasses (`from_args`),
+and the profiler builds them directly (`ParallelConfig()` is the single-rank layout it
+measures on), so `compat.mcore.transformer_config(model, parallel, run, on_gpu)` sees the same
+values whichever way a model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+def router_pre_softmax(requested: bool, topk: int) -> bool:
+    """Megatron-Core refuses top-1 routing without pre-softmax routing (a softmax over one selected
+    expert is always 1, so the router would get no gradient): top-1 switches it on."""
+    return requested or topk == 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron's parallel sizes (DP is what remains of the world)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP (`--tensor-model-parallel-size`)."""
+    pipeline_model_parallel_size: int = 1
+    """PP (`--pipeline-model-parallel-size`)."""
+    expert_model_parallel_size: int = 1
+    """EP (`--expert-model-parallel-size`, resolved by validation)."""
+    expert_tensor_parallel_size: int = 1
+    """ETP (`--expert-tensor-parallel-size`, resolved to TP by default)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (`--sequence-parallel`; off with TP 1)."""
+
+    @classmethod
+    def from_args(cls, args) -> "ParallelConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Run-level values of Megatron's TransformerConfig; the defaults are the training flags'."""
+
+    hidden_dropout: float = 0.1
+    """`--hidden-dropout`."""
+    attention_dropout: float = 0.1
+    """`--attention-dropout`."""
+    init_method_std: float = 0.02
+    """`--init-method-std`."""
+    moe_router_pre_softmax: bool = False
+    """`--moe-router-pre-softmax` (see `router_pre_softmax`)."""
+    moe_aux_loss_coeff: float = 0.0
+    """`--moe-aux-loss-coeff`."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """`--moe-router-load-balancing-type`."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """`--moe-token-dispatcher-type` (Megatron-LM's default is allgather; see the flag's help)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """`--moe-pad-expert-input-to-capacity`."""
+    moe_grouped_gemm: bool = False
+    """`--moe-grouped-gemm`."""
+    bf16: bool = False
+    """`--bf16`."""
+    fp16: bool = False
+    """`--fp16`."""
+
+    @classmethod
+    def from_args(cls, args) -> "RunSettings":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+RUN_DEFAULTS = RunSettings()
+"""The defaults the training script's parser uses for these flags."""
