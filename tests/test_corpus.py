@@ -20,21 +20,18 @@ import pytest
 import regex
 import torch
 
-from megatron_patches.data import corpus
+from megatron_patches.data import corpus, rdata, tokenizers
 from megatron_patches.data.corpus import (
     CorpusError,
-    RVector,
     austen_chapters,
-    build_tokenizer,
     default_cache_dir,
     ensure_default_corpus,
     prepare_corpus,
-    recover_bpe_merges,
     split_document_counts,
     split_sentences,
-    train_wordpiece_vocab,
-    unserialize_r,
 )
+from megatron_patches.data.rdata import RVector, unserialize_r
+from megatron_patches.data.tokenizers import build_tokenizer, recover_bpe_merges, train_wordpiece_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 BERT_SLICE = 12  # chapters in the BERT test slice
@@ -129,7 +126,7 @@ def test_unserialize_rejects_other_formats_and_types():
 
 
 def test_reads_the_real_janeaustenr_database(sources):
-    objects = corpus.read_r_lazyload_db(sources / "janeaustenr" / "data" / "Rdata")
+    objects = rdata.read_r_lazyload_db(sources / "janeaustenr" / "data" / "Rdata")
     assert sorted(objects) == sorted(name for name, _ in corpus.AUSTEN_NOVELS)
     first_lines = {name: lines[0] for name, lines in objects.items()}
     assert first_lines == {
@@ -212,7 +209,7 @@ def test_gpt2_vocab_and_merges_facts(gpt_full):
     for line_no, line in enumerate(lines[1:]):
         first, second = line.split(" ")
         assert first in ids and second in ids and ids[first + second] == 256 + line_no
-    mapping = corpus.gpt2_bytes_to_unicode()
+    mapping = tokenizers.gpt2_bytes_to_unicode()
     assert len(set(mapping.values())) == 256 and all(ch.isprintable() for ch in mapping.values())
 
 
@@ -241,7 +238,7 @@ def test_megatron_gpt2_tokenizer_equals_tiktoken_ranks(gpt_tokenizer, chapters, 
     assert type(gpt_tokenizer).__name__ == "GPTTokenizer"  # megatron.core.tokenizers' class
     assert gpt_tokenizer.vocab_size == 50257 and gpt_tokenizer.eod == 50256
     assert gpt_tokenizer.tokenize("Hello world") == [15496, 995]
-    ranks = corpus.load_tiktoken_ranks(sources / "gpt2.tiktoken")
+    ranks = tokenizers.load_tiktoken_ranks(sources / "gpt2.tiktoken")
     for chapter in chapters[::27]:  # ten chapters across all six novels
         ids = gpt_tokenizer.tokenize(chapter.text)
         assert ids == _rank_bpe_encode(chapter.text, ranks)
@@ -303,7 +300,7 @@ def test_wordpiece_trainer_worked_example():
     """Words aaab, aab, ab. Pairs: (a,##a) 2, (##a,##a) 1, (##a,##b) 2, (a,##b) 1; the tie at 2
     goes to the smaller pair ("##a" < "a"), so ##ab is merged first; with min_frequency=1 the
     remaining count-1 pairs follow in lexicographic order."""
-    base = [*corpus.BERT_SPECIAL_TOKENS, "##a", "##b", "a"]
+    base = [*tokenizers.BERT_SPECIAL_TOKENS, "##a", "##b", "a"]
     assert train_wordpiece_vocab(["aaab aab ab"], vocab_size=100, min_frequency=2) == [*base, "##ab"]
     assert train_wordpiece_vocab(["aaab aab ab"], vocab_size=100, min_frequency=1) == [
         *base, "##ab", "##aab", "aaab", "aab", "ab"]
@@ -314,12 +311,12 @@ def test_wordpiece_trainer_worked_example():
 
 def test_bert_vocab_and_megatron_tokenizer(bert_slice, bert_tokenizer, chapters):
     pieces = bert_slice.vocab_file.read_text(encoding="utf-8").splitlines()
-    assert len(pieces) == len(set(pieces)) == corpus.BERT_VOCAB_SIZE
-    assert pieces[:5] == list(corpus.BERT_SPECIAL_TOKENS)
+    assert len(pieces) == len(set(pieces)) == tokenizers.BERT_VOCAB_SIZE
+    assert pieces[:5] == list(tokenizers.BERT_SPECIAL_TOKENS)
     assert bert_slice.merge_file is None and bert_slice.tokenizer_type == "BertWordPieceLowerCase"
     assert type(bert_tokenizer).__name__ == "BertTokenizer"  # megatron.core.tokenizers' class
     assert (bert_tokenizer.pad, bert_tokenizer.cls, bert_tokenizer.sep, bert_tokenizer.mask) == (0, 2, 3, 4)
-    assert bert_tokenizer.vocab_size == corpus.BERT_VOCAB_SIZE
+    assert bert_tokenizer.vocab_size == tokenizers.BERT_VOCAB_SIZE
     assert bert_tokenizer.tokenize("ELIZABETH") == bert_tokenizer.tokenize("elizabeth")
     assert bert_tokenizer.detokenize(bert_tokenizer.tokenize("Mr. Darcy")) == "mr. darcy"
     ids = [i for c in chapters[:BERT_SLICE] for s in c.sentences for i in bert_tokenizer.tokenize(s)]

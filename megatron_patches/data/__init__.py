@@ -1,8 +1,12 @@
 """Training data: the embedded real-text corpus, tokenizers and Megatron datasets.
 
 - `corpus`: Jane Austen's novels prepared offline into Megatron indexed datasets (sources,
-  chapters, the GPT-2 BPE and BERT WordPiece tokenizer files, the cache); `tools/prepare_data.py`
-  and the training script's default data.
+  chapters and sentences, the indexed files, the cache); `tools/prepare_data.py` and the
+  training script's default data;
+- `rdata`: the reader of R's serialized data the novels ship in;
+- `tokenizers`: the GPT-2 BPE files rebuilt from tiktoken ranks, the deterministic BERT
+  WordPiece vocabulary, Megatron's tokenizer classes over local files;
+- `common`: the error type, progress log and atomic installs the above share.
 - `datasets`: Megatron's tokenizer for --tokenizer-type, the train/validation datasets of
   --data-path / --mock-data / the embedded corpus, and the per-rank micro-batch iterators.
 

@@ -21,7 +21,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
 
-from megatron_patches.data import corpus
+from megatron_patches.data import corpus, tokenizers
 
 
 def build_tokenizer(args):
@@ -33,7 +33,7 @@ def build_tokenizer(args):
     through the same builder Megatron-LM uses.
     """
     if args.tokenizer_type in ("GPT2BPETokenizer", "BertWordPieceLowerCase") and args.vocab_file:
-        return corpus.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        return tokenizers.build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     namespace = SimpleNamespace(
         tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file,
