@@ -11,8 +11,8 @@ nodes to use and the training flags, so `--run FILE` alone describes the job. Ov
 pretrain_gpt_moe.py (e.g. `--train-iters 50`), which replaces the run config's value.
 
 Everything is checked before sbatch, each error naming the value and what would be valid:
-the run config's keys, the model and cluster names, that the mode exists (a mode of a later
-issue fails with "mode X is not available yet (available: ep)"), that the job asks for no more
+the run config's keys, the model and cluster names, that the mode is registered
+(training/modes.py), that the job asks for no more
 nodes or GPUs per node than the cluster has, the training flags and their TP x PP x DP x EP
 arithmetic (megatron_patches.training.validation.validate_args on the exact command line the
 job will run, at the job's world size), that the model state fits the GPUs' memory, and for
@@ -77,11 +77,6 @@ from megatron_patches.training import arguments, validation  # noqa: E402
 
 TEMPLATES = REPO / "launch" / "templates"
 RUNS_DIR = REPO / "configs" / "runs"
-
-KNOWN_MODES = ("ep", "fssdp", "replicate", "zebra")
-"""Every mode of the design (docs/design.md section 1). Which of them exist today is
-arguments.MOE_PARALLEL_MODES; a run of a planned mode that does not exist yet is refused with
-a clear message, a name outside this list as unknown."""
 
 # Flags the launcher sets itself (output layout) or that the run config holds under its own key.
 RESERVED_FLAGS = {
@@ -163,7 +158,7 @@ class RunConfig:
     cluster: str
     """Cluster config: a name under configs/clusters or a .yaml path (relative: to the repository)."""
     mode: str = "ep"
-    """--moe-parallel-mode: one of KNOWN_MODES; must exist in arguments.MOE_PARALLEL_MODES to submit."""
+    """--moe-parallel-mode: one of the registered modes (training/modes.py)."""
     nodes: tuple[int, ...] | None = None
     """Nodes to use per node group of the cluster (an int for a one-group cluster); None = all."""
     gpus_per_node: tuple[int, ...] | None = None
@@ -266,8 +261,8 @@ def run_config_from_dict(values: Any, source: str = "<dict>") -> RunConfig:
     mode = _text(values.get("mode", "ep"), f"{source}: mode")
     mode_flags = {}
     for flag_mode, flags in _flag_mapping(values.get("mode_flags"), f"{source}: mode_flags").items():
-        if flag_mode not in KNOWN_MODES:
-            raise SubmitError(f"{source}: mode_flags.{flag_mode}: unknown mode; valid: {', '.join(KNOWN_MODES)}")
+        if flag_mode not in arguments.MOE_PARALLEL_MODES:
+            raise SubmitError(f"{source}: mode_flags.{flag_mode}: unknown mode; valid: {', '.join(arguments.MOE_PARALLEL_MODES)}")
         mode_flags[flag_mode] = _flag_mapping(flags, f"{source}: mode_flags.{flag_mode}")
     for key in ("trace", "tensorboard"):
         if not isinstance(values.get(key, False), bool):
@@ -631,11 +626,8 @@ def check_model_memory(args: argparse.Namespace, mode: str, components: list[Com
 def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: str = "") -> Job:
     """Check `run` with `overrides` against its model and cluster; the Job, or SubmitError."""
     mode = overrides.mode or run.mode
-    if mode not in KNOWN_MODES:
-        raise SubmitError(f"mode {mode!r} is unknown; valid: {', '.join(KNOWN_MODES)} "
-                          f"(available now: {', '.join(arguments.MOE_PARALLEL_MODES)})")
     if mode not in arguments.MOE_PARALLEL_MODES:
-        raise SubmitError(f"mode {mode} is not available yet (available: {', '.join(arguments.MOE_PARALLEL_MODES)})")
+        raise SubmitError(f"mode {mode!r} is unknown; valid: {', '.join(arguments.MOE_PARALLEL_MODES)}")
     try:
         model_path = Path(resolve_config_path(overrides.model or _resolve_path(run.model, REPO), MODELS_DIR,
                                               available_models(), "model")).resolve()
@@ -936,7 +928,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run", required=True, help="run config: configs/runs/<name>.yaml or its name")
     parser.add_argument("--model", help="model config name or .yaml path (replaces the run's model)")
     parser.add_argument("--cluster", help="cluster config name or .yaml path (replaces the run's cluster)")
-    parser.add_argument("--mode", help=f"MoE parallel mode (replaces the run's mode); one of {', '.join(KNOWN_MODES)}")
+    parser.add_argument("--mode", help=f"MoE parallel mode (replaces the run's mode); one of {', '.join(arguments.MOE_PARALLEL_MODES)}")
     parser.add_argument("--nodes", type=_counts_option, help="nodes to use, one count per node group (N or N,M)")
     parser.add_argument("--gpus-per-node", type=_counts_option, help="ranks per node, one per node group")
     parser.add_argument("--output-dir", help="output folder (default: the run's output_dir, else runs/<name>)")
