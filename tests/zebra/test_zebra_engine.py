@@ -173,7 +173,7 @@ def reference(tokens: list[int]) -> dict:
     from megatron.core import parallel_state
 
     from megatron_patches.compat import mcore
-    from megatron_patches.training import loop
+    from megatron_patches.training import steps
 
     with single_rank_group():
         args = _megatron_setup()
@@ -186,18 +186,18 @@ def reference(tokens: list[int]) -> dict:
             for it, batch in enumerate(micro_batches(tokens)):
                 ddp.zero_grad_buffer()
                 optimizer.zero_grad()
-                out = mcore.forward_backward(loop.gpt_forward_step, iter(batch), [ddp], M * R, SEQ, MBS, False)
+                out = mcore.forward_backward(steps.gpt_forward_step, iter(batch), [ddp], M * R, SEQ, MBS, False)
                 if it == 0:
                     grads = {name: p.main_grad.clone() for name, p in model.named_parameters()}
                 _, grad_norm, _ = optimizer.step()
                 scheduler.step(increment=1)
-                losses.append(loop._mean_loss_over_world(out))
+                losses.append(steps.mean_loss_over_world(out))
                 norms.append(float(grad_norm))
             weights = {name: p.detach().clone() for name, p in model.named_parameters()}
             with torch.no_grad():
-                out = mcore.forward_backward(loop.gpt_forward_step, iter(micro_batches(tokens)[0]), [ddp], M * R,
+                out = mcore.forward_backward(steps.gpt_forward_step, iter(micro_batches(tokens)[0]), [ddp], M * R,
                                              SEQ, MBS, True)
-            eval_loss = loop._mean_loss_over_world(out)
+            eval_loss = steps.mean_loss_over_world(out)
         finally:
             parallel_state.destroy_model_parallel()
     return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "eval_loss": eval_loss}
