@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch
+from support.training import launch, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -76,8 +76,17 @@ def check_fssdp_records(run, remat: bool):
 
 def test_fssdp_matches_ep_and_balances(ep_run, workdir):
     """The issue's reference run (auto t and m) and a memory-bound one with re-materialization."""
-    auto = launch(4, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp"], workdir, "fssdp")
+    auto = launch(4, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp",
+                      "--tensorboard-dir", str(workdir / "tb_fssdp")], workdir, "fssdp")
     assert_same_losses(auto, ep_run)
+    # the mode's TensorBoard scalars (FSSDPRuntime.tensorboard_scalars) carry the records' figures
+    scalars = tensorboard_scalars(workdir / "tb_fssdp")
+    for record in (r for r in auto.records if "loss" in r):
+        step, fssdp = record["iteration"], record["fssdp"]
+        assert scalars["fssdp/overlap_degree"][step] == fssdp["t"]
+        assert scalars["fssdp/bytes_spag_intra"][step] == pytest.approx(fssdp["bytes"]["spag"]["intra"])
+        for layer in fssdp["layers"]:
+            assert scalars[f"fssdp/imbalance_layer{layer['layer']}"][step] == pytest.approx(layer["imbalance"])
     before, after = check_fssdp_records(auto, remat=False)
     assert after < before and after < 1.1, (before, after)
     assert "fssdp: auto overlap degree t =" in auto.output and "fssdp: auto memory capacity m =" in auto.output

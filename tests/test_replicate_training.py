@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch
+from support.training import launch, tensorboard_scalars
 
 from megatron_patches.placement.replicate import assign_slots, slot_placement
 
@@ -62,8 +62,17 @@ def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
 
 
 def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, workdir):
-    run = launch(G, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "replicate"], workdir, "replicate")
+    run = launch(G, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "replicate",
+                     "--tensorboard-dir", str(workdir / "tb_replicate")], workdir, "replicate")
     records, reference = train_records(run), train_records(ep_run)
+    # the mode's TensorBoard scalars (ReplicateRuntime.tensorboard_scalars) carry the records' figures
+    scalars = tensorboard_scalars(workdir / "tb_replicate")
+    for record in records:
+        step, replicate = record["iteration"], record["replicate"]
+        assert scalars["replicate/survival"][step] == pytest.approx(replicate["survival"])
+        assert scalars["replicate/bytes_rep_weights_intra"][step] == pytest.approx(replicate["bytes"]["rep_weights"]["intra"])
+        for layer in replicate["layers"]:
+            assert scalars[f"replicate/max_replicas_layer{layer['layer']}"][step] == max(layer["replicas"])
     assert len(records) == len(reference) == ITERS
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=1e-5, atol=0)
     np.testing.assert_allclose([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol=1e-5)

@@ -40,7 +40,7 @@ from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
 from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
-from megatron_patches.mode.runtime import ModeRuntime, StepResult
+from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
@@ -546,6 +546,30 @@ class FSSDPRuntime(ModeRuntime):
 
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
+
+    def progress(self, record: dict) -> tuple[str, float]:
+        fssdp = record[self.name]
+        # The common record's imbalance is EP's (the owners'); this one is after FSSDP's copies and dispatch.
+        placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
+        spag = sum(fssdp["bytes"]["spag"].values())
+        _, survival = super().progress(record)
+        return f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)", survival
+
+    def tensorboard_scalars(self, record: dict) -> dict[str, float]:
+        fssdp = record[self.name]
+        scalars = {"fssdp/overlap_degree": fssdp["t"]}
+        for layer in fssdp["layers"]:
+            scalars[f"fssdp/imbalance_layer{layer['layer']}"] = layer["imbalance"]
+            scalars[f"fssdp/replicas_layer{layer['layer']}"] = sum(layer["replicas"])
+        scalars.update(traffic_scalars("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s"))
+        for name in ("shard_bytes", "optimizer_state_bytes"):
+            if name in fssdp.get("memory", {}):
+                scalars[f"fssdp/{name}_max_rank"] = max(fssdp["memory"][name])
+        scalars["fssdp/copies_bytes_peak_max_rank"] = max(fssdp["copies_bytes_peak"])
+        if fssdp.get("reshard"):
+            scalars["fssdp/reshard_moved"] = fssdp["reshard"]["moved"]
+            scalars["fssdp/reshard_seconds"] = fssdp["reshard"]["seconds"]
+        return scalars
 
     def memory_report(self) -> dict:
         """Bytes per rank (gathered over the group): owned expert shards and their optimizer state."""

@@ -10,6 +10,7 @@
         (Megatron's forward/backward and optimizer step)
         record = runtime.end_iteration(step)                       after the step
         runtime.a2a_remote_copies(loads), runtime.memory_report()  metrics
+        runtime.progress(record), runtime.tensorboard_scalars(record)  rank 0's sinks
         runtime.take_log()                                         lines for rank 0's log
     runtime.save_checkpoint(...)                                   --save
 
@@ -102,6 +103,17 @@ class ModeRuntime:
         """Bytes per rank the mode keeps (at log intervals); None: nothing to report. May communicate."""
         return None
 
+    def progress(self, record: dict) -> tuple[str, float]:
+        """The mode's part of rank 0's progress line, from the iteration's metrics record: the text
+        after the owners' (EP's) worst imbalance, and the token survival to print. ep: nothing, and
+        the lowest survival over layers after Megatron's capacity dropping. No communication."""
+        return "", min((layer["survival"] for layer in record["moe_layers"]), default=1.0)
+
+    def tensorboard_scalars(self, record: dict) -> dict[str, float]:
+        """The mode's TensorBoard scalars (tag -> value) from the iteration's metrics record, beside
+        the common ones (training/metrics.py). ep: none. No communication."""
+        return {}
+
     def take_log(self) -> list[str]:
         """Decisions since the last call, for rank 0's log (emptied by the call)."""
         lines, self._log = self._log, []
@@ -118,3 +130,10 @@ class ModeRuntime:
         loaded common entries named by `template` and notes for the log."""
         loaded = mcore.load_checkpoint(directory, model_chunks, optimizer if load_optim else None, template)
         return loaded, []
+
+
+def traffic_scalars(mode: str, traffic: dict, seconds: dict, seconds_name: str) -> dict[str, float]:
+    """TensorBoard scalars of a mode's bytes per kind and link class and its seconds per kind."""
+    scalars = {f"{mode}/bytes_{kind}_{where}": value for kind, link in traffic.items() for where, value in link.items()}
+    scalars.update({f"{mode}/{seconds_name}_{kind}": value for kind, value in seconds.items()})
+    return scalars

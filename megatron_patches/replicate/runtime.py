@@ -40,7 +40,7 @@ from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import with_moe_layer
-from megatron_patches.mode.runtime import ModeRuntime, StepResult
+from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import popularity_slots, slot_placement, spread_tokens
@@ -533,6 +533,23 @@ class ReplicateRuntime(ModeRuntime):
 
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
+
+    def progress(self, record: dict) -> tuple[str, float]:
+        replicate = record[self.name]
+        # Megatron's router drops nothing in replicate mode; the instances' capacity does.
+        placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
+        survival = min(layer["survival"] for layer in replicate["layers"])
+        return f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)", survival
+
+    def tensorboard_scalars(self, record: dict) -> dict[str, float]:
+        replicate = record[self.name]
+        scalars = {"replicate/survival": replicate["survival"]}
+        for layer in replicate["layers"]:
+            scalars[f"replicate/imbalance_layer{layer['layer']}"] = layer["imbalance"]
+            scalars[f"replicate/survival_layer{layer['layer']}"] = layer["survival"]
+            scalars[f"replicate/max_replicas_layer{layer['layer']}"] = max(layer["replicas"])
+        scalars.update(traffic_scalars("replicate", replicate["bytes"], replicate["seconds"], "seconds"))
+        return scalars
 
     def memory_report(self) -> dict:
         """Bytes per rank (gathered over the group): slots (working weights) and the experts'

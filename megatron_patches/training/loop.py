@@ -279,22 +279,22 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         record["memory"] = run.mode.memory_report()
     if writer is None:
         return
-    writer.log(
-        {
-            "iteration": iteration,
-            "start_iteration": history.start_iteration,
-            "loss": loss,
-            "lr": run.scheduler.get_lr(run.optimizer.param_groups[0]),
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "update_successful": bool(update_ok),
-            "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
-            "iteration_time_s": elapsed,
-            "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),
-            # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
-            "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
-            **({run.mode.name: record} if record is not None else {}),
-        }
-    )
+    metrics_record = {
+        "iteration": iteration,
+        "start_iteration": history.start_iteration,
+        "loss": loss,
+        "lr": run.scheduler.get_lr(run.optimizer.param_groups[0]),
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "update_successful": bool(update_ok),
+        "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
+        "iteration_time_s": elapsed,
+        "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),
+        # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
+        "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
+        **({run.mode.name: record} if record is not None else {}),
+    }
+    placed, survival = run.mode.progress(metrics_record)
+    writer.log(metrics_record, placed, survival, run.mode.tensorboard_scalars(metrics_record))
 
 
 def save(args, run: Run, iteration: int) -> None:

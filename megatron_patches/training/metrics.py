@@ -191,7 +191,9 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(self.tensorboard_dir)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, placed: str, survival: float, mode_scalars: dict[str, float]) -> None:
+        """One record: the progress line (with the mode's `placed` text and `survival`), the JSON
+        line, TensorBoard (common scalars and the mode's `mode_scalars`)."""
         iteration = record["iteration"]
         elapsed = time.time() - self._start
         record["elapsed_s"] = round(elapsed, 3)
@@ -199,23 +201,6 @@ class MetricsWriter:
         eta = elapsed / done * (self.train_iters - iteration)
         layers = record["moe_layers"]
         worst = max((layer["imbalance"] for layer in layers), default=1.0)
-        survival = min((layer["survival"] for layer in layers), default=1.0)
-        fssdp = record.get("fssdp")
-        placed = ""
-        if fssdp is not None:
-            # "imbalance" above is EP's (the owners'); this is after FSSDP's copies and dispatch.
-            placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
-            spag = sum(fssdp["bytes"]["spag"].values())
-            placed = f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
-        replicate = record.get("replicate")
-        if replicate is not None:
-            # Megatron's router drops nothing in replicate mode; the instances' capacity does.
-            placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
-            placed = f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)"
-            survival = min(layer["survival"] for layer in replicate["layers"])
-        zebra = record.get("zebra")
-        if zebra is not None:
-            placed = f" (zebra M={zebra['attention_ranks']} N={zebra['expert_ranks']} R={zebra['microbatches']})"
         print(
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
@@ -229,45 +214,13 @@ class MetricsWriter:
             for key in ("loss", "lr", "tokens_per_s", "iteration_time_s"):
                 self._tb.add_scalar(f"train/{key}", record[key], iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
-            self._tb.add_scalar("moe/survival_min_layer", survival, iteration)
+            self._tb.add_scalar("moe/survival_min_layer", min((layer["survival"] for layer in layers), default=1.0), iteration)
             for layer in layers:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             for kind, value in record["bytes"].items():
                 self._tb.add_scalar(f"bytes/{kind}", value, iteration)
-            if fssdp is not None:
-                self._log_fssdp_tb(fssdp, iteration)
-            if replicate is not None:
-                self._log_replicate_tb(replicate, iteration)
-
-    def _log_fssdp_tb(self, fssdp: dict, iteration: int) -> None:
-        self._tb.add_scalar("fssdp/overlap_degree", fssdp["t"], iteration)
-        for layer in fssdp["layers"]:
-            self._tb.add_scalar(f"fssdp/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
-            self._tb.add_scalar(f"fssdp/replicas_layer{layer['layer']}", sum(layer["replicas"]), iteration)
-        self._log_mode_tb("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s", iteration)
-        for name in ("shard_bytes", "optimizer_state_bytes"):
-            if name in fssdp.get("memory", {}):
-                self._tb.add_scalar(f"fssdp/{name}_max_rank", max(fssdp["memory"][name]), iteration)
-        self._tb.add_scalar("fssdp/copies_bytes_peak_max_rank", max(fssdp["copies_bytes_peak"]), iteration)
-        if fssdp.get("reshard"):
-            self._tb.add_scalar("fssdp/reshard_moved", fssdp["reshard"]["moved"], iteration)
-            self._tb.add_scalar("fssdp/reshard_seconds", fssdp["reshard"]["seconds"], iteration)
-
-    def _log_replicate_tb(self, replicate: dict, iteration: int) -> None:
-        self._tb.add_scalar("replicate/survival", replicate["survival"], iteration)
-        for layer in replicate["layers"]:
-            self._tb.add_scalar(f"replicate/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
-            self._tb.add_scalar(f"replicate/survival_layer{layer['layer']}", layer["survival"], iteration)
-            self._tb.add_scalar(f"replicate/max_replicas_layer{layer['layer']}", max(layer["replicas"]), iteration)
-        self._log_mode_tb("replicate", replicate["bytes"], replicate["seconds"], "seconds", iteration)
-
-    def _log_mode_tb(self, mode: str, traffic: dict, seconds: dict, seconds_name: str, iteration: int) -> None:
-        """A mode's bytes per kind and link class, and its seconds per kind."""
-        for kind, link in traffic.items():
-            for where, value in link.items():
-                self._tb.add_scalar(f"{mode}/bytes_{kind}_{where}", value, iteration)
-        for kind, value in seconds.items():
-            self._tb.add_scalar(f"{mode}/{seconds_name}_{kind}", value, iteration)
+            for tag, value in mode_scalars.items():
+                self._tb.add_scalar(tag, value, iteration)
 
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)

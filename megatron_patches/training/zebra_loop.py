@@ -77,6 +77,7 @@ def pretrain_zebra(args) -> Summary:
         times.append(elapsed)
         losses_seen.append(result.loss)
         if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            placed = f" (zebra M={layout.attention_ranks} N={layout.expert_ranks} R={config.microbatches})"
             writer.log(
                 {
                     "iteration": iteration,
@@ -95,7 +96,10 @@ def pretrain_zebra(args) -> Summary:
                         "microbatches": config.microbatches,
                         "offload_chunks": list(layout.asym_ea.offload_chunks_L),
                     },
-                }
+                },
+                placed,
+                1.0,  # zebra is dropless
+                {},
             )
         if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
             eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))

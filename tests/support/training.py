@@ -74,3 +74,12 @@ def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers
                 assert processed == routed and layer["survival"] == 1.0
             else:
                 assert processed <= routed
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the TensorBoard event files in `directory`: tag -> {step: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
