@@ -132,7 +132,13 @@ def capacity_run(workdir, name: str, *flags: str):
 
 def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_state(workdir):
     adaptive = capacity_run(workdir, "adaptive", "--replicate-offload-optimizer")
-    static = capacity_run(workdir, "static", "--replicate-policy", "static")
+    static = capacity_run(workdir, "static", "--replicate-policy", "static",
+                          "--tensorboard-dir", str(workdir / "tb_static"))
+    # TensorBoard's survival is the instances' (replicate's), not Megatron's router (which drops nothing here)
+    survival_tb = tensorboard_scalars(workdir / "tb_static")["moe/survival_min_layer"]
+    for record in static:
+        assert survival_tb[record["iteration"]] == pytest.approx(min(layer["survival"] for layer in record["replicate"]["layers"]))
+        assert min(layer["survival"] for layer in record["moe_layers"]) == 1.0
     survival_adaptive = np.mean([r["replicate"]["survival"] for r in adaptive])
     survival_static = np.mean([r["replicate"]["survival"] for r in static])
     assert survival_static < 0.9, "the router must be skewed enough for the capacity to drop tokens"

@@ -214,7 +214,7 @@ class MetricsWriter:
             for key in ("loss", "lr", "tokens_per_s", "iteration_time_s"):
                 self._tb.add_scalar(f"train/{key}", record[key], iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
-            self._tb.add_scalar("moe/survival_min_layer", min((layer["survival"] for layer in layers), default=1.0), iteration)
+            self._tb.add_scalar("moe/survival_min_layer", survival, iteration)
             for layer in layers:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             for kind, value in record["bytes"].items():
