@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+def import_target(target: str):
+    """The object a `module:attribute` string names, imported on demand."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _no_flags(parser: argparse.ArgumentParser) -> None:
     """ep adds no flags: it is configured by Megatron-LM's own."""
 
@@ -48,8 +54,7 @@ class ModeSpec:
     expert parallelism over as many ranks as the experts allow)."""
 
     def runtime_class(self):
-        module, name = self.runtime.split(":")
-        return getattr(importlib.import_module(module), name)
+        return import_target(self.runtime)
 
     def own_dests(self) -> list[str]:
         """The dest names of the flags `add_args` registers."""

@@ -7,10 +7,8 @@ read this registry only; adding a mode adds its line here and touches no other s
 
 from __future__ import annotations
 
-import importlib
-
 from megatron_patches.fssdp.config import MODE as FSSDP
-from megatron_patches.mode.spec import EP, ModeSpec
+from megatron_patches.mode.spec import EP, ModeSpec, import_target
 from megatron_patches.replicate.config import MODE as REPLICATE
 from megatron_patches.zebra.config import MODE as ZEBRA
 
@@ -32,7 +30,4 @@ def spec(name: str) -> ModeSpec:
 def separate_loop(name: str):
     """The mode's own `pretrain(args)`, or None when it runs the shared loop."""
     target = SEPARATE_LOOPS.get(name)
-    if target is None:
-        return None
-    module, function = target.split(":")
-    return getattr(importlib.import_module(module), function)
+    return None if target is None else import_target(target)
