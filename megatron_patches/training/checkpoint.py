@@ -14,6 +14,7 @@ state dicts (fssdp under per-expert keys, so placement-independent); replicate w
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -64,6 +65,17 @@ def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_sta
     return directory
 
 
+def read_rng_state(path: Path) -> dict:
+    """One rank's RNG file (world size, CPU / CUDA / Megatron tracker states: ints and tensors).
+
+    Read with `weights_only=True`: a checkpoint directory must not be able to run code on --load.
+    A file that holds anything else is refused, naming it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
+
+
 def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, mode) -> tuple[dict, list[str]]:
     """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log)."""
     iteration = latest_iteration(root)
@@ -79,7 +91,7 @@ def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_r
         notes.append("optimizer state not loaded (--no-load-optim)")
     rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if load_rng and rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = read_rng_state(rng_file)
         if rng["world_size"] == dist.get_world_size():
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None:
