@@ -56,7 +56,7 @@ __all__ = ["ReplicateRuntime"]
 TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights", "moved_state")
 """rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
 gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots;
-moved_state: the optimizer state the FlexMoE-style baseline moves with its re-placed experts."""
+moved_state: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
 
 # Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
 # (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32).
@@ -77,7 +77,7 @@ class IterationStats:
     """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
     seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
     """This rank's time in the placement planner (scheduler), in spreading and routing tokens
-    (metadata), in the slices' Adam step and weight push (optimizer), and moving the FlexMoE
+    (metadata), in the slices' Adam step and weight push (optimizer), and moving the periodic
     baseline's optimizer state (moved_state)."""
 
 
@@ -322,7 +322,7 @@ class ReplicateRuntime(ModeRuntime):
         return out
 
     def _move_state_with_experts(self, experts: ReplicatedExperts, next_slots_RS: np.ndarray) -> None:
-        """The FlexMoE-style baseline's extra cost: optimizer state travels with a re-placed expert.
+        """The periodic baseline's extra cost (FlexMoE's): optimizer state travels with a re-placed expert.
 
         FlexMoE keeps an expert's fp32 master weights and Adam moments with its replicas, so a
         rank that gains a class receives that state. Here the state never has to move (the
