@@ -467,9 +467,50 @@ def test_fp16_with_bf16(parse):
     expect_error(parse("--fp16", "--bf16"), 1, "--fp16", "--bf16")
 
 
-def test_fp16_with_expert_parallelism(parse):
-    expect_error(parse("--fp16"), 2, "--expert-model-parallel-size=2", "--fp16")
-    validate_args(parse("--fp16"), 1)
+def test_fp16_with_expert_parallelism_and_loss_scaling_flags(parse):
+    # Megatron-LM refuses --fp16 with EP; here one loss scale covers the world (compat.mcore.WorldLossScaling)
+    args = validate_args(parse("--fp16", "--expert-model-parallel-size", "2"), 2)
+    assert str(args.params_dtype) == "torch.float16" and not args.accumulate_allreduce_grads_in_fp32
+    assert validate_args(parse("--bf16"), 2).accumulate_allreduce_grads_in_fp32  # Megatron-LM's bf16 rule
+    expect_error(parse("--loss-scale", "1024"), 1, "--loss-scale=1024", "--fp16")
+    expect_error(parse("--fp16", "--loss-scale", "-2"), 1, "--loss-scale=-2", "positive")
+    expect_error(parse("--fp16", "--loss-scale", "inf"), 1, "--loss-scale=inf", "finite")
+    expect_error(parse("--fp16", "--initial-loss-scale", "nan"), 1, "--initial-loss-scale=nan")
+    expect_error(parse("--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"), 1,
+                 "--min-loss-scale=8", "--initial-loss-scale=4")
+    expect_error(parse("--fp16", "--hysteresis", "0"), 1, "--hysteresis=0", ">= 1")
+    expect_error(parse("--fp16", "--loss-scale-window", "0.5"), 1, "--loss-scale-window=0.5")
+    expect_error(parse("--accumulate-allreduce-grads-in-fp32"), 1, "--accumulate-allreduce-grads-in-fp32", "--fp16")
+
+
+@pytest.mark.parametrize(
+    "flags, fragments",
+    [
+        (["--recompute-method", "uniform"], ["--recompute-method=uniform", "--recompute-granularity"]),
+        (["--recompute-granularity", "full"], ["--recompute-granularity=full", "--recompute-method", "--recompute-num-layers"]),
+        (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "5"],
+         ["--recompute-num-layers=5", "between 1 and 4"]),
+        (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
+          "--recompute-modules", "mlp"], ["--recompute-modules=mlp", "selective"]),
+        (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], ["--recompute-num-layers=1", "full"]),
+        (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mla_up_proj"],
+         ["--recompute-modules=core_attn mla_up_proj", "valid modules: core_attn"]),
+        (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], ["moe_act", "--moe-grouped-gemm"]),
+    ],
+)
+def test_recompute_flags(parse, flags, fragments):
+    expect_error(parse(*flags), 1, *fragments)
+
+
+def test_recompute_flags_reach_transformer_config(parse):
+    from megatron_patches.training.model import transformer_config
+
+    config = transformer_config(validate_args(parse("--recompute-granularity", "full", "--recompute-method", "block",
+                                                    "--recompute-num-layers", "0"), 1), on_gpu=False)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "block", 0)
+    config = transformer_config(validate_args(parse("--recompute-granularity", "selective", "--recompute-modules",
+                                                    "layernorm", "moe", "--attention-softmax-in-fp32"), 1), on_gpu=False)
+    assert config.recompute_modules == ["layernorm", "moe"] and config.attention_softmax_in_fp32
 
 
 def test_grouped_gemm_needs_cuda_and_bf16(parse):

@@ -35,6 +35,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -142,6 +143,11 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         masked_softmax_fusion=on_gpu,
         persist_layer_norm=False,  # needs Apex's FusedLayerNorm (Megatron-LM: --no-persist-layer-norm)
         apply_rope_fusion=False,
+        attention_softmax_in_fp32=run.attention_softmax_in_fp32,
+        recompute_granularity=run.recompute_granularity,
+        recompute_method=run.recompute_method,
+        recompute_num_layers=run.recompute_num_layers,
+        recompute_modules=list(run.recompute_modules) if run.recompute_modules else None,
     )
 
 
@@ -232,6 +238,24 @@ def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_p
     return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head, **common)
 
 
+def half_precision(config: TransformerConfig, model):
+    """The model as Megatron-LM's get_model wraps it for --bf16/--fp16: Megatron's Float16Module
+    casts every parameter and buffer (embeddings included) to the compute dtype, casts the first
+    stage's inputs to it and the last stage's outputs back to fp32. The model unchanged in fp32.
+
+    The cast is in place, so module references taken from `model` stay valid."""
+    if not (config.bf16 or config.fp16):
+        return model
+    return Float16Module(config, model)
+
+
+def unwrap(chunk):
+    """The GPT/BERT model inside Megatron's DDP and Float16Module wrappers."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
 def pipeline_stage_flags() -> tuple[bool, bool]:
     return (
         parallel_state.is_pipeline_first_stage(ignore_virtual=True),
@@ -262,7 +286,7 @@ def local_experts(moe_layer) -> list:
 
 def wrap_ddp(config: TransformerConfig, model, args):
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -291,13 +315,82 @@ def optimizer(args, model_chunks):
             clip_grad=args.clip_grad,
             bf16=args.bf16,
             fp16=args.fp16,
-            params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+            params_dtype=args.params_dtype,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         model_chunks,
     )
     fixes.use_expert_tp_group_for_expert_optimizer(opt)
+    for chunk in model_chunks:
+        # The pipeline schedules multiply the loss by this before the backward (Megatron-LM's
+        # training loop sets it the same way); 1 without loss scaling.
+        chunk.config.grad_scale_func = opt.scale_loss
+    if isinstance(opt, ChainedOptimizer) and getattr(opt.chained_optimizers[0], "grad_scaler", None) is not None:
+        WorldLossScaling(opt)
     return opt
+
+
+class WorldLossScaling:
+    """One loss scale and one overflow decision for every gradient of the world.
+
+    Megatron-Core gives the dense and the expert optimizer of its ChainedOptimizer a grad scaler
+    each, and each reduces its found-inf flag over its own gradient-statistics group only (the
+    dense one over TP x PP, the expert one over the expert TP x PP group; optimizer.py:496-521 in
+    0.16.1). Expert gradients differ between expert-parallel ranks, so an overflow in one rank's
+    expert would skip the step on that rank alone and the two scalers could drift apart; that is
+    why Megatron-LM refuses --fp16 with expert parallelism. Here every sub-optimizer shares the
+    first one's scaler, and `prepare_grads` (which ChainedOptimizer.step calls before anything
+    else) unscales every main gradient, plus the gradients a mode keeps outside Megatron's
+    optimizer (`outside`), with that one scale, all-reduces the found-inf flag over the whole
+    world (one scalar) and updates the scale once. Every rank then skips or steps together.
+    """
+
+    def __init__(self, opt: ChainedOptimizer):
+        self.optimizers = opt.chained_optimizers
+        self.scaler = self.optimizers[0].grad_scaler
+        for sub in self.optimizers:
+            sub.grad_scaler = self.scaler
+        self.outside: list[Callable[[], list[torch.Tensor]]] = []
+        """Sources of gradients held outside Megatron's optimizer (replicate's expert slices)."""
+        opt.prepare_grads = self.prepare_grads
+        opt.world_loss_scaling = self
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.scaler.scale.device)
+        for sub in self.optimizers:
+            if sub.is_stub_optimizer:
+                continue
+            sub._copy_model_grads_to_main_grads()
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                sub._collect_main_grad_data_for_unscaling(), found_inf, self.scaler.inv_scale
+            )
+        for source in self.outside:
+            grads = source()
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.scaler.inv_scale.to(grads[0].device))
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        overflow = bool(found_inf.item() > 0)
+        self.scaler.update(overflow)
+        return overflow
+
+
+def loss_scale(opt) -> float:
+    """The loss scale of the last step's scaler (1.0 without loss scaling)."""
+    return float(opt.get_loss_scale().item())
+
+
+def add_outside_gradients(opt, grads: Callable[[], list[torch.Tensor]]) -> None:
+    """Gradients a mode keeps outside Megatron's optimizer get the same unscaling and inf check
+    as Megatron's (a no-op without loss scaling)."""
+    scaling = getattr(opt, "world_loss_scaling", None)
+    if scaling is not None:
+        scaling.outside.append(grads)
 
 
 def add_grad_norm_term(opt, extra_norm_sq: Callable[[], float]) -> None:

@@ -65,6 +65,21 @@ class RunSettings:
     """`--bf16`."""
     fp16: bool = False
     """`--fp16`."""
+    attention_softmax_in_fp32: bool = False
+    """`--attention-softmax-in-fp32`: the attention softmax of a half-precision model in fp32
+    (Megatron-LM's default is off; Megatron-Core's TransformerConfig would default it on)."""
+    recompute_granularity: str | None = None
+    """`--recompute-granularity`: None (keep every activation), `full` (keep only each
+    recomputed layer's input and run its forward again in the backward) or `selective` (recompute
+    the `--recompute-modules` inside each layer)."""
+    recompute_method: str | None = None
+    """`--recompute-method` (`full` only): `uniform` (checkpoint chunks of
+    `--recompute-num-layers` layers) or `block` (the first `--recompute-num-layers` layers of each
+    pipeline stage)."""
+    recompute_num_layers: int | None = None
+    """`--recompute-num-layers` (`full` only)."""
+    recompute_modules: tuple[str, ...] | None = None
+    """`--recompute-modules` (`selective` only; Megatron-Core's default: core_attn)."""
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":

@@ -78,6 +78,11 @@ class FSSDPConfig:
     """After the gate, re-plan with the actual loads; gather once more if it pays off."""
     load_window: int
     """Iterations averaged to predict the next iteration's expert loads (DESIGN 4.1)."""
+    reduce_in_fp32: bool = False
+    """spRS sends and sums the copies' gradients in fp32 (`--accumulate-allreduce-grads-in-fp32`,
+    always on with --bf16), as Megatron's DDP reduces the dense gradients in fp32; otherwise in
+    the compute dtype (fp16 without the flag, half the spRS bytes). The copies themselves, and so
+    spAG, stay in the compute dtype."""
 
     @classmethod
     def from_args(cls, args) -> "FSSDPConfig":
@@ -89,6 +94,7 @@ class FSSDPConfig:
             rematerialize=args.fssdp_rematerialize,
             calibrate=args.fssdp_calibrate,
             load_window=args.moe_load_window,
+            reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         )
 
 

@@ -475,7 +475,8 @@ class FSSDPRuntime(ModeRuntime):
             raise RuntimeError(
                 f"fssdp: layer {layer_pass.layer.layer_number}'s copies got no gradient before its MoE input did"
             )
-        handle = layer_pass.plan.reduce(layer_pass.grad_HN.contiguous())
+        grad_HN = layer_pass.grad_HN.to(torch.float32) if self.config.reduce_in_fp32 else layer_pass.grad_HN
+        handle = layer_pass.plan.reduce(grad_HN.contiguous())
         self.pending.append((layer_pass, handle))
         below = layer_pass.below
         if below is not None and not below.keeps_copies and below.regather is None and below.held_HN is None:
@@ -572,7 +573,9 @@ class FSSDPRuntime(ModeRuntime):
         return scalars
 
     def memory_report(self) -> dict:
-        """Bytes per rank (gathered over the group): owned expert shards and their optimizer state."""
+        """Bytes per rank (gathered over the group): owned expert shards (in the compute dtype)
+        and their optimizer state (Adam's moments, and in mixed precision the fp32 main weights)."""
+        model_params = {id(p) for layer in self.layers for p in layer.experts.parameters()}
         owned = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.experts.parameters())
         state = 0
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -581,6 +584,8 @@ class FSSDPRuntime(ModeRuntime):
                 if not group.get("is_expert_parallel", False):
                     continue
                 for p in group["params"]:
+                    if id(p) not in model_params:  # a mixed-precision optimizer's fp32 main weight
+                        state += p.numel() * p.element_size()
                     for value in inner.state.get(p, {}).values():
                         if torch.is_tensor(value) and value.dim() > 0:
                             state += value.numel() * value.element_size()

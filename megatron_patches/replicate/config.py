@@ -91,6 +91,9 @@ class ReplicateConfig:
     """adaptive, static or periodic (see `POLICIES`)."""
     rebalance_interval: int
     """periodic only: iterations between re-placements (10, 50, 100 in the FlexMoE comparison)."""
+    reduce_in_fp32: bool = False
+    """Sum and send replica gradients in fp32 (`--accumulate-allreduce-grads-in-fp32`, always on
+    with --bf16, as Megatron's DDP); otherwise in the slots' dtype."""
 
     def __post_init__(self) -> None:
         values = (
@@ -117,6 +120,7 @@ class ReplicateConfig:
             load_window=args.moe_load_window,
             policy=args.replicate_policy,
             rebalance_interval=args.replicate_rebalance_interval,
+            reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         )
 
 

@@ -84,6 +84,9 @@ class ReplicatedExperts:
         topology: devices = group ranks, for intra/inter-node byte counts; None = one node.
         traffic: the counter bytes are recorded into; None = `traffic.default_counter()`.
         decay_mask_N: bool [N], elements weight decay applies to (`ExpertSlices`); None = all.
+        reduce_dtype: the dtype replica gradients are summed and sent in; None = the slots'.
+            fp32 under --bf16 (and --fp16 with --accumulate-allreduce-grads-in-fp32), as Megatron's
+            DDP reduces its gradients.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class ReplicatedExperts:
         topology: Topology | None = None,
         traffic: TrafficCounter | None = None,
         decay_mask_N: torch.Tensor | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"pass the replicate process group explicitly, got {group!r}")
@@ -132,6 +136,8 @@ class ReplicatedExperts:
             slot_expert_RS, self.rank, E, N, dtype=weights_EN.dtype if slot_dtype is None else slot_dtype, device=device
         )
         """This rank's slot buffer and the assignment it holds."""
+        self.reduce_dtype = self.slots.slots_SN.dtype if reduce_dtype is None else reduce_dtype
+        """The dtype of the replica-gradient reduction (and of the returned gradient slices)."""
         if self.slots.num_ranks != G:
             raise ValueError(f"slot_expert_RS has {self.slots.num_ranks} ranks but the group {G}")
         with torch.no_grad():
@@ -187,8 +193,8 @@ class ReplicatedExperts:
         device = grad_SN.device
         held_H = slots.held_experts
         # (a) one representative per held class; a lone slot's row is copied exactly (0 + x).
-        rep_HN = grad_SN.new_zeros((held_H.size, grad_SN.shape[1]))
-        rep_HN.index_add_(0, torch.from_numpy(slots.held_row_S.copy()).to(device), grad_SN)
+        rep_HN = grad_SN.new_zeros((held_H.size, grad_SN.shape[1]), dtype=self.reduce_dtype)
+        rep_HN.index_add_(0, torch.from_numpy(slots.held_row_S.copy()).to(device), grad_SN.to(self.reduce_dtype))
 
         # (b) ascending class order on every rank keeps the overlapping groups' calls consistent.
         range_E2 = expert_rank_ranges(slots.placement)

@@ -131,8 +131,6 @@ class ReplicateRuntime(ModeRuntime):
         """Layer number -> the layer's slots, slices and traffic engine."""
         self.grads: dict[int, torch.Tensor] = {}
         """Layer number -> this iteration's summed gradient slices [E, n_r] (after the backward)."""
-        self.grad_norm_sq = 0.0
-        """Squared norm of all experts' gradients of the stage's layers, summed over the world."""
         self.stats: IterationStats | None = None
         slots = self.num_devices * config.slots_per_rank
         if slots == num_experts:
@@ -207,6 +205,7 @@ class ReplicateRuntime(ModeRuntime):
                 topology=self.topology,
                 traffic=self.traffic,
                 decay_mask_N=decay_N,
+                reduce_dtype=torch.float32 if self.config.reduce_in_fp32 else None,
             )
         original = config.finalize_model_grads_func
 
@@ -216,7 +215,10 @@ class ReplicateRuntime(ModeRuntime):
             return result
 
         config.finalize_model_grads_func = finalize_model_grads
-        mcore.add_grad_norm_term(optimizer, lambda: self.grad_norm_sq)
+        # Loss scaling (fp16): the slices' gradients are unscaled and inf-checked with Megatron's,
+        # before the grad norm (which then counts them unscaled).
+        mcore.add_outside_gradients(optimizer, lambda: list(self.grads.values()))
+        mcore.add_grad_norm_term(optimizer, self.grad_norm_sq)
 
     # ---- per iteration ---------------------------------------------------------------------
 
@@ -229,7 +231,6 @@ class ReplicateRuntime(ModeRuntime):
             np.stack([self.experts[layer.layer_number].slots.placement.instances_E() for layer in self.layers]),
         )
         self.grads = {}
-        self.grad_norm_sq = 0.0
         for experts in self.experts.values():
             experts.slots.slots_SN.grad = None
 
@@ -261,20 +262,24 @@ class ReplicateRuntime(ModeRuntime):
         """After the backward: every layer's slot gradients -> summed slices, scaled as Megatron's DDP."""
         # DDP divides every gradient by the data-parallel size (the loss is a per-replica mean).
         scale = 1.0 / parallel_state.get_data_parallel_world_size()
-        local = torch.zeros((), dtype=torch.float64)
         for layer in self.layers:
             experts = self.experts[layer.layer_number]
             grad_SN = experts.slots.slots_SN.grad
             if grad_SN is None:
                 grad_SN = torch.zeros_like(experts.slots.slots_SN)
-            grad_En = experts.reduce_gradients(grad_SN).mul_(scale)
-            self.grads[layer.layer_number] = grad_En
+            self.grads[layer.layer_number] = experts.reduce_gradients(grad_SN).mul_(scale)
+
+    def grad_norm_sq(self) -> float:
+        """Squared norm of every expert gradient, for Megatron's grad norm (collective over the
+        world; called by the optimizer step after the gradients are unscaled)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for grad_En in self.grads.values():
             local += grad_En.double().square().sum().cpu()
         # The slices partition every expert's elements; each stage has one replicate group (EDP = 1),
         # so the world-wide sum counts every expert parameter exactly once.
         total = local.to(self.device)
         dist.all_reduce(total)
-        self.grad_norm_sq = float(total.item())
+        return float(total.item())
 
     def end_iteration(self, step: StepResult) -> dict:
         """Step the experts' slices like Megatron stepped its parameters (same lr, same clip

@@ -50,6 +50,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 # TransformerConfig.moe_token_dispatcher_type in megatron-core 0.16.1.
 TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
 
+# Megatron-Core's recompute_modules that a GPT/BERT MoE model of this product has (mla_up_proj
+# needs multi-latent attention, shared_experts needs shared experts; neither is offered).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
+
 # Megatron-LM's --moe-router-load-balancing-type choices.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
@@ -117,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_learning_rate_args(parser)
     _add_regularization_args(parser)
     _add_mixed_precision_args(parser)
+    _add_recompute_args(parser)
     _add_data_args(parser)
     _add_tokenizer_args(parser)
     _add_checkpointing_args(parser)
@@ -353,8 +358,56 @@ def _add_regularization_args(parser):
 
 def _add_mixed_precision_args(parser):
     group = parser.add_argument_group(title="mixed precision")
-    group.add_argument("--bf16", action="store_true", help="Run model in bfloat16 mode.")
-    group.add_argument("--fp16", action="store_true", help="Run model in fp16 mode.")
+    group.add_argument("--bf16", action="store_true",
+                       help="Run model in bfloat16 mode: the model's weights, activations and "
+                       "gradients in bfloat16, fp32 main weights and Adam state in the optimizer, "
+                       "gradients accumulated and all-reduced in fp32.")
+    group.add_argument("--fp16", action="store_true",
+                       help="Run model in fp16 mode: as --bf16 in float16, with loss scaling "
+                       "(dynamic unless --loss-scale). One loss scale and one overflow decision "
+                       "for the whole world: a step with an inf/nan in any gradient of any rank "
+                       "is skipped by every rank.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="Static loss scaling, positive power of 2 values can improve fp16 "
+                       "convergence. If None, dynamic loss scaling is used.")
+    group.add_argument("--initial-loss-scale", type=float, default=2**32,
+                       help="Initial loss-scale for dynamic loss scaling.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0,
+                       help="Minimum loss scale for dynamic loss scaling.")
+    group.add_argument("--loss-scale-window", type=float, default=1000,
+                       help="Window over which to raise/lower dynamic scale.")
+    group.add_argument("--hysteresis", type=int, default=2,
+                       help="hysteresis for dynamic loss scaling")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Gradient accumulation and all-reduce in fp32. Always on with --bf16 "
+                       "(as in Megatron-LM); with --fp16 the gradients are accumulated and "
+                       "reduced in float16 unless this is set.")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="Run attention masking and softmax in fp32.")
+
+
+def _add_recompute_args(parser):
+    group = parser.add_argument_group(title="activation recompute")
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                       help="Checkpoint activations to allow for training with larger models, "
+                       "sequences, and batch sizes. It is supported at two granularities 1) full: "
+                       "whole transformer layer is recomputed, 2) selective: submodules set in "
+                       "--recompute-modules are recomputed, default is core_attn.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="1) uniform: uniformly divide the total number of Transformer layers "
+                       "and recompute the input activation of each divided chunk at specified "
+                       "granularity, 2) block: recompute the input activations of only a set "
+                       "number of individual Transformer layers per pipeline stage and do the rest "
+                       "without any recomputing at specified granularity. Needed with "
+                       "--recompute-granularity full.")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="1) uniform: the number of Transformer layers in each uniformly "
+                       "divided recompute unit, 2) block: the number of individual Transformer "
+                       "layers to recompute within each pipeline stage. Needed with "
+                       "--recompute-granularity full.")
+    group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                       help=f"The submodules to recompute with --recompute-granularity selective, "
+                       f"of: {', '.join(RECOMPUTE_MODULES)}. Default: core_attn (Megatron-Core's).")
 
 
 def _add_data_args(parser):

@@ -159,12 +159,13 @@ def build(args) -> Run:
     layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
     model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)
-    ddp = mcore.wrap_ddp(config, model, args)
+    ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
     optimizer = mcore.optimizer(args, [ddp])
     mode.attach(mcore.transformer_layers(model), config, optimizer)
     scheduler = mcore.scheduler(args, optimizer)
     num_params = sum(p.numel() for p in model.parameters())
     log0(f"model: {args.model_family} | {num_params:,} parameters on rank 0 | vocab {tokenizer.vocab_size} padded to {vocab}")
+    log0(f"precision: {precision_summary(args, model)}")
     for line in mode.take_log():
         log0(line)
 
@@ -189,6 +190,24 @@ def build(args) -> Run:
     )
 
 
+def precision_summary(args, model) -> str:
+    """Parameter, main-weight and gradient dtypes, loss scaling and recompute, as one line."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    parts = [f"parameters {'/'.join(dtypes)}"]
+    if args.bf16 or args.fp16:
+        grads = "float32" if args.accumulate_allreduce_grads_in_fp32 else str(args.params_dtype).removeprefix("torch.")
+        parts.append(f"main weights and Adam state float32 | gradients accumulated and reduced in {grads}")
+    if args.fp16:
+        parts.append(f"loss scale {args.loss_scale:g} (static)" if args.loss_scale else
+                     f"dynamic loss scale from {args.initial_loss_scale:g} (min {args.min_loss_scale:g}, "
+                     f"window {args.loss_scale_window:g}, hysteresis {args.hysteresis})")
+    if args.recompute_granularity == "full":
+        parts.append(f"recompute full ({args.recompute_method}, {args.recompute_num_layers} layers)")
+    elif args.recompute_granularity == "selective":
+        parts.append(f"recompute selective ({', '.join(args.recompute_modules or ['core_attn'])})")
+    return " | ".join(parts)
+
+
 # ----------------------------------------------------------------------------------------
 # Train
 # ----------------------------------------------------------------------------------------
@@ -202,6 +221,8 @@ class History:
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     eval_loss: float | None = None
+    skipped: int = 0
+    """Iterations whose update was skipped (an fp16 overflow), in this run."""
     routed: list[np.ndarray] = field(default_factory=list)
     """Rank 0 with --moe-log-loads: routed token copies [layers, experts] per iteration."""
     sources: list[np.ndarray] = field(default_factory=list)
@@ -247,6 +268,7 @@ def train(args, run: Run) -> History:
         elapsed = time.perf_counter() - started
         for line in run.mode.take_log():
             log0(line)
+        history.skipped += not update_ok
         history.times.append(elapsed)
         history.losses.append(loss)
         run.state["iteration"] = iteration
@@ -286,6 +308,8 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "lr": run.scheduler.get_lr(run.optimizer.param_groups[0]),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "update_successful": bool(update_ok),
+        "loss_scale": mcore.loss_scale(run.optimizer),
+        "skipped_iterations": history.skipped,
         "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
         "iteration_time_s": elapsed,
         "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),

@@ -69,7 +69,7 @@ class MoELoadRecorder:
         self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool)
         self.remote_mask_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = False
         for chunk in model_chunks:
-            for number, moe_layer in moe_layers(_unwrap(chunk)):
+            for number, moe_layer in moe_layers(mcore.unwrap(chunk)):
                 row = self.layer_index[number]
                 self.handles += mcore.observe_routing(
                     moe_layer.router, self._on_routed(row), self._on_processed(row)
@@ -115,10 +115,6 @@ class MoELoadRecorder:
             source_routed_LSE=source_LSE,
             remote_copies=int(stacked[:, -1].sum()),
         )
-
-
-def _unwrap(chunk):
-    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def _stage_source_index() -> tuple[list[int], int]:
@@ -171,6 +167,13 @@ def zebra_layer_records(routed_LE: np.ndarray, owners_LE: list[np.ndarray], layo
     return records
 
 
+def _scaling_text(record: dict) -> str:
+    """The loss scale and the skipped steps, where there is loss scaling or a skipped step."""
+    if record["loss_scale"] == 1.0 and not record["skipped_iterations"]:
+        return ""
+    return f"loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']} | "
+
+
 @dataclass
 class MetricsWriter:
     """Rank-0 sinks: a human line on stdout, one JSON object per line, TensorBoard."""
@@ -205,13 +208,13 @@ class MetricsWriter:
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
             f"imbalance(max layer) {worst:.2f}{placed} | survival(min layer) {survival:.3f} | "
-            f"elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
+            f"{_scaling_text(record)}elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
             flush=True,
         )
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for key in ("loss", "lr", "tokens_per_s", "iteration_time_s"):
+            for key in ("loss", "lr", "tokens_per_s", "iteration_time_s", "loss_scale", "skipped_iterations"):
                 self._tb.add_scalar(f"train/{key}", record[key], iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
             self._tb.add_scalar("moe/survival_min_layer", survival, iteration)

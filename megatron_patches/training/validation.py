@@ -24,6 +24,7 @@ from megatron_patches.training.arguments import (
     MODEL_FAMILIES,
     NORMALIZATIONS,
     POSITION_EMBEDDING_TYPES,
+    RECOMPUTE_MODULES,
     TOKEN_DISPATCHER_TYPES,
     TOKENIZER_TYPES,
     TOKENIZERS_NEEDING_MODEL,
@@ -55,6 +56,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_intervals(args)
     _resolve_device(args)
     _check_precision(args)
+    _check_recompute(args)
     _resolve_data(args)
     _resolve_tokenizer(args)
     _check_checkpointing(args)
@@ -384,12 +386,75 @@ def _check_precision(args):
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one (or neither for "
                             "float32)")
-    if args.fp16 and args.expert_model_parallel_size > 1:
-        fail("--expert-model-parallel-size", args.expert_model_parallel_size,
-             "Megatron-LM does not support expert parallelism with --fp16; use --bf16 or EP=1")
     if args.moe_grouped_gemm and not args.bf16:
         fail("--moe-grouped-gemm", True, "needs --bf16 (as in Megatron-LM)")
+    half = args.fp16 or args.bf16
+    if args.loss_scale is not None:
+        if not half:
+            fail("--loss-scale", args.loss_scale, "loss scaling needs --fp16 (or --bf16); float32 "
+                 "training has no loss scale")
+        if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
+            fail("--loss-scale", args.loss_scale, "must be a finite positive number (a power of 2 "
+                 "such as 1024 keeps the scaling exact)")
+    for flag, value in (("--initial-loss-scale", args.initial_loss_scale),
+                        ("--min-loss-scale", args.min_loss_scale)):
+        if not (math.isfinite(value) and value > 0):
+            fail(flag, value, "must be a finite positive number")
+    if args.min_loss_scale > args.initial_loss_scale:
+        fail("--min-loss-scale", args.min_loss_scale,
+             f"must not exceed --initial-loss-scale={args.initial_loss_scale:g}")
+    if not (math.isfinite(args.loss_scale_window) and args.loss_scale_window >= 1):
+        fail("--loss-scale-window", args.loss_scale_window, "must be a finite number >= 1 (the "
+             "iterations without overflow before the scale doubles)")
+    if args.hysteresis < 1:
+        fail("--hysteresis", args.hysteresis, "must be >= 1 (the overflows tolerated before the "
+             "scale halves)")
+    if args.bf16:
+        # Megatron-LM: bfloat16 accumulates and all-reduces gradients in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = True
+    elif args.accumulate_allreduce_grads_in_fp32 and not args.fp16:
+        fail("--accumulate-allreduce-grads-in-fp32", True, "only means something with --fp16 "
+             "(float32 gradients are fp32 already; --bf16 always accumulates in fp32)")
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+
+def _check_recompute(args):
+    """Megatron-Core's TransformerConfig rules for activation recompute, as flag errors."""
+    granularity, method, layers, modules = (args.recompute_granularity, args.recompute_method,
+                                            args.recompute_num_layers, args.recompute_modules)
+    if granularity is None:
+        for flag, value in (("--recompute-method", method), ("--recompute-num-layers", layers),
+                            ("--recompute-modules", modules)):
+            if value is not None:
+                fail(flag, value if not isinstance(value, list) else " ".join(value),
+                     "needs --recompute-granularity full or selective")
+        return
+    if granularity == "full":
+        if method is None or layers is None:
+            fail("--recompute-granularity", "full", "needs --recompute-method (uniform or block) "
+                 "and --recompute-num-layers")
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        lowest = 0 if method == "block" else 1
+        if not lowest <= layers <= per_stage:
+            fail("--recompute-num-layers", layers, f"with --recompute-method {method} it must be "
+                 f"between {lowest} and {per_stage} (the layers of one pipeline stage)")
+        if modules is not None:
+            fail("--recompute-modules", " ".join(modules), "is for --recompute-granularity "
+                 "selective; full recomputes whole layers")
+        return
+    if method is not None or layers is not None:
+        fail("--recompute-method" if method is not None else "--recompute-num-layers",
+             method if method is not None else layers,
+             "is for --recompute-granularity full; selective recomputes --recompute-modules in "
+             "every layer")
+    if modules is not None:
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown or not modules:
+            fail("--recompute-modules", " ".join(modules) or "(empty)",
+                 f"valid modules: {', '.join(RECOMPUTE_MODULES)}")
+        if "moe_act" in modules and not args.moe_grouped_gemm:
+            fail("--recompute-modules", "moe_act", "needs --moe-grouped-gemm (Megatron-Core "
+                 "recomputes the activation of grouped experts only)")
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:

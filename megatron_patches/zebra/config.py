@@ -192,6 +192,8 @@ def validate(args: argparse.Namespace) -> None:
          "loss scaling; train in float32 (drop --fp16)"),
         ("--bf16", True, args.bf16, "zebra's optimizer steps the model's own parameters without master weights; "
          "train in float32 (drop --bf16)"),
+        ("--recompute-granularity", args.recompute_granularity, args.recompute_granularity is not None,
+         "zebra's engine runs Megatron's modules in its own schedule, without Megatron's recompute; drop it"),
         ("--use-distributed-optimizer", True, args.use_distributed_optimizer,
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
