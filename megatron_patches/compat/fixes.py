@@ -125,10 +125,38 @@ def _fix_torch_adam_step_on_load() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict_with_private_steps
 
 
+# ----------------------------------------------------------------------------------------
+# Fix 5: selective recompute of layernorm / moe_act fails without Transformer Engine
+# ----------------------------------------------------------------------------------------
+# CheckpointWithoutOutput.__init__(fp8=False) sets `self.fp8 = fp8 is not None`
+# (tensor_parallel/random.py:634), i.e. True for the default False, so its forward calls
+# FP8GlobalStateManager (:589), which is imported only with Transformer Engine (:25-32):
+# NameError "FP8GlobalStateManager is not defined" at the first forward of
+# --recompute-modules layernorm (transformer_layer.py:577, :672) or moe_act (moe/experts.py:227).
+# With Transformer Engine the call asks whether fp8 autocast is on, which it cannot be without
+# it; so without Transformer Engine the flag is False, which is the stock result there.
+
+
+def _fix_checkpoint_without_output_fp8() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    init = tp_random.CheckpointWithoutOutput.__init__
+    if tp_random.HAVE_TE or getattr(init, "_megatron_patches_fix", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False  # fp8 needs Transformer Engine, which is not installed
+
+    __init__._megatron_patches_fix = True
+    tp_random.CheckpointWithoutOutput.__init__ = __init__
+
+
 def apply_global_fixes() -> None:
-    """Install the module-level fixes (1 and 4). Fixes 2-3 apply per model / optimizer."""
+    """Install the module-level fixes (1, 4 and 5). Fixes 2-3 apply per model / optimizer."""
     _fix_single_rank_reduce()
     _fix_torch_adam_step_on_load()
+    _fix_checkpoint_without_output_fp8()
 
 
 __all__ = [

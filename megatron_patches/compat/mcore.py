@@ -459,6 +459,14 @@ def _observing_token_dropping(original: Callable) -> Callable:
     return apply_router_token_dropping
 
 
+def recomputing() -> bool:
+    """True while activation recompute re-runs a forward (Megatron's CheckpointFunction and
+    CheckpointWithoutOutput re-run it inside the autograd engine's backward, the only place a
+    forward runs there). Loads, dispatch statistics and collectives planned once per forward
+    use it to recognise the second run of the same micro-batch."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def observe_routing(router_module, on_routed: Callable, on_processed: Callable) -> list:
     """Calls on_routed(routing_map before capacity dropping) and on_processed(routing_map
     after it) for every forward of `router_module`; returns the hook handles.

@@ -17,6 +17,12 @@ flight, launches spRS(l) and, with re-materialization, the re-gather of layer l-
 run during attention backward. The points where collectives launch are fixed by the
 autograd graph, identical on every rank, so every rank launches them in the same order.
 
+Activation recompute (`--recompute-granularity full`): a checkpointed layer runs its forward
+twice, once without autograd and again inside the backward. The first run gathers and plans as
+above and keeps its LayerPass (with its copies, or with re-materialization without them); the
+second run replays that pass: the same dispatch, the same copies (re-materialization: the
+re-gather the backward needs anyway), and no second spAG, count exchange or calibration.
+
 Re-materialization: the held copies are not kept by autograd; saved-tensor hooks replace
 every saved view of them by a marker, and the backward unpacks the marker from the
 re-gathered buffer. The stage's last MoE layer keeps its copies (its backward comes first,
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
+from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
 from megatron_patches.placement import fssdp as planner
 
@@ -67,6 +74,10 @@ class LayerPass:
 
     calibration: tuple | None = None
     """(plan before calibration, extra SparseAllGather, its in-flight handle) when calibrated."""
+    tokens_ED: np.ndarray | None = None
+    """This rank's tokens per (expert, destination) of the dispatch plan (kept for a replay)."""
+    replaying: bool = False
+    """The recompute's second forward of this pass (activation recompute)."""
 
     def wait_gather(self) -> torch.Tensor:
         """The copies of `plan` (after calibration's extra gather, if any)."""
@@ -139,12 +150,20 @@ class FSSDPMoELayer(InstanceMoELayer):
             raise ValueError("FSSDPMoELayer needs the FSSDP runtime (pass it through the layer spec's params)")
         self.runtime = runtime
         self._pass: LayerPass | None = None
+        self._replays: list[LayerPass] = []
+        """Passes whose forward ran without autograd for activation recompute, oldest first; the
+        recompute replays them in the same micro-batch order."""
         runtime.register_layer(self)
 
     # ---- forward stages ------------------------------------------------------------------
 
     def start_gather(self) -> None:
-        """Launch spAG of this layer (called when the layer's attention starts)."""
+        """Launch spAG of this layer (called when the layer's attention starts); the recompute
+        of a checkpointed forward takes up that forward's pass instead."""
+        if mcore.recomputing() and self._replays:
+            self._pass = self._replays.pop(0)
+            self._pass.replaying = True
+            return
         self._pass = self.runtime.start_pass(self)
 
     def enter(self, hidden_states):
@@ -158,6 +177,8 @@ class FSSDPMoELayer(InstanceMoELayer):
 
     def route_to_instances(self, routing_map_TE, probs_TE):
         layer_pass = self._pass
+        if layer_pass.replaying:  # the router is deterministic: the same tokens as the first run
+            return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)
         counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
         counts_DE = self.runtime.all_gather_counts(counts_E)
         if self.runtime.config.calibrate:
@@ -165,11 +186,12 @@ class FSSDPMoELayer(InstanceMoELayer):
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
             self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
-        return virtual_routing(routing_map_TE, probs_TE, tokens_from_source(plan, self.runtime.rank))
+        layer_pass.tokens_ED = tokens_from_source(plan, self.runtime.rank)
+        return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)
 
     def before_dispatch(self):
         layer_pass = self._pass
-        held_HN = layer_pass.wait_gather()
+        held_HN = layer_pass.rematerialized() if layer_pass.replaying else layer_pass.wait_gather()
         if torch.is_grad_enabled():
             held_HN = _Materialize.apply(layer_pass.anchor, held_HN, layer_pass)
         layer_pass.copies_HN = held_HN
@@ -180,7 +202,9 @@ class FSSDPMoELayer(InstanceMoELayer):
         row_E = layer_pass.plan.held_row_E
         counts = tokens_per_expert_E.tolist()
         outputs = []
-        hooks = self._saved_copy_hooks(layer_pass) if not layer_pass.keeps_copies and torch.is_grad_enabled() else contextlib.nullcontext()
+        # Re-materialization frees the copies after the forward; a replay's backward follows at once.
+        frees = not layer_pass.keeps_copies and not layer_pass.replaying
+        hooks = self._saved_copy_hooks(layer_pass) if frees and torch.is_grad_enabled() else contextlib.nullcontext()
         started = time.perf_counter()
         with hooks:
             for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
@@ -201,11 +225,13 @@ class FSSDPMoELayer(InstanceMoELayer):
                 # plan gathers none): the empty output stays connected to the dispatched tokens
                 # so that the backward's all-to-all still runs here.
                 outputs.append(tokens_ND * probs_N.unsqueeze(-1).to(tokens_ND.dtype))
-        if self.training:
+        if self.training and not layer_pass.replaying:
             self.runtime.stats.expert_s += time.perf_counter() - started
             self.runtime.stats.expert_tokens += tokens_ND.shape[0]
-        if not layer_pass.keeps_copies:
-            layer_pass.held_HN = None  # freed: the backward re-gathers
+        if frees:
+            layer_pass.held_HN = None  # freed: the backward (or the recompute) re-gathers
+        if self.training and not torch.is_grad_enabled():
+            self._replays.append(layer_pass)  # activation recompute runs this forward again
         self._pass = None
         return torch.cat(outputs, dim=0)
 

@@ -36,6 +36,7 @@ from megatron.core import parallel_state
 from megatron_patches.comm.groups import node_layout
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
@@ -241,7 +242,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def _moe_start_hook(self):
         def hook(module, args):
-            if self.stats is not None and module.training:
+            if self.stats is not None and module.training and not mcore.recomputing():
                 self.stats.non_moe_s.append(time.perf_counter() - self._layer_started)
 
         return hook

@@ -250,7 +250,7 @@ class ReplicateRuntime(ModeRuntime):
         factor = self.config.capacity_factor or float(self.num_devices * self.slots_per_rank)
         spread = spread_tokens(placement, loads_GE, factor, self.slots_per_rank)
         tokens_ED = tokens_from_source(spread.plan, self.rank, spread.kept_K)
-        if layer.training:
+        if layer.training and not mcore.recomputing():  # a recomputed forward routes the same tokens again
             index = self.layers.index(layer)
             self.stats.routed_LE[index] += loads_GE.sum(axis=0)
             self.stats.processed_LED[index] += spread.processed_ED

@@ -78,14 +78,14 @@ class MoELoadRecorder:
 
     def _on_routed(self, row: int):
         def record(routing_map_TE: torch.Tensor) -> None:
-            if self.enabled:
+            if self.enabled and not mcore.recomputing():  # a recomputed forward routes the same tokens again
                 self.routed_LE[row] += routing_map_TE.sum(dim=0).to(torch.int64).cpu()
 
         return record
 
     def _on_processed(self, row: int):
         def record(routing_map_TE: torch.Tensor) -> None:
-            if self.enabled:
+            if self.enabled and not mcore.recomputing():
                 counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
                 self.processed_LE[row] += counts_E
                 self.remote += counts_E[self.remote_mask_E].sum()
