@@ -502,6 +502,12 @@ def test_recompute_flags(parse, flags, fragments):
     expect_error(parse(*flags), 1, *fragments)
 
 
+def test_moe_recompute_is_refused_in_instance_modes(parse):
+    for mode in ("fssdp", "replicate"):
+        expect_error(parse("--moe-parallel-mode", mode, "--recompute-granularity", "selective", "--recompute-modules",
+                           "layernorm", "moe"), 4, "--recompute-modules=moe", "--recompute-granularity full")
+
+
 def test_recompute_flags_reach_transformer_config(parse):
     from megatron_patches.training.model import transformer_config
 

@@ -32,6 +32,9 @@ def check_instance_mode(args, mode: str) -> None:
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce,
          f"{mode} handles the expert gradients after the backward; not supported together with DDP's "
          "overlapped reduce yet"),
+        ("--recompute-modules", "moe", "moe" in (args.recompute_modules or ()),
+         f"{mode}'s MoE layer plans its collectives once per forward; recompute it with the whole layer "
+         "(--recompute-granularity full) or drop moe from --recompute-modules"),
         ("--overlap-param-gather", True, args.overlap_param_gather,
          f"not supported in {mode} mode (it needs --overlap-grad-reduce)"),
     )

@@ -1,0 +1,118 @@
+"""Mixed precision and activation recompute end to end: `pretrain_gpt_moe.py` on 4 gloo ranks,
+EP = 4 (so fssdp's and replicate's group is the world), the tiny GPT-MoE on Megatron's mock
+tokens with a 1000-token vocabulary: CPU bf16 matmuls are ~10x slower than fp32 at the embedded
+corpus' 50k vocabulary (10.6 s against 0.9 s per iteration), which would cost this file 20
+minutes.
+
+bf16: the scale of bf16 noise is ep-bf16 against ep-fp32 on the same data and seed. fssdp and
+replicate in bf16 run ep's bf16 forward exactly (the same bf16 weights: iterations 1-2 equal to
+1e-6), but their expert weight gradients are partial sums per holder, each rounded to bf16 by
+autograd before the fp32 reduction, where ep rounds one sum; that difference is itself bf16
+rounding, so from iteration 3 the modes drift from ep-bf16 at the scale of the bf16 noise, not
+well inside it. Measured (2026-11-25, 30 iterations, relative loss difference): ep-bf16 vs
+ep-fp32 max 2.5e-4, mean 8.6e-5; fssdp-bf16 and replicate-bf16 vs ep-bf16 max 2.4e-4 and
+2.5e-4, mean 6.3e-5 both. The test holds the modes to 2x the noise's maximum and 1.5x its mean,
+and the noise itself above 1e-5 (fp32 modes differ by 2e-8: a run that stayed fp32 fails).
+
+fp16 with expert parallelism (which Megatron-LM refuses) trains with a dynamic loss scale that
+moves, in ep and fssdp. Recompute (full, selective) leaves the fp32 losses unchanged to 1e-6 in
+every mode, loads are counted once, and in fssdp recompute adds no spAG.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.training import MOCK, launch
+
+pytestmark = pytest.mark.e2e
+
+ITERS = 30
+SHORT = 8
+COMMON = [
+    *MOCK, "--expert-model-parallel-size", "4", "--lr-warmup-iters", "5", "--lr-decay-iters", str(ITERS),
+    "--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+REPLICATE = ["--moe-parallel-mode", "replicate", "--replicate-slots-per-rank", "4"]
+FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+N = 16_576  # elements of one tiny expert: fc1 64x128 + 128, fc2 128x64 + 64
+LAYERS, EXPERTS, RANKS = 2, 8, 4
+
+
+@pytest.fixture(scope="module")
+def ep_fp32(workdir):
+    return launch(4, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep_fp32")
+
+
+@pytest.fixture(scope="module")
+def ep_bf16(workdir):
+    return launch(4, [*COMMON, "--train-iters", str(ITERS), "--bf16"], workdir, "ep_bf16")
+
+
+def relative(run, reference) -> np.ndarray:
+    losses, expected = np.array(run.losses), np.array(reference.losses[: len(run.losses)])
+    assert len(losses) == len(expected) > 0
+    return np.abs(losses - expected) / np.abs(expected)
+
+
+def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, ep_bf16, workdir):
+    noise = relative(ep_bf16, ep_fp32)
+    assert 1e-5 < noise.max() < 1e-2, noise
+    assert "precision: parameters bfloat16 | main weights and Adam state float32" in ep_bf16.output
+    assert ep_bf16.losses[-1] < ep_bf16.losses[0] - 0.3
+    for name, flags in (("fssdp_bf16", FSSDP), ("replicate_bf16", REPLICATE)):
+        run = launch(4, [*COMMON, "--train-iters", str(ITERS), "--bf16", *flags], workdir, name)
+        difference = relative(run, ep_bf16)
+        assert difference[:2].max() < 1e-6, (name, difference)
+        assert difference.max() < 2 * noise.max() and difference.mean() < 1.5 * noise.mean(), (name, difference, noise)
+        assert all(r["update_successful"] and r["loss_scale"] == 1.0 for r in run.records if "loss" in r)
+        if name == "fssdp_bf16":
+            for record in (r for r in run.records if "loss" in r):
+                fssdp = record["fssdp"]
+                copies = sum(sum(layer["copies"]) for layer in fssdp["layers"])
+                # bf16 copies move 2 bytes per element; spRS sums in fp32 (Megatron's bf16 rule)
+                assert fssdp["bytes"]["spag"]["intra"] == copies * N * 2
+                assert fssdp["bytes"]["sprs"]["intra"] == copies * N * 4
+                # shards in bf16; fp32 main weight + Adam's two moments per element
+                assert sum(fssdp["memory"]["shard_bytes"]) == LAYERS * EXPERTS * N * 2
+                assert sum(fssdp["memory"]["optimizer_state_bytes"]) == LAYERS * EXPERTS * N * 12
+
+
+@pytest.mark.parametrize("name, flags", [("ep", []), ("fssdp", FSSDP)])
+def test_fp16_with_expert_parallelism_moves_the_loss_scale(workdir, name, flags):
+    run = launch(4, [*COMMON, "--train-iters", "10", "--fp16", "--initial-loss-scale", "1024",
+                     "--loss-scale-window", "2", *flags], workdir, f"{name}_fp16")
+    records = [r for r in run.records if "loss" in r]
+    scales = [r["loss_scale"] for r in records]
+    assert len(set(scales)) > 1 and max(scales) > 1024, scales
+    assert records[-1]["skipped_iterations"] == sum(not r["update_successful"] for r in records)
+    assert run.losses[-1] < run.losses[0]
+    assert "dynamic loss scale from 1024" in run.output and "loss scale" in run.output.split("iter      2/10")[1]
+
+
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("ep_full", FULL),
+        ("ep_selective", ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm", "moe"]),
+        ("fssdp_full_remat", [*FSSDP, *FULL, "--fssdp-rematerialize"]),
+        ("replicate_full", [*REPLICATE, *FULL]),
+    ],
+)
+def test_recompute_keeps_losses_and_loads(ep_fp32, workdir, name, flags):
+    run = launch(4, [*COMMON, "--train-iters", str(SHORT), *flags], workdir, name)
+    assert relative(run, ep_fp32).max() < 1e-6
+    for record, reference in zip(run.records, ep_fp32.records):
+        # the recomputed forward routes again; loads are counted once per micro-batch
+        assert [layer["expert_tokens"] for layer in record["moe_layers"]] == [
+            layer["expert_tokens"] for layer in reference["moe_layers"]]
+    if name.startswith("fssdp"):
+        for record in run.records:
+            fssdp = record["fssdp"]
+            copies = sum(sum(layer["copies"]) for layer in fssdp["layers"])
+            # no second spAG for the recompute; the backward's re-gather (all layers but the
+            # stage's last) serves it
+            assert fssdp["bytes"]["spag"]["intra"] == copies * N * 4
+            assert fssdp["bytes"]["spag_remat"]["intra"] == sum(fssdp["layers"][0]["copies"]) * N * 4
