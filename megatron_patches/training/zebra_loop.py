@@ -85,6 +85,9 @@ def pretrain_zebra(args) -> Summary:
                     "lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
                     "grad_norm": result.grad_norm,
                     "update_successful": True,
+                    # the record fields of every mode; zebra trains in fp32 and never skips a step
+                    "loss_scale": 1.0,
+                    "skipped_iterations": 0,
                     "tokens_per_s": tokens_per_iteration / elapsed,
                     "iteration_time_s": elapsed,
                     "moe_layers": metrics.zebra_layer_records(routed_LE, engine.owners_LE, layout, layer_numbers),
