@@ -576,8 +576,9 @@ class FSSDPRuntime(ModeRuntime):
     def memory_report(self) -> dict:
         """Bytes per rank (gathered over the group): owned expert shards (in the compute dtype)
         and their optimizer state (Adam's moments, and in mixed precision the fp32 main weights)."""
-        model_params = {id(p) for layer in self.layers for p in layer.experts.parameters()}
-        owned = sum(p.numel() * p.element_size() for layer in self.layers for p in layer.experts.parameters())
+        shards = [p for layer in self.layers for p in layer.experts.parameters()]
+        owned = sum(p.numel() * p.element_size() for p in shards)
+        model_params = {id(p) for p in shards}
         state = 0
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
