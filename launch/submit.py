@@ -569,11 +569,15 @@ def zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
 
 
 def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
-    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + 4 + 12
-    (the DDP gradient buffer is fp32: compat.mcore.wrap_ddp sets grad_reduce_in_fp32; fp32
-    master weights, m and v). The distributed optimizer shards the optimizer part over the
-    data-parallel ranks."""
-    fixed, optimizer = (6.0, 12.0) if (args.bf16 or args.fp16) else (8.0, 8.0)
+    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + (4 or 2) +
+    12. The DDP gradient buffer is fp32 with --accumulate-allreduce-grads-in-fp32 (always on with
+    bf16, Megatron-LM's rule), else in the compute dtype (compat.mcore.wrap_ddp); fp32 main
+    weights, m and v. The distributed optimizer shards the optimizer part over the data-parallel
+    ranks."""
+    if args.bf16 or args.fp16:
+        fixed, optimizer = 2.0 + (4.0 if args.accumulate_allreduce_grads_in_fp32 else 2.0), 12.0
+    else:
+        fixed, optimizer = 8.0, 8.0
     return fixed + optimizer / (data_parallel if args.use_distributed_optimizer else 1)
 
 

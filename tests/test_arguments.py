@@ -752,7 +752,14 @@ def test_load_directory_missing(parse, tmp_path):
     # --save DIR --load DIR: resume when a checkpoint exists, else start fresh.
     validate_args(parse("--load", str(missing), "--save", str(missing), "--save-interval", "10"), 1)
     missing.mkdir()
-    validate_args(parse("--load", str(missing)), 1)
+    validate_args(parse("--load", str(missing), "--save", str(missing), "--save-interval", "10"), 1)
+    # any other directory must hold a checkpoint: a typo must not silently train from scratch
+    expect_error(parse("--load", str(missing)), 1, f"--load={missing}",
+                 "holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    (missing / "latest_checkpointed_iteration.txt").write_text("release\n")
+    expect_error(parse("--load", str(missing)), 1, f"--load={missing}", "holds 'release', expected an iteration number")
+    (missing / "latest_checkpointed_iteration.txt").write_text("20\n")
+    assert validate_args(parse("--load", str(missing)), 1).load == str(missing)
 
 
 def test_save_needs_save_interval(parse, tmp_path):

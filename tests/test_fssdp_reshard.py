@@ -8,7 +8,9 @@ Three levels:
 - end to end through `pretrain_gpt_moe.py` on 4 gloo ranks: with a small overlap degree the
   router's own skew on real text makes re-sharding move experts, and the losses still equal
   ep's (fp32, no dropping); the logged re-shard bytes are moved experts x (weights + Adam's
-  two moments); a checkpoint saved after a re-shard resumes in ep mode on ep's losses.
+  two moments); a checkpoint saved after a re-shard resumes in ep mode on ep's losses, and in
+  fssdp mode with the re-sharded layout and the load history: the uninterrupted run's losses,
+  placements and re-shard decisions exactly.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp
 
 
 @pytest.mark.e2e
-def test_reshard_matches_ep_counts_bytes_and_resumes_in_ep(tmp_path):
+def test_reshard_matches_ep_counts_bytes_and_resumes_in_ep_and_fssdp(tmp_path):
     ep = launch(4, [*COMMON, "--train-iters", str(ITERS)], tmp_path, "ep")
     ckpt = tmp_path / "ckpt"
     fssdp = launch(4, [*COMMON, "--train-iters", str(ITERS), *FSSDP, "--save", str(ckpt), "--save-interval", str(SAVE_AT)],
@@ -201,3 +203,19 @@ def test_reshard_matches_ep_counts_bytes_and_resumes_in_ep(tmp_path):
         [r["loss"] for r in resumed.records if "loss" in r],
         [r["loss"] for r in ep.records if "loss" in r][SAVE_AT:], rtol=1e-5, atol=0,
     )
+
+    # (4) resumed in fssdp: the saved layout (after the re-shard), slot tables and load history
+    fssdp_resumed = launch(4, [*COMMON, "--train-iters", str(ITERS), *FSSDP, "--load", str(ckpt)], tmp_path,
+                           "fssdp_resumed")
+    assert "fssdp: restored the shard layout" in fssdp_resumed.output
+    assert "10 observed iterations of loads" in fssdp_resumed.output
+    straight = [r for r in fssdp.records if "loss" in r][SAVE_AT:]
+    again = [r for r in fssdp_resumed.records if "loss" in r]
+    assert [r["loss"] for r in again] == [r["loss"] for r in straight]
+    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in straight]
+    for record, reference in zip(again, straight):
+        assert [layer["owned"] for layer in record["fssdp"]["layers"]] == [
+            layer["owned"] for layer in reference["fssdp"]["layers"]]
+        assert [layer["copies"] for layer in record["fssdp"]["layers"]] == [
+            layer["copies"] for layer in reference["fssdp"]["layers"]]
+        assert record["fssdp"]["reshard"] == reference["fssdp"]["reshard"]

@@ -299,7 +299,8 @@ def test_inconsistent_parallel_sizes():
 
 def test_model_state_must_fit_the_gpu_memory():
     """GPT-MoE-L with 64 experts (configs/models/gpt_moe_l.yaml): 7,446,286,080 parameters,
-    7,251,296,256 of them in experts, so 194,989,824 outside; on 2 V100-32GB in fp32."""
+    7,251,296,256 of them in experts, so 194,989,824 outside; on 2 V100-32GB in the run's fp16
+    (fp16 weight and gradient, fp32 main weight and Adam moments: 2 + 2 + 12 B per parameter)."""
     run = REPO / "configs" / "runs" / "fssdp_gpt_moe_l_a32.yaml"
     two_gpus = dict(mode="ep", nodes=(1,), gpus_per_node=(2,))
     # EP 2: (194,989,824 + 7,251,296,256 / 2) x 16 B = 61.13 GB per GPU.
@@ -307,10 +308,14 @@ def test_model_state_must_fit_the_gpu_memory():
     assert message.startswith("model state needs at least 61.1 GB per GPU on every rank, more than the 32 GB of a "
                               "V100-SXM2-32GB (weights, gradients and Adam state of 7.45B parameters, 7.25B of them "
                               "in experts, before activations)")
-    # EP 1 with the distributed optimizer: every parameter on both GPUs, Adam state halved:
-    # 7,446,286,080 x (8 + 8 / 2) B = 89.36 GB.
+    # EP 1 with the distributed optimizer: every parameter on both GPUs, main weights and Adam
+    # state halved: 7,446,286,080 x (4 + 12 / 2) B = 74.46 GB.
     message = refused(run, **two_gpus, training=["--expert-model-parallel-size", "1", "--global-batch-size", "2",
                                                   "--use-distributed-optimizer"])
+    assert message.startswith("model state needs at least 74.5 GB per GPU")
+    # with fp32 gradient accumulation the gradient is 4 B: (2 + 4) + 12 / 2 = 12 B, 89.36 GB
+    message = refused(run, **two_gpus, training=["--expert-model-parallel-size", "1", "--global-batch-size", "2",
+                                                  "--use-distributed-optimizer", "--accumulate-allreduce-grads-in-fp32"])
     assert message.startswith("model state needs at least 89.4 GB per GPU")
 
 

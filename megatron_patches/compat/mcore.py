@@ -504,6 +504,12 @@ def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> Non
     dist_checkpointing.save(state, directory)
 
 
+def load_common_state(directory: str) -> dict:
+    """A torch_dist checkpoint's common (non-sharded) state, read alone: a mode adopts its saved
+    placement before it builds the sharded state dict that says which module loads what."""
+    return dist_checkpointing.load_common_state_dict(str(directory))
+
+
 def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> dict:
     model_sd = model_chunks[0].sharded_state_dict()
     state = {"model": model_sd}

@@ -10,6 +10,13 @@ every `reshard_interval` iterations the heterogeneous sharding of the predicted 
 adopted when it lowers the mean imbalance bound, moving weights and optimizer state between
 ranks (`reshard.exchange_slots`). Non-expert parameters are untouched.
 
+Checkpoints keep the experts under ep's per-expert keys (placement-independent), and the
+placement as common state under "fssdp": every rank's slot table, the load history, t and the
+calibration cost model (both measured, so not reproducible by a resumed run). A resume in
+fssdp adopts them before the weights are read into the slots, so it continues exactly as the
+uninterrupted run; a checkpoint from another mode (or another group size) starts from EP's
+layout with no load history, and says so.
+
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
 m)` and the SparseAllGather / SparseReduceScatter pair for it. Per micro-batch and layer the
@@ -169,7 +176,6 @@ class FSSDPRuntime(ModeRuntime):
         """Index of each of `layers` among the stage's transformer layers (checkpoint keys)."""
         self.optimizer = None
         """Megatron's optimizer (set by attach): re-sharding moves its expert state."""
-        self._started = False
         self._last_pass = None
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -279,12 +285,6 @@ class FSSDPRuntime(ModeRuntime):
         predicted_LE = self.tracker.predict()
         self.traffic.reset()
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
-        if not self._started and iteration > 1:
-            self._log.append(
-                f"fssdp: resumed at iteration {iteration}: experts start from the even shard layout (EP's); "
-                "the re-shard layout is not part of checkpoints (they are per expert, placement-independent)"
-            )
-        self._started = True
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
         self.plans = {}
@@ -498,6 +498,81 @@ class FSSDPRuntime(ModeRuntime):
                 layer.expert_layout.grads_into(self.slot_modules[slot], grads_ON[row])
             layer_pass.grad_HN = None
         self.pending = []
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
+        """ep's per-expert form (FSSDPMoELayer's sharded state dict, through `held_experts`) plus
+        the placement under "fssdp" (`placement_state_dict`)."""
+        mcore.save_checkpoint(directory, model_chunks, optimizer, {**common, "fssdp": self.placement_state_dict()})
+
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+        """Adopts the saved placement first: the slot table decides which slot module each
+        expert's weights and optimizer state are read into."""
+        notes = self.load_placement_state_dict(mcore.load_common_state(directory).get("fssdp"))
+        loaded, more = super().load_checkpoint(directory, model_chunks, optimizer, template, load_optim)
+        return loaded, notes + more
+
+    def placement_state_dict(self) -> dict:
+        """Every rank's slot table with its stage's shard layout, the load history, t and the
+        calibration cost model, as plain numbers (Megatron reads common state with
+        torch.load(weights_only=True)). Collective over the world: each rank adds its table."""
+        mine = {
+            "layers": [layer.layer_number for layer in self.layers],
+            "rank": self.rank,
+            "held": self.table.held_S2.tolist(),
+            "owners": self.layout.owners_LE.tolist(),
+        }
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        stages: dict[tuple, dict] = {}
+        for entry in every:
+            stage = stages.setdefault(tuple(entry["layers"]), {"layers": entry["layers"], "owners": entry["owners"],
+                                                                "tables": [None] * self.num_devices})
+            stage["tables"][entry["rank"]] = entry["held"]
+        tracker = self.tracker.state_dict()
+        return {
+            "num_devices": self.num_devices,
+            "stages": list(stages.values()),
+            "observed": int(tracker["observed"]),
+            "history_loads": tracker["history_loads"].tolist(),
+            "overlap_degree": self.t,
+            "calibration_seconds_per_token": None if self.cost is None else self.cost.seconds_per_token,
+        }
+
+    def load_placement_state_dict(self, state: dict | None) -> list[str]:
+        """Adopts a saved placement (after attach, before the weights are read); log notes.
+
+        A placement saved in another mode, with another group size or other MoE layers does not
+        apply: the run starts from EP's layout with no load history and says so. A saved t
+        applies when --fssdp-overlap-degree is auto (the flag wins otherwise)."""
+        if state is None:
+            return ["fssdp: the checkpoint holds no fssdp placement (saved in another mode); experts start "
+                    "from EP's layout with no load history"]
+        layers = [layer.layer_number for layer in self.layers]
+        stage = next((s for s in state["stages"] if s["layers"] == layers), None)
+        history = np.asarray(state["history_loads"], dtype=np.int64)
+        if history.size == 0:
+            history = history.reshape(0, len(self.moe_layer_numbers), self.num_experts)
+        if (state["num_devices"] != self.num_devices or stage is None
+                or history.shape[1:] != (len(self.moe_layer_numbers), self.num_experts)):
+            return [f"fssdp: the saved placement ({state['num_devices']} ranks) does not fit {self.num_devices} "
+                    f"ranks and MoE layers {layers}; experts start from EP's layout with no load history"]
+        layout = ModelShardLayout(np.asarray(stage["owners"], dtype=np.int64), self.num_devices)
+        table = SlotTable(np.asarray(stage["tables"][self.rank], dtype=np.int64), self.table.slots_per_layer)
+        table.check(layout, self.rank)
+        self.layout, self.table = layout, table
+        self.tracker.load_state_dict({"observed": state["observed"], "history_loads": history})
+        notes = [f"fssdp: restored the shard layout (experts owned per layer and rank {layout.counts_LD().tolist()}) "
+                 f"and {self.tracker.num_observed} observed iterations of loads"]
+        if self.config.overlap_degree is None and state["overlap_degree"] is not None:
+            self.t = int(state["overlap_degree"])
+            notes.append(f"fssdp: overlap degree t = {self.t} from the checkpoint (auto t measured by the saving run)")
+        seconds = state["calibration_seconds_per_token"]
+        if self.config.calibrate and seconds is not None:
+            # the measured compute time; the copy's bytes are this run's (its dtype may differ)
+            self.cost = planner.CalibrationCost(seconds_per_token=float(seconds), expert_bytes=float(self.expert_bytes))
+        return notes
 
     # ---- metrics ---------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def latest_iteration(root: str | Path) -> int | None:
         return None
     text = tracker.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"--load {root}: {TRACKER_FILE} holds {text!r}, expected an iteration number")
+        raise ValueError(f"{TRACKER_FILE} holds {text!r}, expected an iteration number")
     return int(text)
 
 
@@ -76,11 +76,14 @@ def read_rng_state(path: Path) -> dict:
         raise ValueError(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
 
 
-def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, mode) -> tuple[dict, list[str]]:
-    """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log)."""
+def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, mode) -> tuple[dict | None, list[str]]:
+    """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log).
+
+    `root` without a checkpoint yet is the --save directory of a job's first start (validation
+    refuses any other): loop_state is None and nothing is loaded."""
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {TRACKER_FILE}; it does not hold a checkpoint saved by this script")
+        return None, [f"{root} holds no checkpoint yet (it is the --save directory): starting from iteration 0"]
     directory = iteration_dir(root, iteration)
     template = {"loop_state": None, "scheduler": None}
     loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
@@ -88,7 +91,10 @@ def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_r
     if load_optim:
         scheduler.load_state_dict(loaded["scheduler"])
     else:
-        notes.append("optimizer state not loaded (--no-load-optim)")
+        # half precision: the fp32 main weights still hold the initial values; refresh them from
+        # the loaded model (Megatron-LM does the same), or the first step would write them back
+        optimizer.reload_model_params()
+        notes.append("optimizer state not loaded (--no-load-optim): main weights taken from the loaded model")
     rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if load_rng and rng_file.exists():
         rng = read_rng_state(rng_file)

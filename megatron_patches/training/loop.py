@@ -172,7 +172,8 @@ def build(args) -> Run:
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     if args.load:
         loaded, notes = checkpoint.load(args.load, [ddp], optimizer, scheduler, not args.no_load_optim, not args.no_load_rng, mode)
-        state.update({k: loaded[k] for k in state})
+        if loaded is not None:
+            state.update({k: loaded[k] for k in state})
         for note in notes:
             log0(f"checkpoint: {note}")
     dp_rank = parallel_state.get_data_parallel_rank()
