@@ -7,12 +7,24 @@ Example (GPT-MoE-S on cluster A's 32 V100s, a skewed synthetic trace):
     python tools/simulate.py --model configs/models/gpt_moe_s.yaml --cluster configs/clusters/cluster_a.yaml \\
         --gpus 32 --trace T.npz --systems ep,fastermoe,smartmoe,flexmoe-50,fssdp --json out.json
 
+Or everything from a run config (model, cluster, world size, micro-batch, sequence length,
+precision, recompute, the mode's systems and flags), on a synthetic trace made on the fly:
+
+    python tools/simulate.py --run configs/runs/fssdp_gpt_moe_s_a32.yaml
+
+Precision (`--precision fp32|fp16|bf16`, default bf16 where every simulated GPU supports it,
+else fp16) sets the bytes of weights, gradients, optimizer state, tokens and activations and
+the compute peaks; `--recompute none|selective|full` sets what activations are kept and what
+the backward computes again. Explicit flags override the run config; the settings used and
+where each came from are printed first.
+
 Every placement system is planned by the placement engine's own code (megatron_patches/placement)
 iteration by iteration, priced by the cost model (megatron_patches/sim/costs.py) and run through
 an event-driven schedule of forward and backward per layer; zebra systems use the placement
 engine's zebra schedule. The trace's routing is rescaled to the simulated batch (D x
 --micro-batch-size x --seq-length tokens per iteration). EP is always simulated: speedups are
-relative to it. `--list-systems` names every system; the table explains its columns.
+relative to it (where EP cannot place the experts on the devices, the other systems run without
+speedups). `--list-systems` names every system; the table explains its columns.
 `--json OUT` writes {"setup": ..., "systems": {name: {iteration_s, speedup_vs_ep, breakdown_s,
 imbalance_mean, memory_gb_max, survival_mean, per_layer_speedup, ...}}}; `--plot OUT.png`
 draws the speedups, the breakdowns and the per-layer speedups.
@@ -27,22 +39,34 @@ import sys
 import time
 
 from megatron_patches.config import ConfigError, load_cluster_config, load_model_config
+from megatron_patches.placement.synthetic import synthetic_trace
 from megatron_patches.placement.trace import TraceError, read_trace
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim import (
+    PRECISIONS,
+    RECOMPUTE,
     SYSTEMS,
     KernelEfficiency,
     LinkParameters,
+    Precision,
     SimError,
     SimOptions,
     build_scenario,
     format_table,
     plot,
     resolve_systems,
+    select_devices,
     summarize,
     write_json,
 )
-from megatron_patches.sim.systems import check_memory, simulate_all
+from megatron_patches.sim.systems import check_memory, ep_layout_problem, simulate_all
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SYNTHETIC_ITERATIONS = 10
+"""Iterations of the synthetic trace `--run` makes without `--trace` (enough for the load
+predictors' windows to fill; more only repeats the same statistics)."""
+
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,13 +77,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--list-systems", action="store_true",
                         help="print the system names with a description and exit")
+    parser.add_argument("--run", help="run config (configs/runs/NAME.yaml or NAME): model, cluster, world size, "
+                        "micro-batch, sequence length, precision, recompute, the mode's systems and flags")
     parser.add_argument("--model", help="model config: a YAML path or a name under configs/models")
     parser.add_argument("--cluster", help="cluster config: a YAML path or a name under configs/clusters")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use, the cluster's first ones (default: all)")
-    parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py)")
-    parser.add_argument("--systems", default="ep,fssdp", help="comma-separated systems (default ep,fssdp)")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per GPU per iteration (default 1)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs to use, the cluster's first ones (default: all, or the run's world size)")
+    parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py); "
+                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations")
+    parser.add_argument("--systems", default=None,
+                        help="comma-separated systems (default ep,fssdp; with --run, ep and the run's mode)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="sequences per GPU per iteration (default 1, or the run's)")
     parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None,
+                        help="training precision (default: bf16 where every simulated GPU supports it, else fp16; "
+                        "with --run, the run's --bf16 / --fp16, else fp32)")
+    parser.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                        help="activation recompute (default none, or the run's --recompute-granularity)")
     parser.add_argument("--iterations", type=int, default=None, help="simulate only the trace's first N iterations")
     parser.add_argument("--overlap-degree", type=int, default=None,
                         help="FSSDP's t (default: DESIGN 4.2's formula from the cost model)")
@@ -71,10 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replicate / static expert slots per rank and layer (default: ceil(E/D) + reserved slots)")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="capacity factor of replicate / static (default: the model's, else 1.0)")
-    parser.add_argument("--reshard-interval", type=int, default=100,
-                        help="iterations between FSSDP re-sharding and SmartMoE swaps (default 100)")
-    parser.add_argument("--zebra-microbatches", type=int, default=4,
-                        help="micro-batches of zebra / zebra-asym (default 4)")
+    parser.add_argument("--reshard-interval", type=int, default=None,
+                        help="iterations between FSSDP re-sharding and SmartMoE swaps (default 100, or the run's)")
+    parser.add_argument("--zebra-microbatches", type=int, default=None,
+                        help="micro-batches of zebra / zebra-asym (default 4, or the run's)")
     parser.add_argument("--memory-reserve-gb", type=float, default=None,
                         help="per-GPU memory kept free for CUDA context and workspaces (default 1.5)")
     parser.add_argument("--sparse-collectives", choices=("p2p", "ring"), default="p2p",
@@ -112,6 +147,126 @@ def _key_values(items: list[str], flag: str) -> dict[str, float]:
     return out
 
 
+def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
+    """What a run config says, as {setting: (value, where it came from)}.
+
+    The run is read and checked as the launcher does (launch/submit.py: load_run_config and
+    plan_job, with --model / --cluster as the launcher's overrides), so the values are the
+    training flags the job would run with: the run's `train` and `mode_flags` over the model
+    config. Settings the simulator cannot model faithfully are refused, not approximated.
+    """
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from launch import submit
+
+    from megatron_patches.config.models import model_config_from_args
+
+    try:
+        run = submit.load_run_config(args.run)
+        job = submit.plan_job(run, submit.Overrides(model=args.model, cluster=args.cluster))
+    except submit.SubmitError as err:
+        raise SimError(f"--run {args.run}: {err}") from None
+    a, where = job.args, "run"
+    model = model_config_from_args(a)
+    # the nodes and GPUs per node the job uses, per node group (zebra: attention pool first)
+    cluster = dataclasses.replace(job.cluster, nodes=tuple(
+        dataclasses.replace(job.cluster.nodes[c.index], count=c.nodes, gpus_per_node=c.ranks_per_node)
+        for c in job.components))
+    out = {
+        "run": (f"{run.source} (mode {job.mode})", "--run"),
+        "model": (model, f"{where}: model {job.model_path.stem}" + (" (--model)" if args.model else "")
+                  + " with the run's train keys"),
+        "cluster": (cluster, f"{where}: cluster {job.cluster.name}" + (" (--cluster)" if args.cluster else "")
+                    + ", nodes x GPUs per node " + " + ".join(f"{c.nodes} x {c.ranks_per_node}" for c in job.components)),
+        "gpus": (job.world_size, f"{where}: world size"),
+        "micro_batch_size": (a.micro_batch_size, f"{where}: train.micro_batch_size"),
+        "seq_length": (a.seq_length, f"{where}: seq_length"),
+    }
+    if model.moe_expert_capacity_factor is not None:
+        out["capacity_factor"] = (model.moe_expert_capacity_factor, f"{where}: moe_expert_capacity_factor")
+    if a.bf16:
+        out["precision"] = (Precision("bf16"), f"{where}: train.bf16: true")
+    elif a.fp16:
+        out["precision"] = (Precision("fp16", a.accumulate_allreduce_grads_in_fp32), f"{where}: train.fp16: true"
+                            + (", accumulate_allreduce_grads_in_fp32" if a.accumulate_allreduce_grads_in_fp32 else ""))
+    else:
+        out["precision"] = (Precision("fp32"), f"{where}: neither train.bf16 nor train.fp16")
+    granularity = a.recompute_granularity or "none"
+    every_layer = (a.recompute_method == "uniform" and a.recompute_num_layers == 1) or (
+        a.recompute_method == "block" and (a.recompute_num_layers or 0) >= model.num_layers)
+    if granularity == "full" and not every_layer:
+        raise SimError(f"--run {args.run}: recompute_method {a.recompute_method} with recompute_num_layers "
+                       f"{a.recompute_num_layers}: the simulator models full recompute with one checkpoint per layer "
+                       "(uniform with 1 layer, or block over every layer)")
+    if granularity == "selective" and (a.recompute_modules or ["core_attn"]) != ["core_attn"]:
+        raise SimError(f"--run {args.run}: recompute_modules {a.recompute_modules}: the simulator models selective "
+                       "recompute of core_attn only")
+    out["recompute"] = (granularity, f"{where}: train.recompute_granularity" if a.recompute_granularity
+                        else f"{where}: no recompute_granularity")
+    mode = job.mode
+    systems = []
+    if mode == "fssdp":
+        systems = ["fssdp-remat" if a.fssdp_rematerialize else "fssdp"]
+        out["reshard_interval"] = (a.fssdp_reshard_interval, f"{where}: fssdp_reshard_interval")
+        for key, option in (("fssdp_overlap_degree", "overlap_degree"), ("fssdp_memory_capacity", "memory_capacity")):
+            value = getattr(a, key)
+            if value != "auto":
+                out[option] = (int(value), f"{where}: {key}")
+    elif mode == "replicate":
+        systems = [{"adaptive": "replicate", "static": "static",
+                    "periodic": f"flexmoe-{a.replicate_rebalance_interval}"}[a.replicate_policy]]
+        out["slots_per_rank"] = (a.replicate_slots_per_rank, f"{where}: replicate_slots_per_rank")
+    elif mode == "zebra":
+        if job.zp_groups != 1:
+            raise SimError(f"--run {args.run}: {job.zp_groups} ZP groups; the simulator models one (every attention "
+                           "GPU and every expert GPU of the pool in one group)")
+        systems = ["zebra" if a.zebra_asym_ea == "off" else "zebra-asym"]
+        out["zebra_microbatches"] = (a.zebra_microbatches, f"{where}: zebra_microbatches, {a.zebra_attention_ranks} "
+                                     f"attention + {a.zebra_expert_ranks} expert ranks")
+    out["systems"] = (",".join(["ep"] + systems), f"{where}: mode {mode}")
+    sequences = job.world_size * a.micro_batch_size
+    if a.global_batch_size not in (None, sequences):
+        out["batch_note"] = (f"the run's global batch is {a.global_batch_size} sequences; the simulator runs "
+                             f"world size x micro-batch = {sequences} per iteration without gradient accumulation "
+                             "(zebra splits the same batch into its micro-batches)", where)
+    return out
+
+
+def _settings(args: argparse.Namespace) -> dict[str, tuple]:
+    """Every setting as (value, source): an explicit flag, else the run config's value, else the default."""
+    run = _run_settings(args) if args.run else {}
+    if not run:
+        missing = [f"--{name}" for name in ("model", "cluster", "trace") if getattr(args, name) is None]
+        if missing:
+            raise SimError(f"{', '.join(missing)} required (or --run, or --list-systems)")
+        run = {"model": (load_model_config(args.model), f"--model {args.model}"),
+               "cluster": (load_cluster_config(args.cluster), f"--cluster {args.cluster}")}
+    out = dict(run)
+    defaults = {"micro_batch_size": 1, "seq_length": None, "precision": None, "recompute": "none",
+                "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None}
+    for name in ("gpus", "micro_batch_size", "seq_length", "precision", "recompute", "systems",
+                 "overlap_degree", "memory_capacity", "slots_per_rank", "capacity_factor", "reshard_interval",
+                 "zebra_microbatches"):
+        flag = getattr(args, name)
+        if flag is not None:
+            out[name] = (flag, f"--{name.replace('_', '-')}")
+        elif name not in out:
+            out[name] = (defaults.get(name), "default")
+    return out
+
+
+def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
+    """The --trace file, or with --run a synthetic trace of the run's routing (tools/make_trace.py's
+    defaults: Zipf 1.0, drift 0.05, seed 0, per-rank loads for every GPU); (trace, description)."""
+    if args.trace is not None:
+        return read_trace(args.trace), os.path.abspath(args.trace)
+    iterations = args.iterations or SYNTHETIC_ITERATIONS
+    trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
+                            tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0)
+    return trace, (f"synthetic (no --trace): {iterations} iterations, Zipf 1.0, drift 0.05, seed 0, "
+                   f"per-rank loads of {gpus} ranks")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list_systems:
@@ -120,12 +275,15 @@ def main(argv=None) -> int:
         print(f"{'flexmoe-N':<13} FlexMoE-style replicate/relocate every N iterations")
         print(f"{'smartmoe-N':<13} SmartMoE-style swapping every N iterations")
         return 0
-    missing = [f"--{name}" for name in ("model", "cluster", "trace") if getattr(args, name) is None]
-    if missing:
-        return _fail(f"{', '.join(missing)} required (or --list-systems)")
     started = time.perf_counter()
     try:
-        specs = resolve_systems(["ep"] + args.systems.split(","))
+        if args.iterations is not None and args.iterations < 1:
+            raise SimError(f"--iterations must be >= 1, got {args.iterations}")
+        if args.jobs < 1:
+            raise SimError(f"--jobs must be >= 1, got {args.jobs}")
+        settings = _settings(args)
+        value = {name: v for name, (v, _) in settings.items()}
+        specs = resolve_systems(["ep"] + value["systems"].split(","))
         efficiency = KernelEfficiency().with_overrides(_key_values(args.efficiency, "--efficiency"))
         links = _key_values(args.link, "--link")
         valid_links = [f.name for f in dataclasses.fields(LinkParameters)]
@@ -134,33 +292,42 @@ def main(argv=None) -> int:
             raise SimError(f"unknown link parameter(s) {unknown}; valid: {valid_links}")
         link_params = LinkParameters(**links)
         options = SimOptions(
-            overlap_degree=args.overlap_degree,
-            memory_capacity=args.memory_capacity,
+            overlap_degree=value["overlap_degree"],
+            memory_capacity=value["memory_capacity"],
             reserved_slots=args.reserved_slots,
-            slots_per_rank=args.slots_per_rank,
-            capacity_factor=args.capacity_factor,
-            reshard_interval=args.reshard_interval,
-            zebra_microbatches=args.zebra_microbatches,
+            slots_per_rank=value["slots_per_rank"],
+            capacity_factor=value["capacity_factor"],
+            reshard_interval=value["reshard_interval"],
+            zebra_microbatches=value["zebra_microbatches"],
             memory_reserve_gb=args.memory_reserve_gb,
             sparse_collectives=args.sparse_collectives,
         )
-        if args.iterations is not None and args.iterations < 1:
-            raise SimError(f"--iterations must be >= 1, got {args.iterations}")
-        model = load_model_config(args.model)
-        cluster = load_cluster_config(args.cluster)
-        trace = read_trace(args.trace)
+        model, cluster = value["model"], value["cluster"]
+        gpus = cluster.num_devices if value["gpus"] is None else value["gpus"]
+        seq_length = value["seq_length"] or model.seq_length
+        trace, trace_label = _trace(args, model, select_devices(cluster, gpus).num_devices,
+                                    value["micro_batch_size"] * seq_length)
         if args.iterations is not None:
             trace = dataclasses.replace(
                 trace,
                 loads=trace.loads[: args.iterations],
                 source_loads=None if trace.source_loads is None else trace.source_loads[: args.iterations],
             )
-        gpus = cluster.num_devices if args.gpus is None else args.gpus
-        scn = build_scenario(model, cluster, gpus, trace, args.micro_batch_size, args.seq_length,
-                             efficiency, link_params, options)
-        check_memory(scn)
-        if args.jobs < 1:
-            raise SimError(f"--jobs must be >= 1, got {args.jobs}")
+        scn = build_scenario(model, cluster, gpus, trace, value["micro_batch_size"], seq_length,
+                             efficiency, link_params, options, value["precision"], value["recompute"])
+        if settings["precision"][1] == "default":
+            settings["precision"] = (scn.workload.precision, scn.precision_note)
+        ep_problem = ep_layout_problem(scn)
+        if ep_problem is not None:
+            if all(spec.name == "ep" for spec in specs):
+                raise SimError(ep_problem)
+            # e.g. 24 experts on a zebra pool of 9 or 10 GPUs: the other systems still run
+            specs = [spec for spec in specs if spec.name != "ep"]
+        _print_settings(scn, settings, specs, trace_label)
+        if ep_problem is not None:
+            print(f"note: ep is not simulated ({ep_problem}), so there are no speedups over it")
+        for warning in check_memory(scn, specs):
+            print(f"warning: {warning}")
 
         def progress(name: str, seconds: float) -> None:
             if not args.quiet:
@@ -172,14 +339,19 @@ def main(argv=None) -> int:
     wl = scn.workload
     setup = {
         "model": model.to_dict(),
-        "model_config": str(args.model),
+        "model_config": settings["model"][1],
         "cluster": scn.hardware.describe(),
-        "cluster_config": str(args.cluster),
-        "gpus": gpus,
+        "cluster_config": settings["cluster"][1],
+        "run_config": settings["run"][0] if "run" in settings else None,
+        "gpus": wl.num_devices,
         "micro_batch_size": wl.micro_batch_size,
         "seq_length": wl.seq_length,
         "tokens_per_iteration": wl.num_devices * wl.tokens_per_device,
-        "trace": os.path.abspath(args.trace),
+        "precision": wl.precision.name,
+        "precision_detail": wl.precision.describe(),
+        "recompute": wl.recompute,
+        "settings_from": {name: source for name, (_, source) in settings.items() if name not in ("run", "batch_note")},
+        "trace": trace_label,
         "iterations": scn.num_iterations,
         "trace_scale": scn.trace_scale,
         "source_loads": scn.source_note,
@@ -191,14 +363,8 @@ def main(argv=None) -> int:
         "compute (not a part)",
         "wall_s": None,
     }
-    summary = summarize(results, setup)
+    summary = summarize(results, setup, None if ep_problem else "ep")
     summary["setup"]["wall_s"] = time.perf_counter() - started
-    print(f"{model.model_family} model {args.model}: {model.num_layers} layers, {model.num_experts} experts, "
-          f"top-{model.moe_router_topk}; {scn.hardware.describe()} ({gpus} GPUs)")
-    print(f"{wl.num_devices * wl.tokens_per_device} tokens per iteration "
-          f"({wl.micro_batch_size} x {wl.seq_length} per GPU); "
-          f"trace {args.trace}: {scn.num_iterations} iterations, routing scaled x{scn.trace_scale:.3g}, "
-          f"sources: {scn.source_note}")
     print(format_table(summary))
     for name, s in summary["systems"].items():
         details = {k: v for k, v in s["details"].items() if k != "profile"}
@@ -216,6 +382,34 @@ def main(argv=None) -> int:
         print(f"wrote {args.plot}")
     print(f"simulated in {summary['setup']['wall_s']:.1f} s")
     return 0
+
+
+def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) -> None:
+    """The settings the simulation uses, each with where it came from, before any result."""
+    wl, model = scn.workload, scn.workload.model
+
+    def line(label: str, text: str, *names: str) -> None:
+        print(f"  {label:<10} {text}  [" + "; ".join(settings[name][1] for name in names) + "]")
+
+    print("settings:")
+    if "run" in settings:
+        print(f"  {'run':<10} {settings['run'][0]}")
+    line("model", f"{model.model_family}, {model.num_layers} layers ({model.num_moe_layers} MoE), "
+         f"{model.num_experts} experts, top-{model.moe_router_topk}, hidden {model.hidden_size}", "model")
+    line("cluster", f"{scn.hardware.describe()} ({wl.num_devices} GPUs)", "cluster", "gpus")
+    line("batch", f"{wl.micro_batch_size} x {wl.seq_length} tokens per GPU, "
+         f"{wl.num_devices * wl.tokens_per_device} per iteration", "micro_batch_size", "seq_length")
+    line("precision", wl.precision.describe(), "precision")
+    line("recompute", wl.recompute, "recompute")
+    line("systems", ", ".join(s.name for s in specs), "systems")
+    knobs = [f"{name.replace('_', ' ')} {settings[name][0]} [{settings[name][1]}]"
+             for name in ("capacity_factor", "slots_per_rank", "reshard_interval", "overlap_degree", "memory_capacity",
+                          "zebra_microbatches") if settings[name][1] != "default"]
+    if knobs:
+        print(f"  {'options':<10} " + "; ".join(knobs))
+    print(f"  {'trace':<10} {trace_label}; routing scaled x{scn.trace_scale:.3g}, sources: {scn.source_note}")
+    if "batch_note" in settings:
+        print(f"  {'note':<10} {settings['batch_note'][0]}")
 
 
 def _short(value) -> str:

@@ -7,8 +7,11 @@ Slurm / torchrun launch with one process per GPU; heterogeneous (zebra) pools li
 attention GPUs' group first.
 
 `ClusterConfig.to_topology()` gives the placement engine's `Topology`. The simulator and the
-profiler read the GPU-type figures (memory, peak FP16 rate, memory bandwidth, FlashAttention
-support) for their cost models.
+profiler read the GPU-type figures (memory, peak FP16 / FP32 / TF32 rates, memory bandwidth,
+FlashAttention and bf16 support) for their cost models. `peak_fp32_tflops`, `peak_tf32_tflops`
+and `bf16` are optional keys: every file under configs/clusters states them, but a cluster
+written for a launcher test need not; the simulator refuses a precision whose figure is
+missing and names the file and key to add.
 
 Units are in the key names: `_gb` gigabytes (1e9 bytes), `_gb_s` gigabytes per second,
 `_gbps` gigabits per second, `_tflops` 1e12 FLOP/s.
@@ -17,7 +20,7 @@ Units are in the key names: `_gb` gigabytes (1e9 bytes), `_gb_s` gigabytes per s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Union
@@ -55,6 +58,15 @@ class GpuType:
     """Whether FlashAttention-2 / fused attention kernels run on it (Ampere, sm80, or newer)."""
     source: str
     """Where the figures are published (datasheet name), or how they were measured."""
+    peak_fp32_tflops: float | None = None
+    """Dense FP32 peak without tensor cores (CUDA-core FMA), TFLOP/s; None when the file does
+    not state it."""
+    peak_tf32_tflops: float | None = None
+    """Dense TF32 tensor-core peak (Ampere and newer), TFLOP/s; None on GPUs without TF32
+    tensor cores (Volta, Turing) or when the file does not state it."""
+    bf16: bool | None = None
+    """Whether the GPU computes in bfloat16 natively (tensor cores with bf16 inputs: Ampere,
+    sm80, and newer); None when the file does not state it."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,9 @@ class ClusterConfig:
     """Node groups in device order: group 0's devices come first."""
     gpu_types: Mapping[str, GpuType]
     """GPU types by name (read-only); every type is used by at least one group."""
+    source: str = field(default="<dict>", compare=False)
+    """The file the config was read from, for messages that ask for a change in it (not part of
+    equality: the same cluster read from two paths is the same cluster)."""
 
     @property
     def num_nodes(self) -> int:
@@ -137,17 +152,18 @@ class ClusterConfig:
 
 
 _GPU_KEYS = ("memory_gb", "peak_fp16_tflops", "hbm_gb_s", "flash_attention", "source")
+_GPU_OPTIONAL_KEYS = ("peak_fp32_tflops", "peak_tf32_tflops", "bf16")
 _GROUP_KEYS = ("count", "gpus_per_node", "gpu", "intra_node_bw_gb_s", "intra_node_link", "inter_node_gbps")
 _CLUSTER_KEYS = ("name", "nodes", "gpu_types")
 
 
-def _check_keys(values: Any, valid: tuple[str, ...], where: str) -> None:
-    """ConfigError unless `values` is a mapping with exactly the keys `valid`."""
+def _check_keys(values: Any, valid: tuple[str, ...], where: str, optional: tuple[str, ...] = ()) -> None:
+    """ConfigError unless `values` is a mapping with every key of `valid`, and otherwise only keys of `optional`."""
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping with keys {list(valid)}, got {values!r}")
-    unknown = sorted(set(values) - set(valid))
+    unknown = sorted(set(values) - set(valid) - set(optional))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(valid)}")
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {list(valid + optional)}")
     missing = [k for k in valid if k not in values]
     if missing:
         raise ConfigError(f"{where}: missing key(s) {missing}")
@@ -183,9 +199,16 @@ def cluster_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> 
     for type_name, figures in raw_types.items():
         where = f"{source}: gpu_types.{type_name}"
         _text(type_name, "gpu type name", source)
-        _check_keys(figures, _GPU_KEYS, where)
-        if not isinstance(figures["flash_attention"], bool):
-            raise ConfigError(f"{where}: flash_attention={figures['flash_attention']!r} is invalid; expected true or false")
+        _check_keys(figures, _GPU_KEYS, where, _GPU_OPTIONAL_KEYS)
+        for key in ("flash_attention", "bf16"):
+            if key in figures and not isinstance(figures[key], bool):
+                raise ConfigError(f"{where}: {key}={figures[key]!r} is invalid; expected true or false")
+        fp32 = figures.get("peak_fp32_tflops")
+        if "peak_fp32_tflops" in figures:  # every GPU has an FP32 rate: null is an error
+            fp32 = _positive_number(fp32, "peak_fp32_tflops", where)
+        tf32 = figures.get("peak_tf32_tflops")
+        if tf32 is not None:  # null: no TF32 tensor cores
+            tf32 = _positive_number(tf32, "peak_tf32_tflops", where)
         gpu_types[type_name] = GpuType(
             name=type_name,
             memory_gb=_positive_number(figures["memory_gb"], "memory_gb", where),
@@ -193,6 +216,9 @@ def cluster_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> 
             hbm_gb_s=_positive_number(figures["hbm_gb_s"], "hbm_gb_s", where),
             flash_attention=figures["flash_attention"],
             source=_text(figures["source"], "source", where),
+            peak_fp32_tflops=fp32,
+            peak_tf32_tflops=tf32,
+            bf16=figures.get("bf16"),
         )
 
     raw_nodes = values["nodes"]
@@ -215,7 +241,7 @@ def cluster_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> 
     unused = sorted(set(gpu_types) - {g.gpu for g in groups})
     if unused:
         raise ConfigError(f"{source}: gpu_types {unused} are not used by any node group (a typo in nodes[].gpu?)")
-    return ClusterConfig(name=name, nodes=tuple(groups), gpu_types=MappingProxyType(gpu_types))
+    return ClusterConfig(name=name, nodes=tuple(groups), gpu_types=MappingProxyType(gpu_types), source=source)
 
 
 def available_clusters() -> list[str]:

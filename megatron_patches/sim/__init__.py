@@ -5,16 +5,21 @@ streams, vectorised over iterations), `scenario` (the shared inputs: workload, h
 trace scaled to the simulated batch), `systems` (EP, FSSDP variants, replicate, static,
 FasterMoE, SmartMoE, FlexMoE: the placement engine's own planners, scheduled per layer),
 `zebra` (zebra parallelism on heterogeneous pools, on the placement engine's zebra schedule),
+precision (fp32 / fp16 / bf16) and activation recompute (none / selective / full) in `costs`,
 `report` (table, JSON, plots). The command line is tools/simulate.py.
 """
 
 from megatron_patches.sim.costs import (
+    PRECISIONS,
+    RECOMPUTE,
     CommModel,
     ComputeModel,
     Hardware,
     KernelEfficiency,
     LinkParameters,
     MemoryModel,
+    MemoryNeed,
+    Precision,
     SimError,
     Workload,
     select_devices,
@@ -34,6 +39,10 @@ __all__ = [
     "KernelEfficiency",
     "LinkParameters",
     "MemoryModel",
+    "MemoryNeed",
+    "PRECISIONS",
+    "Precision",
+    "RECOMPUTE",
     "SYSTEMS",
     "Scenario",
     "SimError",

@@ -12,10 +12,18 @@ the busiest of: any device's intra-node outbound or inbound bytes over its link,
 inter-node outbound or inbound bytes (summed over the node's devices, who share one NIC) over
 the NIC. Collectives in this model finish on all members at once.
 
-Memory: parameters, gradients and optimizer state (Adam, bf16 mixed precision, Megatron's
-distributed optimizer for the dense parameters), expert instances and copies, and activations
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022,
-Table 2, without recomputation), plus a fixed reserve for the CUDA context and workspaces.
+Precision (`Precision`: fp32, fp16 or bf16, as Megatron-LM trains in each) sets the element
+size of weights, materialised copies and replicas, gradients, all-to-all tokens and activations,
+the optimizer state per parameter, and the compute peak: half precision runs its GEMMs at the
+GPU's FP16/BF16 tensor-core peak, fp32 at its TF32 tensor-core peak where it has one (see
+`Hardware.gemm_peaks_D`) and at its FP32 peak otherwise; fused (flash) attention needs half
+precision.
+
+Memory: parameters, gradients and optimizer state (Adam, Megatron's distributed optimizer for
+the dense parameters), expert instances and copies, and activations (Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", MLSys 2023, Table 2 and
+section 4, with the activation recompute of `Workload.recompute`: none, selective or full; see
+`MemoryModel.activation_bytes`), plus a fixed reserve for the CUDA context and workspaces.
 
 Units: seconds, bytes, FLOP; per-device arrays carry the suffix `_D`, per-node `_N`.
 """
@@ -44,7 +52,10 @@ __all__ = [
     "ComputeModel",
     "CommModel",
     "MemoryModel",
-    "OPTIMIZER_STEP_BYTES_PER_PARAM",
+    "MemoryNeed",
+    "PRECISIONS",
+    "Precision",
+    "RECOMPUTE",
     "ring_broadcast_bytes",
     "all_to_all_bytes",
 ]
@@ -54,9 +65,75 @@ class SimError(ValueError):
     """A simulator input is invalid or the simulated setup is impossible; the message says what would be valid."""
 
 
-OPTIMIZER_STEP_BYTES_PER_PARAM = 30.0
-"""Bytes the fused Adam step reads and writes per parameter: fp32 main gradient read (4), master
-weight, m and v read and written (3 x 8), bf16 weight written (2). The step is memory-bound."""
+PRECISIONS = ("fp32", "fp16", "bf16")
+"""The training precisions the simulator models (Megatron-LM: no flag, --fp16, --bf16)."""
+
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recompute (Megatron-LM's --recompute-granularity; "none" = not set)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The number formats of one training precision, as Megatron-LM trains in it.
+
+    fp32: weights, gradients and activations in fp32; the optimizer steps the fp32 weights
+    themselves, so the Adam state is m and v only: 4 + 4 + 8 = 16 B per parameter.
+    fp16 / bf16 (mixed precision, Micikevicius et al. 2018, in Megatron-LM's form: Float16Module
+    and the mixed-precision / distributed optimizer): weights, activations, all-to-all tokens and
+    materialised copies / replicas in 2-byte elements; fp32 main weights, m and v (12 B per
+    parameter, with their owners); gradients in fp32 (4 B) when accumulated in fp32, which
+    Megatron-LM forces for bf16 (--accumulate-allreduce-grads-in-fp32), else in fp16 (2 B,
+    Megatron-LM's fp16 default). So fp32 and fp16 need 16 B per parameter, bf16 18 B; gradient
+    traffic (DDP all-reduce, fssdp's spRS, replicate's reduction) moves the gradient bytes.
+    """
+
+    name: str
+    """"fp32", "fp16" or "bf16"."""
+    fp32_gradients: bool | None = None
+    """Whether gradients are accumulated and reduced in fp32; None: Megatron-LM's rule (fp32 and
+    bf16 yes, fp16 only with --accumulate-allreduce-grads-in-fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise SimError(f"precision {self.name!r} is unknown; valid: {', '.join(PRECISIONS)}")
+        if self.fp32_gradients is None:
+            object.__setattr__(self, "fp32_gradients", self.name != "fp16")
+        elif self.name != "fp16" and not self.fp32_gradients:
+            raise SimError(f"{self.name} gradients are always fp32 in Megatron-LM; only fp16 can keep 2-byte gradients")
+
+    @property
+    def half(self) -> bool:
+        """fp16 or bf16: 2-byte model elements, fp32 main weights, tensor-core rates."""
+        return self.name != "fp32"
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight, activation or token element: 2 in half precision, 4 in fp32."""
+        return 2 if self.half else 4
+
+    @property
+    def grad_bytes_per_param(self) -> float:
+        """Bytes of one gradient element (and of gradient traffic per parameter)."""
+        return 4.0 if self.fp32_gradients else 2.0
+
+    @property
+    def optimizer_bytes_per_param(self) -> float:
+        """Adam state per parameter: fp32 main weight + m + v in half precision (12), m + v in fp32 (8)."""
+        return 12.0 if self.half else 8.0
+
+    @property
+    def optimizer_step_bytes_per_param(self) -> float:
+        """Bytes the fused Adam step reads and writes per parameter (the step is memory-bound):
+        the gradient read, the fp32 weight, m and v read and written (3 x 8), and in half
+        precision the 2-byte model weight written back. bf16: 4 + 24 + 2 = 30, fp16: 2 + 24 + 2
+        = 28, fp32: 4 + 24 = 28."""
+        return self.grad_bytes_per_param + 24.0 + (self.element_bytes if self.half else 0.0)
+
+    def describe(self) -> str:
+        """e.g. "bf16: 2 B weights/activations/tokens, 4 B gradients, 12 B main weight + Adam per parameter"."""
+        state = "fp32 main weight + Adam" if self.half else "Adam m + v"
+        return (f"{self.name}: {self.element_bytes} B weights/activations/tokens, {self.grad_bytes_per_param:g} B "
+                f"gradients, {self.optimizer_bytes_per_param:g} B {state} per parameter")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +271,11 @@ class Hardware:
     topology: Topology
     """The placement engine's view of the same devices (what the planners see)."""
     peak_flops_D: np.ndarray
-    """Dense FP16/BF16 tensor peak per device, FLOP/s; float [D]."""
+    """Dense FP16/BF16 tensor-core peak per device, FLOP/s; float [D]."""
+    fp32_peak_D: np.ndarray
+    """Dense FP32 peak (CUDA cores) per device, FLOP/s; NaN where the cluster file does not state it; float [D]."""
+    tf32_peak_D: np.ndarray
+    """Dense TF32 tensor-core peak per device, FLOP/s; NaN on GPUs without TF32 tensor cores; float [D]."""
     hbm_bw_D: np.ndarray
     """Memory bandwidth per device, bytes/s; float [D]."""
     memory_D: np.ndarray
@@ -225,6 +306,8 @@ class Hardware:
             cluster=sub,
             topology=topology,
             peak_flops_D=np.array([g.peak_fp16_tflops * 1e12 for g in gpu_D]),
+            fp32_peak_D=np.array([np.nan if g.peak_fp32_tflops is None else g.peak_fp32_tflops * 1e12 for g in gpu_D]),
+            tf32_peak_D=np.array([np.nan if g.peak_tf32_tflops is None else g.peak_tf32_tflops * 1e12 for g in gpu_D]),
             hbm_bw_D=np.array([g.hbm_gb_s * 1e9 for g in gpu_D]),
             memory_D=np.array([g.memory_gb * 1e9 for g in gpu_D]),
             flash_D=np.array([g.flash_attention for g in gpu_D], dtype=bool),
@@ -248,6 +331,63 @@ class Hardware:
         groups = " + ".join(f"{g.count} x {g.gpus_per_node} {g.gpu}" for g in self.cluster.nodes)
         return f"{self.cluster.name}: {groups}"
 
+    def check_precision(self, precision: Precision) -> None:
+        """SimError naming the GPU type (and the cluster file and key) that cannot train in `precision`.
+
+        bf16 needs native bf16 (Ampere or newer: V100 and T4 have none); fp32 needs the
+        cluster file's FP32 rate.
+        """
+        for name in dict.fromkeys(self.device_types):
+            gpu = self.cluster.gpu_types[name]
+            where = f"gpu_types.{name} of {self.cluster.source}"
+            if precision.name == "bf16" and gpu.bf16 is None:
+                raise SimError(f"precision bf16: cluster {self.cluster.name} does not say whether the {name} supports "
+                               f"bf16; add `bf16: true` or `bf16: false` to {where}")
+            if precision.name == "bf16" and not gpu.bf16:
+                raise SimError(f"precision bf16: the {name} (cluster {self.cluster.name}) has no bf16 support; "
+                               f"use --precision fp16 (with loss scaling) or fp32")
+            if precision.name == "fp32" and gpu.peak_fp32_tflops is None:
+                raise SimError(f"precision fp32: cluster {self.cluster.name} gives no FP32 rate for the {name}; "
+                               f"add peak_fp32_tflops to {where}")
+
+    def default_precision(self) -> tuple[str, str]:
+        """bf16 where every simulated GPU supports it, else fp16; and the reason, for the output."""
+        types = list(dict.fromkeys(self.device_types))
+        gpus = [self.cluster.gpu_types[t] for t in types]
+        if all(g.bf16 for g in gpus):
+            return "bf16", f"every simulated GPU ({', '.join(types)}) supports bf16"
+        lacking = [f"the {g.name} has no bf16" if g.bf16 is False else f"the cluster file does not say whether the "
+                   f"{g.name} supports bf16" for g in gpus if not g.bf16]
+        return "fp16", "; ".join(lacking)
+
+    def gemm_peaks_D(self, precision: Precision) -> tuple[np.ndarray, np.ndarray]:
+        """(GEMM peak, batched-matmul peak of unfused attention) per device for `precision`, FLOP/s; float [D] each.
+
+        Half precision: the FP16/BF16 tensor-core peak for both. fp32: Transformer Engine (the
+        --transformer-impl on GPU) runs its GEMMs (projections, MLP, experts, output layer)
+        with cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32 for fp32 inputs ("default to tf32",
+        transformer_engine/common/gemm/cublaslt_gemm.cu), so they run at the TF32 tensor-core
+        peak where the GPU has one (Ampere and newer) and at the FP32 peak on Volta / Turing;
+        unfused attention's batched matmuls are PyTorch's (baddbmm, bmm), whose
+        torch.backends.cuda.matmul.allow_tf32 is off by default and set by neither
+        Megatron-Core nor this project, so they run at the FP32 peak. The kernel efficiencies
+        apply unchanged (an assumption: large cuBLAS TF32 and FP32 GEMMs reach a similar
+        fraction of their peaks as FP16 ones). Validates the precision first (`check_precision`).
+        """
+        self.check_precision(precision)
+        if precision.half:
+            return self.peak_flops_D, self.peak_flops_D
+        return np.where(np.isnan(self.tf32_peak_D), self.fp32_peak_D, self.tf32_peak_D), self.fp32_peak_D
+
+    def fused_attention_D(self, precision: Precision) -> np.ndarray:
+        """Whether fused (flash) attention runs on each device in `precision`; bool [D].
+
+        FlashAttention-2 and cuDNN's fused attention take fp16 / bf16 inputs only; in fp32
+        Transformer Engine falls back to unfused attention (and Megatron-Core's local attention
+        is always unfused).
+        """
+        return self.flash_D & precision.half
+
 
 # ---------------------------------------------------------------------------------------------
 # Workload: what one device computes per iteration
@@ -266,10 +406,19 @@ class Workload:
     """Sequences per device per iteration (no gradient accumulation)."""
     seq_length: int
     """Tokens per sequence."""
+    precision: Precision = Precision("bf16")
+    """Number formats of weights, gradients, tokens and activations (`Precision`)."""
+    recompute: str = "none"
+    """Activation recompute: "none", "selective" (core attention) or "full" (every transformer
+    layer, one checkpoint each: Megatron's --recompute-method uniform --recompute-num-layers 1)."""
 
     def __post_init__(self) -> None:
         if self.model.num_experts is None:
             raise SimError("the model config has num_experts = None; the simulator needs an MoE model")
+        if not isinstance(self.precision, Precision):
+            raise SimError(f"precision must be a Precision, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE:
+            raise SimError(f"recompute {self.recompute!r} is unknown; valid: {', '.join(RECOMPUTE)}")
         for name in ("num_devices", "micro_batch_size", "seq_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -292,8 +441,16 @@ class Workload:
 
     @property
     def byte_model(self) -> ByteModel:
-        """Expert and token sizes for the placement engine (bf16 tokens of width hidden_size)."""
-        return ByteModel(params_per_expert=self.expert_params, token_bytes=2 * self.model.hidden_size)
+        """Expert and token sizes for the placement engine in the workload's precision: weights,
+        gradients and optimizer state per parameter, tokens of hidden_size elements."""
+        p = self.precision
+        return ByteModel(
+            params_per_expert=self.expert_params,
+            weight_bytes_per_param=p.element_bytes,
+            grad_bytes_per_param=p.grad_bytes_per_param,
+            optimizer_bytes_per_param=p.optimizer_bytes_per_param,
+            token_bytes=p.element_bytes * self.model.hidden_size,
+        )
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -328,7 +485,13 @@ class ComputeModel:
 
     Backward costs twice the forward FLOPs and bytes (a GEMM's input gradient and weight
     gradient are each a GEMM of the forward's size) except fused attention, whose backward
-    recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2's count).
+    recomputes the scores: 2.5x the forward FLOPs (FlashAttention-2's count). Activation
+    recompute adds forward work to the backward; the schedules add it (`core_attention_fwd_D`
+    for selective recompute, a whole layer's forward for full recompute).
+
+    Memory-bound work moves elements of the workload's precision (`Precision.element_bytes`);
+    the loss's softmax is fp32 in every precision. GEMM rates follow `Hardware.gemm_peaks_D`;
+    `peak_flops_D` is the GEMM peak per device in the workload's precision (FLOP/s, float [D]).
     """
 
     BACKWARD = 2.0
@@ -336,13 +499,13 @@ class ComputeModel:
     SCORE_PASSES = 4
     """Passes over the s x s score matrix per head in unfused attention forward: QK^T writes it,
     the softmax reads and writes it, the AV GEMM reads it."""
-    ELEMENTWISE_BYTES_PER_HIDDEN = 32
-    """Bytes per token and hidden unit of a layer's element-wise work in forward (bf16): two
-    norms (read + write: 8), two residual adds (read 2, write 1: 12), two bias/dropout passes
-    (read, write, mask: ~12)."""
-    PERMUTE_BYTES_PER_HIDDEN = 8
-    """Bytes per routed token and hidden unit to permute tokens into expert order and back
-    (read + write, twice, bf16)."""
+    ELEMENTWISE_ELEMENTS_PER_HIDDEN = 16
+    """Elements moved per token and hidden unit by a layer's element-wise work in forward (32 B
+    in bf16): two norms (read + write: 4), two residual adds (read 2, write 1: 6), two
+    bias/dropout passes (read, write, mask: ~6)."""
+    PERMUTE_ELEMENTS_PER_HIDDEN = 4
+    """Elements moved per routed token and hidden unit to permute tokens into expert order and
+    back (read + write, twice)."""
     LOSS_BYTES_PER_VOCAB = 12
     """Bytes per token and vocabulary entry of the fp32 softmax cross-entropy (3 passes x 4 B)."""
 
@@ -352,7 +515,11 @@ class ComputeModel:
         self.workload = workload
         self.hw = hardware
         self.eff = efficiency
-        self._gemm_rate_D = hardware.peak_flops_D * efficiency.dense_gemm
+        self.peak_flops_D, bmm_peak_D = hardware.gemm_peaks_D(workload.precision)
+        self._element = float(workload.precision.element_bytes)
+        self._fused_D = hardware.fused_attention_D(workload.precision)
+        self._gemm_rate_D = self.peak_flops_D * efficiency.dense_gemm
+        self._bmm_rate_D = bmm_peak_D * efficiency.dense_gemm
         self._mem_rate_D = hardware.hbm_bw_D * efficiency.memory
 
     def _roofline(self, flops: float, bytes_: float) -> np.ndarray:
@@ -368,10 +535,10 @@ class ComputeModel:
         projections = (2.0 * n * h * (q_width + kv_width) + 2.0 * n * q_width * h) / self._gemm_rate_D
         core_full = 4.0 * n * s * q_width  # QK^T and AV over all s keys, per token
         causal = m.model_family == "gpt"  # fused kernels skip the masked half; unfused ones compute it
-        flash_core = core_full * (0.5 if causal else 1.0) / (self.hw.peak_flops_D * self.eff.flash_attention)
-        score_bytes = n * m.num_attention_heads * s * 2.0 * self.SCORE_PASSES
-        unfused_core = np.maximum(core_full / self._gemm_rate_D, score_bytes / self._mem_rate_D)
-        return projections, np.where(self.hw.flash_D, flash_core, unfused_core)
+        flash_core = core_full * (0.5 if causal else 1.0) / (self.peak_flops_D * self.eff.flash_attention)
+        score_bytes = n * m.num_attention_heads * s * self._element * self.SCORE_PASSES
+        unfused_core = np.maximum(core_full / self._bmm_rate_D, score_bytes / self._mem_rate_D)
+        return projections, np.where(self._fused_D, flash_core, unfused_core)
 
     def attention_fwd_D(self) -> np.ndarray:
         """One layer's attention block forward (QKV, core attention, output projection) per device; float [D]."""
@@ -379,23 +546,30 @@ class ComputeModel:
         return projections + core
 
     def attention_bwd_D(self) -> np.ndarray:
-        """One layer's attention block backward per device; float [D]."""
+        """One layer's attention block backward per device, without recompute; float [D]."""
         projections, core = self._attention_parts_D()
-        return self.BACKWARD * projections + np.where(self.hw.flash_D, self.FLASH_BACKWARD, self.BACKWARD) * core
+        return self.BACKWARD * projections + np.where(self._fused_D, self.FLASH_BACKWARD, self.BACKWARD) * core
+
+    def core_attention_fwd_D(self) -> np.ndarray:
+        """One layer's core attention forward (QK^T, softmax, AV, or the fused kernel) per device;
+        float [D]. Selective recompute runs it once more in the backward: Megatron-Core checkpoints
+        core attention whenever "core_attn" is among the recompute modules, fused kernel or not
+        (Attention.checkpoint_core_attention)."""
+        return self._attention_parts_D()[1]
 
     def other_fwd_D(self, moe: bool) -> np.ndarray:
         """One layer's non-attention, non-expert forward per device: norms, residuals, and the
         gate plus token permutation (MoE layer) or the dense MLP (dense layer); float [D]."""
         m, n = self.workload.model, self.workload.tokens_per_device
-        h = m.hidden_size
-        t = self._roofline(0.0, n * h * self.ELEMENTWISE_BYTES_PER_HIDDEN)
+        h, e = m.hidden_size, self._element
+        t = self._roofline(0.0, n * h * self.ELEMENTWISE_ELEMENTS_PER_HIDDEN * e)
         if moe:
-            gate = self._roofline(2.0 * n * h * m.num_experts, 2.0 * n * h)
-            permute = self._roofline(0.0, n * m.moe_router_topk * h * self.PERMUTE_BYTES_PER_HIDDEN)
+            gate = self._roofline(2.0 * n * h * m.num_experts, e * n * h)
+            permute = self._roofline(0.0, n * m.moe_router_topk * h * self.PERMUTE_ELEMENTS_PER_HIDDEN * e)
             return t + gate + permute
         ffn = m.ffn_hidden_size
         fc1_out = 2 * ffn if m.swiglu else ffn
-        mlp = self._roofline(2.0 * n * h * (fc1_out + ffn), n * 2.0 * (fc1_out + ffn) * 2)
+        mlp = self._roofline(2.0 * n * h * (fc1_out + ffn), n * 2.0 * (fc1_out + ffn) * e)
         return t + mlp
 
     def head_fwd_D(self) -> np.ndarray:
@@ -411,23 +585,25 @@ class ComputeModel:
 
         Accepts any leading shape [..., E, D]. Per expert with n > 0 tokens on a device: a
         launch overhead, max(GEMM time at efficiency expert_gemm x n / (n + n_half), time to
-        stream the expert's bf16 weights), and the activation function's memory traffic.
+        stream the expert's weights), and the activation function's memory traffic (read the
+        fc1 output, write its activation: 2 f elements, 3 f with swiglu's two halves).
         """
         m = self.workload.model
         n = np.asarray(tokens_ED, dtype=np.float64)
         P = float(self.workload.expert_params)
-        peak = self.hw.peak_flops_D * self.eff.expert_gemm
+        peak = self.peak_flops_D * self.eff.expert_gemm
         # 2P n FLOP at efficiency n / (n + n_half) is 2P (n + n_half) FLOP at full efficiency
         gemm = 2.0 * P * (n + self.eff.expert_half_tokens) / peak
-        weights = 2.0 * P / self._mem_rate_D
-        act_bytes_per_token = (6.0 if m.swiglu else 4.0) * m.moe_ffn_hidden_size
+        weights = self._element * P / self._mem_rate_D
+        act_bytes_per_token = (3.0 if m.swiglu else 2.0) * m.moe_ffn_hidden_size * self._element
         act = n * act_bytes_per_token / self._mem_rate_D
         per_expert = np.where(n > 0, self.eff.kernel_launch_s + np.maximum(gemm, weights) + act, 0.0)
         return per_expert.sum(axis=-2)
 
     def optimizer_D(self, params_D) -> np.ndarray:
         """Adam step time per device for the parameters it updates; float [D]."""
-        return np.asarray(params_D, dtype=np.float64) * OPTIMIZER_STEP_BYTES_PER_PARAM / self._mem_rate_D
+        step_bytes = self.workload.precision.optimizer_step_bytes_per_param
+        return np.asarray(params_D, dtype=np.float64) * step_bytes / self._mem_rate_D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,8 +711,41 @@ def ring_broadcast_bytes(holds_RD, root_R, buffer_bytes, topology: Topology) -> 
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What the tightest device of one role needs with balanced loads, by part, against its memory."""
+
+    what: str
+    """Who needs it, e.g. "EP" or "zebra (expert ranks)"."""
+    gpu: str
+    """GPU type of the tightest device."""
+    parts: dict[str, float]
+    """Bytes by part (weights/gradients/optimizer, experts, activations, reserve, ...)."""
+    capacity: float
+    """The device's memory, bytes."""
+
+    @property
+    def need(self) -> float:
+        """Total bytes."""
+        return float(sum(self.parts.values()))
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.capacity
+
+    def describe(self) -> str:
+        """e.g. "EP needs 17.9 GB per device (experts 2.8 GB, ...); a V100-SXM2-16GB has 16 GB"."""
+        parts = ", ".join(f"{name} {value / 1e9:.1f} GB" for name, value in self.parts.items())
+        return (f"{self.what} needs {self.need / 1e9:.1f} GB per device ({parts}); a {self.gpu} has "
+                f"{self.capacity / 1e9:.0f} GB")
+
+
 class MemoryModel:
-    """Bytes resident on each device at the peak of an iteration (end of the forward pass)."""
+    """Bytes resident on each device at the peak of an iteration (end of the forward pass).
+
+    Weights, gradients and optimizer state follow the workload's `Precision`; activations follow
+    its precision and its activation recompute (`activation_bytes`).
+    """
 
     RESERVED_BYTES = 1.5e9
     """Default reserve: CUDA context (~0.3-0.5 GB), NCCL buffers, cuBLAS workspaces and
@@ -546,6 +755,8 @@ class MemoryModel:
         self.workload = workload
         self.hw = hardware
         self.reserved_bytes = float(reserved_bytes)
+        self._element = float(workload.precision.element_bytes)
+        self._fused_D = hardware.fused_attention_D(workload.precision)
 
     def dense_bytes(self) -> float:
         """Non-expert parameters: weights and gradients on every device, optimizer state sharded
@@ -556,23 +767,75 @@ class MemoryModel:
         sharded_optimizer = b.optimizer_bytes_per_param / self.workload.num_devices
         return params * (b.weight_bytes_per_param + b.grad_bytes_per_param + sharded_optimizer)
 
-    def activation_bytes(self, processed_tokens_LD) -> np.ndarray:
-        """Activations kept for the backward pass per device; float [..., D] for tokens [..., L, D].
+    def layer_bytes_per_token_D(self) -> tuple[np.ndarray, np.ndarray]:
+        """(attention block + norms, the attention scores among them) that one layer keeps per
+        token without recompute, bytes; float [D] each.
 
-        Per transformer layer and token (Korthikanti et al. Table 2, bf16, no recomputation):
-        attention 11 h + 5 a s (the a s scores per token vanish with fused attention, which
-        keeps only O(1) statistics per row), norms 4 h; per token routed to an expert on the
-        device: its input (2 h), fc1 output and activation output (4 f, 6 f with swiglu).
-        Dense layers store 19 h per token for a 4h MLP, scaled by ffn / 4h. Plus the fp32
-        logits of the loss (4 V per token).
+        Korthikanti et al. Table 2 with e-byte elements and 1-byte dropout masks (e = 2 gives
+        the paper's figures): attention (5 e + 1) h (QKV input, Q and K, V, projection input,
+        dropout mask: 11 h at e = 2) plus the scores (2 e + 1) a s (softmax output, its dropout
+        mask and output: 5 a s at e = 2), norms 2 e h (4 h). Fused attention keeps no scores
+        (O(1) statistics per row), and runs only in half precision (`Hardware.fused_attention_D`).
+        """
+        m = self.workload.model
+        e, h, a, s = self._element, m.hidden_size, m.num_attention_heads, self.workload.seq_length
+        scores_D = np.where(self._fused_D, 0.0, (2.0 * e + 1.0) * a * s)
+        return (7.0 * e + 1.0) * h + scores_D, scores_D
+
+    def dense_mlp_bytes_per_token(self) -> float:
+        """A dense layer's MLP activations per token: (9 e + 1) h for a 4h MLP (input e h, fc1 and
+        GeLU outputs 4 e h each, dropout mask h: 19 h at e = 2, Korthikanti Table 2), scaled by
+        ffn / 4h (x 1.5 with swiglu's doubled fc1)."""
+        m = self.workload.model
+        h = m.hidden_size
+        return (9.0 * self._element + 1.0) * h * m.ffn_hidden_size / (4 * h) * (1.5 if m.swiglu else 1.0)
+
+    def input_bytes(self, tokens) -> np.ndarray:
+        """What a checkpointed layer keeps under full recompute: its input, e h bytes per token."""
+        return np.asarray(tokens, dtype=np.float64) * self._element * self.workload.model.hidden_size
+
+    def kept_activation_bytes(self, full_UD, scores_UD, inputs_UD, repeats: int = 1) -> np.ndarray:
+        """Activation bytes kept for the backward under the workload's recompute; float [..., D].
+
+        The units (axis -2) are what one checkpoint covers (a transformer layer, or a layer's
+        part on one zebra role for one micro-batch), each occurring `repeats` times; per unit
+        its activations without recompute (full), the attention scores among them, and its
+        input. Korthikanti et al. section 4 (memory) and Megatron-Core's recompute:
+        - none: every unit keeps everything: repeats x sum(full);
+        - selective: core attention is recomputed, so the scores are not kept:
+          repeats x sum(full - scores) (the same as none where fused attention keeps no scores);
+        - full: every unit keeps only its input, and the backward of one unit at a time holds
+          that unit's recomputed activations: repeats x sum(inputs) + max(full). The recomputed
+          unit keeps its scores, so with unfused attention at long sequences full recompute can
+          need more than selective.
+        Inputs broadcast against full_UD.
+        """
+        full_UD = np.asarray(full_UD, dtype=np.float64)
+        recompute = self.workload.recompute
+        if recompute == "none":
+            return repeats * full_UD.sum(axis=-2)
+        if recompute == "selective":
+            return repeats * (full_UD - np.broadcast_to(scores_UD, full_UD.shape)).sum(axis=-2)
+        return repeats * np.broadcast_to(inputs_UD, full_UD.shape).sum(axis=-2) + full_UD.max(axis=-2)
+
+    def activation_bytes(self, processed_tokens_LD) -> np.ndarray:
+        """Activations kept for the backward per device; float [..., D] for tokens [..., L, D].
+
+        One unit per transformer layer (`kept_activation_bytes`): n tokens x
+        `layer_bytes_per_token_D`, plus the experts' activations of the tokens the device
+        processes in that layer (MoE layer, `expert_activation_bytes`) or the dense MLP's
+        (`dense_mlp_bytes_per_token`); its input is n e h. Plus the fp32 logits of the loss
+        (4 V per token), which no recompute covers.
         """
         m, n = self.workload.model, self.workload.tokens_per_device
-        h, s, a = m.hidden_size, self.workload.seq_length, m.num_attention_heads
-        attn_D = n * (11.0 * h + np.where(self.hw.flash_D, 0.0, 5.0 * a * s)) + 4.0 * n * h
-        dense_layers = m.num_layers - m.num_moe_layers
-        mlp_dense = 19.0 * n * h * m.ffn_hidden_size / (4 * h) * (1.5 if m.swiglu else 1.0)
-        experts_D = self.expert_activation_bytes(np.asarray(processed_tokens_LD, dtype=np.float64).sum(axis=-2))
-        return m.num_layers * attn_D + dense_layers * mlp_dense + experts_D + self.logits_bytes(n)
+        layer_D, scores_D = self.layer_bytes_per_token_D()
+        experts_LD = self.expert_activation_bytes(processed_tokens_LD)
+        mlp_D = np.full_like(layer_D, n * self.dense_mlp_bytes_per_token())
+        moe_index = {j: k for k, j in enumerate(self.workload.moe_layers)}
+        units = [experts_LD[..., moe_index[j], :] if j in moe_index else mlp_D for j in range(m.num_layers)]
+        full_JD = n * layer_D + np.stack(np.broadcast_arrays(*units), axis=-2)
+        kept = self.kept_activation_bytes(full_JD, n * scores_D, self.input_bytes(n))
+        return kept + self.logits_bytes(n)
 
     def logits_bytes(self, tokens: float) -> float:
         """The fp32 logits the loss keeps for `tokens` tokens (4 B per vocabulary entry)."""
@@ -580,10 +843,11 @@ class MemoryModel:
         return 4.0 * tokens * padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
 
     def expert_activation_bytes(self, routed_tokens) -> np.ndarray:
-        """Activations of `routed_tokens` processed by experts (any shape): input 2 h, fc1 and
-        activation outputs 4 f (6 f with swiglu) per token."""
+        """Activations of `routed_tokens` processed by experts (any shape), without recompute:
+        input e h, fc1 and activation outputs 2 e f (3 e f with swiglu) per token (2 h + 4 f at
+        e = 2)."""
         m = self.workload.model
-        per_token = 2.0 * m.hidden_size + (6.0 if m.swiglu else 4.0) * m.moe_ffn_hidden_size
+        per_token = self._element * (m.hidden_size + (3.0 if m.swiglu else 2.0) * m.moe_ffn_hidden_size)
         return np.asarray(routed_tokens, dtype=np.float64) * per_token
 
     def expert_bytes_per_instance(self, with_optimizer: bool) -> float:

@@ -88,17 +88,17 @@ def _mean(x) -> float:
     return float(np.mean(x))
 
 
-def summarize(results: list[SystemResult], setup: dict, reference: str = "ep") -> dict:
+def summarize(results: list[SystemResult], setup: dict, reference: str | None = "ep") -> dict:
     """The JSON document: {"setup": setup, "systems": {name: metrics}} (see the module docstring).
 
     speedup_vs_ep and per_layer_speedup are relative to the result named `reference`, which
-    must be among `results`.
+    must be among `results`; None (EP cannot be laid out on the simulated devices) leaves them
+    None.
     """
     by_name = {r.name: r for r in results}
-    if reference not in by_name:
+    if reference is not None and reference not in by_name:
         raise ValueError(f"the reference system {reference!r} was not simulated (have {sorted(by_name)})")
-    ref = by_name[reference]
-    ref_layer_L = ref.layer_s_IL.mean(axis=0)
+    ref = by_name.get(reference)
     systems = {}
     for r in results:
         layer_L = r.layer_s_IL.mean(axis=0)
@@ -106,7 +106,7 @@ def summarize(results: list[SystemResult], setup: dict, reference: str = "ep") -
             "description": r.description,
             "iteration_s": r.iteration_s,
             "iteration_s_p95": float(np.percentile(r.iteration_s_I, 95)),
-            "speedup_vs_ep": ref.iteration_s / r.iteration_s,
+            "speedup_vs_ep": None if ref is None else ref.iteration_s / r.iteration_s,
             "breakdown_s": {k: _mean(v) for k, v in r.breakdown_I.items()},
             "imbalance_mean": _mean(r.imbalance_IL),
             "imbalance_max": float(np.max(r.imbalance_IL)),
@@ -116,7 +116,7 @@ def summarize(results: list[SystemResult], setup: dict, reference: str = "ep") -
             "fits_in_memory": r.fits,
             "survival_mean": _mean(r.survival_IL),
             "per_layer_s": layer_L.tolist(),
-            "per_layer_speedup": (ref_layer_L / layer_L).tolist(),
+            "per_layer_speedup": None if ref is None else (ref.layer_s_IL.mean(axis=0) / layer_L).tolist(),
             "traffic_bytes_per_iteration": {
                 k: {"intra": float(v[0]), "inter": float(v[1])} for k, v in r.traffic.items()
             },
@@ -140,8 +140,9 @@ def format_table(summary: dict) -> str:
     for name, s in summary["systems"].items():
         b = s["breakdown_s"]
         mem = f"{s['memory_gb_max']:6.1f}" + ("!" if not s["fits_in_memory"] else " ")
+        speedup = f"{'-':>7}" if s["speedup_vs_ep"] is None else f"{s['speedup_vs_ep']:7.2f}"
         lines.append(
-            f"{name:<14} {_ms(s['iteration_s'])} {s['speedup_vs_ep']:7.2f} {_ms(b['attention'])} {_ms(b['other'])} "
+            f"{name:<14} {_ms(s['iteration_s'])} {speedup} {_ms(b['attention'])} {_ms(b['other'])} "
             f"{_ms(b['expert_compute_mean'])} {_ms(b['expert_compute_max'])} {_ms(b['straggler_wait'])} "
             f"{_ms(b['all_to_all'])} {_ms(b['exposed_collectives'])} {_ms(b['rearrangement'])} {_ms(b['optimizer'])} "
             f"{s['imbalance_mean']:6.2f} {s['survival_mean']:6.3f} {mem}"
@@ -151,8 +152,9 @@ def format_table(summary: dict) -> str:
         "'exp max' = busiest device's expert compute; '!' = exceeds device memory"
     )
     for name, s in summary["systems"].items():
-        per_layer = " ".join(f"{x:.2f}" for x in s["per_layer_speedup"])
-        lines.append(f"per-layer speedup vs ep, {name}: {per_layer}")
+        if s["per_layer_speedup"] is not None:
+            per_layer = " ".join(f"{x:.2f}" for x in s["per_layer_speedup"])
+            lines.append(f"per-layer speedup vs ep, {name}: {per_layer}")
     return "\n".join(lines)
 
 
@@ -184,7 +186,7 @@ def plot(summary: dict, path: str) -> None:
     systems = [summary["systems"][n] for n in names]
     fig, (ax_speed, ax_break, ax_layer) = plt.subplots(1, 3, figsize=(20, 5.5))
     x = np.arange(len(names))
-    ax_speed.bar(x, [s["speedup_vs_ep"] for s in systems], color="tab:blue")
+    ax_speed.bar(x, [np.nan if s["speedup_vs_ep"] is None else s["speedup_vs_ep"] for s in systems], color="tab:blue")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_speed.set_xticks(x, names, rotation=45, ha="right")
     ax_speed.set_ylabel("speedup over EP")
@@ -199,6 +201,8 @@ def plot(summary: dict, path: str) -> None:
     ax_break.set_title("breakdown (adds up to the iteration time)")
     ax_break.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     for name, s in zip(names, systems):
+        if s["per_layer_speedup"] is None:
+            continue
         ax_layer.plot(np.arange(len(s["per_layer_speedup"])), s["per_layer_speedup"], marker="o", label=name)
     ax_layer.axhline(1.0, color="black", linewidth=0.8)
     ax_layer.set_xlabel("MoE layer")

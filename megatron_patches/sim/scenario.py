@@ -11,6 +11,7 @@ engine's replay does (`policies.even_source_loads`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from megatron_patches.sim.costs import (
     KernelEfficiency,
     LinkParameters,
     MemoryModel,
+    Precision,
     SimError,
     Workload,
 )
@@ -103,6 +105,8 @@ class Scenario:
     """The kernel efficiencies in use."""
     links: LinkParameters = field(default_factory=LinkParameters)
     """The link parameters in use."""
+    precision_note: str = ""
+    """Why the workload trains in its precision (the default's reason, or who asked for it)."""
 
     @property
     def num_iterations(self) -> int:
@@ -130,6 +134,16 @@ class Scenario:
         if self.options.capacity_factor is not None:
             return self.options.capacity_factor
         return self.workload.model.moe_expert_capacity_factor or 1.0
+
+    def with_recompute(self, recompute: str) -> Scenario:
+        """The same scenario under another activation recompute (what-if figures for messages)."""
+        workload = dataclasses.replace(self.workload, recompute=recompute)
+        return dataclasses.replace(
+            self,
+            workload=workload,
+            compute=ComputeModel(workload, self.hardware, self.efficiency),
+            memory=MemoryModel(workload, self.hardware, self.memory.reserved_bytes),
+        )
 
 
 def scale_counts(counts, target: int) -> np.ndarray:
@@ -167,14 +181,25 @@ def build_scenario(
     efficiency: KernelEfficiency | None = None,
     links: LinkParameters | None = None,
     options: SimOptions | None = None,
+    precision: str | Precision | None = None,
+    recompute: str = "none",
 ) -> Scenario:
     """Validate the inputs against each other and assemble the Scenario.
 
-    Raises SimError when the GPU count does not fit the cluster or the trace's layers / experts
-    do not match the model's MoE layers / experts.
+    precision: a name of PRECISIONS (Megatron-LM's rule for the gradient dtype), a Precision, or
+    None for the default: bf16 where every simulated GPU supports it, else fp16
+    (`Hardware.default_precision`). recompute: one of RECOMPUTE.
+    Raises SimError when the GPU count does not fit the cluster, the precision does not run on
+    its GPUs, or the trace's layers / experts do not match the model's MoE layers / experts.
     """
     hardware = Hardware.from_cluster(cluster, gpus)
-    workload = Workload(model, gpus, micro_batch_size, seq_length or model.seq_length)
+    if precision is None:
+        name, reason = hardware.default_precision()
+        precision, precision_note = Precision(name), f"default: {reason}"
+    else:
+        precision, precision_note = Precision(precision) if isinstance(precision, str) else precision, "requested"
+    hardware.check_precision(precision)
+    workload = Workload(model, gpus, micro_batch_size, seq_length or model.seq_length, precision, recompute)
     if trace.num_layers != model.num_moe_layers or trace.num_experts != model.num_experts:
         raise SimError(
             f"the trace has {trace.num_layers} layers x {trace.num_experts} experts but the model has "
@@ -218,4 +243,5 @@ def build_scenario(
         options=options,
         efficiency=efficiency,
         links=links,
+        precision_note=precision_note,
     )

@@ -30,6 +30,10 @@ Where each kind of traffic runs in the schedule:
   placement after the previous optimizer step; on its own "scatter" stream from the start of
   the iteration, layer by layer, each layer's dispatch waiting for its own layer's weights;
 - rearrangement (moved experts with their optimizer state): before the iteration, on the path.
+Activation recompute: selective re-runs each layer's core attention forward right before its
+attention backward; full re-runs each layer's whole forward (attention, gate, dispatch,
+experts, combine) when its output gradient arrives, on the same streams, with the first
+forward's copies, replicas and shadows (no second spAG or broadcast).
 The optimizer step waits for all gradient traffic. Kinds a future policy adds are scheduled
 like gradient synchronisation and listed in the result's details.
 """
@@ -52,7 +56,7 @@ from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, make_policy
 from megatron_patches.placement.types import PlacementError
-from megatron_patches.sim.costs import SimError, all_to_all_bytes, ring_broadcast_bytes
+from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
@@ -61,6 +65,7 @@ __all__ = [
     "SystemSpec",
     "SYSTEMS",
     "check_memory",
+    "ep_layout_problem",
     "resolve_systems",
     "simulate",
     "simulate_all",
@@ -271,28 +276,80 @@ def _free_bytes(scn: Scenario) -> float:
     return float(scn.memory.free_bytes_D(np.full(D, per_device), balanced_LD).min())
 
 
-def check_memory(scn: Scenario) -> None:
-    """SimError unless the model fits under EP with perfectly balanced loads on every device.
+def ep_layout_problem(scn: Scenario) -> str | None:
+    """Why Megatron's even EP layout cannot place the experts on the simulated devices (the
+    device count must divide the expert count or be a multiple of it), or None."""
+    try:
+        EPLayout.even(scn.num_experts, scn.num_devices)
+    except PlacementError as err:
+        return str(err)
+    return None
 
-    Every placement system owns at least EP's experts per device, so a model that does not fit
-    this way cannot be trained by any of them on these devices. The message gives the parts.
+
+def ep_memory_need(scn: Scenario) -> MemoryNeed:
+    """EP's need with perfectly balanced loads on the device with the least memory left.
+
+    Every placement system owns at least EP's experts per device, so when this does not fit,
+    none of them can train the model on these devices.
     """
-    free = _free_bytes(scn)
-    if free >= 0:
-        return
     L, E, D = scn.num_layers, scn.num_experts, scn.num_devices
     mem = scn.memory
     balanced_LD = np.full((L, D), scn.workload.routed_tokens_per_layer / D)
-    d = int(np.argmin(scn.hardware.memory_D))
-    experts = max(E // D, 1) * L * mem.expert_bytes_per_instance(True)
-    acts = float(mem.activation_bytes(balanced_LD)[d])
-    need = mem.dense_bytes() + experts + acts + mem.reserved_bytes
+    d = int(np.argmin(mem.free_bytes_D(np.full(D, max(E // D, 1) * L), balanced_LD)))
+    parts = {
+        "dense weights/grads/optimizer": mem.dense_bytes(),
+        "experts": max(E // D, 1) * L * mem.expert_bytes_per_instance(True),
+        "activations": float(mem.activation_bytes(balanced_LD)[d]),
+        "reserve": mem.reserved_bytes,
+    }
+    return MemoryNeed("EP", scn.hardware.device_types[d], parts, float(scn.hardware.memory_D[d]))
+
+
+def _memory_needs(scn: Scenario, specs: list[SystemSpec]) -> dict[str, list[MemoryNeed]]:
+    """Balanced-load needs per group of systems: the placement systems share EP's, each zebra
+    system has its attention and expert ranks'."""
+    groups: dict[str, list[MemoryNeed]] = {}
+    placement = [s.name for s in specs if s.family == "placement"]
+    if placement:
+        groups[", ".join(placement)] = [ep_memory_need(scn)]
+    for spec in specs:
+        if spec.family == "zebra":
+            from megatron_patches.sim.zebra import zebra_memory_needs
+
+            groups[spec.name] = zebra_memory_needs(scn, spec)
+    return groups
+
+
+def check_memory(scn: Scenario, specs: list[SystemSpec]) -> list[str]:
+    """SimError unless some requested system fits with perfectly balanced loads; warnings for the rest.
+
+    A system that does not fit is still simulated when another one does (EP, the reference, is
+    simulated wherever it can place the experts) and its result is marked as over memory; a zebra planner that must move
+    experts to fit refuses on its own (`zebra._plan`). When nothing fits, the message gives
+    every group's parts and what each other activation recompute would need.
+    """
+    groups = _memory_needs(scn, specs)
+    failing = {name: [n for n in needs if not n.fits] for name, needs in groups.items()}
+    if any(not bad for bad in failing.values()):
+        return [f"{name} cannot fit even with balanced loads: " + "; ".join(n.describe() for n in bad)
+                for name, bad in failing.items() if bad]
+    model = scn.workload.model
+    reasons = "; ".join(n.describe() for bad in failing.values() for n in bad)
+    hints = []
+    for recompute in reversed(RECOMPUTE):  # full first: it keeps the least per layer
+        if recompute in ("none", scn.workload.recompute):
+            continue
+        other = _memory_needs(scn.with_recompute(recompute), specs)
+        fits = [name for name, needs in other.items() if all(n.fits for n in needs)]
+        figures = ", ".join(f"{n.what} {n.need / 1e9:.1f} GB of {n.capacity / 1e9:.0f}"
+                            for needs in other.values() for n in needs)
+        verdict = f"{' and '.join(fits)} would fit" if fits else "nothing would fit"
+        hints.append(f"--recompute {recompute} ({verdict}: {figures})")
     raise SimError(
-        f"the model does not fit: {scn.workload.model.num_layers} layers x {E} experts on {D} x "
-        f"{scn.hardware.device_types[d]} need {need / 1e9:.1f} GB per device under EP with balanced loads "
-        f"(dense weights/grads/optimizer {mem.dense_bytes() / 1e9:.1f} GB, experts {experts / 1e9:.1f} GB, "
-        f"activations {acts / 1e9:.1f} GB, reserve {mem.reserved_bytes / 1e9:.1f} GB) but the device has "
-        f"{scn.hardware.memory_D[d] / 1e9:.0f} GB; use more GPUs, a smaller --micro-batch-size or --seq-length"
+        f"the model does not fit: {model.num_layers} layers x {scn.num_experts} experts on "
+        f"{scn.hardware.describe()} with balanced loads, {scn.workload.precision.name}, recompute "
+        f"{scn.workload.recompute}: {reasons}; use more GPUs, a smaller --micro-batch-size or --seq-length"
+        + (", or " + " or ".join(hints) if hints else "")
     )
 
 
@@ -349,7 +406,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
         knobs = {"interval": interval}
     elif spec.policy in ("replicate", "static"):
         knobs = {"slots_per_rank": slots, "capacity_factor": scn.capacity_factor}
-    device_flops = float(np.min(scn.hardware.peak_flops_D)) * scn.efficiency.expert_gemm
+    device_flops = float(np.min(scn.compute.peak_flops_D)) * scn.efficiency.expert_gemm
     try:
         config = ReplayConfig(
             topology=topo,
@@ -535,7 +592,10 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         d = np.broadcast_to(np.asarray(duration, dtype=np.float64), (I, D))
         return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.ideal else d
 
-    att_fwd, att_bwd = even(c.attention_fwd_D()), even(c.attention_bwd_D())
+    recompute = wl.recompute
+    att_fwd = even(c.attention_fwd_D())
+    # selective recompute re-runs core attention right before the attention backward
+    att_bwd = even(c.attention_bwd_D() + (c.core_attention_fwd_D() if recompute == "selective" else 0.0))
     other_moe, other_dense = even(c.other_fwd_D(True)), even(c.other_fwd_D(False))
     head = even(c.head_fwd_D() * (1.0 + c.BACKWARD))
     expert_fwd = [even(rep.expert_fwd_ILD[:, k]) for k in range(L)]
@@ -575,10 +635,25 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
     regather: dict[int, object] = {}
     for j in reversed(range(wl.model.num_layers)):
         k = moe_index.get(j)
+        if recompute == "full":
+            # the checkpointed layer's forward again, from its kept input, when its output
+            # gradient arrives: attention, gate, dispatch, experts, combine. The copies (fssdp),
+            # replicas and shadows of the first forward serve it; with re-materialization the
+            # re-gathered copies do, so its dispatch waits for them. No second gather.
+            prev = start = tl.compute("attention", att_fwd, after=[prev])
+            if k is None:
+                prev = tl.compute("other", other_dense, after=[prev])
+            else:
+                prev = tl.compute("other", other_moe, after=[prev])
+                prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev, regather.get(k)])
+                prev = tl.compute("expert", expert_fwd[k], after=[prev])
+                prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
         if k is None:
             first = tl.compute("other", c.BACKWARD * other_dense, after=[prev])
         else:
             combine_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
+            if recompute != "full":
+                start = combine_b
             experts_b = tl.compute("expert", c.BACKWARD * expert_fwd[k], after=[combine_b, regather.get(k)])
             dispatch_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts_b])
             below = [m for m in moe_index.values() if m < k]
@@ -595,7 +670,7 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         attention_b = tl.compute("attention", att_bwd, after=[first])
         tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b])
         if k is not None:
-            bwd_span[:, k] = attention_b.end_ID.max(axis=1) - combine_b.start_ID.min(axis=1)
+            bwd_span[:, k] = attention_b.end_ID.max(axis=1) - start.start_ID.min(axis=1)
         prev = attention_b
     tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev])
     waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]

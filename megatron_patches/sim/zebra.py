@@ -5,6 +5,13 @@ the other type the N expert ranks (DESIGN 4.7). The global batch is the one EP p
 same pool (D x micro_batch_size sequences), split evenly over the attention ranks and into R
 micro-batches; every micro-batch carries the iteration's trace loads / R.
 
+Precision and activation recompute follow the workload. Recompute is per role: an attention
+rank checkpoints its attention block (keeps each layer's input per micro-batch and re-runs
+attention and gate in the backward, or only core attention with selective recompute), an
+expert rank checkpoints its experts (keeps the tokens it received and re-runs the experts in the
+backward). Each role keeps its own inputs, so no all-to-all is repeated, unlike EP, where the
+whole layer including the all-to-alls is one checkpoint.
+
 Planning and scheduling are the placement engine's: `placement.zebra.build_schedule` gives the
 Theorem-1 task order of both roles and `simulate_schedule` runs it; `asym_ea` plans the
 offloading from a profile that this module derives from the cost model (`zebra_profile`:
@@ -30,11 +37,11 @@ import numpy as np
 from megatron_patches.placement import zebra as zp
 from megatron_patches.placement.policies import ring_allreduce_bytes
 from megatron_patches.placement.types import InstancePlacement
-from megatron_patches.sim.costs import SimError
+from megatron_patches.sim.costs import MemoryNeed, SimError
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
 
-__all__ = ["ZebraPools", "zebra_profile", "simulate_zebra_system"]
+__all__ = ["ZebraPools", "zebra_profile", "zebra_memory_needs", "simulate_zebra_system"]
 
 
 class ZebraPools:
@@ -79,9 +86,10 @@ def _tokens_per_microbatch(scn: Scenario, pools: ZebraPools, R: int) -> float:
     return scn.workload.num_devices * scn.workload.tokens_per_device / (pools.M * R)
 
 
-def _attention_rank_bytes(scn: Scenario, pools: ZebraPools, R: int) -> float:
-    """Memory of an attention rank without experts: the dense model (optimizer state sharded over
-    the M attention ranks), attention activations of all its micro-batches, the logits of one
+def _attention_rank_parts(scn: Scenario, pools: ZebraPools, R: int) -> dict[str, float]:
+    """Memory of an attention rank without experts, by part: the dense model (optimizer state
+    sharded over the M attention ranks), the attention activations of all its micro-batches
+    under the workload's recompute (one unit per layer and micro-batch), the logits of one
     micro-batch (the head runs forward and backward back to back), the reserve."""
     mem = scn.memory
     dense = scn.workload.dense_params()
@@ -89,30 +97,79 @@ def _attention_rank_bytes(scn: Scenario, pools: ZebraPools, R: int) -> float:
     b = scn.workload.byte_model
     weights = params * (b.weight_bytes_per_param + b.grad_bytes_per_param + b.optimizer_bytes_per_param / pools.M)
     per_mb = _tokens_per_microbatch(scn, pools, R)
-    n = scn.workload.tokens_per_device
-    no_experts = np.zeros((scn.workload.model.num_layers, scn.num_devices))
-    layers = mem.activation_bytes(no_experts)[pools.attention[0]] - mem.logits_bytes(n)
-    return weights + layers * (per_mb * R / n) + mem.logits_bytes(per_mb) + mem.reserved_bytes
+    layer_D, scores_D = mem.layer_bytes_per_token_D()
+    a = int(pools.attention[0])
+    full_LD = np.full((scn.workload.model.num_layers, 1), per_mb * layer_D[a])
+    layers = float(mem.kept_activation_bytes(full_LD, per_mb * scores_D[a], mem.input_bytes(per_mb), R)[0])
+    return {"dense weights/grads/optimizer": weights, "activations": layers + mem.logits_bytes(per_mb),
+            "reserve": mem.reserved_bytes}
+
+
+def _expert_rank_activation_bytes(scn: Scenario, pools: ZebraPools, R: int) -> float:
+    """Activations of an expert rank with balanced loads: its n/N experts' tokens of all M
+    attention ranks, one unit per layer and micro-batch, under the workload's recompute."""
+    mem = scn.memory
+    per_mb = _tokens_per_microbatch(scn, pools, R)
+    per_rank = pools.shape.experts_per_expert_rank
+    tokens = per_mb * pools.M * scn.workload.model.moe_router_topk / scn.num_experts * per_rank
+    full_LD = np.full((scn.num_layers, 1), float(mem.expert_activation_bytes(tokens)))
+    return float(mem.kept_activation_bytes(full_LD, 0.0, mem.input_bytes(tokens), R)[0])
+
+
+def zebra_memory_needs(scn: Scenario, spec) -> list[MemoryNeed]:
+    """What the attention and the expert ranks need with balanced loads and no Asym-EA (which can
+    only move experts onto attention ranks with room for them)."""
+    pools = ZebraPools(scn)
+    R = 1 if spec.zebra_mode == "naive" else scn.options.zebra_microbatches
+    mem = scn.memory
+    experts = pools.shape.experts_per_expert_rank * scn.num_layers * mem.expert_bytes_per_instance(True)
+    expert_parts = {"experts": experts, "activations": _expert_rank_activation_bytes(scn, pools, R),
+                    "reserve": mem.reserved_bytes}
+    hw = scn.hardware
+    return [
+        MemoryNeed(f"{spec.name} (attention ranks)", pools.attention_type, _attention_rank_parts(scn, pools, R),
+                   float(hw.memory_D[pools.attention[0]])),
+        MemoryNeed(f"{spec.name} (expert ranks)", pools.expert_type, expert_parts, float(hw.memory_D[pools.expert[0]])),
+    ]
+
+
+def _attention_recompute_D(scn: Scenario) -> np.ndarray:
+    """Forward time an attention rank's layer backward repeats under the workload's recompute, per
+    device for the workload's tokens per device (callers scale it to a micro-batch): nothing
+    (none), core attention (selective), the attention block, norms and gate (full); float [D]."""
+    c, recompute = scn.compute, scn.workload.recompute
+    if recompute == "selective":
+        return c.core_attention_fwd_D()
+    if recompute == "full":
+        return c.attention_fwd_D() + c.other_fwd_D(True)
+    return np.zeros(scn.num_devices)
+
+
+def _expert_passes(scn: Scenario) -> float:
+    """Expert compute per iteration in forwards: forward 1 + backward BACKWARD, plus the
+    recomputed forward under full recompute."""
+    return 1.0 + scn.compute.BACKWARD + (1.0 if scn.workload.recompute == "full" else 0.0)
 
 
 def zebra_profile(scn: Scenario, pools: ZebraPools, R: int) -> zp.ZebraProfile:
     """The Asym-EA profile as the cost model predicts it (what a profiler run would measure).
 
-    Per micro-batch, forward + backward: attention block + norms + gate on each GPU type; one
-    expert rank's n/N experts with balanced loads (the tokens of all M attention ranks) on each
-    type. Slots: experts (weights, gradients, optimizer state) that fit in the free memory of a
+    Per micro-batch, forward + backward (+ the recomputed forward): attention block + norms +
+    gate on each GPU type; one expert rank's n/N experts with balanced loads (the tokens of all M
+    attention ranks) on each type. Slots: experts (weights, gradients, optimizer state) that fit in the free memory of a
     GPU of each role after its other residents and activations (balanced loads).
     """
     c, mem = scn.compute, scn.memory
     per_mb = _tokens_per_microbatch(scn, pools, R)
     scale = per_mb / scn.workload.tokens_per_device
-    attn_D = (c.attention_fwd_D() + c.attention_bwd_D() + (1 + c.BACKWARD) * c.other_fwd_D(True)) * scale
+    attn_D = (c.attention_fwd_D() + c.attention_bwd_D() + (1 + c.BACKWARD) * c.other_fwd_D(True)
+              + _attention_recompute_D(scn)) * scale
     per_rank = pools.shape.experts_per_expert_rank
     tokens_per_expert = per_mb * pools.M * scn.workload.model.moe_router_topk / scn.num_experts
-    experts_D = c.expert_fwd(np.full((per_rank, scn.num_devices), tokens_per_expert)) * (1 + c.BACKWARD)
+    experts_D = c.expert_fwd(np.full((per_rank, scn.num_devices), tokens_per_expert)) * _expert_passes(scn)
     expert_bytes = mem.expert_bytes_per_instance(True)
-    attention_role = _attention_rank_bytes(scn, pools, R)
-    expert_role = mem.expert_activation_bytes(tokens_per_expert * R * per_rank * scn.num_layers) + mem.reserved_bytes
+    attention_role = sum(_attention_rank_parts(scn, pools, R).values())
+    expert_role = _expert_rank_activation_bytes(scn, pools, R) + mem.reserved_bytes
 
     def device(index: int) -> zp.DeviceProfile:
         memory = scn.hardware.memory_D[index]
@@ -162,6 +219,31 @@ def _comm_counters(scn: Scenario, pools: ZebraPools, owners_E: np.ndarray, R: in
     return out
 
 
+def _activation_bytes_ID(scn: Scenario, pools: ZebraPools, R: int, expert_tokens_ILD: np.ndarray) -> np.ndarray:
+    """Activations per iteration and device under the workload's recompute; float [I, D].
+
+    Units per layer and micro-batch: an attention rank's attention block (per-micro-batch
+    tokens), and every device's experts (expert_tokens_ILD: tokens its experts process per
+    micro-batch). One recompute at a time, so the live recomputed unit is the largest of both
+    kinds. Plus the logits of one micro-batch on attention ranks.
+    """
+    mem = scn.memory
+    I, L, D = expert_tokens_ILD.shape
+    per_mb = _tokens_per_microbatch(scn, pools, R)
+    layer_D, scores_D = mem.layer_bytes_per_token_D()
+    attention_D = np.zeros(D, dtype=bool)
+    attention_D[pools.attention] = True
+    # units [I, U = 2 L, D]: the attention blocks of the L layers, then the experts of the L layers
+    full_IUD = np.concatenate([np.broadcast_to(np.where(attention_D, per_mb * layer_D, 0.0), (I, L, D)),
+                               mem.expert_activation_bytes(expert_tokens_ILD)], axis=1)
+    scores_IUD = np.concatenate([np.broadcast_to(np.where(attention_D, per_mb * scores_D, 0.0), (I, L, D)),
+                                 np.zeros((I, L, D))], axis=1)
+    inputs_IUD = np.concatenate([np.broadcast_to(np.where(attention_D, mem.input_bytes(per_mb), 0.0), (I, L, D)),
+                                 mem.input_bytes(expert_tokens_ILD)], axis=1)
+    logits_D = np.where(attention_D, mem.logits_bytes(per_mb), 0.0)
+    return mem.kept_activation_bytes(full_IUD, scores_IUD, inputs_IUD, R) + logits_D
+
+
 def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     """Simulate zebra-naive (R = 1), zebra (ZP) or zebra-asym (ZP + Asym-EA) over the trace."""
     pools = ZebraPools(scn)
@@ -173,7 +255,9 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     a_rank = pools.attention
     attention_f = scale * c.attention_fwd_D()[a_rank].max()
     att_f = float((scale * (c.attention_fwd_D() + c.other_fwd_D(True)))[a_rank].max())
-    att_b = float((scale * (c.attention_bwd_D() + c.BACKWARD * c.other_fwd_D(True)))[a_rank].max())
+    att_b = float((scale * (c.attention_bwd_D() + c.BACKWARD * c.other_fwd_D(True)
+                            + _attention_recompute_D(scn)))[a_rank].max())
+    expert_b = _expert_passes(scn) - 1.0  # an E task's backward in forwards (with its recompute)
     head = c.head_fwd_D() * scale
     head_f, head_b = float(head[a_rank].max()), float((c.BACKWARD * head)[a_rank].max())
     att_share = float(attention_f) / att_f  # attention's part of an A task, the rest is norms and gate
@@ -210,7 +294,7 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
                 return att_f if task.phase == "F" else att_b
             if task.kind == "E":
                 t = e_exp_IL[i, task.layer] if task.role == "expert" else e_att_IL[i, task.layer]
-                return t if task.phase == "F" else c.BACKWARD * t
+                return t if task.phase == "F" else expert_b * t
             return comm_IL[i, task.layer]
 
         times = zp.simulate_schedule(schedule, duration)
@@ -274,10 +358,9 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     imbalance_IL = np.stack(
         [imbalance_rows(processed_ILD[:, l][:, holds_LD[l]]) for l in range(L)], axis=1
     )
-    memory_D = owned_D * scn.memory.expert_bytes_per_instance(True)
-    memory_D += scn.memory.expert_activation_bytes(processed_ILD.sum(axis=1)).max(axis=0)
-    memory_D[pools.attention] += _attention_rank_bytes(scn, pools, R)
-    memory_D[pools.expert] += scn.memory.reserved_bytes
+    memory_D = owned_D * scn.memory.expert_bytes_per_instance(True) + scn.memory.reserved_bytes
+    memory_D[pools.attention] += _attention_rank_parts(scn, pools, R)["dense weights/grads/optimizer"]
+    memory_D += _activation_bytes_ID(scn, pools, R, tokens_ILED.sum(axis=2)).max(axis=0)
     return SystemResult(
         name=spec.name,
         description=spec.description,

@@ -11,6 +11,9 @@ GPU = {
     "hbm_gb_s": 1000.0,
     "flash_attention": True,
     "source": "test figures",
+    "peak_fp32_tflops": 20.0,
+    "peak_tf32_tflops": 50.0,
+    "bf16": True,
 }
 
 

@@ -17,6 +17,7 @@ from megatron_patches.sim import (
     SimError,
     Workload,
     build_scenario,
+    resolve_systems,
     scale_counts,
     select_devices,
 )
@@ -240,7 +241,8 @@ def test_trace_must_match_the_model():
 def test_a_model_that_does_not_fit_fails_with_its_parts():
     cluster = make_cluster(1, 2, gpu={"memory_gb": 2})
     scn = build_scenario(make_model(hidden=1024, seq=2048, layers=4), cluster, 2, balanced_trace(2, 4, 8, 2, 100))
-    with pytest.raises(SimError, match=r"does not fit: .* need [0-9.]+ GB per device .*activations .* has 2 GB"):
-        check_memory(scn)
+    ep = resolve_systems(["ep"])
+    with pytest.raises(SimError, match=r"does not fit: .* needs [0-9.]+ GB per device .*activations .* has 2 GB"):
+        check_memory(scn, ep)
     roomy = build_scenario(make_model(), make_cluster(1, 2), 2, balanced_trace(2, 2, 8, 2, 100))
-    check_memory(roomy)
+    assert check_memory(roomy, ep) == []

@@ -96,7 +96,8 @@ def test_ep_all_to_all_reproduces_the_closed_form(balanced):
 def test_sparse_collective_bytes_equal_the_placement_accounting(pricing):
     """FSSDP's gather and reduce bytes, recomputed from an independent replay of the same policy
     with the placement engine's accounting, equal what the simulator priced; and spAG + spRS
-    equals the all-reduce-equivalent volume of DESIGN 3 (2 (r - 1) x expert bytes)."""
+    equals the all-reduce-equivalent volume of DESIGN 3 (2 (r - 1) x expert bytes), taken at the
+    weight size for spAG and at the gradient size for spRS."""
     trace = skewed_trace(8, 2, 8, 8, 16384, seed=1)
     scn = build_scenario(MODEL, make_cluster(), 8, trace,
                          options=SimOptions(reshard_interval=3, overlap_degree=2, memory_capacity=1,
@@ -114,7 +115,11 @@ def test_sparse_collective_bytes_equal_the_placement_accounting(pricing):
         for lp in step.layers:
             comm = sparse_all_gather_bytes(lp.shard, lp.placement, bm.expert_weight_bytes, scn.hardware.topology)
             gather += (comm.intra, comm.inter)
-            equivalent += allreduce_equivalent_bytes(lp.placement, bm.expert_weight_bytes)
+            # spAG moves (r - 1) weight copies, spRS (r - 1) gradients: half of DESIGN 3's
+            # all-reduce-equivalent volume at each size. In bf16 the gradients are fp32 (4 B) and the
+            # weights 2 B, so spRS moves twice spAG's bytes and the sum is 1.5x the weight-sized volume.
+            equivalent += (allreduce_equivalent_bytes(lp.placement, bm.expert_weight_bytes)
+                           + allreduce_equivalent_bytes(lp.placement, bm.expert_grad_bytes)) / 2
         tracker.observe(scn.loads_ILE[i])
     gather /= scn.num_iterations
     spag, sprs = result.traffic["spag"], result.traffic["sprs"]
