@@ -7,7 +7,6 @@ The real-Slurm side (submitting these scripts) is tests/test_slurm_real.py.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import yaml
 from megatron_patches.config import load_cluster_config
 from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
+from support.submit import expanded_argv, load_module, submit
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("*.yaml"))
@@ -28,16 +28,7 @@ ZEBRA_RUN_FILES = [path for path in RUN_FILES if path.stem.startswith("zebra_")]
 TEST_DATA = REPO / "tests" / "data" / "slurm"
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-submit = _load("launch_submit", REPO / "launch" / "submit.py")
-preflight = _load("launch_preflight", REPO / "launch" / "preflight.py")
+preflight = load_module("launch_preflight", REPO / "launch" / "preflight.py")
 
 
 def plan(run: str | Path | dict, **overrides):
@@ -56,16 +47,6 @@ def refused(run, **overrides) -> str:
 def bash_syntax_ok(script: str) -> None:
     done = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-
-
-def expanded_argv(script: str) -> list[str]:
-    """The training command line the script passes to pretrain_gpt_moe.py, expanded by bash."""
-    arrays = script[script.index("# ---- Training flags"):script.index("# ---- Launch")]
-    refs = script[script.rindex("pretrain_gpt_moe.py \\\n") + len("pretrain_gpt_moe.py \\\n"):]
-    refs = refs.replace("\\\n", " ")
-    program = f"RUN_DIR=/out/7; CKPT_DIR=/out/checkpoints\n{arrays}\nprintf '%s\\n' {refs}"
-    done = subprocess.run(["bash", "-c", program], capture_output=True, text=True, check=True)
-    return done.stdout.splitlines()
 
 
 def tiny_run(**changes) -> dict:

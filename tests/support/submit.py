@@ -1,0 +1,34 @@
+"""launch/submit.py for tests: the module (loaded from its path: launch/ is not a package) and
+the training command line a rendered job script passes to pretrain_gpt_moe.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+submit = load_module("launch_submit", REPO / "launch" / "submit.py")
+
+
+def expanded_argv(script: str, run_dir: str = "/out/7", ckpt_dir: str = "/out/checkpoints") -> list[str]:
+    """The training command line the script passes to pretrain_gpt_moe.py, expanded by bash
+    with the script's $RUN_DIR and $CKPT_DIR set to `run_dir` and `ckpt_dir`."""
+    arrays = script[script.index("# ---- Training flags"):script.index("# ---- Launch")]
+    refs = script[script.rindex("pretrain_gpt_moe.py \\\n") + len("pretrain_gpt_moe.py \\\n"):]
+    refs = refs.replace("\\\n", " ")
+    program = f'RUN_DIR="$1"; CKPT_DIR="$2"\n{arrays}\nprintf \'%s\\n\' {refs}'
+    done = subprocess.run(["bash", "-c", program, "bash", run_dir, ckpt_dir], capture_output=True, text=True,
+                          check=True)
+    return done.stdout.splitlines()
