@@ -619,6 +619,9 @@ class FSSDPRuntime(ModeRuntime):
             # every rank computes every plan: this is already the global count
             "a2a_remote_copies": self.stats.remote_copies,
             "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
+            # one copy in the compute dtype: what spAG moves and spRS returns per copy
+            "expert_elements": self.expert_numel,
+            "expert_bytes": self.expert_bytes,
         }
 
     def a2a_remote_copies(self, loads) -> int:
