@@ -69,6 +69,9 @@ def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, ep_bf16, workd
     noise = relative(ep_bf16, ep_fp32)
     assert 1e-5 < noise.max() < 1e-2, noise
     assert "precision: parameters bfloat16 | main weights and Adam state float32" in ep_bf16.output
+    assert {str(r["dtypes"]) for r in ep_bf16.records if "loss" in r} == {
+        str({"parameters": "bfloat16", "main_weights": "float32", "gradients": "float32"})}
+    assert ep_fp32.records[0]["dtypes"] == {"parameters": "float32", "main_weights": "float32", "gradients": "float32"}
     assert ep_bf16.losses[-1] < ep_bf16.losses[0] - 0.3
     for name, flags in (("fssdp_bf16", FSSDP), ("replicate_bf16", REPLICATE)):
         run = launch(4, [*COMMON, "--train-iters", str(ITERS), "--bf16", *flags], workdir, name)

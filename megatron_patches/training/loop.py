@@ -142,6 +142,10 @@ class Run:
     valid_iter: datasets.BatchIterator
     state: dict
     """iteration, consumed_train_samples, consumed_valid_samples (the checkpointed loop state)."""
+    dtypes: dict[str, str]
+    """precision_dtypes: parameters, main weights, gradients."""
+    precision: str
+    """The start-up precision line (precision_summary)."""
 
 
 def build(args) -> Run:
@@ -165,7 +169,9 @@ def build(args) -> Run:
     scheduler = mcore.scheduler(args, optimizer)
     num_params = sum(p.numel() for p in model.parameters())
     log0(f"model: {args.model_family} | {num_params:,} parameters on rank 0 | vocab {tokenizer.vocab_size} padded to {vocab}")
-    log0(f"precision: {precision_summary(args, model)}")
+    dtypes = precision_dtypes(args, model)
+    precision = precision_summary(args, dtypes)
+    log0(f"precision: {precision}")
     for line in mode.take_log():
         log0(line)
 
@@ -188,16 +194,29 @@ def build(args) -> Run:
         train_iter=datasets.BatchIterator(train_ds, args.micro_batch_size, dp_rank, dp_size, state["consumed_train_samples"]),
         valid_iter=datasets.BatchIterator(valid_ds, args.micro_batch_size, dp_rank, dp_size, state["consumed_valid_samples"]),
         state=state,
+        dtypes=dtypes,
+        precision=precision,
     )
 
 
-def precision_summary(args, model) -> str:
-    """Parameter, main-weight and gradient dtypes, loss scaling and recompute, as one line."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    parts = [f"parameters {'/'.join(dtypes)}"]
+def precision_dtypes(args, model) -> dict[str, str]:
+    """The dtypes of the model's parameters, of the weights the optimizer steps (fp32 main
+    weights in half precision, the parameters themselves in fp32) and of the gradients as they
+    are accumulated and reduced; for the start-up line and every metrics record."""
+    parameters = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}))
     if args.bf16 or args.fp16:
         grads = "float32" if args.accumulate_allreduce_grads_in_fp32 else str(args.params_dtype).removeprefix("torch.")
-        parts.append(f"main weights and Adam state float32 | gradients accumulated and reduced in {grads}")
+    else:
+        grads = parameters
+    return {"parameters": parameters, "main_weights": "float32", "gradients": grads}
+
+
+def precision_summary(args, dtypes: dict[str, str]) -> str:
+    """Parameter, main-weight and gradient dtypes, loss scaling and recompute, as one line."""
+    parts = [f"parameters {dtypes['parameters']}"]
+    if args.bf16 or args.fp16:
+        parts.append(f"main weights and Adam state {dtypes['main_weights']} | gradients accumulated and reduced in "
+                     f"{dtypes['gradients']}")
     if args.fp16:
         parts.append(f"loss scale {args.loss_scale:g} (static)" if args.loss_scale else
                      f"dynamic loss scale from {args.initial_loss_scale:g} (min {args.min_loss_scale:g}, "
@@ -234,6 +253,8 @@ def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
     recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size)
     writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if dist.get_rank() == 0 else None
+    if writer is not None:
+        writer.log_text("run/precision", run.precision)
     history = History(start_iteration=run.state["iteration"])
     log0(f"training: iterations {history.start_iteration} -> {args.train_iters}, {args.num_micro_batches} micro-batches of "
          f"{args.micro_batch_size} x DP {parallel_state.get_data_parallel_world_size()}")
@@ -311,6 +332,7 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "update_successful": bool(update_ok),
         "loss_scale": mcore.loss_scale(run.optimizer),
         "skipped_iterations": history.skipped,
+        "dtypes": run.dtypes,
         "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
         "iteration_time_s": elapsed,
         "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),

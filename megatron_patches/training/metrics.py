@@ -225,6 +225,11 @@ class MetricsWriter:
             for tag, value in mode_scalars.items():
                 self._tb.add_scalar(tag, value, iteration)
 
+    def log_text(self, tag: str, text: str) -> None:
+        """A run-level fact (the precision line) as TensorBoard text at step 0."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, 0)
+
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
         if self._json is not None:

@@ -88,6 +88,7 @@ def pretrain_zebra(args) -> Summary:
                     # the record fields of every mode; zebra trains in fp32 and never skips a step
                     "loss_scale": 1.0,
                     "skipped_iterations": 0,
+                    "dtypes": {"parameters": "float32", "main_weights": "float32", "gradients": "float32"},
                     "tokens_per_s": tokens_per_iteration / elapsed,
                     "iteration_time_s": elapsed,
                     "moe_layers": metrics.zebra_layer_records(routed_LE, engine.owners_LE, layout, layer_numbers),

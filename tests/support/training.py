@@ -83,3 +83,13 @@ def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
     accumulator.Reload()
     return {tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}
+
+
+def tensorboard_texts(directory: Path) -> dict[str, str]:
+    """Every text summary of the TensorBoard event files in `directory`: tag -> the text (step 0)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(directory), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    return {tag.removesuffix("/text_summary"): accumulator.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+            for tag in accumulator.Tags()["tensors"]}
