@@ -73,6 +73,7 @@ from megatron_patches.config.models import (  # noqa: E402
     resolve_config_path,
 )
 from megatron_patches.config.flags import moe_layer_freq  # noqa: E402
+from megatron_patches.sim.costs import Precision  # noqa: E402
 from megatron_patches.training import arguments, validation  # noqa: E402
 
 TEMPLATES = REPO / "launch" / "templates"
@@ -569,16 +570,14 @@ def zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
 
 
 def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
-    """Weights + gradients + Adam state per parameter. fp32: 4 + 4 + 8; bf16/fp16: 2 + (4 or 2) +
-    12. The DDP gradient buffer is fp32 with --accumulate-allreduce-grads-in-fp32 (always on with
-    bf16, Megatron-LM's rule), else in the compute dtype (compat.mcore.wrap_ddp); fp32 main
-    weights, m and v. The distributed optimizer shards the optimizer part over the data-parallel
-    ranks."""
-    if args.bf16 or args.fp16:
-        fixed, optimizer = 2.0 + (4.0 if args.accumulate_allreduce_grads_in_fp32 else 2.0), 12.0
-    else:
-        fixed, optimizer = 8.0, 8.0
-    return fixed + optimizer / (data_parallel if args.use_distributed_optimizer else 1)
+    """Weights + gradients + Adam state per parameter, from the simulator's table of the
+    precision (sim.costs.Precision; fp32: 4 + 4 + 8; bf16/fp16: 2 + (4 or 2) + 12, the gradient
+    fp32 with --accumulate-allreduce-grads-in-fp32, always on with bf16). The distributed
+    optimizer shards the optimizer part over the data-parallel ranks."""
+    name = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    precision = Precision(name, fp32_gradients=args.accumulate_allreduce_grads_in_fp32 or None)
+    fixed = precision.element_bytes + precision.grad_bytes_per_param
+    return fixed + precision.optimizer_bytes_per_param / (data_parallel if args.use_distributed_optimizer else 1)
 
 
 def check_model_memory(args: argparse.Namespace, mode: str, components: list[Component], zp_groups: int) -> list[str]:

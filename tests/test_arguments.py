@@ -758,6 +758,9 @@ def test_load_directory_missing(parse, tmp_path):
                  "holds no checkpoint (no latest_checkpointed_iteration.txt)")
     (missing / "latest_checkpointed_iteration.txt").write_text("release\n")
     expect_error(parse("--load", str(missing)), 1, f"--load={missing}", "holds 'release', expected an iteration number")
+    # the --save directory's tracker is read up front too, not at the load
+    expect_error(parse("--load", str(missing), "--save", str(missing), "--save-interval", "10"), 1,
+                 f"--load={missing}", "holds 'release', expected an iteration number")
     (missing / "latest_checkpointed_iteration.txt").write_text("20\n")
     assert validate_args(parse("--load", str(missing)), 1).load == str(missing)
 

@@ -557,11 +557,11 @@ def _check_checkpointing(args):
     # --save D --load D is how a job that may be preempted is written (launch/submit.py does): the
     # first job finds D missing or empty and starts fresh, every later one resumes
     resumes_own_save = args.save is not None and Path(args.load).resolve() == Path(args.save).resolve()
-    if resumes_own_save:
-        return
     valid = ("valid: a directory this script saved checkpoints to, or the --save directory (then "
              "training starts fresh until a checkpoint exists)")
     if not Path(args.load).is_dir():
+        if resumes_own_save:
+            return
         fail("--load", args.load, f"directory not found; {valid}")
     from megatron_patches.training.checkpoint import TRACKER_FILE, latest_iteration  # torch: only with --load
 
@@ -569,5 +569,5 @@ def _check_checkpointing(args):
         iteration = latest_iteration(args.load)
     except ValueError as error:
         fail("--load", args.load, str(error))
-    if iteration is None:
+    if iteration is None and not resumes_own_save:
         fail("--load", args.load, f"holds no checkpoint (no {TRACKER_FILE}); {valid}")

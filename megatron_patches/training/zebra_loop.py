@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
 from megatron_patches.training import metrics
-from megatron_patches.training.loop import Summary, build_data, finish, log0, seed_everything
+from megatron_patches.training.loop import Summary, build_data, finish, log0, precision_dtypes, seed_everything
 from megatron_patches.training.model import build_model
 from megatron_patches.training.steps import gpt_loss
 
@@ -38,6 +38,7 @@ def pretrain_zebra(args) -> Summary:
     seed_everything(args)
     tokenizer, vocab, train_ds, valid_ds = build_data(args)
     model, _ = build_model(args, vocab, on_gpu=use_cuda)
+    dtypes = precision_dtypes(args, model)
     engine = ZebraEngine(model, config, layout, AdamSettings.from_args(args),
                          loss_fn=lambda losses_BS, batch: gpt_loss(batch["loss_mask"], losses_BS)[0])
     scheduler = mcore.scheduler(args, engine.optimizer)
@@ -88,7 +89,7 @@ def pretrain_zebra(args) -> Summary:
                     # the record fields of every mode; zebra trains in fp32 and never skips a step
                     "loss_scale": 1.0,
                     "skipped_iterations": 0,
-                    "dtypes": {"parameters": "float32", "main_weights": "float32", "gradients": "float32"},
+                    "dtypes": dtypes,
                     "tokens_per_s": tokens_per_iteration / elapsed,
                     "iteration_time_s": elapsed,
                     "moe_layers": metrics.zebra_layer_records(routed_LE, engine.owners_LE, layout, layer_numbers),
