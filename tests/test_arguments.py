@@ -378,6 +378,18 @@ def test_out_of_range_coefficients(parse, flag, value):
     expect_error(parse(flag, value), 1, f"{flag}={float(value)}")
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["--lr", "inf"], "--lr=inf: must be a finite number"),
+    (["--min-lr", "nan"], "--min-lr=nan: must be a finite number"),
+    (["--clip-grad", "inf"], "--clip-grad=inf: must be a finite number"),
+    (["--moe-parallel-mode", "fssdp", "--fssdp-memory-budget-mb", "inf"], "--fssdp-memory-budget-mb=inf: must be a finite number"),
+    (["--seed", "-1"], "--seed=-1: valid: 0..2147483647"),
+    (["--seed", str(2**31)], "--seed=2147483648"),
+])
+def test_non_finite_numbers_and_bad_seeds(parse, flags, fragment):
+    expect_error(parse(*flags), 4, fragment)
+
+
 def test_world_size_not_divisible_by_tp_times_pp(parse):
     expect_error(parse("--tensor-model-parallel-size", "3", "--sequence-parallel"), 4,
                  "--tensor-model-parallel-size=3", "world size 4", "[1, 2, 4]")

@@ -3,6 +3,7 @@
 - `cpu.py`: shims for Megatron's hard CUDA assumptions, installed only when CUDA is absent.
 - `fixes.py`: fixes for device-independent Megatron-Core bugs (CPU and GPU).
 - `mcore.py`: every version-sensitive call into Megatron-Core.
+- `activations.py`: activation memory measured through torch's saved-tensor hooks.
 
 `prepare_megatron(use_cuda)` is called once per process before any model is built.
 """

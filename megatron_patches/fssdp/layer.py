@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
-from megatron_patches.compat import mcore
+from megatron_patches.compat import activations, mcore
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
 from megatron_patches.placement import fssdp as planner
 
@@ -255,7 +255,8 @@ class FSSDPMoELayer(InstanceMoELayer):
         def pack(tensor):
             if tensor.untyped_storage().data_ptr() == storage:
                 return ("fssdp-copy", layer_pass, tensor.size(), tensor.stride(), tensor.storage_offset())
-            return tensor
+            activations.note(tensor)  # these hooks hide the measuring ones (only the innermost apply)
+            return tensor.detach()  # not the tensor itself: an op's saved output would reference its own grad_fn
 
         def unpack(packed):
             if isinstance(packed, tuple) and packed and packed[0] == "fssdp-copy":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_patches.compat import activations
 from megatron_patches.placement.replicate import expert_rank_ranges, slot_placement
 from megatron_patches.placement.types import InstancePlacement, PlacementError
 
@@ -53,6 +54,7 @@ class SlotWeights:
             torch.empty((self.slots_per_rank, int(expert_numel)), dtype=dtype, device=device)
         )
         """The slot weights [s, N] (contents valid once filled); row j = the expert `slot_expert_S[j]`."""
+        activations.persistent([self.slots_SN])  # the slots are weights, not activations, when a matmul saves them
 
     def assign(self, slot_expert_RS) -> None:
         """Adopt a new slot assignment of the same G and s; the buffer's contents are not touched.

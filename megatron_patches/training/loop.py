@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.compat import mcore, prepare_megatron
+from megatron_patches.compat import activations, mcore, prepare_megatron
 from megatron_patches.config.models import padded_vocab_size
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
@@ -212,7 +212,8 @@ def precision_dtypes(args, model) -> dict[str, str]:
 
 
 def precision_summary(args, dtypes: dict[str, str]) -> str:
-    """Parameter, main-weight and gradient dtypes, loss scaling and recompute, as one line."""
+    """Parameter, main-weight and gradient dtypes, loss scaling, the distributed optimizer and
+    recompute, as one line."""
     parts = [f"parameters {dtypes['parameters']}"]
     if args.bf16 or args.fp16:
         parts.append(f"main weights and Adam state {dtypes['main_weights']} | gradients accumulated and reduced in "
@@ -221,6 +222,8 @@ def precision_summary(args, dtypes: dict[str, str]) -> str:
         parts.append(f"loss scale {args.loss_scale:g} (static)" if args.loss_scale else
                      f"dynamic loss scale from {args.initial_loss_scale:g} (min {args.min_loss_scale:g}, "
                      f"window {args.loss_scale_window:g}, hysteresis {args.hysteresis})")
+    if args.use_distributed_optimizer:
+        parts.append("optimizer state sharded over data-parallel ranks (distributed optimizer)")
     if args.recompute_granularity == "full":
         parts.append(f"recompute full ({args.recompute_method}, {args.recompute_num_layers} layers)")
     elif args.recompute_granularity == "selective":
@@ -274,12 +277,16 @@ def train(args, run: Run) -> History:
         run.state["consumed_valid_samples"] = run.valid_iter.consumed_samples
         return float(np.mean(total))
 
+    activations.persistent(run.ddp.parameters())
     for iteration in range(history.start_iteration + 1, args.train_iters + 1):
         started = time.perf_counter()
+        if args.use_cuda:
+            torch.cuda.reset_peak_memory_stats()
         run.ddp.zero_grad_buffer()
         run.optimizer.zero_grad()
         run.mode.begin_iteration(iteration)
         loss = forward_backward(run.train_iter, forward_only=False)
+        kept_bytes = activations.take_peak()
         lr_used = run.optimizer.param_groups[0]["lr"]
         update_ok, grad_norm, _ = run.optimizer.step()
         run.scheduler.step(increment=1)
@@ -299,7 +306,7 @@ def train(args, run: Run) -> History:
             history.routed.append(loads.routed_LE)
             history.sources.append(loads.source_routed_LSE)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record)
+            log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes)
         if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
             history.eval_loss = evaluate()
             if writer is not None:
@@ -315,10 +322,11 @@ def train(args, run: Run) -> History:
 
 
 def log_iteration(args, run: Run, writer, history: History, iteration: int, loss: float, grad_norm, update_ok, elapsed: float,
-                  loads, record: dict | None) -> None:
+                  loads, record: dict | None, kept_bytes: int) -> None:
     """One metrics record (rank 0 writes it; every rank takes part in the mode's collectives)."""
     element_bytes = 2 if (args.bf16 or args.fp16) else 4
     remote_copies = run.mode.a2a_remote_copies(loads)
+    memory = activation_memory(args.use_cuda, kept_bytes)
     if record is not None:
         record["memory"] = run.mode.memory_report()
     if writer is None:
@@ -338,10 +346,24 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),
         # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
         "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
+        "memory": memory,
         **({run.mode.name: record} if record is not None else {}),
     }
     placed, survival = run.mode.progress(metrics_record)
     writer.log(metrics_record, placed, survival, run.mode.tensorboard_scalars(metrics_record))
+
+
+def activation_memory(use_cuda: bool, kept_bytes: int) -> dict[str, list[int]]:
+    """Every rank's activation memory this iteration: `activation_bytes`, what its largest
+    micro-batch forward kept for the backward (measured by `compat.activations`, on every
+    device), and on CUDA the allocator's peak over the iteration, which also holds the recomputed
+    layer, the gradients and the optimizer's work."""
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    mine_2 = torch.tensor([kept_bytes, torch.cuda.max_memory_allocated() if use_cuda else 0], dtype=torch.int64, device=device)
+    ranks_R2 = [torch.empty_like(mine_2) for _ in range(dist.get_world_size())]
+    dist.all_gather(ranks_R2, mine_2)
+    kept_R, peak_R = torch.stack(ranks_R2).cpu().T.tolist()
+    return {"activation_bytes": kept_R, **({"cuda_peak_allocated_bytes": peak_R} if use_cuda else {})}
 
 
 def save(args, run: Run, iteration: int) -> None:

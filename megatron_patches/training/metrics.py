@@ -17,6 +17,7 @@ Definitions (the same in logs, tests, placement tools and the simulator):
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,6 +175,18 @@ def _scaling_text(record: dict) -> str:
     return f"loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']} | "
 
 
+def strict_json(value):
+    """`value` with every NaN and infinity as null: JSON has no such numbers, and strict readers
+    (jq, JavaScript, most languages' parsers) reject Python's `NaN`/`Infinity` extension."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 @dataclass
 class MetricsWriter:
     """Rank-0 sinks: a human line on stdout, one JSON object per line, TensorBoard."""
@@ -212,7 +225,7 @@ class MetricsWriter:
             flush=True,
         )
         if self._json is not None:
-            self._json.write(json.dumps(record) + "\n")
+            self._json.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self._tb is not None:
             for key in ("loss", "lr", "tokens_per_s", "iteration_time_s", "loss_scale", "skipped_iterations"):
                 self._tb.add_scalar(f"train/{key}", record[key], iteration)
@@ -222,6 +235,8 @@ class MetricsWriter:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             for kind, value in record["bytes"].items():
                 self._tb.add_scalar(f"bytes/{kind}", value, iteration)
+            for kind, per_rank in record.get("memory", {}).items():  # zebra's own loop does not measure it yet
+                self._tb.add_scalar(f"memory/{kind}_max_rank", max(per_rank), iteration)
             for tag, value in mode_scalars.items():
                 self._tb.add_scalar(tag, value, iteration)
 
@@ -233,7 +248,7 @@ class MetricsWriter:
     def log_eval(self, iteration: int, loss: float) -> None:
         print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
         if self._json is not None:
-            self._json.write(json.dumps({"iteration": iteration, "eval_loss": loss}) + "\n")
+            self._json.write(json.dumps(strict_json({"iteration": iteration, "eval_loss": loss}), allow_nan=False) + "\n")
         if self._tb is not None:
             self._tb.add_scalar("eval/loss", loss, iteration)
 

@@ -3,7 +3,8 @@
 `forward_step(data_iterator, model)` returns (output, loss function), as
 `megatron.core.pipeline_parallel` schedules expect; the loss function returns (loss, reported
 values). `mean_loss_over_world` averages the reported losses of one iteration over data-parallel
-ranks.
+ranks. Each model call is a measured forward (`compat.activations`): the bytes it keeps for the
+backward are the run's activation memory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 
+from megatron_patches.compat import activations
 from megatron_patches.data import datasets
 
 
@@ -37,7 +39,8 @@ def gpt_loss(mask_BS, output_BS):
 
 def gpt_forward_step(data_iterator, model):
     batch = datasets.gpt_batch(next(data_iterator))
-    output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    with activations.measure():
+        output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output_BS, partial(gpt_loss, batch["loss_mask"])
 
 
@@ -53,9 +56,10 @@ def bert_loss(mask_BS, is_random_B, output):
 
 def bert_forward_step(data_iterator, model, binary_head: bool):
     batch = datasets.bert_batch(next(data_iterator))
-    output = model(
-        batch["tokens"], batch["padding_mask"], tokentype_ids=batch["types"] if binary_head else None, lm_labels=batch["labels"]
-    )
+    with activations.measure():
+        output = model(
+            batch["tokens"], batch["padding_mask"], tokentype_ids=batch["types"] if binary_head else None, lm_labels=batch["labels"]
+        )
     if not isinstance(output, tuple):
         output = (output, None)
     return output, partial(bert_loss, batch["loss_mask"], batch["is_random"])

@@ -45,6 +45,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if not isinstance(world_size, int) or world_size < 1:
         raise ArgumentError(f"world size {world_size!r}: must be a positive integer")
     args.world_size = world_size
+    _check_finite(args)
     _check_sizes(args)
     _check_choices(args)
     _resolve_parallel_layout(args, world_size)
@@ -61,6 +62,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_tokenizer(args)
     _check_checkpointing(args)
     return args
+
+
+def _check_finite(args):
+    """`inf` and `nan` parse as floats, and no flag means anything by them: `--lr inf` would train
+    to NaN and `--fssdp-memory-budget-mb inf` would fail at the first plan."""
+    for action in build_parser()._actions:
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if action.option_strings and any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            fail(action.option_strings[0], value, "must be a finite number")
 
 
 def _check_sizes(args):
@@ -88,6 +99,9 @@ def _check_sizes(args):
         value = getattr(args, dest)
         if value < 0:
             fail(f"--{dest.replace('_', '-')}", value, "must be 0 or more")
+    if not 0 <= args.seed < 2**31:
+        # numpy's seeds are 0..2**32-1, and Megatron adds per-rank offsets to this one
+        fail("--seed", args.seed, f"valid: 0..{2**31 - 1}")
     if args.num_experts is not None and args.num_experts < 0:
         fail("--num-experts", args.num_experts, "must be a positive integer (0 means no MoE)")
     if args.num_experts == 0:
