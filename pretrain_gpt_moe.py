@@ -11,8 +11,13 @@ process group starts.
 import os
 import sys
 
-from megatron_patches.training.arguments import ArgumentError, parse_args
-from megatron_patches.training.validation import validate_args
+from megatron_patches.compat.known_warnings import show_once
+
+# before anything imports Megatron-Core: its import-time warnings, once per job, one line each
+show_once(int(os.environ.get("RANK", "0")))
+
+from megatron_patches.training.arguments import ArgumentError, parse_args  # noqa: E402
+from megatron_patches.training.validation import validate_args  # noqa: E402
 
 
 def main(argv=None) -> int:

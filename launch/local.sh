@@ -2,18 +2,21 @@
 # Local launcher: set up the environment (once), then train with torchrun on this machine.
 #
 #   bash launch/local.sh                       # embedded default: tiny GPT-MoE, real text, 4 CPU ranks
-#   NPROC=2 bash launch/local.sh --train-iters 50 --log-json runs/local.jsonl
+#   NPROC=2 bash launch/local.sh --train-iters 50 --moe-parallel-mode fssdp
 #   DEVICE=gpu NPROC=8 bash launch/local.sh --config configs/models/gpt_moe_s.yaml --data-path ...
 #
 # Knobs (environment): NPROC ranks (default 4), DEVICE cpu|gpu (default cpu: CUDA is hidden
 # so the run uses gloo and the CPU shims), OMP_NUM_THREADS per rank (default 1: the ranks
-# share the cores). Every other argument goes to pretrain_gpt_moe.py unchanged.
+# share the cores), RUN_DIR the run folder (default runs/local-<date>-<time>: arguments.txt,
+# metrics.jsonl, tensorboard/, loads.npz, loss_imbalance.png). Every other argument goes to
+# pretrain_gpt_moe.py unchanged (a --run-dir there wins).
 set -eo pipefail
 cd "$(dirname "$0")/.."
 
 NPROC=${NPROC:-4}
 DEVICE=${DEVICE:-cpu}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+RUN_DIR=${RUN_DIR:-runs/local-$(date +%Y%m%d-%H%M%S)}
 
 bash tools/setup_env.sh
 
@@ -27,5 +30,6 @@ elif [ "$DEVICE" != gpu ]; then
 fi
 
 echo "[local] git revision $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $NPROC ranks on $DEVICE, started $(date -Is)"
-.venv/bin/python -m torch.distributed.run "${launcher_args[@]}" pretrain_gpt_moe.py "${device_args[@]}" "$@"
+.venv/bin/python -m torch.distributed.run "${launcher_args[@]}" pretrain_gpt_moe.py "${device_args[@]}" \
+  --run-dir "$RUN_DIR" "$@"
 echo "[local] finished $(date -Is)"

@@ -390,6 +390,30 @@ def test_non_finite_numbers_and_bad_seeds(parse, flags, fragment):
     expect_error(parse(*flags), 4, fragment)
 
 
+def test_run_dir_names_the_outputs_and_explicit_flags_win(parse, tmp_path):
+    run_dir = tmp_path / "runs" / "a"
+    args = validate_args(parse("--run-dir", str(run_dir)), 4)
+    assert (args.log_json, args.tensorboard_dir, args.moe_log_loads) == (
+        str(run_dir / "metrics.jsonl"), str(run_dir / "tensorboard"), str(run_dir / "loads.npz"))
+    args = validate_args(parse("--run-dir", str(run_dir), "--log-json", str(tmp_path / "m.jsonl")), 4)
+    assert args.log_json == str(tmp_path / "m.jsonl") and args.moe_log_loads == str(run_dir / "loads.npz")
+    # zebra's own loop writes no load trace (and refuses --moe-log-loads): the folder leaves it unset
+    zebra = validate_args(parse("--run-dir", str(run_dir), *ZEBRA_2_2_4, "--micro-batch-size", "3"), 8)
+    assert zebra.moe_log_loads is None and zebra.log_json == str(run_dir / "metrics.jsonl")
+    assert not run_dir.exists()  # created by rank 0 at start-up, not by validation
+
+
+def test_output_paths_that_cannot_be_written_are_refused_up_front(parse, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    expect_error(parse("--run-dir", str(a_file)), 4, f"--run-dir={a_file}: exists and is not a directory")
+    expect_error(parse("--moe-log-loads", str(a_file / "loads.npz")), 4,
+                 f"--moe-log-loads={a_file / 'loads.npz'}: {a_file} is not a directory")
+    expect_error(parse("--log-json", str(tmp_path)), 4, f"--log-json={tmp_path}: exists and is a directory")
+    expect_error(parse("--tensorboard-dir", str(a_file)), 4, "--tensorboard-dir=")
+    expect_error(parse("--run-dir", str(a_file / "run")), 4, f"--run-dir={a_file / 'run'}: {a_file} is not a directory")
+
+
 def test_world_size_not_divisible_by_tp_times_pp(parse):
     expect_error(parse("--tensor-model-parallel-size", "3", "--sequence-parallel"), 4,
                  "--tensor-model-parallel-size=3", "world size 4", "[1, 2, 4]")

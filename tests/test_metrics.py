@@ -1,13 +1,17 @@
-"""The JSONL metrics are strict JSON: a NaN loss or an infinite grad norm is written as null."""
+"""The JSONL metrics are strict JSON (a NaN loss or an infinite grad norm is written as null), the
+progress line's ETA follows the recent iterations, and Megatron's known warnings show once."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+import warnings
 
 import pytest
 
-from megatron_patches.training.metrics import MetricsWriter, strict_json
+from megatron_patches.compat.known_warnings import known_line, show_once
+from megatron_patches.training.metrics import MetricsWriter, read_records, strict_json
 
 
 def _refuse(constant: str):
@@ -36,3 +40,48 @@ def test_non_finite_values_are_written_as_null(tmp_path, capsys):
 @pytest.mark.parametrize("value, expected", [(1.0, 1.0), (math.nan, None), ({"a": [math.inf]}, {"a": [None]}), ("nan", "nan"), (3, 3)])
 def test_strict_json(value, expected):
     assert strict_json(value) == expected
+
+
+def test_eta_follows_the_recent_iterations_not_the_start(tmp_path):
+    writer = MetricsWriter(None, None, train_iters=100)
+    writer._start -= 60.0  # a slow start (build, warm-up) must not count
+    assert writer._eta(10, 0.5) == pytest.approx(90 * 0.5)  # the first line: its own iteration's pace
+    time.sleep(0.2)
+    eta = writer._eta(20, 0.5)  # 10 iterations in about 0.2 s since the last line
+    assert 80 * 0.2 / 10 <= eta < 80 * 0.6 / 10
+
+
+def test_read_records_returns_what_the_writer_wrote(tmp_path):
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(str(path), None, train_iters=3)
+    writer.log_eval(3, 2.5)
+    writer.log_eval(4, math.nan)
+    writer.close()
+    assert read_records(str(path)) == [{"iteration": 3, "eval_loss": 2.5}, {"iteration": 4, "eval_loss": None}]
+
+
+MEGATRON_WARNINGS = (
+    "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+    "Transformer Engine and Apex are not installed. Falling back to local implementations of multi_tensor_applier",
+    "Apex is not installed. Falling back to Torch Norm",
+    "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `torch.distributed.all_gather_single` instead.",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...",
+)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_known_warnings_show_once_from_rank_0_and_others_once_per_rank(capsys, rank):
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show_once(rank)
+        for _ in range(3):
+            for text in MEGATRON_WARNINGS:
+                warnings.warn(text, UserWarning)
+            warnings.warn("something new\n  on two lines", RuntimeWarning)
+    lines = capsys.readouterr().err.splitlines()
+    prefix = "warning" if rank == 0 else f"warning (rank {rank})"
+    new = [line for line in lines if "something new" in line]
+    assert len(new) == 1 and new[0].startswith(f"{prefix}: RuntimeWarning: something new on two lines (")
+    known = sorted({known_line(text) for text in MEGATRON_WARNINGS})
+    assert len(known) == 2 and None not in known
+    assert sorted(line for line in lines if line not in new) == ([f"warning: {line}" for line in known] if rank == 0 else [])

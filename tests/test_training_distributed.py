@@ -9,25 +9,44 @@ few launches that check several things at once.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 
 import numpy as np
 import pytest
 
 from megatron_patches.placement.trace import read_trace
-from support.training import MOCK, NO_DROPOUT, check_moe_records, launch
+from megatron_patches.training.metrics import read_records
+from support.training import MOCK, NO_DROPOUT, REPO, Run, check_moe_records, launch, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
 
 
-def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):
-    """The issue's reference run: 4 ranks, EP=4, 30 iterations on the embedded Austen corpus."""
-    trace_path = tmp_path / "loads.npz"
-    run = launch(
-        4,
-        ["--expert-model-parallel-size", "4", "--train-iters", "30", "--lr-warmup-iters", "5",
-         "--log-interval", "1", "--use-distributed-optimizer", "--moe-log-loads", str(trace_path)],
-        tmp_path, "ep4",
-    )
+def test_the_main_job_trains_on_real_text_and_fills_its_run_folder(tmp_path):
+    """The README's main job as a user runs it (`bash launch/local.sh`: 4 ranks, EP=4 on the
+    embedded Austen corpus), 30 iterations: what it prints before the first progress line, and
+    its run folder (arguments, metrics, TensorBoard, load trace, plot)."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, RUN_DIR=str(run_dir), NPROC="4", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        ["bash", "launch/local.sh", "--train-iters", "30", "--lr-warmup-iters", "5", "--log-interval", "1",
+         "--use-distributed-optimizer"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+
+    # a start-up a person reads: Megatron's known warnings once as one line, the arguments in a file
+    before_progress = proc.stdout.split("\niter ")[0].splitlines() + proc.stderr.splitlines()
+    assert len(before_progress) < 30, "\n".join(before_progress)
+    assert "UserWarning" not in output and "warnings.warn" not in output
+    assert output.count("warning: megatron-core: Transformer Engine and Apex are not installed") == 1
+    assert f"run folder: {run_dir} (arguments.txt, loads.npz, loss_imbalance.png, metrics.jsonl, tensorboard)" in output
+    assert "layout: gpt 2 layers x hidden 64, 8 experts top-2, seq 128 | mode ep | world 4 = TP 1 x PP 1 x DP 4" in output
+    arguments = (run_dir / "arguments.txt").read_text()
+    assert "  train_iters ." in arguments and arguments.split("  train_iters ")[1].split()[1] == "30"
+    assert "------------------------ arguments" not in output
+
+    run = Run(output, read_records(str(run_dir / "metrics.jsonl")))
     losses = run.losses
     assert len(losses) == 30
     # Loss falls on real text: from ~ln(50257) = 10.8 towards a unigram-level model.
@@ -37,8 +56,10 @@ def test_ep4_on_real_text_trains_and_writes_metrics_and_trace(tmp_path):
     check_moe_records(run, tokens_per_iteration=16 * 128, topk=2, num_layers=2, ep=4)
     assert any(r["bytes"]["a2a"] > 0 for r in run.records if "loss" in r)
     assert "summary: 30 iterations" in run.output
+    assert tensorboard_scalars(run_dir / "tensorboard")["train/loss"][30] == pytest.approx(losses[-1])
+    assert (run_dir / "loss_imbalance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    trace = read_trace(trace_path)
+    trace = read_trace(run_dir / "loads.npz")
     assert trace.loads.shape == (30, 2, 8) and trace.loads.dtype == np.int64
     assert trace.source_loads.shape == (30, 2, 4, 8)
     assert (trace.source_loads.sum(axis=2) == trace.loads).all()

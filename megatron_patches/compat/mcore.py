@@ -148,6 +148,9 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         recompute_method=run.recompute_method,
         recompute_num_layers=run.recompute_num_layers,
         recompute_modules=list(run.recompute_modules) if run.recompute_modules else None,
+        # 0.16.1's default "full" is deprecated by its own __post_init__ (a warning per config
+        # built); the empty list means the same (a whole layer) and only matters with CUDA graphs
+        cuda_graph_scope=[],
     )
 
 

@@ -506,6 +506,12 @@ def _add_logging_args(parser):
     group.add_argument("--log-interval", type=int, default=10,
                        help="Report loss and timing interval. Default 10 (Megatron-LM: 100): a "
                        "progress line every 10 iterations, 20 in the default run.")
+    group.add_argument("--run-dir", type=str, default=None, metavar="DIR",
+                       help="Keep the run's outputs in DIR: arguments.txt (every flag value; "
+                       "stdout gets a short summary), metrics.jsonl, tensorboard/, loads.npz and "
+                       "loss_imbalance.png at the end, unless --log-json, --tensorboard-dir or "
+                       "--moe-log-loads name another place. launch/local.sh passes "
+                       "runs/local-<time>. New flag.")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write TensorBoard logs to this directory.")
     group.add_argument("--log-json", type=str, default=None, metavar="PATH",

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from megatron_patches.config.models import padded_vocab_size
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
-from megatron_patches.training import checkpoint, metrics, modes
+from megatron_patches.training import checkpoint, metrics, modes, outputs
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
@@ -60,7 +61,7 @@ def pretrain(args) -> Summary:
     run = build(args)
     history = train(args, run)
     write_load_trace(args, run, history)
-    return finish(history.times, history.losses, history.eval_loss, args.global_batch_size * args.seq_length)
+    return finish(args, history.times, history.losses, history.eval_loss)
 
 
 # ----------------------------------------------------------------------------------------
@@ -71,8 +72,24 @@ def pretrain(args) -> Summary:
 def set_up(args) -> None:
     init_distributed(args.use_cuda, args.distributed_backend)
     shims = prepare_megatron(args.use_cuda)
-    log0(describe_args(args))
+    if args.run_dir:
+        # a person reads a short summary; every value stays in the run folder
+        if dist.get_rank() == 0:
+            outputs.write_arguments(args.run_dir, describe_args(args))
+        log0(f"run folder: {args.run_dir} (every flag value in {outputs.ARGUMENTS}; {outputs.PLOT} at the end)")
+    else:
+        log0(describe_args(args))
+    log0(layout_summary(args))
     log0(f"device: {'cuda' if args.use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
+
+
+def layout_summary(args) -> str:
+    """The model's shape, the mode and the parallel layout, as one line."""
+    experts = f"{args.num_experts} experts top-{args.moe_router_topk}" if args.num_experts else "dense"
+    return (f"layout: {args.model_family} {args.num_layers} layers x hidden {args.hidden_size}, {experts}, seq "
+            f"{args.seq_length} | mode {args.moe_parallel_mode} | world {args.world_size} = TP {args.tensor_model_parallel_size} "
+            f"x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | EP {args.expert_model_parallel_size} "
+            f"x ETP {args.expert_tensor_parallel_size} | global batch {args.global_batch_size}")
 
 
 def init_distributed(use_cuda: bool, backend: str) -> None:
@@ -395,8 +412,8 @@ def write_load_trace(args, run: Run, history: History) -> None:
     log0(f"trace: wrote {args.moe_log_loads} ({len(history.routed)} iterations)")
 
 
-def finish(times: list[float], losses_seen: list[float], eval_loss: float | None, tokens_per_iteration: int) -> Summary:
-    """Print the summary line, tear the process groups down."""
+def finish(args, times: list[float], losses_seen: list[float], eval_loss: float | None) -> Summary:
+    """Print the summary line, plot the run folder's metrics, tear the process groups down."""
     steady = times[1:] if len(times) > 1 else times
     mean_s = float(np.mean(steady)) if steady else float("nan")
     summary = Summary(
@@ -404,7 +421,7 @@ def finish(times: list[float], losses_seen: list[float], eval_loss: float | None
         first_loss=losses_seen[0] if losses_seen else float("nan"),
         last_loss=losses_seen[-1] if losses_seen else float("nan"),
         mean_iteration_s=mean_s,
-        tokens_per_s=tokens_per_iteration / mean_s if steady else float("nan"),
+        tokens_per_s=args.global_batch_size * args.seq_length / mean_s if steady else float("nan"),
         eval_loss=eval_loss,
     )
     log0(
@@ -412,6 +429,10 @@ def finish(times: list[float], losses_seen: list[float], eval_loss: float | None
         f"{summary.mean_iteration_s * 1e3:.1f} ms/iteration (excluding the first) | {summary.tokens_per_s:.0f} tokens/s"
         + (f" | eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
     )
+    if args.run_dir and dist.get_rank() == 0:
+        plot = Path(args.run_dir) / outputs.PLOT
+        outputs.plot_run(metrics.read_records(args.log_json), plot)
+        log0(f"run folder: {args.run_dir} ({', '.join(sorted(p.name for p in Path(args.run_dir).iterdir()))})")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

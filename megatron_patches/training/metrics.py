@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,6 +188,16 @@ def strict_json(value):
     return value
 
 
+ETA_WINDOW = 5
+"""Progress lines whose pace the ETA follows."""
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a JSON-lines metrics file, in order (non-finite numbers read as None)."""
+    with open(path) as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
 @dataclass
 class MetricsWriter:
     """Rank-0 sinks: a human line on stdout, one JSON object per line, TensorBoard."""
@@ -197,6 +208,8 @@ class MetricsWriter:
     _json: object = field(default=None, init=False)
     _tb: object = field(default=None, init=False)
     _start: float = field(default_factory=time.time, init=False)
+    _marks: deque = field(default_factory=lambda: deque(maxlen=ETA_WINDOW + 1), init=False)
+    """(iteration, time) of the latest progress lines, for the ETA."""
 
     def __post_init__(self):
         if self.json_path:
@@ -213,8 +226,7 @@ class MetricsWriter:
         iteration = record["iteration"]
         elapsed = time.time() - self._start
         record["elapsed_s"] = round(elapsed, 3)
-        done = max(iteration - record.get("start_iteration", 0), 1)
-        eta = elapsed / done * (self.train_iters - iteration)
+        eta = self._eta(iteration, record["iteration_time_s"])
         layers = record["moe_layers"]
         worst = max((layer["imbalance"] for layer in layers), default=1.0)
         print(
@@ -239,6 +251,17 @@ class MetricsWriter:
                 self._tb.add_scalar(f"memory/{kind}_max_rank", max(per_rank), iteration)
             for tag, value in mode_scalars.items():
                 self._tb.add_scalar(tag, value, iteration)
+
+    def _eta(self, iteration: int, last_iteration_s: float) -> float:
+        """Seconds left at the pace of the iterations between the last ETA_WINDOW progress lines;
+        at the first line, the pace of its own iteration. The run's start (model build, the first
+        iteration's warm-up and calibration) would otherwise inflate it: at iteration 10 of the
+        main job it predicted about twice the real remaining time."""
+        now = time.time()
+        self._marks.append((iteration, now))
+        first_iteration, first_time = self._marks[0]
+        pace = (now - first_time) / (iteration - first_iteration) if iteration > first_iteration else last_iteration_s
+        return pace * (self.train_iters - iteration)
 
     def log_text(self, tag: str, text: str) -> None:
         """A run-level fact (the precision line) as TensorBoard text at step 0."""

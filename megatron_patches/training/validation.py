@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
 from megatron_patches.config.run import router_pre_softmax
+from megatron_patches.training import outputs
 from megatron_patches.training.arguments import (
     DEFAULT_SPLIT,
     DISTRIBUTED_BACKENDS,
@@ -34,7 +35,7 @@ from megatron_patches.training.arguments import (
     TRANSFORMER_IMPLS,
     build_parser,
 )
-from megatron_patches.training.modes import MODES
+from megatron_patches.training.modes import MODES, SEPARATE_LOOPS
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -61,6 +62,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_data(args)
     _resolve_tokenizer(args)
     _check_checkpointing(args)
+    _resolve_outputs(args)
     return args
 
 
@@ -561,6 +563,12 @@ def _resolve_tokenizer(args):
     missing = [flag for flag, value in needs if value is None]
     if missing:
         fail("--tokenizer-type", kind, f"needs {' and '.join(missing)}")
+
+
+def _resolve_outputs(args):
+    # the shared loop writes load traces; a mode with a loop of its own (zebra) refuses the flag
+    outputs.apply_run_dir(args, writes_load_trace=args.moe_parallel_mode not in SEPARATE_LOOPS)
+    outputs.check_outputs(args)
 
 
 def _check_checkpointing(args):

@@ -112,4 +112,4 @@ def pretrain_zebra(args) -> Summary:
                 writer.log_eval(iteration, eval_loss)
     if writer is not None:
         writer.close()
-    return finish(times, losses_seen, eval_loss, tokens_per_iteration)
+    return finish(args, times, losses_seen, eval_loss)
