@@ -4,6 +4,7 @@
 - `fixes.py`: fixes for device-independent Megatron-Core bugs (CPU and GPU).
 - `mcore.py`: every version-sensitive call into Megatron-Core.
 - `activations.py`: activation memory measured through torch's saved-tensor hooks.
+- `known_warnings.py`: Megatron-Core's and torch's known warnings, once from rank 0 as one line each.
 
 `prepare_megatron(use_cuda)` is called once per process before any model is built.
 """
