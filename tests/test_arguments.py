@@ -235,6 +235,10 @@ def test_yaml_file_problems(write_yaml, tmp_path):
         parse_args(["--config", write_yaml("broken.yaml", "a: [1, 2\n")])
     with pytest.raises(ArgumentError, match="cannot include other files"):
         parse_args(["--config", write_yaml("nested.yaml", {"config": "x.yaml"})])
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("# réglages\nnum_layers: 2\n".encode("latin-1"))
+    with pytest.raises(ArgumentError, match=r"latin1.yaml: not UTF-8 text \(byte 0xe9 at offset 3\); save it as UTF-8"):
+        parse_args(["--config", str(latin1)])
 
 
 def test_every_model_config_in_the_repository_parses_and_validates():
@@ -640,9 +644,20 @@ def test_bad_split(parse, split):
     expect_error(parse(f"--split={split}"), 1, f"--split={split}", "969,30,1")
 
 
-@pytest.mark.parametrize("split", ["90,5,5", "100", "98,2", "969, 30, 1"])
-def test_good_split(parse, split):
-    assert validate_args(parse("--split", split), 1).split == split
+@pytest.mark.parametrize("split, flags", [("90,5,5", ()), ("100", ("--eval-iters", "0")), ("98,2", ()),
+                                          ("969, 30, 1", ()), ("100,0,0", ("--eval-interval", "500"))])
+def test_good_split(parse, split, flags):
+    assert validate_args(parse("--split", split, *flags), 1).split == split
+
+
+@pytest.mark.parametrize("split, fragment", [
+    ("100,0,0", "gives the validation set no data while evaluation is on (--eval-interval 100, --eval-iters 5)"),
+    ("100", "valid: a positive second proportion (e.g. 98,2,0), or --eval-iters 0"),
+    ("0,50,50", "gives the training set no data"),
+])
+def test_a_split_without_the_data_a_run_reads_is_refused(parse, split, fragment):
+    # the validation set is read only when an evaluation happens (every 100 of the 200 iterations here)
+    expect_error(parse("--split", split), 1, f"--split={split}", fragment)
 
 
 def test_a_mode_is_one_registry_line_with_its_own_flags_and_rules(parse, monkeypatch):
@@ -799,6 +814,10 @@ def test_load_directory_missing(parse, tmp_path):
                  f"--load={missing}", "holds 'release', expected an iteration number")
     (missing / "latest_checkpointed_iteration.txt").write_text("20\n")
     assert validate_args(parse("--load", str(missing)), 1).load == str(missing)
+    # nothing left to train is an error, not "0 iterations, loss nan" and exit 0
+    for train_iters in ("20", "10"):
+        expect_error(parse("--load", str(missing), "--train-iters", train_iters), 1, f"--train-iters={train_iters}",
+                     f"the checkpoint in {missing} is at iteration 20", "valid: more than 20")
 
 
 def test_save_needs_save_interval(parse, tmp_path):

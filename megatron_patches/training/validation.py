@@ -529,6 +529,14 @@ def _resolve_data(args):
         fail("--split", args.split,
              "valid: 1 to 3 comma-separated non-negative proportions for train,validation,test "
              f"with a positive sum, e.g. {DEFAULT_SPLIT} or 90,5,5")
+    if proportions[0] == 0:
+        fail("--split", args.split, "gives the training set no data; valid: a positive first proportion")
+    evaluates = args.eval_iters > 0 and args.eval_interval and args.eval_interval <= args.train_iters
+    if evaluates and (len(proportions) < 2 or proportions[1] == 0):
+        # Megatron's validation dataset would be empty and the first evaluation would fail
+        fail("--split", args.split,
+             f"gives the validation set no data while evaluation is on (--eval-interval {args.eval_interval}, "
+             f"--eval-iters {args.eval_iters}); valid: a positive second proportion (e.g. 98,2,0), or --eval-iters 0")
 
 
 def _resolve_tokenizer(args):
@@ -593,3 +601,8 @@ def _check_checkpointing(args):
         fail("--load", args.load, str(error))
     if iteration is None and not resumes_own_save:
         fail("--load", args.load, f"holds no checkpoint (no {TRACKER_FILE}); {valid}")
+    if iteration is not None and args.train_iters <= iteration:
+        # the loop would run no iteration and report a NaN loss
+        fail("--train-iters", args.train_iters,
+             f"the checkpoint in {args.load} is at iteration {iteration}, so there is nothing left to train; "
+             f"valid: more than {iteration}")

@@ -22,7 +22,10 @@ def load_yaml(path: Path, parser: argparse.ArgumentParser) -> dict:
     if not path.is_file():
         raise ArgumentError(f"--config {path}: file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ArgumentError(f"--config {path}: not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                            f"{error.start}); save it as UTF-8") from error
     except yaml.YAMLError as error:
         raise ArgumentError(f"--config {path}: not valid YAML: {error}") from error
     if data is None:
