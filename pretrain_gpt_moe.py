@@ -10,6 +10,7 @@ process group starts.
 
 import os
 import sys
+import time
 
 from megatron_patches.compat.known_warnings import show_once
 
@@ -20,14 +21,23 @@ from megatron_patches.training.arguments import ArgumentError, parse_args  # noq
 from megatron_patches.training.validation import validate_args  # noqa: E402
 
 
+REFUSAL_GRACE_S = 10.0
+"""How long a rank other than 0 waits before printing a refusal (longer than ranks' import skew)."""
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ArgumentError as error:
-        # Every rank validates and exits; one of them says why.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt_moe.py: error: {error}", file=sys.stderr)
+        # Every rank validates the same flags and refuses alike. Rank 0 says why at once. The
+        # launcher (torchrun, srun --kill-on-bad-exit) kills the other ranks as soon as one exits,
+        # and rank 0 may still be importing when a faster rank refuses: so the others wait first,
+        # then say it too, and are usually killed before they print.
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            time.sleep(REFUSAL_GRACE_S)
+        print(f"pretrain_gpt_moe.py: error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
         return 2
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.

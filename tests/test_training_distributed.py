@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -157,3 +160,21 @@ def test_layouts_are_equivalent_from_the_same_checkpoint(tmp_path):
     for name, run in runs.items():
         np.testing.assert_allclose(run.losses, reference.losses, rtol=2e-5, err_msg=name)
         np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=2e-4, err_msg=name)
+
+
+def test_a_refused_flag_reaches_the_user_under_torchrun(tmp_path):
+    """zebra with --fp16 under torchrun used to end with no message at all: another rank exited
+    first and torchrun killed rank 0 before it printed. Rank 0 prints at once now, the others
+    only after a grace period (and are killed before it ends)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(REPO / "pretrain_gpt_moe.py"),
+           *MOCK, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+           "--zebra-microbatches", "2", "--fp16"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    # rank 0's line; another rank's only if rank 0 was still importing 10 s after it refused
+    said = re.findall(r"pretrain_gpt_moe.py: error( \(rank [123]\))?: --fp16=True: zebra's optimizer steps", output)
+    assert 1 <= len(said) == len(set(said)), output
+    assert time.monotonic() - started < 60
