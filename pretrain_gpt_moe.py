@@ -42,9 +42,12 @@ def main(argv=None) -> int:
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from megatron_patches.training.loop import pretrain
+    from megatron_patches.training.loop import NonFiniteTraining, pretrain
 
-    pretrain(args)
+    try:
+        pretrain(args)
+    except NonFiniteTraining:
+        return 3  # rank 0 has said why (training.loop.stop_or_skip)
     return 0
 
 

@@ -6,7 +6,9 @@ only, so an overflow in one EP rank's expert gradient would skip the step on tha
 (which is why Megatron-LM refuses --fp16 with EP). compat.mcore.WorldLossScaling makes the
 decision world-wide: an inf injected into rank 2's expert gradient must make *every* rank skip
 the step, halve the one loss scale, and leave every model and main weight unchanged; the next
-clean step must succeed everywhere.
+clean step must succeed everywhere. Without loss scaling (fp32, bf16 with the distributed
+optimizer) compat.mcore.WorldFiniteCheck does the same for a NaN or an infinity: Megatron alone
+would step it into every weight through the clipping coefficient.
 
 Recompute: the bytes autograd keeps for the backward (every saved tensor's storage, counted once)
 of one training forward must be lower with full and with selective recompute than without.
@@ -66,10 +68,11 @@ def _backward(ddp, config, step: int) -> None:
     config.finalize_model_grads_func([ddp])
 
 
-def _overflow_checks() -> dict:
+def _injected_step_checks(*flags: str, value: float) -> dict:
+    """A clean step, a step with `value` in one expert gradient of rank 2, another clean step."""
     from megatron_patches.compat import mcore
 
-    args = _args("--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1")
+    args = _args(*flags)
     model, ddp, config, optimizer = _build(args)
     _backward(ddp, config, 0)
     first_ok, _, _ = optimizer.step()
@@ -80,7 +83,7 @@ def _overflow_checks() -> dict:
     _backward(ddp, config, 1)
     if dist.get_rank() == 2:  # one expert gradient of one rank overflows
         expert = next(p for name, p in model.named_parameters() if "local_experts" in name)
-        expert.main_grad.view(-1)[0] = float("inf")
+        expert.main_grad.view(-1)[0] = value
     injected_ok, _, _ = optimizer.step()
     unchanged = all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
     mains_unchanged = all(torch.equal(a, p) for a, p in zip(mains, (p for g in optimizer.param_groups for p in g["params"])))
@@ -95,7 +98,7 @@ def _overflow_checks() -> dict:
         "weights_unchanged": unchanged,
         "main_weights_unchanged": mains_unchanged,
         "scales": [scale_before, scale_after],
-        "scalers_shared": len({id(sub.grad_scaler) for sub in optimizer.chained_optimizers}) == 1,
+        "scalers_shared": len({id(getattr(sub, "grad_scaler", None)) for sub in optimizer.chained_optimizers}) == 1,
         "clean_ok": bool(clean_ok),
         "expert_moved": expert_moved,
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
@@ -125,7 +128,10 @@ def world4_checks() -> dict:
     prepare_megatron(use_cuda=False)
     mcore.initialize_model_parallel(1, 1, 4, 1)
     return {
-        "overflow": _overflow_checks(),
+        "overflow": _injected_step_checks("--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", value=float("inf")),
+        # no loss scaling: the world-wide non-finite check (compat.mcore.WorldFiniteCheck)
+        "nan_fp32": _injected_step_checks(value=float("nan")),
+        "inf_bf16": _injected_step_checks("--bf16", "--use-distributed-optimizer", value=float("-inf")),
         "saved_bytes": {
             "none": _saved_bytes(),
             "full": _saved_bytes("--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -149,6 +155,17 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(world4):
         assert not result["injected_ok"], result
         assert result["weights_unchanged"] and result["main_weights_unchanged"], result
         assert result["scales"] == [1024.0, 512.0]  # hysteresis 1: the first overflow halves it
+        assert result["clean_ok"] and result["expert_moved"]
+
+
+@pytest.mark.parametrize("case, dtype", [("nan_fp32", "torch.float32"), ("inf_bf16", "torch.bfloat16")])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(world4, case, dtype):
+    for rank in world4:
+        result = rank[case]
+        assert result["param_dtypes"] == [dtype]
+        assert result["first_ok"] and not result["injected_ok"], result
+        assert result["weights_unchanged"] and result["main_weights_unchanged"], result
+        assert result["scales"] == [1.0, 1.0]
         assert result["clean_ok"] and result["expert_moved"]
 
 

@@ -178,3 +178,35 @@ def test_a_refused_flag_reaches_the_user_under_torchrun(tmp_path):
     said = re.findall(r"pretrain_gpt_moe.py: error( \(rank [123]\))?: --fp16=True: zebra's optimizer steps", output)
     assert 1 <= len(said) == len(set(said)), output
     assert time.monotonic() - started < 60
+
+
+def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
+    """--lr 1e6 without clipping drives the loss to NaN within a few iterations. Every rank skips
+    that step (one world-wide decision), rank 0 says which iteration, the run exits non-zero, and
+    the newest checkpoint is the last finite iteration's; with --max-nonfinite-steps 1 the first
+    such step is skipped and the run stops at the next one."""
+    common = [*MOCK, "--expert-model-parallel-size", "2", "--train-iters", "12", "--lr", "1e6", "--clip-grad", "0"]
+
+    def run(name: str, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+        log = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "pretrain_gpt_moe.py"), *common, *flags, "--log-json", str(log)]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stdout + proc.stderr
+        return proc, read_records(str(log))
+
+    ckpt = tmp_path / "ckpt"
+    proc, records = run("stop", "--save", str(ckpt), "--save-interval", "1")
+    bad = records[-1]["iteration"]
+    assert records[-1]["loss"] is None and not records[-1]["update_successful"]
+    assert all(math.isfinite(r["loss"]) for r in records[:-1]) and 1 < bad < 12
+    assert f"non-finite: iteration {bad}: loss nan is not finite; the update was skipped on every rank" in proc.stdout
+    assert (f"pretrain_gpt_moe.py: stopped: iteration {bad}: 1 non-finite step(s), more than --max-nonfinite-steps 0 "
+            f"allows; no checkpoint of this state was written; the newest checkpoint in {ckpt} is untouched") in proc.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(bad - 1)
+    assert sorted(p.name for p in ckpt.glob("iter_*"))[-1] == f"iter_{bad - 1:07d}"
+
+    proc, records = run("skip_one", "--max-nonfinite-steps", "1")
+    assert [r["iteration"] for r in records if r["loss"] is None] == [bad, bad + 1]
+    assert records[-1]["skipped_iterations"] == 2 and "stopped: iteration" in proc.stderr

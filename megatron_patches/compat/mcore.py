@@ -335,6 +335,8 @@ def optimizer(args, model_chunks):
         chunk.config.grad_scale_func = opt.scale_loss
     if isinstance(opt, ChainedOptimizer) and getattr(opt.chained_optimizers[0], "grad_scaler", None) is not None:
         WorldLossScaling(opt)
+    else:
+        WorldFiniteCheck(opt)
     return opt
 
 
@@ -383,14 +385,50 @@ class WorldLossScaling:
         return overflow
 
 
+class WorldFiniteCheck:
+    """Without loss scaling (bf16, fp32) Megatron-Core steps whatever gradients it has: a NaN or
+    an infinity in one gradient reaches every weight through the clipping coefficient, and
+    expert gradients differ between ranks. Here, after Megatron's own `prepare_grads` (which
+    copies the model's gradients to the optimizer's main gradients), every main gradient and the
+    gradients a mode keeps outside the optimizer (`outside`) are checked for non-finite values,
+    the flag is all-reduced over the whole world (one scalar), and a non-finite gradient anywhere
+    makes every rank skip the step (`step()` returns update_successful False), as fp16's
+    overflow does under WorldLossScaling. The training loop decides whether to go on."""
+
+    def __init__(self, opt):
+        self.optimizers = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
+        self._megatron_prepare_grads = opt.prepare_grads
+        self.outside: list[Callable[[], list[torch.Tensor]]] = []
+        """Sources of gradients held outside Megatron's optimizer (replicate's expert slices)."""
+        opt.prepare_grads = self.prepare_grads
+        opt.world_loss_scaling = self
+
+    def _main_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizers are about to step (fp32 main weights' in bf16)."""
+        return [p.grad for sub in self.optimizers if not sub.is_stub_optimizer
+                for group in sub.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_megatron = self._megatron_prepare_grads()
+        grads = self._main_grads() + [g for source in self.outside for g in source()]
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            # the fused check of torch's amp, with a scale of one: the gradients stay as they are
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        return bool(found_megatron) or bool(found_inf.item() > 0)
+
+
 def loss_scale(opt) -> float:
     """The loss scale of the last step's scaler (1.0 without loss scaling)."""
     return float(opt.get_loss_scale().item())
 
 
 def add_outside_gradients(opt, grads: Callable[[], list[torch.Tensor]]) -> None:
-    """Gradients a mode keeps outside Megatron's optimizer get the same unscaling and inf check
-    as Megatron's (a no-op without loss scaling)."""
+    """Gradients a mode keeps outside Megatron's optimizer get the same unscaling (with loss
+    scaling) and the same world-wide non-finite check as Megatron's."""
     scaling = getattr(opt, "world_loss_scaling", None)
     if scaling is not None:
         scaling.outside.append(grads)

@@ -315,6 +315,12 @@ def _add_training_args(parser):
                        help="Total number of iterations to train over all training runs. "
                        "Default 200 (Megatron-LM: none, required): a short CPU run of the tiny "
                        "model that still shows the loss falling.")
+    group.add_argument("--max-nonfinite-steps", type=int, default=0,
+                       help="Steps with a non-finite loss or gradient (NaN or infinity on any "
+                       "rank) to skip before the run stops with exit code 3; a skipped step "
+                       "leaves every weight as it was, and a stopped run writes no checkpoint "
+                       "of the bad state. Default 0: stop at the first. fp16's loss-scale "
+                       "overflows are not counted (the loss scale handles them). New flag.")
 
 
 def _add_learning_rate_args(parser):

@@ -15,8 +15,10 @@ Megatron-Core ships no `megatron.training`; this is the lean equivalent built fr
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,11 @@ def log0(message: str) -> None:
         print(message, flush=True)
 
 
+class NonFiniteTraining(RuntimeError):
+    """The loss or a gradient was not finite on more steps than --max-nonfinite-steps allows;
+    every rank raises it at the same iteration (the decision is world-wide)."""
+
+
 @dataclass
 class Summary:
     iterations: int
@@ -59,7 +66,11 @@ def pretrain(args) -> Summary:
     if separate is not None:
         return separate(args)
     run = build(args)
-    history = train(args, run)
+    try:
+        history = train(args, run)
+    except NonFiniteTraining:
+        tear_down()
+        raise
     write_load_trace(args, run, history)
     return finish(args, history.times, history.losses, history.eval_loss)
 
@@ -262,7 +273,9 @@ class History:
     losses: list[float] = field(default_factory=list)
     eval_loss: float | None = None
     skipped: int = 0
-    """Iterations whose update was skipped (an fp16 overflow), in this run."""
+    """Iterations whose update was skipped (an fp16 overflow or a non-finite gradient), in this run."""
+    nonfinite: int = 0
+    """Iterations with a non-finite loss or gradient (not counting fp16 overflows), in this run."""
     routed: list[np.ndarray] = field(default_factory=list)
     """Rank 0 with --moe-log-loads: routed token copies [layers, experts] per iteration."""
     sources: list[np.ndarray] = field(default_factory=list)
@@ -315,6 +328,9 @@ def train(args, run: Run) -> History:
         for line in run.mode.take_log():
             log0(line)
         history.skipped += not update_ok
+        # one decision on every rank: the loss is the world's mean, the gradient check world-wide
+        nonfinite = not math.isfinite(loss) or (not update_ok and not args.fp16)
+        history.nonfinite += nonfinite
         history.times.append(elapsed)
         history.losses.append(loss)
         run.state["iteration"] = iteration
@@ -322,8 +338,10 @@ def train(args, run: Run) -> History:
         if dist.get_rank() == 0 and args.moe_log_loads:
             history.routed.append(loads.routed_LE)
             history.sources.append(loads.source_routed_LSE)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        if iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite:
             log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes)
+        if nonfinite:
+            stop_or_skip(args, history, iteration, loss, update_ok, writer)
         if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
             history.eval_loss = evaluate()
             if writer is not None:
@@ -336,6 +354,26 @@ def train(args, run: Run) -> History:
     if writer is not None:
         writer.close()
     return history
+
+
+def stop_or_skip(args, history: History, iteration: int, loss: float, update_ok: bool, writer) -> None:
+    """After a non-finite step: say so, and stop once more than --max-nonfinite-steps were seen
+    (before any evaluation or checkpoint of this state)."""
+    what = f"loss {loss}" if not math.isfinite(loss) else "loss finite, a gradient"
+    step = "the update was skipped on every rank" if not update_ok else "the update was applied (its gradients were finite)"
+    log0(f"non-finite: iteration {iteration}: {what} is not finite; {step} ({history.nonfinite} non-finite step(s), "
+         f"--max-nonfinite-steps {args.max_nonfinite_steps})")
+    if history.nonfinite <= args.max_nonfinite_steps:
+        return
+    if writer is not None:
+        writer.close()
+    saved = f"; the newest checkpoint in {args.save} is untouched" if args.save else ""
+    message = (f"iteration {iteration}: {history.nonfinite} non-finite step(s), more than --max-nonfinite-steps "
+               f"{args.max_nonfinite_steps} allows; no checkpoint of this state was written{saved}")
+    if dist.get_rank() == 0:
+        print(f"pretrain_gpt_moe.py: stopped: {message}", file=sys.stderr, flush=True)
+    dist.barrier()  # no rank exits before rank 0 said why: the launcher kills the others at the first exit
+    raise NonFiniteTraining(message)
 
 
 def log_iteration(args, run: Run, writer, history: History, iteration: int, loss: float, grad_norm, update_ok, elapsed: float,
@@ -433,7 +471,11 @@ def finish(args, times: list[float], losses_seen: list[float], eval_loss: float 
         plot = Path(args.run_dir) / outputs.PLOT
         outputs.plot_run(metrics.read_records(args.log_json), plot)
         log0(f"run folder: {args.run_dir} ({', '.join(sorted(p.name for p in Path(args.run_dir).iterdir()))})")
+    tear_down()
+    return summary
+
+
+def tear_down() -> None:
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return summary

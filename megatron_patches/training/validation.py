@@ -96,7 +96,7 @@ def _check_sizes(args):
         value = getattr(args, dest)
         if value is not None and value <= 0:
             fail(f"--{dest.replace('_', '-')}", value, "must be a positive integer")
-    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters")
+    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters", "max_nonfinite_steps")
     for dest in non_negative:
         value = getattr(args, dest)
         if value < 0:
