@@ -568,13 +568,25 @@ def test_overlap_param_gather_needs_distributed_optimizer(parse):
                  "--overlap-param-gather", "--use-distributed-optimizer")
 
 
+def write_dataset(prefix, sequences=((1, 2, 3), (4, 5, 6, 7))) -> None:
+    """A real Megatron indexed dataset (Megatron's own builder), one document per sequence."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.uint16)
+    for ids in sequences:
+        builder.add_document(numpy.array(ids, dtype=numpy.uint16), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+
+
 def test_missing_data_files(parse, tmp_path):
     prefix = tmp_path / "corpus_text_document"
-    Path(f"{prefix}.bin").write_bytes(b"")
+    write_dataset(prefix)
+    Path(f"{prefix}.idx").unlink()
     message = expect_error(parse("--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"),
                            1, "--data-path", str(prefix), ".idx")
     assert ".bin" not in message.split("missing")[1].split(";")[0]
-    Path(f"{prefix}.idx").write_bytes(b"")
+    write_dataset(prefix)
     validate_args(parse("--data-path", str(prefix), "--tokenizer-type", "NullTokenizer"), 1)
     # Megatron-LM's "weight prefix weight prefix" form: the second prefix is missing.
     absent = tmp_path / "absent"
@@ -584,6 +596,31 @@ def test_missing_data_files(parse, tmp_path):
     # A list of prefixes.
     expect_error(parse("--data-path", str(prefix), str(absent), "--tokenizer-type",
                        "NullTokenizer"), 1, f"--data-path={absent}")
+
+
+def test_damaged_data_files_are_refused_before_any_process_group(parse, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    good, other = tmp_path / "good", tmp_path / "other"
+    write_dataset(good)
+    write_dataset(other, [(9,) * 10])
+    assert len(IndexedDataset(str(good))) == 2  # Megatron reads what the check accepts
+    idx, bin_ = Path(f"{good}.idx"), Path(f"{good}.bin")
+    index, tokens = idx.read_bytes(), bin_.read_bytes()
+    cases = [
+        (lambda: bin_.write_bytes(tokens[:-2]), f"{bin_} is 12 bytes but {idx} describes 14 bytes (2 sequences of uint16"),
+        (lambda: bin_.write_bytes(Path(f"{other}.bin").read_bytes()), "truncated, or the two files do not belong together"),
+        (lambda: idx.write_bytes(b""), f"{idx} is 0 bytes, shorter than an index header (34 bytes)"),
+        (lambda: idx.write_bytes(b"PK\x03\x04" + index[4:]), "does not start with Megatron's index magic"),
+        (lambda: idx.write_bytes(index[:40]), "but its header promises 2 sequences and 3 document indices"),
+        (lambda: idx.write_bytes(index[:9] + (2).to_bytes(8, "little") + index[17:]), "is index format version 2"),
+    ]
+    for damage, fragment in cases:
+        damage()
+        expect_error(parse("--data-path", str(good), "--tokenizer-type", "NullTokenizer"), 1, f"--data-path={good}",
+                     fragment, "(tools/prepare_data.py builds a valid dataset)")
+        idx.write_bytes(index)
+        bin_.write_bytes(tokens)
 
 
 def test_bad_data_path_forms(parse, tmp_path):
@@ -608,16 +645,14 @@ def test_unknown_tokenizer_type(parse):
 
 def test_data_path_needs_a_tokenizer_type(parse, tmp_path):
     prefix = tmp_path / "d"
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    write_dataset(prefix)
     expect_error(parse("--data-path", str(prefix)), 1, "--tokenizer-type is not set",
                  "--data-path")
 
 
 def test_gpt2_bpe_without_vocab_and_merges(parse, tmp_path):
     prefix = tmp_path / "d"
-    for suffix in (".bin", ".idx"):
-        Path(f"{prefix}{suffix}").write_bytes(b"")
+    write_dataset(prefix)
     flags = ("--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer")
     expect_error(parse(*flags), 1, "--tokenizer-type=GPT2BPETokenizer", "--vocab-file",
                  "--merge-file")

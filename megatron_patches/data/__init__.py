@@ -9,6 +9,8 @@
 - `common`: the error type, progress log and atomic installs the above share.
 - `datasets`: Megatron's tokenizer for --tokenizer-type, the train/validation datasets of
   --data-path / --mock-data / the embedded corpus, and the per-rank micro-batch iterators.
+- `index_check`: the up-front check of an indexed dataset's files (magic, version, sizes),
+  run by the flag validation before any process group.
 
 Nothing here knows about MoE modes; the training loop (training/loop.py) calls `datasets`.
 """

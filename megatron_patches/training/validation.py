@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
 from megatron_patches.config.run import router_pre_softmax
+from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import outputs
 from megatron_patches.training.arguments import (
     DEFAULT_SPLIT,
@@ -513,6 +514,9 @@ def _resolve_data(args):
                 fail("--data-path", prefix,
                      f"missing {' and '.join(missing)}; each prefix must name a Megatron indexed "
                      "dataset <prefix>.bin + <prefix>.idx (tools/prepare_data.py builds one)")
+            problem = index_problem(prefix)
+            if problem is not None:
+                fail("--data-path", prefix, f"{problem} (tools/prepare_data.py builds a valid dataset)")
     if args.split is None:
         # The embedded corpus has 269 documents: Megatron-LM's 969,30,1 would give its test
         # split none (and Megatron's sampler then loops forever); the test split is unused here.
