@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +213,54 @@ def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
     proc, records = run("skip_one", "--max-nonfinite-steps", "1")
     assert [r["iteration"] for r in records if r["loss"] is None] == [bad, bad + 1]
     assert records[-1]["skipped_iterations"] == 2 and "stopped: iteration" in proc.stderr
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    """The PID of one rank among a torchrun's children (from /proc)."""
+    children = []
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} among {children}")
+
+
+def test_a_stopped_rank_is_named_and_ends_the_job(tmp_path):
+    """SIGSTOP one rank mid-run: with --stall-timeout 10 the watchdog names it (host, last
+    reported step) and the job ends non-zero within seconds, not after the 30-minute
+    process-group timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "pretrain_gpt_moe.py"), *MOCK, "--expert-model-parallel-size", "2", "--train-iters", "2000",
+           "--stall-timeout", "10"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("iter     10/"):
+                break
+        stopped = _rank_pid(proc.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        since = time.monotonic()
+        for line in proc.stdout:
+            lines.append(line)
+            if "stalled:" in line:
+                break
+        waited = time.monotonic() - since
+        os.kill(stopped, signal.SIGKILL)  # a stopped process would hold the launcher's shutdown 30 s
+        output = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if stopped is not None and Path(f"/proc/{stopped}").exists():
+            os.kill(stopped, signal.SIGKILL)  # a stopped process outlives the launcher's SIGTERM
+        proc.kill()
+    assert proc.returncode != 0 and "exitcode  : 4" in output, output[-3000:]
+    said = re.search(r"pretrain_gpt_moe.py: stalled: rank 1 on (\S+) \(last reported step (\d+)\): not running for "
+                     r"more than 10 s \(stopped, swapped out or dead\); ending the job \(--stall-timeout 10\)", output)
+    assert said, output[-3000:]
+    assert said.group(1) == socket.gethostname() and int(said.group(2)) >= 1
+    # the beat last seen moving may be up to one interval (1 s here) older than the stop
+    assert 10 - 1.5 < waited < 30, waited

@@ -321,6 +321,13 @@ def _add_training_args(parser):
                        "leaves every weight as it was, and a stopped run writes no checkpoint "
                        "of the bad state. Default 0: stop at the first. fp16's loss-scale "
                        "overflows are not counted (the loss scale handles them). New flag.")
+    group.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="End the job (exit code 4) when a rank stops running, or no rank "
+                       "completes an iteration, evaluation or checkpoint, for this long, naming "
+                       "the rank, its host and its last completed step "
+                       "(training/watchdog.py). 0 disables it. Default 300: above a checkpoint "
+                       "save or an evaluation of the paper models; raise it where those take "
+                       "longer. New flag.")
 
 
 def _add_learning_rate_args(parser):

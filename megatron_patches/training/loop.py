@@ -38,6 +38,7 @@ from megatron_patches.training import checkpoint, metrics, modes, outputs
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
+from megatron_patches.training.watchdog import StallWatchdog
 
 
 def log0(message: str) -> None:
@@ -308,6 +309,20 @@ def train(args, run: Run) -> History:
         return float(np.mean(total))
 
     activations.persistent(run.ddp.parameters())
+    watchdog = StallWatchdog(args.stall_timeout)
+    watchdog.start()
+    try:
+        train_iterations(args, run, history, writer, recorder, forward_backward, evaluate, watchdog)
+    finally:
+        watchdog.stop()
+    if writer is not None:
+        writer.close()
+    return history
+
+
+def train_iterations(args, run: Run, history: History, writer, recorder, forward_backward, evaluate,
+                     watchdog: StallWatchdog) -> None:
+    """The iterations, checkpoints included; each completed one reported to the watchdog."""
     for iteration in range(history.start_iteration + 1, args.train_iters + 1):
         started = time.perf_counter()
         if args.use_cuda:
@@ -348,12 +363,10 @@ def train(args, run: Run) -> History:
                 writer.log_eval(iteration, history.eval_loss)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save(args, run, iteration)
+        watchdog.progress(iteration)
 
     if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > history.start_iteration:
         save(args, run, args.train_iters)
-    if writer is not None:
-        writer.close()
-    return history
 
 
 def stop_or_skip(args, history: History, iteration: int, loss: float, update_ok: bool, writer) -> None:

@@ -122,7 +122,7 @@ def _check_sizes(args):
         value = getattr(args, dest)
         if not value > 0.0:
             fail(f"--{dest.replace('_', '-')}", value, "must be positive")
-    for dest in ("weight_decay", "clip_grad", "moe_aux_loss_coeff"):
+    for dest in ("weight_decay", "clip_grad", "moe_aux_loss_coeff", "stall_timeout"):
         value = getattr(args, dest)
         if not value >= 0.0:
             fail(f"--{dest.replace('_', '-')}", value, "must be 0 or more")

@@ -17,6 +17,7 @@ from megatron_patches.training import metrics
 from megatron_patches.training.loop import Summary, build_data, finish, log0, precision_dtypes, seed_everything
 from megatron_patches.training.model import build_model
 from megatron_patches.training.steps import gpt_loss
+from megatron_patches.training.watchdog import StallWatchdog
 
 
 def pretrain_zebra(args) -> Summary:
@@ -66,6 +67,8 @@ def pretrain_zebra(args) -> Summary:
     eval_loss = None
     log0(f"training: iterations 0 -> {args.train_iters}, {config.microbatches} micro-batches of {args.micro_batch_size} "
          f"x {dp_size} attention ranks")
+    watchdog = StallWatchdog(args.stall_timeout)
+    watchdog.start()
     for iteration in range(1, args.train_iters + 1):
         started = time.perf_counter()
         result = engine.train_step(microbatches(train_iter))
@@ -110,6 +113,8 @@ def pretrain_zebra(args) -> Summary:
             eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))
             if writer is not None:
                 writer.log_eval(iteration, eval_loss)
+        watchdog.progress(iteration)
+    watchdog.stop()
     if writer is not None:
         writer.close()
     return finish(args, times, losses_seen, eval_loss)

@@ -1,0 +1,123 @@
+"""Stall watchdog: a rank that stops making progress is named, and the job ends.
+
+Without it a stopped or hung rank leaves every other rank waiting in its next collective until
+the process-group timeout (30 minutes), and nothing says which rank it was. Here every rank
+runs a daemon thread that, every `interval` seconds, publishes into the job's rendezvous store
+(a TCPStore client of its own, beside the process group's) a beat counter, its last completed
+step and how long ago that was, and reads every other rank's entry:
+
+- a rank whose beat counter has not moved for `timeout` seconds is not running at all (stopped,
+  swapped out, dead): it is named with its host and last completed step;
+- when no rank completed a step for `timeout` seconds although all are alive, the job is hung
+  in a collective or a deadlock: the ranks with the oldest step are named.
+
+Staleness is measured on the observer's own clock (beats counted, not timestamps compared), so
+hosts need no synchronised clocks. The lowest-numbered healthy rank prints the diagnosis and
+exits with STALL_EXIT_CODE first; the launcher (torchrun, `srun --kill-on-bad-exit`) then ends
+the others. A store that stops answering (under srun it lives in rank 0's process) is itself
+a diagnosis: rank 0 is not responding.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+STALL_EXIT_CODE = 4
+KEY = "megatron_patches/heartbeat/{rank}"
+
+
+class StallWatchdog:
+    """Start with `start()` once the process group exists; call `progress(step)` after every
+    completed unit of work (iteration, evaluation, checkpoint) and `stop()` when training ends
+    (the ranks then leave at different moments, and under srun the store leaves with rank 0)."""
+
+    def __init__(self, timeout_s: float, interval_s: float | None = None):
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s if interval_s is not None else max(1.0, min(10.0, timeout_s / 10))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.host = socket.gethostname()
+        self.step = 0
+        self.progress_at = time.monotonic()
+        self.beats = 0
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def progress(self, step: int) -> None:
+        self.step, self.progress_at = step, time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def start(self) -> None:
+        if self.timeout_s <= 0 or self.world == 1:
+            return
+        self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def _store(self) -> dist.TCPStore:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=max(self.timeout_s, 30)))
+
+    def _run(self) -> None:
+        try:
+            store = self._store()
+        except Exception as error:  # noqa: BLE001 - any failure to reach the store is reported, then ignored
+            print(f"watchdog (rank {self.rank}): cannot reach the rendezvous store ({error}); stalls go unreported",
+                  file=sys.stderr, flush=True)
+            return
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when it last moved, my clock)
+        while not self._stopped.is_set():
+            self.beats += 1
+            now = time.monotonic()
+            try:
+                store.set(KEY.format(rank=self.rank), f"{self.beats} {self.step} {now - self.progress_at:.1f} {self.host}")
+                entries = {r: store.get(KEY.format(rank=r)).decode().split() if store.check([KEY.format(rank=r)]) else None
+                           for r in range(self.world)}
+            except Exception:  # noqa: BLE001 - the store timed out or went away: its host does not answer
+                if self._stopped.is_set():
+                    return
+                self._abort(f"the rendezvous store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} stopped "
+                            f"answering (under srun it lives in rank 0's process): rank 0 is not responding", 1)
+                return
+            stopped = []
+            for r, entry in entries.items():
+                beats = int(entry[0]) if entry else 0
+                previous = seen.get(r)
+                if previous is None or previous[0] != beats:
+                    seen[r] = (beats, now)
+                elif now - previous[1] > self.timeout_s:
+                    stopped.append((r, entry))
+            if stopped:
+                names = "; ".join(f"rank {r} on {e[3] if e else '?'} (last reported step {e[1] if e else 'none'})"
+                                  for r, e in stopped)
+                self._abort(f"{names}: not running for more than {self.timeout_s:g} s (stopped, swapped out or dead)",
+                            min(r for r in range(self.world) if r not in {s for s, _ in stopped}))
+                return
+            ages = {r: float(e[2]) for r, e in entries.items() if e}
+            if len(ages) == self.world and min(ages.values()) > self.timeout_s:
+                oldest = min(int(entries[r][1]) for r in ages)
+                laggards = [f"rank {r} on {entries[r][3]}" for r in ages if int(entries[r][1]) == oldest]
+                self._abort(f"no rank completed a step for more than {self.timeout_s:g} s although every rank is "
+                            f"running: hung in a collective or a deadlock; last completed step {oldest} on "
+                            f"{', '.join(laggards)}", 0)
+                return
+            self._stopped.wait(self.interval_s)
+
+    def _abort(self, diagnosis: str, reporter: int) -> None:
+        """The reporter says why and exits first; the others follow a moment later (the launcher
+        usually ends them before)."""
+        if self._stopped.is_set():
+            return
+        if self.rank == reporter:
+            print(f"pretrain_gpt_moe.py: stalled: {diagnosis}; ending the job (--stall-timeout {self.timeout_s:g})",
+                  file=sys.stderr, flush=True)
+        else:
+            time.sleep(5.0)
+        os._exit(STALL_EXIT_CODE)
