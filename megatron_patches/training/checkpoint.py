@@ -14,6 +14,7 @@ state dicts (fssdp under per-expert keys, so placement-independent); replicate w
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -61,8 +62,21 @@ def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_sta
     )
     dist.barrier()
     if dist.get_rank() == 0:
-        (Path(root) / TRACKER_FILE).write_text(f"{iteration}\n")
+        write_tracker(Path(root), iteration)
     return directory
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    """Point the tracker at `iteration`, atomically: written beside it, flushed to disk, renamed
+    over it. Every rank has finished its files by then, so a job killed at any moment leaves the
+    tracker at a complete checkpoint (the previous one while this one is being written)."""
+    tracker = root / TRACKER_FILE
+    partial = tracker.with_name(f"{TRACKER_FILE}.partial")
+    with open(partial, "w") as stream:
+        stream.write(f"{iteration}\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(partial, tracker)
 
 
 def read_rng_state(path: Path) -> dict:
