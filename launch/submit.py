@@ -200,7 +200,14 @@ def _unknown_key(where: str, key: Any, valid: list[str]) -> SubmitError:
 def _text(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise SubmitError(f"{where}={value!r}: expected a non-empty string")
+    if _has_control_characters(value):
+        raise SubmitError(f"{where}={value!r}: control characters (newlines, tabs, escapes) are not allowed; the value "
+                          "is written into the job script: one line of printable text")
     return value
+
+
+def _has_control_characters(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
 def _counts(value: Any, where: str) -> tuple[int, ...] | None:
@@ -318,8 +325,18 @@ class Flag:
     """Where it came from, e.g. "configs/runs/x.yaml train.train_iters" or "command line"."""
 
     def shell(self) -> str:
-        """The tokens quoted for bash; values naming a job-script variable stay expandable."""
-        return " ".join(f'"{t}"' if t.startswith(SCRIPT_VARIABLES) else shlex.quote(t) for t in self.tokens)
+        """The tokens quoted for bash. A value that starts with a job-script variable keeps the
+        variable expandable ("$RUN_DIR") and the rest single-quoted: nothing else in it expands
+        (a `$(...)` in a value stays text)."""
+        return " ".join(_shell_word(t) for t in self.tokens)
+
+
+def _shell_word(token: str) -> str:
+    variable = next((v for v in SCRIPT_VARIABLES if token.startswith(v)), None)
+    if variable is None:
+        return shlex.quote(token)
+    rest = token[len(variable):]
+    return f'"{variable}"' + (shlex.quote(rest) if rest else "")
 
 
 def _is_switch(action: argparse.Action) -> bool:
@@ -774,6 +791,11 @@ def _header(job: Job) -> str:
         if not job.on_cpu:
             lines.append(f"#SBATCH --gpus-per-node={component.ranks_per_node}")
         lines += options.sbatch_lines()
+    for line in lines:
+        # each is one comment or #SBATCH line: a newline in a name would start a line of shell
+        if _has_control_characters(line):
+            raise SubmitError(f"a value written into the job script's header holds a control character: {line!r}; "
+                              "names, descriptions, GPU types and Slurm options must be one line of printable text")
     return "\n".join(lines)
 
 
@@ -858,7 +880,7 @@ def render_script(job: Job) -> str:
         "header": _header(job),
         "repo_dir": shlex.quote(str(REPO)),
         "out_dir": shlex.quote(str(job.output_dir)),
-        "layout": _layout_text(job),
+        "layout": shlex.quote(f"[job] layout: {_layout_text(job)}"),
         "rendezvous_what": "hetjob component 0 (the first node group)" if job.is_hetjob else "the allocation",
         "rendezvous_nodelist": "SLURM_JOB_NODELIST_HET_GROUP_0" if job.is_hetjob else "SLURM_JOB_NODELIST",
         "het_nodes": het_nodes,

@@ -184,7 +184,7 @@ def test_script_follows_the_conventions():
     assert "mixed_precision_args=(--bf16)" in script
     assert re.search(r"^training_args=\(\n  --micro-batch-size 1\n  --global-batch-size 16\n  --train-iters 500\n\)$",
                      script, re.M)
-    assert '  --log-json "$RUN_DIR/metrics.jsonl"' in script
+    assert '  --log-json "$RUN_DIR"/metrics.jsonl' in script
     assert 'checkpointing_args=(\n  --save-interval 500\n  --save "$CKPT_DIR"\n  --load "$CKPT_DIR"\n)' in script
     assert "--moe-log-loads" in script and "--tensorboard-dir" in script
 
@@ -237,6 +237,24 @@ def test_switches_render_as_their_flags():
     assert "--disable-bias-linear" in argv and job.args.add_bias_linear is False
     assert "--swiglu" not in argv and "--sequence-parallel" not in argv
     assert job.args.swiglu is False
+
+
+def test_hostile_values_never_run_as_shell(tmp_path):
+    """A value reaches the job script quoted, or is refused: `$(...)` after $RUN_DIR stays text
+    when bash runs the script's flag arrays, and a newline (which would end a comment line and
+    start a command) is refused wherever a name or description is written."""
+    marker = tmp_path / "INJECTED"
+    job = plan(TEST_DATA / "run_cpu_2x2.yaml", training=["--run-dir", f"$RUN_DIR/$(touch {marker})"])
+    script = submit.render_script(job)
+    bash_syntax_ok(script)
+    assert f"  --run-dir \"$RUN_DIR\"'/$(touch {marker})'" in script
+    argv = expanded_argv(script)
+    assert argv[argv.index("--run-dir") + 1] == f"/out/7/$(touch {marker})" and not marker.exists()
+    for key, value in (("description", "tiny\ntouch /tmp/x"), ("name", "a\rb"), ("output_dir", "out\n$(reboot)")):
+        message = refused(tiny_run(**{key: value}))
+        assert f"{key}={value!r}: control characters (newlines, tabs, escapes) are not allowed" in message, message
+    layout = [line for line in script.splitlines() if "[job] layout" in line]
+    assert layout == ["echo '[job] layout: 2 node(s) x 2 cpu-rank = 4 ranks'"], layout
 
 
 def test_output_dir_and_launcher_outputs(tmp_path):
