@@ -855,6 +855,34 @@ def test_load_directory_missing(parse, tmp_path):
                      f"the checkpoint in {missing} is at iteration 20", "valid: more than 20")
 
 
+def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(parse, tmp_path):
+    from megatron_patches.training import resume
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000020").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("20\n")
+    saving = validate_args(parse("--train-iters", "20"), 4)
+    resume.write_flags(ckpt / "iter_0000020", saving)
+    same = validate_args(parse("--load", str(ckpt), "--train-iters", "20", "--train-iters", "30"), 4)
+    # validation derives --lr-decay-iters from --train-iters: the decay length stays the checkpoint's
+    decay = "--lr-decay-iters 20 -> 30: not applied, the LR schedule continues from the checkpoint's"
+    assert same.resume_changes == ["--train-iters 20 -> 30: applied", decay]
+    changed = validate_args(parse("--load", str(ckpt), "--train-iters", "30", "--lr", "5e-4", "--log-interval", "5",
+                                  "--save", str(tmp_path / "elsewhere"), "--save-interval", "10"), 4)
+    assert changed.resume_changes == [
+        "--train-iters 20 -> 30: applied",
+        "--lr 0.001 -> 0.0005: not applied, the LR schedule continues from the checkpoint's",
+        decay,
+        "--save-interval None -> 10: applied",
+        "--log-interval 10 -> 5: applied",
+    ]
+    expect_error(parse("--load", str(ckpt), "--train-iters", "30", "--num-layers", "6"), 4, "--num-layers=6",
+                 f"the checkpoint in {ckpt} (iteration 20) holds a model with num_layers 4", "valid: 4, or no --load")
+    (ckpt / "iter_0000020" / resume.FLAGS_FILE).unlink()  # a checkpoint from before flags were kept
+    assert validate_args(parse("--load", str(ckpt), "--train-iters", "30"), 4).resume_changes == [
+        f"{ckpt / 'iter_0000020'} holds no flags.json: flags not compared"]
+
+
 def test_save_needs_save_interval(parse, tmp_path):
     expect_error(parse("--save", str(tmp_path)), 1, f"--save={tmp_path}", "--save-interval")
 

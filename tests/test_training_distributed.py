@@ -8,6 +8,7 @@ few launches that check several things at once.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -133,6 +134,10 @@ def test_checkpoint_round_trip_reproduces_the_next_losses_exactly(tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     resumed = launch(2, [*common, "--train-iters", "4", "--load", str(tmp_path / "ckpt")], tmp_path, "resumed")
     assert "checkpoint: loaded" in resumed.output
+    # the checkpoint keeps its flags; the resume reports what it changes
+    assert json.loads((tmp_path / "ckpt" / "iter_0000002" / "flags.json").read_text())["train_iters"] == 2
+    assert [line for line in resumed.output.splitlines() if line.startswith("resume: ")] == [
+        "resume: --train-iters 2 -> 4: applied", "resume: --save-interval 2 -> None: applied"]
     assert [r["iteration"] for r in resumed.records] == [3, 4]
     assert resumed.losses == straight.losses[2:]
     assert resumed.grad_norms == straight.grad_norms[2:]

@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel import random as mp_random
 
+from megatron_patches.training import resume
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
@@ -40,12 +42,13 @@ def latest_iteration(root: str | Path) -> int | None:
     return int(text)
 
 
-def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode) -> Path:
+def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode, args) -> Path:
     """Writes `<root>/iter_N/` (the mode's model + optimizer state, loop state, scheduler, RNG per
-    rank), then points the tracker file at it. `mode`: the run's ModeRuntime."""
+    rank, the run's flags), then points the tracker file at it. `mode`: the run's ModeRuntime."""
     directory = iteration_dir(root, iteration)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
+        resume.write_flags(directory, args)
     dist.barrier()
     common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
     mode.save_checkpoint(str(directory), model_chunks, optimizer, common)
@@ -86,6 +89,9 @@ def read_rng_state(path: Path) -> dict:
     A file that holds anything else is refused, naming it."""
     try:
         return torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"--load: {path} is missing: the checkpoint is incomplete (--no-load-rng starts the random "
+                         "states fresh instead)") from None
     except pickle.UnpicklingError as error:
         raise ValueError(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
 
@@ -110,8 +116,9 @@ def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_r
         optimizer.reload_model_params()
         notes.append("optimizer state not loaded (--no-load-optim): main weights taken from the loaded model")
     rng_file = directory / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if load_rng and rng_file.exists():
-        rng = read_rng_state(rng_file)
+    if load_rng:
+        # a rank beyond the saving world has no file of its own: rank 0's says so
+        rng = read_rng_state(rng_file if rng_file.exists() else directory / "rng" / "rank_00000.pt")
         if rng["world_size"] == dist.get_world_size():
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None:

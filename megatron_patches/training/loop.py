@@ -211,6 +211,8 @@ def build(args) -> Run:
             state.update({k: loaded[k] for k in state})
         for note in notes:
             log0(f"checkpoint: {note}")
+        for change in getattr(args, "resume_changes", []):
+            log0(f"resume: {change}")
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     return Run(
@@ -435,7 +437,7 @@ def activation_memory(use_cuda: bool, kept_bytes: int) -> dict[str, list[int]]:
 
 
 def save(args, run: Run, iteration: int) -> None:
-    path = checkpoint.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler, run.state, run.mode)
+    path = checkpoint.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler, run.state, run.mode, args)
     log0(f"checkpoint: saved {path}")
 
 

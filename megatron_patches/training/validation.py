@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_patches.config.flags import ArgumentError, divisors, fail
 from megatron_patches.config.run import router_pre_softmax
 from megatron_patches.data.index_check import index_problem
-from megatron_patches.training import outputs
+from megatron_patches.training import outputs, resume
 from megatron_patches.training.arguments import (
     DEFAULT_SPLIT,
     DISTRIBUTED_BACKENDS,
@@ -583,6 +583,23 @@ def _resolve_outputs(args):
     outputs.check_outputs(args)
 
 
+def _compare_with_checkpoint(args, root: Path, iteration: int) -> None:
+    """A changed model shape is refused; every other change goes to `args.resume_changes`,
+    which the loop logs after loading."""
+    from megatron_patches.training.checkpoint import iteration_dir
+
+    saved = resume.read_flags(iteration_dir(root, iteration))
+    if saved is None:
+        args.resume_changes = [f"{iteration_dir(root, iteration)} holds no {resume.FLAGS_FILE}: flags not compared"]
+        return
+    compared = [action.dest for action in build_parser()._actions if action.option_strings]
+    shape, args.resume_changes = resume.compare(args, saved, compared)
+    for dest, before, after in shape:
+        fail(f"--{dest.replace('_', '-')}", after,
+             f"the checkpoint in {root} (iteration {iteration}) holds a model with {dest} {before}; a model's shape "
+             f"cannot change on resume; valid: {before}, or no --load (a new model)")
+
+
 def _check_checkpointing(args):
     if args.save is not None and args.save_interval is None:
         fail("--save", args.save, "needs --save-interval (as in Megatron-LM)")
@@ -605,6 +622,8 @@ def _check_checkpointing(args):
         fail("--load", args.load, str(error))
     if iteration is None and not resumes_own_save:
         fail("--load", args.load, f"holds no checkpoint (no {TRACKER_FILE}); {valid}")
+    if iteration is not None:
+        _compare_with_checkpoint(args, Path(args.load), iteration)
     if iteration is not None and args.train_iters <= iteration:
         # the loop would run no iteration and report a NaN loss
         fail("--train-iters", args.train_iters,

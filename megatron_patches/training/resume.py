@@ -1,0 +1,63 @@
+"""What a resumed run changes against its checkpoint's flags.
+
+Every checkpoint holds the flag values it was saved with (`iter_N/flags.json`, written by rank
+0). A resume compares them with its own before any process group starts (flag validation):
+
+- the model's shape cannot change (the weights would not fit): refused, naming both values;
+- the learning-rate schedule is the checkpoint's (Megatron-Core's OptimizerParamScheduler keeps
+  its saved lr, decay and warm-up, as Megatron-LM does by default): a changed value is reported
+  as not applied;
+- everything else (iterations, intervals, parallel layout, mode, precision, ...) applies, and
+  is reported.
+Where the run's outputs go (--save, --load, --run-dir, ...) is not compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FLAGS_FILE = "flags.json"
+
+MODEL_SHAPE = (
+    "model_family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+    "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "swiglu",
+    "normalization", "position_embedding_type", "max_position_embeddings", "add_bias_linear",
+    "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by",
+)
+SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
+NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads")
+
+
+def saved_flags(args) -> dict:
+    """The flag values worth keeping with a checkpoint (JSON-representable ones)."""
+    return {dest: list(value) if isinstance(value, tuple) else value for dest, value in sorted(vars(args).items())
+            if isinstance(value, (bool, int, float, str, list, tuple, type(None)))}
+
+
+def write_flags(directory: Path, args) -> None:
+    (directory / FLAGS_FILE).write_text(json.dumps(saved_flags(args), indent=1) + "\n")
+
+
+def read_flags(directory: Path) -> dict | None:
+    """The flags a checkpoint was saved with; None for a checkpoint written before they were kept."""
+    path = directory / FLAGS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, object, object]], list[str]]:
+    """(model-shape changes as (dest, saved, now), a line per other change) over `compared` dests."""
+    now = saved_flags(args)
+    shape, notes = [], []
+    for dest in compared:
+        if dest in NOT_COMPARED or dest not in saved or saved[dest] == now.get(dest):
+            continue
+        before, after = saved[dest], now.get(dest)
+        flag = f"--{dest.replace('_', '-')}"
+        if dest in MODEL_SHAPE:
+            shape.append((dest, before, after))
+        elif dest in SCHEDULE:
+            notes.append(f"{flag} {before} -> {after}: not applied, the LR schedule continues from the checkpoint's")
+        else:
+            notes.append(f"{flag} {before} -> {after}: applied")
+    return shape, notes
