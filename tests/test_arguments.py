@@ -862,6 +862,8 @@ def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(par
     (ckpt / "iter_0000020").mkdir(parents=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("20\n")
     saving = validate_args(parse("--train-iters", "20"), 4)
+    # the loop fills these for the embedded corpus after validation (resolve_default_corpus)
+    saving.tokenizer_type, saving.data_path = "GPT2BPETokenizer", ["data/austen-gpt-v1/austen_text_document"]
     resume.write_flags(ckpt / "iter_0000020", saving)
     same = validate_args(parse("--load", str(ckpt), "--train-iters", "20", "--train-iters", "30"), 4)
     # validation derives --lr-decay-iters from --train-iters: the decay length stays the checkpoint's

@@ -66,6 +66,8 @@ MEGATRON_WARNINGS = (
     "Apex is not installed. Falling back to Torch Norm",
     "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `torch.distributed.all_gather_single` instead.",
     "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...",
+    "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` instead.",
+    "Please use DTensor instead and we are deprecating ShardedTensor.",
 )
 
 
@@ -83,5 +85,5 @@ def test_known_warnings_show_once_from_rank_0_and_others_once_per_rank(capsys, r
     new = [line for line in lines if "something new" in line]
     assert len(new) == 1 and new[0].startswith(f"{prefix}: RuntimeWarning: something new on two lines (")
     known = sorted({known_line(text) for text in MEGATRON_WARNINGS})
-    assert len(known) == 2 and None not in known
+    assert len(known) == 3 and None not in known
     assert sorted(line for line in lines if line not in new) == ([f"warning: {line}" for line in known] if rank == 0 else [])

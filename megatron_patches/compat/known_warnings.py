@@ -29,6 +29,9 @@ KNOWN = (
     (r"`torch\.distributed\.\w+` is deprecated",
      "torch: megatron-core 0.16.1 calls collectives that torch 2.13 deprecates (all_gather_into_tensor, "
      "reduce_scatter_tensor); harmless"),
+    (r"`load_state_dict` is deprecated and will be removed|we are deprecating ShardedTensor",
+     "torch: megatron-core 0.16.1's dist checkpointing calls APIs that torch 2.13 deprecates (load_state_dict, "
+     "ShardedTensor); harmless"),
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
      "megatron-core: its distributed optimizer's zero_grad reads .grad of parameter-shard views, which torch "
      "warns are not leaves; harmless (the optimizer copies those gradients itself)"),

@@ -27,6 +27,9 @@ MODEL_SHAPE = (
 )
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
 NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads")
+# unset at validation when the embedded corpus is used: the loop fills them at start-up
+# (training/loop.py resolve_default_corpus), so the checkpoint holds the corpus's values
+FILLED_AT_START = ("data_path", "tokenizer_type", "vocab_file", "merge_file")
 
 
 def saved_flags(args) -> dict:
@@ -51,6 +54,8 @@ def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, obj
     shape, notes = [], []
     for dest in compared:
         if dest in NOT_COMPARED or dest not in saved or saved[dest] == now.get(dest):
+            continue
+        if dest in FILLED_AT_START and now.get(dest) is None:
             continue
         before, after = saved[dest], now.get(dest)
         flag = f"--{dest.replace('_', '-')}"
