@@ -363,7 +363,7 @@ class WorldLossScaling:
         self.outside: list[Callable[[], list[torch.Tensor]]] = []
         """Sources of gradients held outside Megatron's optimizer (replicate's expert slices)."""
         opt.prepare_grads = self.prepare_grads
-        opt.world_loss_scaling = self
+        opt.world_step_check = self
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -401,7 +401,7 @@ class WorldFiniteCheck:
         self.outside: list[Callable[[], list[torch.Tensor]]] = []
         """Sources of gradients held outside Megatron's optimizer (replicate's expert slices)."""
         opt.prepare_grads = self.prepare_grads
-        opt.world_loss_scaling = self
+        opt.world_step_check = self
 
     def _main_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizers are about to step (fp32 main weights' in bf16)."""
@@ -429,9 +429,9 @@ def loss_scale(opt) -> float:
 def add_outside_gradients(opt, grads: Callable[[], list[torch.Tensor]]) -> None:
     """Gradients a mode keeps outside Megatron's optimizer get the same unscaling (with loss
     scaling) and the same world-wide non-finite check as Megatron's."""
-    scaling = getattr(opt, "world_loss_scaling", None)
-    if scaling is not None:
-        scaling.outside.append(grads)
+    check = getattr(opt, "world_step_check", None)
+    if check is not None:
+        check.outside.append(grads)
 
 
 def add_grad_norm_term(opt, extra_norm_sq: Callable[[], float]) -> None:

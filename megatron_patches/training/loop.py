@@ -311,64 +311,54 @@ def train(args, run: Run) -> History:
         return float(np.mean(total))
 
     activations.persistent(run.ddp.parameters())
-    watchdog = StallWatchdog(args.stall_timeout)
-    watchdog.start()
-    try:
-        train_iterations(args, run, history, writer, recorder, forward_backward, evaluate, watchdog)
-    finally:
-        watchdog.stop()
+    with StallWatchdog(args.stall_timeout) as watchdog:
+        for iteration in range(history.start_iteration + 1, args.train_iters + 1):
+            started = time.perf_counter()
+            if args.use_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            run.ddp.zero_grad_buffer()
+            run.optimizer.zero_grad()
+            run.mode.begin_iteration(iteration)
+            loss = forward_backward(run.train_iter, forward_only=False)
+            kept_bytes = activations.take_peak()
+            lr_used = run.optimizer.param_groups[0]["lr"]
+            update_ok, grad_norm, _ = run.optimizer.step()
+            run.scheduler.step(increment=1)
+            loads = recorder.collect()
+            record = run.mode.end_iteration(
+                StepResult(iteration, update_ok, grad_norm, lr_used, args.clip_grad, loads.routed_LE, loads.processed_LE)
+            )
+            elapsed = time.perf_counter() - started
+            for line in run.mode.take_log():
+                log0(line)
+            history.skipped += not update_ok
+            # one decision on every rank: the loss is the world's mean, the gradient check world-wide
+            nonfinite = not math.isfinite(loss) or (not update_ok and not args.fp16)
+            history.nonfinite += nonfinite
+            history.times.append(elapsed)
+            history.losses.append(loss)
+            run.state["iteration"] = iteration
+            run.state["consumed_train_samples"] = run.train_iter.consumed_samples
+            if dist.get_rank() == 0 and args.moe_log_loads:
+                history.routed.append(loads.routed_LE)
+                history.sources.append(loads.source_routed_LSE)
+            if iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite:
+                log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes)
+            if nonfinite:
+                stop_or_skip(args, history, iteration, loss, update_ok, writer)
+            if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
+                history.eval_loss = evaluate()
+                if writer is not None:
+                    writer.log_eval(iteration, history.eval_loss)
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save(args, run, iteration)
+            watchdog.progress(iteration)
+
+        if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > history.start_iteration:
+            save(args, run, args.train_iters)
     if writer is not None:
         writer.close()
     return history
-
-
-def train_iterations(args, run: Run, history: History, writer, recorder, forward_backward, evaluate,
-                     watchdog: StallWatchdog) -> None:
-    """The iterations, checkpoints included; each completed one reported to the watchdog."""
-    for iteration in range(history.start_iteration + 1, args.train_iters + 1):
-        started = time.perf_counter()
-        if args.use_cuda:
-            torch.cuda.reset_peak_memory_stats()
-        run.ddp.zero_grad_buffer()
-        run.optimizer.zero_grad()
-        run.mode.begin_iteration(iteration)
-        loss = forward_backward(run.train_iter, forward_only=False)
-        kept_bytes = activations.take_peak()
-        lr_used = run.optimizer.param_groups[0]["lr"]
-        update_ok, grad_norm, _ = run.optimizer.step()
-        run.scheduler.step(increment=1)
-        loads = recorder.collect()
-        record = run.mode.end_iteration(
-            StepResult(iteration, update_ok, grad_norm, lr_used, args.clip_grad, loads.routed_LE, loads.processed_LE)
-        )
-        elapsed = time.perf_counter() - started
-        for line in run.mode.take_log():
-            log0(line)
-        history.skipped += not update_ok
-        # one decision on every rank: the loss is the world's mean, the gradient check world-wide
-        nonfinite = not math.isfinite(loss) or (not update_ok and not args.fp16)
-        history.nonfinite += nonfinite
-        history.times.append(elapsed)
-        history.losses.append(loss)
-        run.state["iteration"] = iteration
-        run.state["consumed_train_samples"] = run.train_iter.consumed_samples
-        if dist.get_rank() == 0 and args.moe_log_loads:
-            history.routed.append(loads.routed_LE)
-            history.sources.append(loads.source_routed_LSE)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite:
-            log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes)
-        if nonfinite:
-            stop_or_skip(args, history, iteration, loss, update_ok, writer)
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
-            history.eval_loss = evaluate()
-            if writer is not None:
-                writer.log_eval(iteration, history.eval_loss)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save(args, run, iteration)
-        watchdog.progress(iteration)
-
-    if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > history.start_iteration:
-        save(args, run, args.train_iters)
 
 
 def stop_or_skip(args, history: History, iteration: int, loss: float, update_ok: bool, writer) -> None:

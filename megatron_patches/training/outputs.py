@@ -70,11 +70,9 @@ def check_outputs(args) -> None:
             _check_writable(flag, Path(value), is_dir)
 
 
-def write_arguments(run_dir: str, text: str) -> Path:
-    path = Path(run_dir) / ARGUMENTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
-    return path
+def write_arguments(run_dir: str, text: str) -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / ARGUMENTS).write_text(text + "\n")
 
 
 def plot_run(records: list[dict], path: Path) -> None:

@@ -4,7 +4,8 @@ Without it a stopped or hung rank leaves every other rank waiting in its next co
 the process-group timeout (30 minutes), and nothing says which rank it was. Here every rank
 runs a daemon thread that, every `interval` seconds, publishes into the job's rendezvous store
 (a TCPStore client of its own, beside the process group's) a beat counter, its last completed
-step and how long ago that was, and reads every other rank's entry:
+step and how long ago that was; the MONITORS lowest ranks also read every rank's entry (two
+readers, not all: the store then serves O(world) requests per interval, not O(world^2)):
 
 - a rank whose beat counter has not moved for `timeout` seconds is not running at all (stopped,
   swapped out, dead): it is named with its host and last completed step;
@@ -31,12 +32,15 @@ import torch.distributed as dist
 
 STALL_EXIT_CODE = 4
 KEY = "megatron_patches/heartbeat/{rank}"
+MONITORS = 2
+"""Ranks 0 and 1 read every heartbeat: either names the other when it stops."""
 
 
 class StallWatchdog:
-    """Start with `start()` once the process group exists; call `progress(step)` after every
-    completed unit of work (iteration, evaluation, checkpoint) and `stop()` when training ends
-    (the ranks then leave at different moments, and under srun the store leaves with rank 0)."""
+    """Used as `with StallWatchdog(timeout) as watchdog:` around the training iterations, once the
+    process group exists; call `progress(step)` after every completed unit of work (iteration,
+    evaluation, checkpoint). Leaving the block stops it: the ranks then leave at different
+    moments, and under srun the store leaves with rank 0."""
 
     def __init__(self, timeout_s: float, interval_s: float | None = None):
         self.timeout_s = timeout_s
@@ -52,14 +56,14 @@ class StallWatchdog:
     def progress(self, step: int) -> None:
         self.step, self.progress_at = step, time.monotonic()
 
-    def stop(self) -> None:
-        self._stopped.set()
+    def __enter__(self) -> StallWatchdog:
+        if self.timeout_s > 0 and self.world > 1:
+            self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
+            self._thread.start()
+        return self
 
-    def start(self) -> None:
-        if self.timeout_s <= 0 or self.world == 1:
-            return
-        self._thread = threading.Thread(target=self._run, name="stall-watchdog", daemon=True)
-        self._thread.start()
+    def __exit__(self, *exc_info) -> None:
+        self._stopped.set()
 
     def _store(self) -> dist.TCPStore:
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -73,13 +77,14 @@ class StallWatchdog:
                   file=sys.stderr, flush=True)
             return
         seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when it last moved, my clock)
+        monitor = self.rank < MONITORS
         while not self._stopped.is_set():
             self.beats += 1
             now = time.monotonic()
             try:
                 store.set(KEY.format(rank=self.rank), f"{self.beats} {self.step} {now - self.progress_at:.1f} {self.host}")
                 entries = {r: store.get(KEY.format(rank=r)).decode().split() if store.check([KEY.format(rank=r)]) else None
-                           for r in range(self.world)}
+                           for r in range(self.world)} if monitor else {}
             except Exception:  # noqa: BLE001 - the store timed out or went away: its host does not answer
                 if self._stopped.is_set():
                     return
@@ -101,7 +106,7 @@ class StallWatchdog:
                             min(r for r in range(self.world) if r not in {s for s, _ in stopped}))
                 return
             ages = {r: float(e[2]) for r, e in entries.items() if e}
-            if len(ages) == self.world and min(ages.values()) > self.timeout_s:
+            if monitor and len(ages) == self.world and min(ages.values()) > self.timeout_s:
                 oldest = min(int(entries[r][1]) for r in ages)
                 laggards = [f"rank {r} on {entries[r][3]}" for r in ages if int(entries[r][1]) == oldest]
                 self._abort(f"no rank completed a step for more than {self.timeout_s:g} s although every rank is "

@@ -67,54 +67,52 @@ def pretrain_zebra(args) -> Summary:
     eval_loss = None
     log0(f"training: iterations 0 -> {args.train_iters}, {config.microbatches} micro-batches of {args.micro_batch_size} "
          f"x {dp_size} attention ranks")
-    watchdog = StallWatchdog(args.stall_timeout)
-    watchdog.start()
-    for iteration in range(1, args.train_iters + 1):
-        started = time.perf_counter()
-        result = engine.train_step(microbatches(train_iter))
-        scheduler.step(increment=1)
-        routed_LE, bytes_sent = engine.last_run_counts()
-        if config.timeline is not None and iteration == args.train_iters:
-            engine.write_timeline(config.timeline)  # the last training iteration's schedule
-            log0(f"zebra: wrote the timeline of iteration {iteration} to {config.timeline} (tools/plot_timeline.py draws it)")
-        elapsed = time.perf_counter() - started
-        times.append(elapsed)
-        losses_seen.append(result.loss)
-        if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
-            placed = f" (zebra M={layout.attention_ranks} N={layout.expert_ranks} R={config.microbatches})"
-            writer.log(
-                {
-                    "iteration": iteration,
-                    "loss": result.loss,
-                    "lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
-                    "grad_norm": result.grad_norm,
-                    "update_successful": True,
-                    # the record fields of every mode; zebra trains in fp32 and never skips a step
-                    "loss_scale": 1.0,
-                    "skipped_iterations": 0,
-                    "dtypes": dtypes,
-                    "tokens_per_s": tokens_per_iteration / elapsed,
-                    "iteration_time_s": elapsed,
-                    "moe_layers": metrics.zebra_layer_records(routed_LE, engine.owners_LE, layout, layer_numbers),
-                    "bytes": {"a2a": bytes_sent["dispatch"] + bytes_sent["combine"], **{f"a2a_{k}": v for k, v in bytes_sent.items()}},
-                    "zebra": {
-                        "attention_ranks": layout.attention_ranks,
-                        "expert_ranks": layout.expert_ranks,
-                        "zp_groups": layout.num_groups,
-                        "microbatches": config.microbatches,
-                        "offload_chunks": list(layout.asym_ea.offload_chunks_L),
+    with StallWatchdog(args.stall_timeout) as watchdog:
+        for iteration in range(1, args.train_iters + 1):
+            started = time.perf_counter()
+            result = engine.train_step(microbatches(train_iter))
+            scheduler.step(increment=1)
+            routed_LE, bytes_sent = engine.last_run_counts()
+            if config.timeline is not None and iteration == args.train_iters:
+                engine.write_timeline(config.timeline)  # the last training iteration's schedule
+                log0(f"zebra: wrote the timeline of iteration {iteration} to {config.timeline} (tools/plot_timeline.py draws it)")
+            elapsed = time.perf_counter() - started
+            times.append(elapsed)
+            losses_seen.append(result.loss)
+            if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+                placed = f" (zebra M={layout.attention_ranks} N={layout.expert_ranks} R={config.microbatches})"
+                writer.log(
+                    {
+                        "iteration": iteration,
+                        "loss": result.loss,
+                        "lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
+                        "grad_norm": result.grad_norm,
+                        "update_successful": True,
+                        # the record fields of every mode; zebra trains in fp32 and never skips a step
+                        "loss_scale": 1.0,
+                        "skipped_iterations": 0,
+                        "dtypes": dtypes,
+                        "tokens_per_s": tokens_per_iteration / elapsed,
+                        "iteration_time_s": elapsed,
+                        "moe_layers": metrics.zebra_layer_records(routed_LE, engine.owners_LE, layout, layer_numbers),
+                        "bytes": {"a2a": bytes_sent["dispatch"] + bytes_sent["combine"], **{f"a2a_{k}": v for k, v in bytes_sent.items()}},
+                        "zebra": {
+                            "attention_ranks": layout.attention_ranks,
+                            "expert_ranks": layout.expert_ranks,
+                            "zp_groups": layout.num_groups,
+                            "microbatches": config.microbatches,
+                            "offload_chunks": list(layout.asym_ea.offload_chunks_L),
+                        },
                     },
-                },
-                placed,
-                1.0,  # zebra is dropless
-                {},
-            )
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
-            eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))
-            if writer is not None:
-                writer.log_eval(iteration, eval_loss)
-        watchdog.progress(iteration)
-    watchdog.stop()
+                    placed,
+                    1.0,  # zebra is dropless
+                    {},
+                )
+            if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
+                eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))
+                if writer is not None:
+                    writer.log_eval(iteration, eval_loss)
+            watchdog.progress(iteration)
     if writer is not None:
         writer.close()
     return finish(args, times, losses_seen, eval_loss)

@@ -4,7 +4,6 @@ must pass (`check_moe_records`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from megatron_patches.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "pretrain_gpt_moe.py"
@@ -50,7 +51,7 @@ def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int 
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output[-6000:]}"
-    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    records = read_records(str(log)) if log.exists() else []
     return Run(output, records)
 
 
