@@ -13,6 +13,7 @@ import sys
 import time
 
 from megatron_patches.compat.known_warnings import show_once
+from megatron_patches.compat.lifetime import die_with_parent
 
 # before anything imports Megatron-Core: its import-time warnings, once per job, one line each
 show_once(int(os.environ.get("RANK", "0")))
@@ -26,6 +27,9 @@ REFUSAL_GRACE_S = 10.0
 
 
 def main(argv=None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # under torchrun: end with the agent, even when it is killed with SIGKILL
+        die_with_parent(os.getppid())
     try:
         args = parse_args(argv)
         validate_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -42,12 +46,15 @@ def main(argv=None) -> int:
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megatron_patches.training.checkpoint import CheckpointWriteFailed
     from megatron_patches.training.loop import NonFiniteTraining, pretrain
 
     try:
         pretrain(args)
     except NonFiniteTraining:
         return 3  # rank 0 has said why (training.loop.stop_or_skip)
+    except CheckpointWriteFailed:
+        return 5  # the failing rank has said why (training.loop.save)
     return 0
 
 

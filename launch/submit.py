@@ -717,6 +717,10 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
         output_dir = Path(overrides.output_dir).resolve()
     else:
         output_dir = (REPO / (run.output_dir or f"runs/{run.name}")).resolve()
+    if any(c.isspace() or c in "'\"\\" for c in str(output_dir)):
+        # sbatch reads `#SBATCH --output=...` without a shell: no quoting can carry these through
+        raise SubmitError(f"output_dir={str(output_dir)!r}: whitespace, quotes and backslashes cannot be written into "
+                          "the script's #SBATCH --output line; valid: a path without them")
     return Job(run=run, mode=mode, model_path=model_path, cluster=cluster, components=tuple(components),
                flags=tuple(flags), args=args, backend=backend, zp_groups=zp_groups,
                memory_notes=tuple(memory_notes), output_dir=output_dir, slurm=slurm, command_line=command_line)

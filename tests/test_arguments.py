@@ -848,7 +848,12 @@ def test_load_directory_missing(parse, tmp_path):
     expect_error(parse("--load", str(missing), "--save", str(missing), "--save-interval", "10"), 1,
                  f"--load={missing}", "holds 'release', expected an iteration number")
     (missing / "latest_checkpointed_iteration.txt").write_text("20\n")
-    assert validate_args(parse("--load", str(missing)), 1).load == str(missing)
+    expect_error(parse("--load", str(missing)), 1, f"--load={missing}",
+                 f"no checkpoint verifies: {missing / 'iter_0000020'} does not exist")
+    (missing / "iter_0000020").mkdir()  # as Megatron-LM writes it: no manifest, loaded unverified
+    args = validate_args(parse("--load", str(missing)), 1)
+    assert args.load_iteration == 20 and args.load_notes == [
+        f"{missing / 'iter_0000020'} has no manifest.json (not written by this version): loaded without verification"]
     # nothing left to train is an error, not "0 iterations, loss nan" and exit 0
     for train_iters in ("20", "10"):
         expect_error(parse("--load", str(missing), "--train-iters", train_iters), 1, f"--train-iters={train_iters}",

@@ -36,7 +36,7 @@ import pytest
 
 from support.training import MOCK, Run, launch
 
-from megatron_patches.training.checkpoint import TRACKER_FILE
+from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
 
 pytestmark = pytest.mark.e2e
 

@@ -107,12 +107,18 @@ def check_log_and_metrics(text: str, run_dir: Path, iterations: int) -> list[dic
 
 
 def test_homogeneous_job_on_two_nodes(cluster, corpus, tmp_path):
+    """Also with hostile values in the output folder and a training flag: the real sbatch and
+    bash carry them as text, and the `$(...)` inside never runs."""
     mode = "fssdp" if "fssdp" in MOE_PARALLEL_MODES else "ep"
-    out = tmp_path / "out"
+    out = tmp_path / "out$(touch${IFS}INJECTED_OUT)"
+    run_dir_flag = "$RUN_DIR/run$(touch${IFS}INJECTED_RUN)"
     done = submit(cluster, "--run", str(TEST_DATA / "run_cpu_2x2.yaml"), "--mode", mode,
-                  "--output-dir", str(out), "--wait")
+                  "--output-dir", str(out), "--run-dir", run_dir_flag, "--wait")
     job_id, text = finished_job(cluster, done, out)
     run_dir = out / job_id
+    assert (run_dir / "run$(touch${IFS}INJECTED_RUN)" / "arguments.txt").is_file()
+    for where in (REPO, tmp_path, out, run_dir):
+        assert not list(where.glob("INJECTED*")), f"a value ran as shell in {where}"
     check_log_and_metrics(text, run_dir, iterations=3)
     assert "preflight: OK: 4 ranks on 2 node(s) (gloo)" in text
     assert f"--moe-parallel-mode {mode}" in (out / "slurm_test_2x2.sbatch").read_text()

@@ -5,6 +5,7 @@
 - `mcore.py`: every version-sensitive call into Megatron-Core.
 - `activations.py`: activation memory measured through torch's saved-tensor hooks.
 - `known_warnings.py`: Megatron-Core's and torch's known warnings, once from rank 0 as one line each.
+- `lifetime.py`: ranks and their helper processes end with their parent, even on SIGKILL.
 
 `prepare_megatron(use_cuda)` is called once per process before any model is built.
 """

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
 import threading
+from multiprocessing.managers import SyncManager
 from typing import Callable
 
 import torch
 
 import megatron.core
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -45,7 +49,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_patches.compat import fixes
+from megatron_patches.compat import fixes, lifetime
 from megatron_patches.config.run import ParallelConfig, RunSettings
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -535,7 +539,24 @@ def observe_routing(router_module, on_routed: Callable, on_processed: Callable) 
 # ----------------------------------------------------------------------------------------
 
 
+_results_manager: SyncManager | None = None
+
+
+def _results_queue_dies_with_rank() -> None:
+    """Megatron's torch_dist writer collects write results through a queue served by a spawned
+    multiprocessing.Manager process, started at a rank's first save and alive until the rank
+    exits normally (filesystem_async._get_write_results_queue). Start that server ourselves,
+    set to die with the rank (compat/lifetime.py): a rank killed with SIGKILL left it behind."""
+    global _results_manager
+    if filesystem_async._results_queue is not None:
+        return
+    _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _results_manager.start(lifetime.die_with_parent, (os.getpid(),))
+    filesystem_async._results_queue = _results_manager.Queue()
+
+
 def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> None:
+    _results_queue_dies_with_rank()
     state = {"model": model_chunks[0].sharded_state_dict()}
     if opt is not None:
         state["optimizer"] = opt.sharded_state_dict(

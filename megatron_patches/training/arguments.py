@@ -93,6 +93,9 @@ DERIVED_VALUES = {
     "num_micro_batches": "global batch / (micro batch x data-parallel size)",
     "params_dtype": "torch dtype of the parameters: float32, or bfloat16/float16 with --bf16/--fp16",
     "use_cuda": "True when CUDA is available and --cpu is not given",
+    "load_iteration": "the checkpoint a --load resumes from: the tracker's, or the newest older one that verifies "
+                      "(training/checkpoint_dirs.py); None when there is none yet",
+    "load_notes": "what choosing that checkpoint found (a fallback, a checkpoint without a manifest), logged at the load",
 }
 
 __all__ = ["ArgumentError", "MOE_PARALLEL_MODES", "build_parser", "parse_args"]
@@ -502,6 +505,11 @@ def _add_checkpointing_args(parser):
                        help="Do not load optimizer when loading checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",
                        help="Do not load rng state when loading checkpoint.")
+    group.add_argument("--keep-last-checkpoints", type=int, default=2, metavar="K",
+                       help="Keep the K newest checkpoints under --save and remove older ones after "
+                       "each save; 0 keeps all. Default 2: the newest, and the one a resume falls "
+                       "back to when the newest does not verify (training/checkpoint_dirs.py). "
+                       "New flag.")
 
 
 def _add_validation_args(parser):

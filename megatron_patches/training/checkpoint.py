@@ -1,5 +1,6 @@
 """Distributed checkpoints (Megatron dist_checkpointing, torch_dist format) with Megatron-LM's
-directory layout: `<dir>/iter_0000100/` plus `<dir>/latest_checkpointed_iteration.txt`.
+directory layout, written so that a job killed at any moment keeps its newest complete
+checkpoint (checkpoint_dirs.py: partial directory, manifest, tracker, pruning, verification).
 
 The model and optimizer are saved as sharded state (reloadable into other TP/PP/EP/DP
 layouts; the distributed optimizer uses the fully-reshardable format); the loop state
@@ -14,72 +15,84 @@ state dicts (fssdp under per-expert keys, so placement-independent); replicate w
 
 from __future__ import annotations
 
-import os
 import pickle
+import resource
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron.core.tensor_parallel import random as mp_random
 
-from megatron_patches.training import resume
-
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+from megatron_patches.training import checkpoint_dirs, resume
 
 
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
+class CheckpointWriteFailed(RuntimeError):
+    """A rank could not write its part of a checkpoint; the message says which and why.
+    `own`: the failure was this rank's (False: torch_dist reports another rank's)."""
+
+    def __init__(self, message: str, own: bool):
+        super().__init__(message)
+        self.own = own
 
 
-def latest_iteration(root: str | Path) -> int | None:
-    tracker = Path(root) / TRACKER_FILE
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{TRACKER_FILE} holds {text!r}, expected an iteration number")
-    return int(text)
+def _write_failure(error: BaseException, root: str) -> tuple[str, bool]:
+    """(why, whether this rank's own write failed): torch_dist wraps its ranks' failures in one
+    CheckpointException, raised on every rank; the free space and the file-size limit are
+    named because torch's writer reports a full disk or a reached limit only as a short write."""
+    rank = dist.get_rank()
+    if isinstance(error, CheckpointException):
+        own = rank in error.failures
+        why = str(error.failures[rank][0]) if own else f"another rank failed (ranks {sorted(error.failures)})"
+    else:
+        own, why = True, str(error)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limit_text = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+    free = shutil.disk_usage(root).free
+    return f"{why} (free space under {root}: {free / 2**30:.1f} GiB; file-size limit: {limit_text})", own
 
 
-def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode, args) -> Path:
+def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode, args) -> tuple[Path, list[Path]]:
     """Writes `<root>/iter_N/` (the mode's model + optimizer state, loop state, scheduler, RNG per
-    rank, the run's flags), then points the tracker file at it. `mode`: the run's ModeRuntime."""
-    directory = iteration_dir(root, iteration)
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        resume.write_flags(directory, args)
-    dist.barrier()
-    common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
-    mode.save_checkpoint(str(directory), model_chunks, optimizer, common)
-    rng_dir = directory / "rng"
-    rng_dir.mkdir(exist_ok=True)
-    torch.save(
-        {
-            "world_size": dist.get_world_size(),
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": mp_random.get_cuda_rng_tracker().get_states(),
-        },
-        rng_dir / f"rank_{dist.get_rank():05d}.pt",
-    )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_tracker(Path(root), iteration)
-    return directory
-
-
-def write_tracker(root: Path, iteration: int) -> None:
-    """Point the tracker at `iteration`, atomically: written beside it, flushed to disk, renamed
-    over it. Every rank has finished its files by then, so a job killed at any moment leaves the
-    tracker at a complete checkpoint (the previous one while this one is being written)."""
-    tracker = root / TRACKER_FILE
-    partial = tracker.with_name(f"{TRACKER_FILE}.partial")
-    with open(partial, "w") as stream:
-        stream.write(f"{iteration}\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(partial, tracker)
+    rank, the run's flags) through `iter_N.partial/`, points the tracker at it, and removes the
+    checkpoints beyond --keep-last-checkpoints. Returns (the directory, the removed ones: rank 0).
+    `mode`: the run's ModeRuntime. A rank that cannot write raises CheckpointWriteFailed; the
+    tracker then still names the previous complete checkpoint."""
+    rank = dist.get_rank()
+    partial = checkpoint_dirs.partial_dir(root, iteration)
+    try:
+        if rank == 0:
+            checkpoint_dirs.start_partial(root, iteration)
+        dist.barrier()
+        common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
+        mode.save_checkpoint(str(partial), model_chunks, optimizer, common)
+        rng_dir = partial / "rng"
+        rng_dir.mkdir(exist_ok=True)
+        rng_file = rng_dir / f"rank_{rank:05d}.pt"
+        torch.save(
+            {
+                "world_size": dist.get_world_size(),
+                "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": mp_random.get_cuda_rng_tracker().get_states(),
+            },
+            rng_file,
+        )
+        checkpoint_dirs.fsync_file(rng_file)
+        if rank == 0:
+            resume.write_flags(partial, args)  # after Megatron's save, which expects an empty directory
+        dist.barrier()
+        removed = []
+        if rank == 0:
+            checkpoint_dirs.publish(root, iteration, dist.get_world_size())
+            removed = checkpoint_dirs.prune(root, iteration, args.keep_last_checkpoints)
+    except (OSError, RuntimeError, CheckpointException) as error:  # CheckpointException: torch_dist's
+        why, own = _write_failure(error, root)
+        raise CheckpointWriteFailed(f"rank {rank} could not write the checkpoint of iteration {iteration} into "
+                                    f"{partial}: {why}", own) from error
+    return checkpoint_dirs.iteration_dir(root, iteration), removed
 
 
 def read_rng_state(path: Path) -> dict:
@@ -96,15 +109,22 @@ def read_rng_state(path: Path) -> dict:
         raise ValueError(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
 
 
-def load(root: str, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool, mode) -> tuple[dict | None, list[str]]:
-    """Loads the latest checkpoint under `root`; returns (loop_state, notes for the log).
+def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool,
+         mode) -> tuple[dict | None, list[str]]:
+    """Loads the checkpoint of `iteration` under `root` (validation chose it: checkpoint_dirs.choose);
+    returns (loop_state, notes for the log).
 
-    `root` without a checkpoint yet is the --save directory of a job's first start (validation
-    refuses any other): loop_state is None and nothing is loaded."""
-    iteration = latest_iteration(root)
+    `iteration` None is the --save directory of a job's first start (validation refuses any
+    other): loop_state is None and nothing is loaded."""
     if iteration is None:
         return None, [f"{root} holds no checkpoint yet (it is the --save directory): starting from iteration 0"]
-    directory = iteration_dir(root, iteration)
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, iteration)
+    if len(set(chosen)) > 1:
+        # each rank verified the files on its own before the process group existed
+        raise RuntimeError(f"--load {root}: the ranks chose different checkpoints to resume from ({chosen}, by rank): "
+                           "the file system showed them different files; check it and restart")
+    directory = checkpoint_dirs.iteration_dir(root, iteration)
     template = {"loop_state": None, "scheduler": None}
     loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
     notes = [f"loaded {directory}", *mode_notes]

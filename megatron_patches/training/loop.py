@@ -34,7 +34,7 @@ from megatron_patches.config.models import padded_vocab_size
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
-from megatron_patches.training import checkpoint, metrics, modes, outputs
+from megatron_patches.training import checkpoint, checkpoint_dirs, metrics, modes, outputs
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
@@ -206,10 +206,11 @@ def build(args) -> Run:
 
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     if args.load:
-        loaded, notes = checkpoint.load(args.load, [ddp], optimizer, scheduler, not args.no_load_optim, not args.no_load_rng, mode)
+        loaded, notes = checkpoint.load(args.load, args.load_iteration, [ddp], optimizer, scheduler, not args.no_load_optim,
+                                        not args.no_load_rng, mode)
         if loaded is not None:
             state.update({k: loaded[k] for k in state})
-        for note in notes:
+        for note in [*args.load_notes, *notes]:
             log0(f"checkpoint: {note}")
         for change in getattr(args, "resume_changes", []):
             log0(f"resume: {change}")
@@ -427,8 +428,22 @@ def activation_memory(use_cuda: bool, kept_bytes: int) -> dict[str, list[int]]:
 
 
 def save(args, run: Run, iteration: int) -> None:
-    path = checkpoint.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler, run.state, run.mode, args)
+    """A rank that cannot write its part (disk full, file-size limit, permissions) says so and
+    raises CheckpointWriteFailed (exit code 5); the launcher ends the others, and the tracker
+    still names the previous complete checkpoint."""
+    try:
+        path, removed = checkpoint.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler, run.state,
+                                        run.mode, args)
+    except checkpoint.CheckpointWriteFailed as error:
+        if error.own:  # the ranks torch_dist only told of another's failure stay quiet
+            kept = checkpoint_dirs.latest_iteration(args.save)
+            newest = f"iteration {kept}, complete" if kept is not None else "none yet"
+            print(f"pretrain_gpt_moe.py: stopped: {error}; the newest checkpoint in {args.save} is untouched ({newest})",
+                  file=sys.stderr, flush=True)
+        raise
     log0(f"checkpoint: saved {path}")
+    for directory in removed:
+        log0(f"checkpoint: removed {directory} (--keep-last-checkpoints {args.keep_last_checkpoints})")
 
 
 # ----------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_patches.config.flags import ArgumentError, divisors, fail
 from megatron_patches.config.run import router_pre_softmax
 from megatron_patches.data.index_check import index_problem
-from megatron_patches.training import outputs, resume
+from megatron_patches.training import checkpoint_dirs, outputs, resume
 from megatron_patches.training.arguments import (
     DEFAULT_SPLIT,
     DISTRIBUTED_BACKENDS,
@@ -97,7 +97,7 @@ def _check_sizes(args):
         value = getattr(args, dest)
         if value is not None and value <= 0:
             fail(f"--{dest.replace('_', '-')}", value, "must be a positive integer")
-    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters", "max_nonfinite_steps")
+    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters", "max_nonfinite_steps", "keep_last_checkpoints")
     for dest in non_negative:
         value = getattr(args, dest)
         if value < 0:
@@ -586,11 +586,9 @@ def _resolve_outputs(args):
 def _compare_with_checkpoint(args, root: Path, iteration: int) -> None:
     """A changed model shape is refused; every other change goes to `args.resume_changes`,
     which the loop logs after loading."""
-    from megatron_patches.training.checkpoint import iteration_dir
-
-    saved = resume.read_flags(iteration_dir(root, iteration))
+    saved = resume.read_flags(checkpoint_dirs.iteration_dir(root, iteration))
     if saved is None:
-        args.resume_changes = [f"{iteration_dir(root, iteration)} holds no {resume.FLAGS_FILE}: flags not compared"]
+        args.resume_changes = [f"{checkpoint_dirs.iteration_dir(root, iteration)} holds no {resume.FLAGS_FILE}: flags not compared"]
         return
     compared = [action.dest for action in build_parser()._actions if action.option_strings]
     shape, args.resume_changes = resume.compare(args, saved, compared)
@@ -601,6 +599,9 @@ def _compare_with_checkpoint(args, root: Path, iteration: int) -> None:
 
 
 def _check_checkpointing(args):
+    """Sets `args.load_iteration` (the checkpoint to resume from: the tracker's, or the newest
+    older one that verifies) and `args.load_notes`."""
+    args.load_iteration, args.load_notes = None, []
     if args.save is not None and args.save_interval is None:
         fail("--save", args.save, "needs --save-interval (as in Megatron-LM)")
     if args.load is None:
@@ -614,18 +615,19 @@ def _check_checkpointing(args):
         if resumes_own_save:
             return
         fail("--load", args.load, f"directory not found; {valid}")
-    from megatron_patches.training.checkpoint import TRACKER_FILE, latest_iteration  # torch: only with --load
-
     try:
-        iteration = latest_iteration(args.load)
-    except ValueError as error:
-        fail("--load", args.load, str(error))
-    if iteration is None and not resumes_own_save:
-        fail("--load", args.load, f"holds no checkpoint (no {TRACKER_FILE}); {valid}")
-    if iteration is not None:
-        _compare_with_checkpoint(args, Path(args.load), iteration)
-    if iteration is not None and args.train_iters <= iteration:
+        tracked = checkpoint_dirs.latest_iteration(args.load)
+        if tracked is not None:
+            args.load_iteration, args.load_notes = checkpoint_dirs.choose(args.load, tracked)
+    except (ValueError, OSError) as error:
+        fail("--load", args.load, f"{error}; {valid}")
+    if tracked is None:
+        if not resumes_own_save:
+            fail("--load", args.load, f"holds no checkpoint (no {checkpoint_dirs.TRACKER_FILE}); {valid}")
+        return
+    _compare_with_checkpoint(args, Path(args.load), args.load_iteration)
+    if args.train_iters <= args.load_iteration:
         # the loop would run no iteration and report a NaN loss
         fail("--train-iters", args.train_iters,
-             f"the checkpoint in {args.load} is at iteration {iteration}, so there is nothing left to train; "
-             f"valid: more than {iteration}")
+             f"the checkpoint in {args.load} is at iteration {args.load_iteration}, so there is nothing left to "
+             f"train; valid: more than {args.load_iteration}")
