@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
-import io
 import os
 import re
 import shlex
@@ -422,19 +421,15 @@ def _merge(*layers: list[Flag]) -> list[Flag]:
 
 
 def _parse_training_flags(argv: list[str], flags: list[Flag]) -> argparse.Namespace:
-    """arguments.parse_args on the job's command line; argparse's type errors become SubmitError
-    naming where the offending flag came from."""
-    captured = io.StringIO()
+    """arguments.parse_args on the job's command line; its refusals (a value of the wrong type,
+    bad YAML) become SubmitError naming where the offending flag came from."""
     try:
-        with contextlib.redirect_stderr(captured):
-            return arguments.parse_args(argv)
-    except SystemExit:
-        message = captured.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        return arguments.parse_args(argv)
+    except arguments.ArgumentError as error:
+        message = str(error)
         option = re.search(r"argument (--[\w-]+)", message)
         sources = [f.source for f in flags if option and f.tokens[0] == option.group(1)]
         raise SubmitError(f"training flags: {message}" + (f" (from {sources[-1]})" if sources else "")) from None
-    except arguments.ArgumentError as error:
-        raise SubmitError(f"training flags: {error}") from None
 
 
 # ----------------------------------------------------------------------------------------------

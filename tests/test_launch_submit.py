@@ -20,40 +20,19 @@ import yaml
 from megatron_patches.config import load_cluster_config
 from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
-from support.submit import expanded_argv, load_module, submit
+from support.submit import TEST_DATA, expanded_argv, load_module, plan, refused, submit, tiny_run
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("*.yaml"))
 ZEBRA_RUN_FILES = [path for path in RUN_FILES if path.stem.startswith("zebra_")]
-TEST_DATA = REPO / "tests" / "data" / "slurm"
 
 
 preflight = load_module("launch_preflight", REPO / "launch" / "preflight.py")
 
 
-def plan(run: str | Path | dict, **overrides):
-    """plan_job for a run file or an inline run config."""
-    config = submit.run_config_from_dict(run, "inline") if isinstance(run, dict) else submit.load_run_config(run)
-    training = tuple(overrides.pop("training", ()))
-    return submit.plan_job(config, submit.Overrides(training=training, **overrides))
-
-
-def refused(run, **overrides) -> str:
-    with pytest.raises(submit.SubmitError) as info:
-        plan(run, **overrides)
-    return str(info.value)
-
-
 def bash_syntax_ok(script: str) -> None:
     done = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-
-
-def tiny_run(**changes) -> dict:
-    """An inline run of the tiny model on the 2 x 2 CPU test cluster."""
-    run = yaml.safe_load((TEST_DATA / "run_cpu_2x2.yaml").read_text())
-    run.update(changes)
-    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,8 +331,8 @@ def test_unknown_names_and_keys():
 
 def test_bad_values_and_reserved_flags():
     message = refused(tiny_run(train={"train_iters": "many", "cpu": True}))
-    assert message == ("training flags: argument --train-iters: invalid int value: 'many' "
-                       "(from inline train.train_iters)")
+    assert message == ("training flags: argument --train-iters: invalid int value: 'many'; valid flags: "
+                       "pretrain_gpt_moe.py --help, docs/flags.md (from inline train.train_iters)")
     assert refused(tiny_run(train={"cpu": "yes"})) == "inline train.cpu='yes': expected true or false (--cpu)"
     assert refused(tiny_run(train={"save": "/ckpt"})).startswith(
         "inline train.save: not allowed here; the launcher saves")

@@ -21,6 +21,7 @@ docs/flags.md is generated from the parser (a test keeps it in sync):
 """
 
 import argparse
+import difflib
 from pathlib import Path
 
 import megatron_patches
@@ -106,9 +107,23 @@ __all__ = ["ArgumentError", "MOE_PARALLEL_MODES", "build_parser", "parse_args"]
 # ----------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors (an unknown flag, a value of the wrong type) as one line with a hint,
+    raised as ArgumentError like every other refusal, instead of its usage text (a hundred lines
+    that bury the one naming the problem) and its own exit."""
+
+    def error(self, message: str):
+        unknown = [token.split("=")[0] for token in message.split() if token.startswith("--")
+                   ] if message.startswith("unrecognized arguments") else []
+        options = [option for action in self._actions for option in action.option_strings]
+        hints = [f"{token}: did you mean {', '.join(close)}?" for token in unknown
+                 if (close := difflib.get_close_matches(token, options, n=3, cutoff=0.7))]
+        raise ArgumentError("; ".join([message, *hints, "valid flags: pretrain_gpt_moe.py --help, docs/flags.md"]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The training script's parser, argument groups in the order describe_args() prints them."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt_moe.py",
         description="GPT/BERT MoE pre-training on Megatron-Core with load-adaptive expert "
         "placement. Flags use Megatron-LM's names; YAML configs (--config) use the dest names.",
@@ -553,8 +568,8 @@ def _add_logging_args(parser):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) over the values of the --config YAML files.
 
-    Command-line syntax errors exit through argparse (status 2); YAML problems raise
-    ArgumentError naming the file, the key and what would be valid."""
+    Command-line syntax errors (an unknown flag, a value of the wrong type) and YAML problems
+    raise ArgumentError naming the flag, file or key and what would be valid."""
     parser = build_parser()
     config_files = parser.parse_args(argv).config or [DEFAULT_CONFIG]
     values = {}

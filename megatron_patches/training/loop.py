@@ -437,8 +437,8 @@ def save(args, run: Run, iteration: int) -> None:
     except checkpoint.CheckpointWriteFailed as error:
         if error.own:  # the ranks torch_dist only told of another's failure stay quiet
             kept = checkpoint_dirs.latest_iteration(args.save)
-            newest = f"iteration {kept}, complete" if kept is not None else "none yet"
-            print(f"pretrain_gpt_moe.py: stopped: {error}; the newest checkpoint in {args.save} is untouched ({newest})",
+            tracker = f"the tracker names iteration {kept}" if kept is not None else "no checkpoint yet"
+            print(f"pretrain_gpt_moe.py: stopped: {error}; the checkpoints in {args.save} are untouched ({tracker})",
                   file=sys.stderr, flush=True)
         raise
     log0(f"checkpoint: saved {path}")

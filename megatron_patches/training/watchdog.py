@@ -4,8 +4,9 @@ Without it a stopped or hung rank leaves every other rank waiting in its next co
 the process-group timeout (30 minutes), and nothing says which rank it was. Here every rank
 runs a daemon thread that, every `interval` seconds, publishes into the job's rendezvous store
 (a TCPStore client of its own, beside the process group's) a beat counter, its last completed
-step and how long ago that was; the MONITORS lowest ranks also read every rank's entry (two
-readers, not all: the store then serves O(world) requests per interval, not O(world^2)):
+step and how long ago that was. The MONITORS lowest ranks read every rank's entry, and every
+other rank reads the monitors' entries (the store serves O(world) requests per interval, not
+O(world^2), and monitors that stop together are still named):
 
 - a rank whose beat counter has not moved for `timeout` seconds is not running at all (stopped,
   swapped out, dead): it is named with its host and last completed step;
@@ -33,7 +34,7 @@ import torch.distributed as dist
 STALL_EXIT_CODE = 4
 KEY = "megatron_patches/heartbeat/{rank}"
 MONITORS = 2
-"""Ranks 0 and 1 read every heartbeat: either names the other when it stops."""
+"""Ranks 0 and 1 read every heartbeat; the other ranks read theirs."""
 
 
 class StallWatchdog:
@@ -78,13 +79,14 @@ class StallWatchdog:
             return
         seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when it last moved, my clock)
         monitor = self.rank < MONITORS
+        watched = range(self.world) if monitor else range(min(MONITORS, self.world))
         while not self._stopped.is_set():
             self.beats += 1
             now = time.monotonic()
             try:
                 store.set(KEY.format(rank=self.rank), f"{self.beats} {self.step} {now - self.progress_at:.1f} {self.host}")
                 entries = {r: store.get(KEY.format(rank=r)).decode().split() if store.check([KEY.format(rank=r)]) else None
-                           for r in range(self.world)} if monitor else {}
+                           for r in watched}
             except Exception:  # noqa: BLE001 - the store timed out or went away: its host does not answer
                 if self._stopped.is_set():
                     return

@@ -1,5 +1,6 @@
-"""launch/submit.py for tests: the module (loaded from its path: launch/ is not a package) and
-the training command line a rendered job script passes to pretrain_gpt_moe.py."""
+"""launch/submit.py for tests: the module (loaded from its path: launch/ is not a package), jobs
+planned from run files or inline runs, and the training command line a rendered job script
+passes to pretrain_gpt_moe.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
+TEST_DATA = REPO / "tests" / "data" / "slurm"
 
 
 def load_module(name: str, path: Path):
@@ -20,6 +25,26 @@ def load_module(name: str, path: Path):
 
 
 submit = load_module("launch_submit", REPO / "launch" / "submit.py")
+
+
+def plan(run: str | Path | dict, **overrides):
+    """plan_job for a run file or an inline run config."""
+    config = submit.run_config_from_dict(run, "inline") if isinstance(run, dict) else submit.load_run_config(run)
+    training = tuple(overrides.pop("training", ()))
+    return submit.plan_job(config, submit.Overrides(training=training, **overrides))
+
+
+def refused(run, **overrides) -> str:
+    with pytest.raises(submit.SubmitError) as info:
+        plan(run, **overrides)
+    return str(info.value)
+
+
+def tiny_run(**changes) -> dict:
+    """An inline run of the tiny model on the 2 x 2 CPU test cluster."""
+    run = yaml.safe_load((TEST_DATA / "run_cpu_2x2.yaml").read_text())
+    run.update(changes)
+    return run
 
 
 def expanded_argv(script: str, run_dir: str = "/out/7", ckpt_dir: str = "/out/checkpoints") -> list[str]:
