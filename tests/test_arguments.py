@@ -873,16 +873,25 @@ def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(par
     resume.write_flags(ckpt / "iter_0000020", saving)
     same = validate_args(parse("--load", str(ckpt), "--train-iters", "20", "--train-iters", "30"), 4)
     # validation derives --lr-decay-iters from --train-iters: the decay length stays the checkpoint's
-    decay = "--lr-decay-iters 20 -> 30: not applied, the LR schedule continues from the checkpoint's"
+    decay = ("--lr-decay-iters 20 -> 30: not applied, the LR schedule continues from the checkpoint's "
+             "(--override-opt_param-scheduler applies it)")
     assert same.resume_changes == ["--train-iters 20 -> 30: applied", decay]
     changed = validate_args(parse("--load", str(ckpt), "--train-iters", "30", "--lr", "5e-4", "--log-interval", "5",
                                   "--save", str(tmp_path / "elsewhere"), "--save-interval", "10"), 4)
     assert changed.resume_changes == [
         "--train-iters 20 -> 30: applied",
-        "--lr 0.001 -> 0.0005: not applied, the LR schedule continues from the checkpoint's",
+        "--lr 0.001 -> 0.0005: not applied, the LR schedule continues from the checkpoint's (--override-opt_param-"
+        "scheduler applies it)",
         decay,
         "--save-interval None -> 10: applied",
         "--log-interval 10 -> 5: applied",
+    ]
+    overridden = validate_args(parse("--load", str(ckpt), "--train-iters", "30", "--lr", "5e-4",
+                                     "--override-opt_param-scheduler"), 4)
+    assert overridden.resume_changes == [
+        "--train-iters 20 -> 30: applied",
+        "--lr 0.001 -> 0.0005: applied (--override-opt_param-scheduler)",
+        "--lr-decay-iters 20 -> 30: applied (--override-opt_param-scheduler)",
     ]
     expect_error(parse("--load", str(ckpt), "--train-iters", "30", "--num-layers", "6"), 4, "--num-layers=6",
                  f"the checkpoint in {ckpt} (iteration 20) holds a model with num_layers 4", "valid: 4, or no --load")

@@ -135,6 +135,11 @@ def test_checkpoint_round_trip_reproduces_the_next_losses_exactly(tmp_path):
     assert [r["iteration"] for r in resumed.records] == [3, 4]
     assert resumed.losses == straight.losses[2:]
     assert resumed.grad_norms == straight.grad_norms[2:]
+    # a new peak lr applies only with Megatron-LM's override; min lr is 0, so every lr halves
+    halved = launch(2, [*common, "--train-iters", "4", "--load", str(tmp_path / "ckpt"), "--lr", "5e-4",
+                        "--override-opt_param-scheduler"], tmp_path, "halved")
+    assert "resume: --lr 0.001 -> 0.0005: applied (--override-opt_param-scheduler)" in halved.output
+    assert [r["lr"] for r in halved.records] == pytest.approx([0.5 * r["lr"] for r in resumed.records], rel=1e-12)
 
 
 def test_layouts_are_equivalent_from_the_same_checkpoint(tmp_path):

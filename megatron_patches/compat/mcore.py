@@ -471,7 +471,19 @@ def scheduler(args, opt) -> OptimizerParamScheduler:
         end_wd=args.weight_decay,
         wd_incr_steps=decay_iters,
         wd_incr_style="constant",
+        # on --load: the checkpoint's schedule values, or with the override these flags'
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
     )
+
+
+def override_schedule_peaks(opt, sched: OptimizerParamScheduler) -> None:
+    """--override-opt_param-scheduler, after the optimizer state is loaded and before the
+    scheduler's: Megatron-Core's scheduler takes each param group's own max_lr / min_lr before
+    its own values, and the loaded param groups hold the checkpoint's, so the override alone
+    would leave the old peak in force. Set them to the scheduler's (these flags')."""
+    for group in opt.param_groups:
+        group["max_lr"], group["min_lr"] = sched.max_lr, sched.min_lr
 
 
 def forward_backward(step_fn, data_iterator, model_chunks, num_microbatches, seq_length, micro_batch_size, forward_only):

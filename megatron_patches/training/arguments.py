@@ -520,6 +520,10 @@ def _add_checkpointing_args(parser):
                        help="Do not load optimizer when loading checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",
                        help="Do not load rng state when loading checkpoint.")
+    group.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="Reset the learning-rate scheduler's values (lr, min lr, warm-up, decay "
+                       "iterations and style, weight decay) to these flags' on --load, instead of "
+                       "continuing with the checkpoint's (the default, as in Megatron-LM).")
     group.add_argument("--keep-last-checkpoints", type=int, default=2, metavar="K",
                        help="Keep the K newest checkpoints under --save and remove older ones after "
                        "each save; 0 keeps all. Default 2: the newest, and the one a resume falls "

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron.core.tensor_parallel import random as mp_random
 
+from megatron_patches.compat import mcore
 from megatron_patches.training import checkpoint_dirs, resume
 
 
@@ -129,6 +130,8 @@ def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, l
     loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
     notes = [f"loaded {directory}", *mode_notes]
     if load_optim:
+        if scheduler.override_opt_param_scheduler:
+            mcore.override_schedule_peaks(optimizer, scheduler)
         scheduler.load_state_dict(loaded["scheduler"])
     else:
         # half precision: the fp32 main weights still hold the initial values; refresh them from

@@ -6,10 +6,10 @@ Every checkpoint holds the flag values it was saved with (`iter_N/flags.json`, w
 - the model's shape cannot change (the weights would not fit): refused, naming both values;
 - the learning-rate schedule is the checkpoint's (Megatron-Core's OptimizerParamScheduler keeps
   its saved lr, decay and warm-up, as Megatron-LM does by default): a changed value is reported
-  as not applied;
+  as not applied, unless --override-opt_param-scheduler applies it;
 - everything else (iterations, intervals, parallel layout, mode, precision, ...) applies, and
   is reported.
-Where the run's outputs go (--save, --load, --run-dir, ...) is not compared.
+Where the run's outputs go (--save, --load, --run-dir, ...) and how it loads are not compared.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ MODEL_SHAPE = (
     "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by",
 )
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
-NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads")
+NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads", "no_load_optim",
+                "no_load_rng", "override_opt_param_scheduler")
 # unset at validation when the embedded corpus is used: the loop fills them at start-up
 # (training/loop.py resolve_default_corpus), so the checkpoint holds the corpus's values
 FILLED_AT_START = ("data_path", "tokenizer_type", "vocab_file", "merge_file")
@@ -61,8 +62,11 @@ def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, obj
         flag = f"--{dest.replace('_', '-')}"
         if dest in MODEL_SHAPE:
             shape.append((dest, before, after))
+        elif dest in SCHEDULE and args.override_opt_param_scheduler:
+            notes.append(f"{flag} {before} -> {after}: applied (--override-opt_param-scheduler)")
         elif dest in SCHEDULE:
-            notes.append(f"{flag} {before} -> {after}: not applied, the LR schedule continues from the checkpoint's")
+            notes.append(f"{flag} {before} -> {after}: not applied, the LR schedule continues from the checkpoint's "
+                         "(--override-opt_param-scheduler applies it)")
         else:
             notes.append(f"{flag} {before} -> {after}: applied")
     return shape, notes
