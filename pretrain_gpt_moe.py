@@ -46,11 +46,16 @@ def main(argv=None) -> int:
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from megatron_patches.training.checkpoint import CheckpointWriteFailed
+    from megatron_patches.training.checkpoint import CheckpointUnreadable, CheckpointWriteFailed
     from megatron_patches.training.loop import NonFiniteTraining, pretrain
 
     try:
         pretrain(args)
+    except CheckpointUnreadable as error:
+        # found at the load, after the manifest check (which covers every file it lists)
+        rank = int(os.environ.get("RANK", "0"))
+        print(f"pretrain_gpt_moe.py: error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
+        return 2
     except NonFiniteTraining:
         return 3  # rank 0 has said why (training.loop.stop_or_skip)
     except CheckpointWriteFailed:

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -357,7 +358,8 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
     c. a resume without the limit falls back again, writes checkpoints 4 (replacing the damaged
        one) and 6, removes 2 (--keep-last-checkpoints 2), and then its launcher is killed with
        SIGKILL: every rank and helper process is gone within seconds, and the tracker names a
-       checkpoint that verifies.
+       checkpoint that verifies;
+    d. checkpoint 4 copied without its manifest and one rank's RNG file: exit code 2, naming it.
     """
     ckpt = tmp_path / "ckpt"
     common = [str(ENTRY), *MOCK, *NO_DROPOUT, "--expert-model-parallel-size", "2", "--save", str(ckpt),
@@ -414,3 +416,17 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
     assert 2 not in checkpoint_dirs.iterations_on_disk(ckpt)
     again = {r["iteration"]: r["loss"] for r in read_records(str(tmp_path / "c.jsonl")) if "loss" in r}
     assert again[3] == straight[3] and again[4] == straight[4]
+
+    # d. a checkpoint without a manifest (Megatron-LM's form) loads unverified; a rank whose RNG
+    # file is missing then says so and the job ends with exit code 2
+    bare = tmp_path / "bare"
+    shutil.copytree(ckpt / "iter_0000004", bare / "iter_0000004")
+    (bare / "iter_0000004" / checkpoint_dirs.MANIFEST_FILE).unlink()
+    (bare / "iter_0000004" / "rng" / "rank_00001.pt").unlink()
+    checkpoint_dirs.write_tracker(bare, 4)
+    output = finish(torchrun(2, [str(ENTRY), *MOCK, *NO_DROPOUT, "--expert-model-parallel-size", "2", "--load", str(bare),
+                                 "--train-iters", "6"], tmp_path))
+    assert f"checkpoint: {bare / 'iter_0000004'} has no manifest.json (not written by this version): loaded without " \
+           "verification" in output, output[-3000:]
+    assert (f"pretrain_gpt_moe.py: error (rank 1): --load: {bare / 'iter_0000004' / 'rng' / 'rank_00001.pt'} is missing: "
+            "the checkpoint is incomplete") in output and "exitcode  : 2" in output, output[-3000:]

@@ -39,6 +39,11 @@ class CheckpointWriteFailed(RuntimeError):
         self.own = own
 
 
+class CheckpointUnreadable(ValueError):
+    """A file of the chosen checkpoint cannot be used (one the manifest does not cover, or a
+    checkpoint written without one); the message names it and what would do instead."""
+
+
 def _write_failure(error: BaseException, root: str) -> tuple[str, bool]:
     """(why, whether this rank's own write failed): torch_dist wraps its ranks' failures in one
     CheckpointException, raised on every rank; the free space and the file-size limit are
@@ -96,6 +101,11 @@ def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_sta
     return checkpoint_dirs.iteration_dir(root, iteration), removed
 
 
+def _missing(path: Path) -> CheckpointUnreadable:
+    return CheckpointUnreadable(f"--load: {path} is missing: the checkpoint is incomplete (--no-load-rng starts the "
+                                "random states fresh instead)")
+
+
 def read_rng_state(path: Path) -> dict:
     """One rank's RNG file (world size, CPU / CUDA / Megatron tracker states: ints and tensors).
 
@@ -104,10 +114,9 @@ def read_rng_state(path: Path) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except FileNotFoundError:
-        raise ValueError(f"--load: {path} is missing: the checkpoint is incomplete (--no-load-rng starts the random "
-                         "states fresh instead)") from None
+        raise _missing(path) from None
     except pickle.UnpicklingError as error:
-        raise ValueError(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
+        raise CheckpointUnreadable(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
 
 
 def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool,
@@ -142,6 +151,8 @@ def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, l
     if load_rng:
         # a rank beyond the saving world has no file of its own: rank 0's says so
         rng = read_rng_state(rng_file if rng_file.exists() else directory / "rng" / "rank_00000.pt")
+        if not rng_file.exists() and dist.get_rank() < rng["world_size"]:
+            raise _missing(rng_file)
         if rng["world_size"] == dist.get_world_size():
             torch.set_rng_state(rng["cpu"])
             if rng["cuda"] is not None:
