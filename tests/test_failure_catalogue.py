@@ -261,12 +261,14 @@ def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
     """--lr 1e6 without clipping drives the loss to NaN within a few iterations. Every rank skips
     that step (one world-wide decision), rank 0 says which iteration, the run exits 3, and the
     newest checkpoint is the last finite iteration's; with --max-nonfinite-steps 1 the first
-    such step is skipped and the run stops at the next one."""
-    common = [*MOCK, "--expert-model-parallel-size", "2", "--train-iters", "12", "--lr", "1e6", "--clip-grad", "0"]
+    such step is skipped and the run stops at the next one. Zebra (1 attention + 1 expert rank)
+    stops alike."""
+    diverging = [*MOCK, "--train-iters", "12", "--lr", "1e6", "--clip-grad", "0"]
+    common = [*diverging, "--expert-model-parallel-size", "2"]
 
-    def run(name: str, *flags: str) -> tuple[str, list[dict]]:
+    def run(name: str, *flags: str, base: list[str] = common) -> tuple[str, list[dict]]:
         log = tmp_path / f"{name}.jsonl"
-        output = finish(torchrun(2, [str(ENTRY), *common, *flags, "--log-json", str(log)], tmp_path))
+        output = finish(torchrun(2, [str(ENTRY), *base, *flags, "--log-json", str(log)], tmp_path))
         assert "exitcode  : 3" in output, output[-6000:]
         return output, read_records(str(log))
 
@@ -284,6 +286,16 @@ def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
     output, records = run("skip_one", "--max-nonfinite-steps", "1")
     assert [r["iteration"] for r in records if r["loss"] is None] == [bad, bad + 1]
     assert records[-1]["skipped_iterations"] == 2 and "stopped: iteration" in output
+
+    # zebra's own loop (until the zebra issue moves it onto the shared one) guards alike
+    zebra = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "1", "--zebra-expert-ranks", "1",
+             "--zebra-microbatches", "2", "--global-batch-size", "4"]
+    output, records = run("zebra", *zebra, base=diverging)
+    bad = records[-1]["iteration"]
+    assert records[-1]["loss"] is None and not records[-1]["update_successful"] and records[-1]["skipped_iterations"] == 1
+    assert all(math.isfinite(r["loss"]) and r["update_successful"] for r in records[:-1]) and 1 < bad < 12
+    assert (f"pretrain_gpt_moe.py: stopped: iteration {bad}: 1 non-finite step(s), more than --max-nonfinite-steps 0 "
+            "allows") in output
 
 
 @pytest.mark.e2e

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
 from megatron_patches.training import metrics
-from megatron_patches.training.loop import Summary, build_data, finish, log0, precision_dtypes, seed_everything
+from megatron_patches.training.loop import (
+    History, Summary, build_data, finish, log0, precision_dtypes, seed_everything, stop_or_skip,
+)
 from megatron_patches.training.model import build_model
 from megatron_patches.training.steps import gpt_loss
 from megatron_patches.training.watchdog import StallWatchdog
@@ -62,9 +64,7 @@ def pretrain_zebra(args) -> Summary:
     layer_numbers = list(range(1, args.num_layers + 1))
     writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if rank == 0 else None
     tokens_per_iteration = args.global_batch_size * args.seq_length
-    times: list[float] = []
-    losses_seen: list[float] = []
-    eval_loss = None
+    history = History(start_iteration=0)
     log0(f"training: iterations 0 -> {args.train_iters}, {config.microbatches} micro-batches of {args.micro_batch_size} "
          f"x {dp_size} attention ranks")
     with StallWatchdog(args.stall_timeout) as watchdog:
@@ -77,9 +77,13 @@ def pretrain_zebra(args) -> Summary:
                 engine.write_timeline(config.timeline)  # the last training iteration's schedule
                 log0(f"zebra: wrote the timeline of iteration {iteration} to {config.timeline} (tools/plot_timeline.py draws it)")
             elapsed = time.perf_counter() - started
-            times.append(elapsed)
-            losses_seen.append(result.loss)
-            if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            history.times.append(elapsed)
+            history.losses.append(result.loss)
+            # one decision on every rank: the loss and the gradient norm are world-wide values
+            nonfinite = not result.update_successful
+            history.skipped += nonfinite
+            history.nonfinite += nonfinite
+            if writer is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite):
                 placed = f" (zebra M={layout.attention_ranks} N={layout.expert_ranks} R={config.microbatches})"
                 writer.log(
                     {
@@ -87,10 +91,10 @@ def pretrain_zebra(args) -> Summary:
                         "loss": result.loss,
                         "lr": scheduler.get_lr(engine.optimizer.param_groups[0]),
                         "grad_norm": result.grad_norm,
-                        "update_successful": True,
-                        # the record fields of every mode; zebra trains in fp32 and never skips a step
+                        "update_successful": result.update_successful,
+                        # the record fields of every mode; zebra trains in fp32 (no loss scale)
                         "loss_scale": 1.0,
-                        "skipped_iterations": 0,
+                        "skipped_iterations": history.skipped,
                         "dtypes": dtypes,
                         "tokens_per_s": tokens_per_iteration / elapsed,
                         "iteration_time_s": elapsed,
@@ -108,11 +112,13 @@ def pretrain_zebra(args) -> Summary:
                     1.0,  # zebra is dropless
                     {},
                 )
+            if nonfinite:
+                stop_or_skip(args, history, iteration, result.loss, result.update_successful, writer)
             if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
-                eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))
+                history.eval_loss = float(np.mean([engine.evaluate(microbatches(valid_iter)) for _ in range(args.eval_iters)]))
                 if writer is not None:
-                    writer.log_eval(iteration, eval_loss)
+                    writer.log_eval(iteration, history.eval_loss)
             watchdog.progress(iteration)
     if writer is not None:
         writer.close()
-    return finish(args, times, losses_seen, eval_loss)
+    return finish(args, history.times, history.losses, history.eval_loss)

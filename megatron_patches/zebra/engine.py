@@ -65,6 +65,7 @@ order) and, as in ep mode, without token dropping.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -142,6 +143,8 @@ class IterationResult:
     """Mean micro-batch loss over all micro-batches of all attention ranks."""
     grad_norm: float
     """Global gradient norm before clipping (every parameter counted once)."""
+    update_successful: bool = True
+    """False when the loss or the gradient norm was not finite: the step was skipped on every rank."""
 
 
 @dataclass
@@ -401,8 +404,8 @@ class ZebraEngine:
         """
         self.zero_grad()
         loss = self.forward_backward(microbatches)
-        grad_norm = self.step()
-        return IterationResult(loss=loss, grad_norm=grad_norm)
+        grad_norm, stepped = self.step(skip=not math.isfinite(loss))
+        return IterationResult(loss=loss, grad_norm=grad_norm, update_successful=stepped)
 
     def forward_backward(self, microbatches: Sequence[dict] | None) -> float:
         """Run the schedule and sum the gradients over the data-parallel groups; the mean loss.
@@ -437,8 +440,11 @@ class ZebraEngine:
         dist.all_reduce(total)
         return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
 
-    def step(self) -> float:
-        """Global-norm clipping (Megatron's rule) and the AdamW step; the norm before clipping."""
+    def step(self, skip: bool = False) -> tuple[float, bool]:
+        """Global-norm clipping (Megatron's rule) and the AdamW step; (the norm before clipping,
+        whether the step was taken). Skipped, leaving every weight as it was, when `skip` (a
+        non-finite loss) or the norm is not finite: both are world-wide values, so every rank
+        decides alike."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
         for params, counted in ((self.dense_params, self._norm_counts_dense),
                                 (self.expert_params, self._norm_counts_experts)):
@@ -448,6 +454,8 @@ class ZebraEngine:
                         squares += torch.norm(p.grad.float()).double() ** 2
         dist.all_reduce(squares)
         grad_norm = float(squares[0]) ** 0.5
+        if skip or not math.isfinite(grad_norm):
+            return grad_norm, False
         if self.adam.clip_grad > 0:
             clip_coeff = self.adam.clip_grad / (grad_norm + 1.0e-6)
             if clip_coeff < 1.0:
@@ -455,7 +463,7 @@ class ZebraEngine:
                     if p.grad is not None:
                         p.grad.mul_(clip_coeff)
         self.optimizer.step()
-        return grad_norm
+        return grad_norm, True
 
     def last_run_counts(self) -> tuple[np.ndarray, dict[str, int]]:
         """Collective: of the last schedule run (train_step or evaluate), summed over the world:

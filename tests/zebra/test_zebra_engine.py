@@ -149,7 +149,9 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             if it == 0:
                 torch.save({names[id(p)]: p.grad.clone() for p in owned if p.grad is not None},
                            Path(out_dir) / f"{variant}_grads_{rank}.pt")
-            norms.append(engine.step())
+            norm, stepped = engine.step()
+            assert stepped
+            norms.append(norm)
             scheduler.step(increment=1)
         torch.save({names[id(p)]: p.detach().clone() for p in owned}, Path(out_dir) / f"{variant}_weights_{rank}.pt")
         engine.write_timeline(timeline)
