@@ -893,8 +893,16 @@ def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(par
         "--lr 0.001 -> 0.0005: applied (--override-opt_param-scheduler)",
         "--lr-decay-iters 20 -> 30: applied (--override-opt_param-scheduler)",
     ]
+    # the optimizer's form cannot change while its state is loaded
+    expect_error(parse("--load", str(ckpt), "--train-iters", "30", "--use-distributed-optimizer"), 4,
+                 "--use-distributed-optimizer=True", "was saved with use_distributed_optimizer False",
+                 "valid: False, or --no-load-optim")
+    fresh = validate_args(parse("--load", str(ckpt), "--train-iters", "30", "--use-distributed-optimizer",
+                                "--no-load-optim"), 4)
+    assert "--use-distributed-optimizer False -> True: applied" in fresh.resume_changes
+    assert "--lr-decay-iters 20 -> 30: applied (--no-load-optim: the LR schedule starts afresh)" in fresh.resume_changes
     expect_error(parse("--load", str(ckpt), "--train-iters", "30", "--num-layers", "6"), 4, "--num-layers=6",
-                 f"the checkpoint in {ckpt} (iteration 20) holds a model with num_layers 4", "valid: 4, or no --load")
+                 f"the checkpoint in {ckpt} (iteration 20) was saved with num_layers 4", "valid: 4, or no --load")
     (ckpt / "iter_0000020" / resume.FLAGS_FILE).unlink()  # a checkpoint from before flags were kept
     assert validate_args(parse("--load", str(ckpt), "--train-iters", "30"), 4).resume_changes == [
         f"{ckpt / 'iter_0000020'} holds no flags.json: flags not compared"]

@@ -39,7 +39,7 @@ from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.metrics import read_records
 from megatron_patches.training.validation import validate_args
 from support.submit import TEST_DATA, refused, tiny_run
-from support.training import ENTRY, MOCK, NO_DROPOUT, REPO
+from support.training import ENTRY, MOCK, REPO
 
 DATA = "inputs/corpus_text_document"
 """A real indexed dataset of 64 sequences (written by the inputs fixture)."""
@@ -94,7 +94,9 @@ BAD_INPUTS = [
     ("load_nothing_left", ["--load", "inputs/ckpt", "--train-iters", "20"], 1,
      ["--train-iters=20", "the checkpoint in inputs/ckpt is at iteration 20", "valid: more than 20"]),
     ("load_other_model_shape", ["--load", "inputs/ckpt", "--train-iters", "30", "--num-layers", "6"], 1,
-     ["--num-layers=6", "holds a model with num_layers 2", "valid: 2, or no --load"]),
+     ["--num-layers=6", "was saved with num_layers 2; a model's shape cannot change", "valid: 2, or no --load"]),
+    ("load_other_optimizer_form", ["--load", "inputs/ckpt", "--train-iters", "30", "--use-distributed-optimizer"], 1,
+     ["--use-distributed-optimizer=True", "was saved with use_distributed_optimizer False", "--no-load-optim"]),
     ("load_all_damaged", ["--load", "inputs/ckpt_damaged", "--train-iters", "30"], 1,
      ["--load=inputs/ckpt_damaged", "no checkpoint verifies", "iter_0000020/common.pt does not match its checksum",
       "iter_0000010/__0_0.distcp has 3 bytes, the manifest says 5"]),
@@ -360,26 +362,33 @@ def test_a_hung_job_and_stopped_monitor_ranks_are_named(tmp_path):
 
 @pytest.mark.e2e
 def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path):
-    """One checkpoint directory through three faults (2 ranks, EP 2, saves every 2 iterations):
+    """One checkpoint directory through three faults (2 ranks, EP 2, the distributed optimizer,
+    dropout on, saves every 2 iterations):
 
-    a. a straight run to iteration 4 (checkpoints 2 and 4);
+    a. a straight run to iteration 4 (checkpoints 2 and 4, each with the run's flags);
     b. iteration 4's largest shard truncated, then a resume under a file-size limit smaller than
        that shard: it falls back to iteration 2 with a warning, trains 3 and 4 to the straight
-       run's losses, cannot write checkpoint 4 and stops with exit code 5, naming the limit; on
-       disk the tracker, checkpoint 2 and the damaged 4 are as they were;
-    c. a resume without the limit falls back again, writes checkpoints 4 (replacing the damaged
-       one) and 6, removes 2 (--keep-last-checkpoints 2), and then its launcher is killed with
-       SIGKILL: every rank and helper process is gone within seconds, and the tracker names a
-       checkpoint that verifies;
+       run's losses and gradient norms bit for bit (model, Adam state, RNG states restored),
+       cannot write checkpoint 4 and stops with exit code 5, naming the limit; on disk the
+       tracker, checkpoint 2 and the damaged 4 are as they were;
+    c. a resume without the limit and with a new peak lr under --override-opt_param-scheduler
+       falls back again, trains at half the straight run's lr, writes checkpoints 4 (replacing
+       the damaged one) and 6, removes 2 (--keep-last-checkpoints 2), and then its launcher is
+       killed with SIGKILL: every rank and helper process is gone within seconds, and the
+       tracker names a checkpoint that verifies;
     d. checkpoint 4 copied without its manifest and one rank's RNG file: exit code 2, naming it.
     """
     ckpt = tmp_path / "ckpt"
-    common = [str(ENTRY), *MOCK, *NO_DROPOUT, "--expert-model-parallel-size", "2", "--save", str(ckpt),
-              "--save-interval", "2", "--lr-decay-iters", "100"]
+    common = [str(ENTRY), *MOCK, "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--save",
+              str(ckpt), "--save-interval", "2", "--lr-decay-iters", "100"]
+
+    def records(name: str) -> dict[int, dict]:
+        return {r["iteration"]: r for r in read_records(str(tmp_path / f"{name}.jsonl")) if "loss" in r}
 
     output = finish(torchrun(2, [*common, "--train-iters", "4", "--log-json", str(tmp_path / "a.jsonl")], tmp_path))
-    straight = {r["iteration"]: r["loss"] for r in read_records(str(tmp_path / "a.jsonl")) if "loss" in r}
+    straight = records("a")
     assert checkpoint_dirs.iterations_on_disk(ckpt) == [2, 4], output[-3000:]
+    assert json.loads((ckpt / "iter_0000002" / resume.FLAGS_FILE).read_text())["train_iters"] == 4
 
     manifest = json.loads((ckpt / "iter_0000004" / checkpoint_dirs.MANIFEST_FILE).read_text())["files"]
     shard, size = max(((name, entry["bytes"]) for name, entry in manifest.items() if name.endswith(".distcp")),
@@ -397,22 +406,28 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
     fallback = (f"checkpoint: iteration 4 is unreadable ({damaged} has {size - 1} bytes, the manifest says {size}): "
                 f"resuming from iteration 2, the newest checkpoint that verifies")
     assert fallback in output and "exitcode  : 5" in output, output[-6000:]
+    assert [line for line in output.splitlines() if line.startswith("resume: ")] == [
+        "resume: --train-iters 4 -> 6: applied"]
     stopped = re.search(rf"pretrain_gpt_moe.py: stopped: rank \d could not write the checkpoint of iteration 4 into "
                         rf"{re.escape(str(ckpt))}/iter_0000004.partial: .*file-size limit: {limit} bytes\); the "
                         rf"checkpoints in {re.escape(str(ckpt))} are untouched \(the tracker names iteration 4\)", output)
     assert stopped, output[-6000:]
-    resumed = {r["iteration"]: r["loss"] for r in read_records(str(tmp_path / "b.jsonl")) if "loss" in r}
-    assert resumed == {3: straight[3], 4: straight[4]}
+    resumed = records("b")
+    assert sorted(resumed) == [3, 4]
+    for i in (3, 4):
+        assert (resumed[i]["loss"], resumed[i]["grad_norm"]) == (straight[i]["loss"], straight[i]["grad_norm"])
     assert checkpoint_dirs.latest_iteration(ckpt) == 4 and checkpoint_dirs.iterations_on_disk(ckpt) == [2, 4]
     assert checkpoint_dirs.problem(ckpt, 2) is None and damaged.stat().st_size == size - 1
 
     marker = f"CATALOGUE_RUN={uuid.uuid4().hex}"
-    proc = torchrun(2, [*common, "--load", str(ckpt), "--train-iters", "2000", "--log-json", str(tmp_path / "c.jsonl")],
+    proc = torchrun(2, [*common, "--load", str(ckpt), "--train-iters", "2000", "--lr", "5e-4",
+                        "--override-opt_param-scheduler", "--log-json", str(tmp_path / "c.jsonl")],
                     tmp_path, env=dict([marker.split("=")]))
     lines = []
     try:
         read_until(proc, r"^checkpoint: removed .*iter_0000002 \(--keep-last-checkpoints 2\)", lines)
         assert fallback in "".join(lines)
+        assert "resume: --lr 0.001 -> 0.0005: applied (--override-opt_param-scheduler)" in "".join(lines)
         os.kill(proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 15
         while processes_with(marker) and time.monotonic() < deadline:
@@ -426,8 +441,9 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
     assert tracked >= 6 and checkpoint_dirs.choose(ckpt, tracked) == (tracked, [])
     assert checkpoint_dirs.problem(ckpt, 4) is None  # the damaged checkpoint 4 was replaced
     assert 2 not in checkpoint_dirs.iterations_on_disk(ckpt)
-    again = {r["iteration"]: r["loss"] for r in read_records(str(tmp_path / "c.jsonl")) if "loss" in r}
-    assert again[3] == straight[3] and again[4] == straight[4]
+    # Megatron's scheduler alone would keep the checkpoint's peak (its param groups hold it); min lr is 0
+    halved = records("c")
+    assert [halved[i]["lr"] for i in (3, 4)] == pytest.approx([0.5 * straight[i]["lr"] for i in (3, 4)], rel=1e-12)
 
     # d. a checkpoint without a manifest (Megatron-LM's form) loads unverified; a rank whose RNG
     # file is missing then says so and the job ends with exit code 2
@@ -436,8 +452,8 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
     (bare / "iter_0000004" / checkpoint_dirs.MANIFEST_FILE).unlink()
     (bare / "iter_0000004" / "rng" / "rank_00001.pt").unlink()
     checkpoint_dirs.write_tracker(bare, 4)
-    output = finish(torchrun(2, [str(ENTRY), *MOCK, *NO_DROPOUT, "--expert-model-parallel-size", "2", "--load", str(bare),
-                                 "--train-iters", "6"], tmp_path))
+    output = finish(torchrun(2, [str(ENTRY), *MOCK, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                 "--load", str(bare), "--train-iters", "6"], tmp_path))
     assert f"checkpoint: {bare / 'iter_0000004'} has no manifest.json (not written by this version): loaded without " \
            "verification" in output, output[-3000:]
     assert (f"pretrain_gpt_moe.py: error (rank 1): --load: {bare / 'iter_0000004' / 'rng' / 'rank_00001.pt'} is missing: "

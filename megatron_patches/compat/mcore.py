@@ -416,7 +416,8 @@ class WorldFiniteCheck:
     def prepare_grads(self) -> bool:
         found_megatron = self._megatron_prepare_grads()
         grads = self._main_grads() + [g for source in self.outside for g in source()]
-        device = grads[0].device if grads else torch.device("cpu")
+        # a rank without gradients still joins the all-reduce, with a flag where NCCL can reduce it
+        device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             # the fused check of torch's amp, with a scale of one: the gradients stay as they are

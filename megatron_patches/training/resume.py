@@ -4,6 +4,8 @@ Every checkpoint holds the flag values it was saved with (`iter_N/flags.json`, w
 0). A resume compares them with its own before any process group starts (flag validation):
 
 - the model's shape cannot change (the weights would not fit): refused, naming both values;
+- nor can the optimizer's form (distributed or not) while its state is loaded: refused, naming
+  --no-load-optim;
 - the learning-rate schedule is the checkpoint's (Megatron-Core's OptimizerParamScheduler keeps
   its saved lr, decay and warm-up, as Megatron-LM does by default): a changed value is reported
   as not applied, unless --override-opt_param-scheduler applies it;
@@ -25,6 +27,9 @@ MODEL_SHAPE = (
     "normalization", "position_embedding_type", "max_position_embeddings", "add_bias_linear",
     "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by",
 )
+OPTIMIZER_FORM = ("use_distributed_optimizer",)
+"""The optimizer state's form: the distributed optimizer's and the plain one's do not load into
+each other (measured: a KeyError inside Megatron-Core either way)."""
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
 NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads", "no_load_optim",
                 "no_load_rng", "override_opt_param_scheduler")
@@ -49,10 +54,11 @@ def read_flags(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, object, object]], list[str]]:
-    """(model-shape changes as (dest, saved, now), a line per other change) over `compared` dests."""
+def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, object, object, str]], list[str]]:
+    """(refused changes as (dest, saved, now, what would be valid), a line per other change)
+    over `compared` dests."""
     now = saved_flags(args)
-    shape, notes = [], []
+    refused, notes = [], []
     for dest in compared:
         if dest in NOT_COMPARED or dest not in saved or saved[dest] == now.get(dest):
             continue
@@ -61,12 +67,20 @@ def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, obj
         before, after = saved[dest], now.get(dest)
         flag = f"--{dest.replace('_', '-')}"
         if dest in MODEL_SHAPE:
-            shape.append((dest, before, after))
+            refused.append((dest, before, after, f"a model's shape cannot change on resume; valid: {before}, or no "
+                                                 "--load (a new model)"))
+        elif dest in OPTIMIZER_FORM and not args.no_load_optim:
+            refused.append((dest, before, after, "Megatron-Core cannot load the other optimizer's state (its sharded "
+                                                 f"state has other keys); valid: {before}, or --no-load-optim (fresh "
+                                                 "Adam moments, the model's weights loaded)"))
         elif dest in SCHEDULE and args.override_opt_param_scheduler:
             notes.append(f"{flag} {before} -> {after}: applied (--override-opt_param-scheduler)")
+        elif dest in SCHEDULE and args.no_load_optim:
+            # Megatron-LM loads the scheduler with the optimizer state: without it, a fresh schedule
+            notes.append(f"{flag} {before} -> {after}: applied (--no-load-optim: the LR schedule starts afresh)")
         elif dest in SCHEDULE:
             notes.append(f"{flag} {before} -> {after}: not applied, the LR schedule continues from the checkpoint's "
                          "(--override-opt_param-scheduler applies it)")
         else:
             notes.append(f"{flag} {before} -> {after}: applied")
-    return shape, notes
+    return refused, notes

@@ -591,11 +591,10 @@ def _compare_with_checkpoint(args, root: Path, iteration: int) -> None:
         args.resume_changes = [f"{checkpoint_dirs.iteration_dir(root, iteration)} holds no {resume.FLAGS_FILE}: flags not compared"]
         return
     compared = [action.dest for action in build_parser()._actions if action.option_strings]
-    shape, args.resume_changes = resume.compare(args, saved, compared)
-    for dest, before, after in shape:
+    refused, args.resume_changes = resume.compare(args, saved, compared)
+    for dest, before, after, why in refused:
         fail(f"--{dest.replace('_', '-')}", after,
-             f"the checkpoint in {root} (iteration {iteration}) holds a model with {dest} {before}; a model's shape "
-             f"cannot change on resume; valid: {before}, or no --load (a new model)")
+             f"the checkpoint in {root} (iteration {iteration}) was saved with {dest} {before}; {why}")
 
 
 def _check_checkpointing(args):
