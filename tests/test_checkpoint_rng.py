@@ -1,11 +1,15 @@
-"""The per-rank RNG file of a checkpoint is read without running code (torch.load weights_only)."""
+"""A checkpoint's pickled files are read without running code: the per-rank RNG file (torch.load
+weights_only) and torch_dist's shard index (`.metadata`, which torch itself reads with plain
+pickle.load: checked first with an allow-list)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_patches.training.checkpoint import read_rng_state
+import pickle
+
+from megatron_patches.training.checkpoint import CheckpointUnreadable, check_shard_index, read_rng_state
 
 
 class _RunsCode:
@@ -34,3 +38,23 @@ def test_rng_file_that_would_run_code_is_refused_without_running_it(tmp_path):
     with pytest.raises(ValueError, match="rank_00000.pt is not an RNG state file this script wrote"):
         read_rng_state(tmp_path / "rank_00000.pt")
     assert not marker.exists()
+
+
+def test_shard_index_that_would_run_code_is_refused_without_running_it(tmp_path):
+    """A real torch_dist save's index passes; one holding a callable outside torch's checkpoint
+    classes is refused before torch's reader would unpickle it."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3, dtype=torch.bfloat16), "step": 3}, storage_writer=dcp.FileSystemWriter(tmp_path / "ok"),
+             no_dist=True)
+    check_shard_index(tmp_path / "ok")
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(CheckpointUnreadable, match=r"\.metadata is not a torch_dist shard index this script wrote "
+                                                  r"\(pathlib\.Path\.touch is not part of a torch_dist shard index\)"):
+        check_shard_index(crafted)
+    assert not marker.exists()
+    with pytest.raises(CheckpointUnreadable, match="is missing"):
+        check_shard_index(tmp_path)

@@ -15,6 +15,8 @@ state dicts (fssdp under per-expert keys, so placement-independent); replicate w
 
 from __future__ import annotations
 
+import importlib
+import pathlib
 import pickle
 import resource
 import shutil
@@ -119,6 +121,43 @@ def read_rng_state(path: Path) -> dict:
         raise CheckpointUnreadable(f"--load: {path} is not an RNG state file this script wrote ({error})") from None
 
 
+_SHARD_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                        "torch.distributed.checkpoint.filesystem")
+
+
+class _ShardIndexUnpickler(pickle.Unpickler):
+    """Reads torch_dist's shard index (`.metadata`, a pickle that torch's reader loads with plain
+    pickle.load, so a crafted one would run code on --load) admitting only what torch writes
+    there: the classes its checkpoint modules define, torch.Size, dtypes, torch's layout lookup
+    and a path (the checkpoint id). The same bytes are then safe for torch's reader."""
+
+    def find_class(self, module: str, name: str):
+        found = getattr(importlib.import_module(module), name, None) if module.startswith("torch") else None
+        admitted = (
+            (module in _SHARD_INDEX_MODULES and isinstance(found, type) and found.__module__ == module)
+            or (module == "torch" and (name == "Size" or isinstance(found, torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+        )
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # a checkpoint id given as a Path
+            return getattr(pathlib, name)
+        if not admitted:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch_dist shard index")
+        return found
+
+
+def check_shard_index(directory: Path) -> None:
+    """Refuse a checkpoint whose shard index would run code when torch reads it."""
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as stream:
+            _ShardIndexUnpickler(stream).load()
+    except FileNotFoundError:
+        raise _missing(path) from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as error:
+        raise CheckpointUnreadable(f"--load: {path} is not a torch_dist shard index this script wrote ({error}); it "
+                                   "was not loaded") from None
+
+
 def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool,
          mode) -> tuple[dict | None, list[str]]:
     """Loads the checkpoint of `iteration` under `root` (validation chose it: checkpoint_dirs.choose);
@@ -135,6 +174,7 @@ def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, l
         raise RuntimeError(f"--load {root}: the ranks chose different checkpoints to resume from ({chosen}, by rank): "
                            "the file system showed them different files; check it and restart")
     directory = checkpoint_dirs.iteration_dir(root, iteration)
+    check_shard_index(directory)
     template = {"loop_state": None, "scheduler": None}
     loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
     notes = [f"loaded {directory}", *mode_notes]
