@@ -278,6 +278,7 @@ def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
     output, records = run("stop", "--save", str(ckpt), "--save-interval", "1")
     bad = records[-1]["iteration"]
     assert records[-1]["loss"] is None and not records[-1]["update_successful"]
+    assert records[-1]["non_finite"]["loss"] == "nan"  # strict JSON: null, and a field saying what it was
     assert all(math.isfinite(r["loss"]) for r in records[:-1]) and 1 < bad < 12
     assert f"non-finite: iteration {bad}: loss nan is not finite; the update was skipped on every rank" in output
     assert (f"pretrain_gpt_moe.py: stopped: iteration {bad}: 1 non-finite step(s), more than --max-nonfinite-steps 0 "

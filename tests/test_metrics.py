@@ -32,14 +32,21 @@ def test_non_finite_values_are_written_as_null(tmp_path, capsys):
     writer.close()
     lines = [json.loads(line, parse_constant=_refuse) for line in path.read_text().splitlines()]
     assert lines[0]["loss"] is None and lines[0]["grad_norm"] is None and lines[0]["extra"] == [None, [1.0, None]]
+    assert lines[0]["non_finite"] == {"loss": "nan", "grad_norm": "inf", "extra.0": "-inf", "extra.1.1": "nan"}
     assert lines[0]["lr"] == 1e-3 and lines[0]["moe_layers"][0]["imbalance"] == 1.5
-    assert lines[1] == {"iteration": 1, "eval_loss": None}
+    assert lines[1] == {"iteration": 1, "eval_loss": None, "non_finite": {"eval_loss": "inf"}}
     assert "loss nan" in capsys.readouterr().out  # the human line keeps saying what happened
 
 
-@pytest.mark.parametrize("value, expected", [(1.0, 1.0), (math.nan, None), ({"a": [math.inf]}, {"a": [None]}), ("nan", "nan"), (3, 3)])
+@pytest.mark.parametrize("value, expected", [
+    (1.0, {"v": 1.0}),
+    (math.nan, {"v": None, "non_finite": {"v": "nan"}}),
+    ({"a": [math.inf]}, {"v": {"a": [None]}, "non_finite": {"v.a.0": "inf"}}),
+    ("nan", {"v": "nan"}),
+    (3, {"v": 3}),
+])
 def test_strict_json(value, expected):
-    assert strict_json(value) == expected
+    assert strict_json({"v": value}) == expected
 
 
 def test_eta_follows_the_recent_iterations_not_the_start(tmp_path):
@@ -57,7 +64,8 @@ def test_read_records_returns_what_the_writer_wrote(tmp_path):
     writer.log_eval(3, 2.5)
     writer.log_eval(4, math.nan)
     writer.close()
-    assert read_records(str(path)) == [{"iteration": 3, "eval_loss": 2.5}, {"iteration": 4, "eval_loss": None}]
+    assert read_records(str(path)) == [{"iteration": 3, "eval_loss": 2.5},
+                                       {"iteration": 4, "eval_loss": None, "non_finite": {"eval_loss": "nan"}}]
 
 
 MEGATRON_WARNINGS = (

@@ -176,16 +176,29 @@ def _scaling_text(record: dict) -> str:
     return f"loss scale {record['loss_scale']:g} | skipped {record['skipped_iterations']} | "
 
 
-def strict_json(value):
-    """`value` with every NaN and infinity as null: JSON has no such numbers, and strict readers
-    (jq, JavaScript, most languages' parsers) reject Python's `NaN`/`Infinity` extension."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
+def strict_json(record: dict) -> dict:
+    """`record` with every NaN and infinity as null (JSON has no such numbers, and strict readers
+    such as jq, JavaScript and most languages' parsers reject Python's `NaN`/`Infinity`), plus a
+    `non_finite` field naming each replaced value's path and what it was ("loss": "nan",
+    "extra.1.1": "inf"), so a reader can tell a non-finite value from a missing one."""
+    replaced: dict[str, str] = {}
+
+    def clean(value, path: str):
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            replaced[path] = str(value)
+            return None
+        if isinstance(value, dict):
+            return {key: clean(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(item, f"{path}.{i}") for i, item in enumerate(value)]
+        return value
+
+    cleaned = clean(record, "")
+    if replaced:
+        cleaned["non_finite"] = replaced
+    return cleaned
 
 
 ETA_WINDOW = 5
