@@ -58,8 +58,11 @@ def _write_failure(error: BaseException, root: str) -> tuple[str, bool]:
         own, why = True, str(error)
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     limit_text = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
-    free = shutil.disk_usage(root).free
-    return f"{why} (free space under {root}: {free / 2**30:.1f} GiB; file-size limit: {limit_text})", own
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**30:.1f} GiB"
+    except OSError as error:
+        free = f"unknown ({error.strerror})"
+    return f"{why} (free space under {root}: {free}; file-size limit: {limit_text})", own
 
 
 def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_state: dict, mode, args) -> tuple[Path, list[Path]]:
