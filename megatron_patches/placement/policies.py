@@ -30,6 +30,7 @@ import numpy as np
 from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import (
     CommBytes,
+    apply_capacity,
     dispatch_bytes,
     imbalance,
     sparse_all_gather_bytes,
@@ -52,6 +53,7 @@ from megatron_patches.placement.baselines import (
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import (
     gradient_source_table,
+    instance_capacity,
     popularity_slots,
     slot_placement,
     spread_tokens,
@@ -105,6 +107,11 @@ class ReplayConfig:
     memory per device as FlexMoE's base experts plus reserved slots."""
     capacity_factor: float = 1.0
     """Capacity factor of the capacity-based policies (replicate, static); the others are dropless."""
+    flexmoe_capacity: bool = False
+    """FlexMoE applies `capacity_factor` too (the run sets a capacity): the layer's capacity
+    ceil(capacity_factor x T / instances) per instance, as replicate's and static's G x s
+    instances share theirs, so that drop counts compare (the replication paper runs FlexMoE
+    this way)."""
     reshard_interval: int = 100
     """Iterations between FSSDP re-sharding, SmartMoE swapping and FlexMoE's periodic adjustment."""
     skew_threshold: float | None = 1.5
@@ -501,7 +508,9 @@ class FlexMoEPolicy(Policy):
     layer is adjusted every `reshard_interval` iterations, and also whenever its predicted
     imbalance under the current placement exceeds `skew_threshold`. Replicas are full
     copies with their own optimizer state, kept in sync by a gradient all-reduce; tokens are
-    split evenly over the replicas.
+    split evenly over the replicas. Dropless, unless `flexmoe_capacity`: then the layer's
+    capacity (capacity factor x tokens) is shared evenly by its instances, as replicate's is by
+    its slots, and what an instance receives beyond its share is dropped.
     """
 
     name = "flexmoe"
@@ -533,7 +542,14 @@ class FlexMoEPolicy(Policy):
                 )
                 moves += added
             placement = self.placements[l]
-            layers.append(self._dropless(placement, split_evenly(source_loads_LDE[l], placement.holds_ED())))
+            plan = split_evenly(source_loads_LDE[l], placement.holds_ED())
+            if cfg.flexmoe_capacity:
+                # the layer's capacity cf x T shared by its instances, as replicate's G x s are
+                tokens = int(np.asarray(source_loads_LDE[l]).sum())
+                capacity = instance_capacity(cfg.capacity_factor, tokens, int(placement.counts_ED.sum()), 1)
+                layers.append(LayerPlan(placement, plan, apply_capacity(plan, placement, capacity)[0]))
+            else:
+                layers.append(self._dropless(placement, plan))
         return PolicyStep(iteration, tuple(layers), tuple(moves))
 
 

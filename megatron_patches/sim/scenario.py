@@ -135,6 +135,12 @@ class Scenario:
             return self.options.capacity_factor
         return self.workload.model.moe_expert_capacity_factor or 1.0
 
+    @property
+    def capacity_set(self) -> bool:
+        """The run sets a capacity (--capacity-factor, or the model's): the dropless baselines that
+        the papers run at a capacity (FlexMoE) then drop over it too."""
+        return self.options.capacity_factor is not None or self.workload.model.moe_expert_capacity_factor is not None
+
     def with_recompute(self, recompute: str) -> Scenario:
         """The same scenario under another activation recompute (what-if figures for messages)."""
         workload = dataclasses.replace(self.workload, recompute=recompute)

@@ -400,7 +400,8 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     elif spec.policy == "flexmoe":
         memory_capacity = reserved
         interval = spec.interval or interval
-        knobs = {"reserved_slots": reserved, "interval": interval}
+        knobs = {"reserved_slots": reserved, "interval": interval,
+                 "capacity_factor": scn.capacity_factor if scn.capacity_set else None}
     elif spec.policy == "smartmoe":
         interval = spec.interval or interval
         knobs = {"interval": interval}
@@ -415,6 +416,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             memory_capacity=int(memory_capacity),
             slots_per_rank=int(slots),
             capacity_factor=scn.capacity_factor,
+            flexmoe_capacity=scn.capacity_set,
             reshard_interval=int(interval),
             skew_threshold=None,
             calibrate=False,
@@ -548,6 +550,12 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 slice_params = E * P / D  # decoupled optimizer: every rank owns 1/D of every expert
                 out.resident_ILD[i, k] = held_D * P * copy + slice_params * (full - copy)
                 out.optimizer_params_ILD[i, k] = slice_params
+            elif policy.name == "flexmoe":
+                # every slot, reserved or filled, holds memory for weights and optimizer state from
+                # the start; the optimizer steps the filled ones
+                owned_D = None
+                out.resident_ILD[i, k] = policy.slots_per_device * P * full
+                out.optimizer_params_ILD[i, k] = held_D * P
             else:
                 owned_D = held_D
             if owned_D is not None:

@@ -271,6 +271,30 @@ def test_flexmoe_replicates_into_reserved_slots_by_hand():
     assert flexmoe_adjust(ep.placement(), loads, 2, TWO_BY_TWO)[1] == []
 
 
+def test_flexmoe_drops_over_capacity_when_the_run_sets_one_by_hand():
+    """2 devices, 2 experts, 1 reserved slot each (2 slots per device); every token goes to
+    expert 0 (8 from each device, T = 16). At capacity factor 1 the layer's 16 tokens of
+    capacity are shared by its instances: 8 each for EP's 2, 16 / 3 -> 6 each once expert 0 has
+    a replica."""
+    bm = ByteModel(params_per_expert=1000, token_bytes=8)
+    src_LDE = np.array([[[8, 0], [8, 0]]])
+    config = ReplayConfig(Topology.single_node(2), bm, memory_capacity=1, reshard_interval=2, skew_threshold=None,
+                          capacity_factor=1.0, flexmoe_capacity=True)
+    policy = make_policy("flexmoe", config, 1, 2)
+    # iteration 0: EP's layout, expert 0 only on device 0: 8 processed, 8 dropped
+    first = policy.plan(0, np.array([[16.0, 0.0]]), src_LDE).layers[0]
+    assert first.processed_ED.tolist() == [[8, 0], [0, 0]]
+    # iteration 2 (the interval): a replica of expert 0 in device 1's reserved slot receives
+    # half of expert 0's tokens; 3 instances share 16 -> ceil(16 / 3) = 6 each
+    second = policy.plan(2, np.array([[16.0, 0.0]]), src_LDE).layers[0]
+    assert second.placement.holders(0).tolist() == [0, 1]
+    assert second.processed_ED.tolist() == [[6, 6], [0, 0]]
+    # without a capacity (the run sets none) FlexMoE is dropless, as its paper runs it
+    dropless = make_policy("flexmoe", ReplayConfig(Topology.single_node(2), bm, memory_capacity=1, reshard_interval=2,
+                                                   skew_threshold=None), 1, 2)
+    assert dropless.plan(0, np.array([[16.0, 0.0]]), src_LDE).layers[0].processed_ED.tolist() == [[16, 0], [0, 0]]
+
+
 def test_flexmoe_relocates_when_slots_are_full_by_hand():
     one_node = Topology.single_node(2)
     start = InstancePlacement(np.array([[1, 0], [0, 1], [1, 1]]))  # e0 {0}, e1 {1}, e2 {0, 1}

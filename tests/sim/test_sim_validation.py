@@ -165,6 +165,28 @@ def test_rematerialization_trades_memory_for_gathers(skewed):
     assert np.all(remat.iteration_s_I >= keep.iteration_s_I * (1 - 1e-12))
 
 
+def test_flexmoe_drops_at_the_runs_capacity_and_holds_its_reserved_slots_from_the_start(skewed):
+    """FlexMoE runs dropless unless the run sets a capacity; then it drops over the same
+    per-instance capacity as replicate and static (the replication paper's comparison). Its
+    reserved slots hold weights and optimizer state from iteration 0, so its memory is every
+    device's full slot count whatever the loads (it was the filled slots only)."""
+    assert np.all(run(skewed, "flexmoe-2").survival_IL == 1.0)
+    options = dict(reshard_interval=3, overlap_degree=2, memory_capacity=1, reserved_slots=2)
+    capped_skewed = build_scenario(MODEL, make_cluster(), 8, skewed_trace(8, 2, 8, 8, 16384, seed=1),
+                                   options=SimOptions(capacity_factor=1.0, **options))
+    capped_balanced = build_scenario(MODEL, make_cluster(), 8, balanced_trace(8, 2, 8, 8, 64),
+                                     options=SimOptions(capacity_factor=1.0, **options))
+    flexmoe, static = run(capped_skewed, "flexmoe-2"), run(capped_skewed, "static")
+    assert flexmoe.details["capacity_factor"] == 1.0 and run(skewed, "flexmoe-2").details["capacity_factor"] is None
+    assert flexmoe.survival_IL.mean() < 1.0 and static.survival_IL.mean() < 1.0
+    balanced = run(capped_balanced, "flexmoe-2")
+    np.testing.assert_allclose(balanced.survival_IL, 1.0)
+    # balanced loads make no replica: FlexMoE is EP plus 2 empty reserved slots per device and layer
+    slot_bytes = capped_balanced.memory.expert_bytes_per_instance(True)
+    np.testing.assert_allclose(balanced.memory_D - run(capped_balanced, "ep").memory_D, 2 * MODEL.num_layers * slot_bytes,
+                               rtol=1e-9)
+
+
 def test_skew_makes_ep_wait_for_the_busiest_device(skewed):
     """EP's straggler wait is the gap between the busiest device's expert compute and the mean."""
     ep = run(skewed, "ep")
