@@ -14,9 +14,10 @@ O(world^2), and monitors that stop together are still named):
   in a collective or a deadlock: the ranks with the oldest step are named.
 
 Staleness is measured on the observer's own clock (beats counted, not timestamps compared), so
-hosts need no synchronised clocks. The lowest-numbered healthy rank prints the diagnosis and
-exits with STALL_EXIT_CODE first; the launcher (torchrun, `srun --kill-on-bad-exit`) then ends
-the others. A store that stops answering (under srun it lives in rank 0's process) is itself
+hosts need no synchronised clocks. The lowest-numbered rank that looks alive prints the
+diagnosis and exits with STALL_EXIT_CODE; the launcher (torchrun, `srun --kill-on-bad-exit`)
+then ends the others. The others keep watching meanwhile, and report themselves when that rank
+goes stale too or the job has not ended a timeout later. A store that stops answering (under srun it lives in rank 0's process) is itself
 a diagnosis: rank 0 is not responding.
 """
 
@@ -78,6 +79,7 @@ class StallWatchdog:
                   file=sys.stderr, flush=True)
             return
         seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat counter, when it last moved, my clock)
+        deferred_since = None  # when this rank first left a diagnosis to a lower rank (my clock)
         monitor = self.rank < MONITORS
         watched = range(self.world) if monitor else range(min(MONITORS, self.world))
         while not self._stopped.is_set():
@@ -90,8 +92,10 @@ class StallWatchdog:
             except Exception:  # noqa: BLE001 - the store timed out or went away: its host does not answer
                 if self._stopped.is_set():
                     return
+                if self.rank != 1:
+                    time.sleep(5.0)  # rank 1 says it; nothing more can be learnt without the store
                 self._abort(f"the rendezvous store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} stopped "
-                            f"answering (under srun it lives in rank 0's process): rank 0 is not responding", 1)
+                            f"answering (under srun it lives in rank 0's process): rank 0 is not responding")
                 return
             stopped = []
             for r, entry in entries.items():
@@ -101,30 +105,35 @@ class StallWatchdog:
                     seen[r] = (beats, now)
                 elif now - previous[1] > self.timeout_s:
                     stopped.append((r, entry))
+            diagnosis, reporter = None, self.rank
             if stopped:
                 names = "; ".join(f"rank {r} on {e[3] if e else '?'} (last reported step {e[1] if e else 'none'})"
                                   for r, e in stopped)
-                self._abort(f"{names}: not running for more than {self.timeout_s:g} s (stopped, swapped out or dead)",
-                            min(r for r in range(self.world) if r not in {s for s, _ in stopped}))
-                return
+                diagnosis = f"{names}: not running for more than {self.timeout_s:g} s (stopped, swapped out or dead)"
+                reporter = min(r for r in range(self.world) if r not in {s for s, _ in stopped})
             ages = {r: float(e[2]) for r, e in entries.items() if e}
-            if monitor and len(ages) == self.world and min(ages.values()) > self.timeout_s:
+            if diagnosis is None and monitor and len(ages) == self.world and min(ages.values()) > self.timeout_s:
                 oldest = min(int(entries[r][1]) for r in ages)
                 laggards = [f"rank {r} on {entries[r][3]}" for r in ages if int(entries[r][1]) == oldest]
-                self._abort(f"no rank completed a step for more than {self.timeout_s:g} s although every rank is "
-                            f"running: hung in a collective or a deadlock; last completed step {oldest} on "
-                            f"{', '.join(laggards)}", 0)
-                return
+                diagnosis = (f"no rank completed a step for more than {self.timeout_s:g} s although every rank is "
+                             f"running: hung in a collective or a deadlock; last completed step {oldest} on "
+                             f"{', '.join(laggards)}")
+                reporter = 0
+            if diagnosis is not None:
+                # A lower rank that looks alive reports it and ends the job. This rank keeps watching
+                # meanwhile: that rank may itself be about to go stale (ranks stopped together are not
+                # seen past the timeout in the same interval), and then this rank reports; after a
+                # further timeout without the job ending, it reports anyway.
+                deferred_since = now if deferred_since is None else deferred_since
+                if reporter == self.rank or now - deferred_since > self.timeout_s:
+                    self._abort(diagnosis)
+                    return
             self._stopped.wait(self.interval_s)
 
-    def _abort(self, diagnosis: str, reporter: int) -> None:
-        """The reporter says why and exits first; the others follow a moment later (the launcher
-        usually ends them before)."""
+    def _abort(self, diagnosis: str) -> None:
+        """Say why and end this rank; the launcher (torchrun, `srun --kill-on-bad-exit`) ends the others."""
         if self._stopped.is_set():
             return
-        if self.rank == reporter:
-            print(f"pretrain_gpt_moe.py: stalled: {diagnosis}; ending the job (--stall-timeout {self.timeout_s:g})",
-                  file=sys.stderr, flush=True)
-        else:
-            time.sleep(5.0)
+        print(f"pretrain_gpt_moe.py: stalled: {diagnosis}; ending the job (--stall-timeout {self.timeout_s:g})",
+              file=sys.stderr, flush=True)
         os._exit(STALL_EXIT_CODE)
