@@ -18,6 +18,7 @@ Hostile shell values on a real Slurm are in test_slurm_real.py (homogeneous job)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -224,7 +225,10 @@ def rank_pids(launcher_pid: int) -> dict[int, int]:
     pids = {}
     for task in Path(f"/proc/{launcher_pid}/task").iterdir():
         for pid in (task / "children").read_text().split():
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue  # a rank that has just exited (the one that reported, say)
             rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
             if rank is not None:
                 pids[rank] = int(pid)
@@ -353,7 +357,8 @@ def test_a_hung_job_and_stopped_monitor_ranks_are_named(tmp_path):
     try:
         read_until(proc, "stalled:", lines)
         for pid in rank_pids(proc.pid).values():
-            os.kill(pid, signal.SIGKILL)  # the stopped ranks would hold the launcher's shutdown 30 s
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the stopped ranks would hold the launcher's shutdown 30 s
         output = "".join(lines) + finish(proc, 120)
     finally:
         proc.kill()
@@ -436,7 +441,8 @@ def test_damaged_checkpoint_full_disk_and_killed_launcher_lose_nothing(tmp_path)
         left = processes_with(marker)
     finally:
         for entry in processes_with(marker):
-            os.kill(int(entry.split(":")[0]), signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.split(":")[0]), signal.SIGKILL)
     assert left == [], left
     tracked = checkpoint_dirs.latest_iteration(ckpt)
     assert tracked >= 6 and checkpoint_dirs.choose(ckpt, tracked) == (tracked, [])
