@@ -26,6 +26,13 @@ REFUSAL_GRACE_S = 10.0
 """How long a rank other than 0 waits before printing a refusal (longer than ranks' import skew)."""
 
 
+def say_error(error: Exception) -> int:
+    """The one-line refusal on stderr, naming the rank when it is not rank 0; exit code 2."""
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"pretrain_gpt_moe.py: error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # under torchrun: end with the agent, even when it is killed with SIGKILL
@@ -38,11 +45,9 @@ def main(argv=None) -> int:
         # launcher (torchrun, srun --kill-on-bad-exit) kills the other ranks as soon as one exits,
         # and rank 0 may still be importing when a faster rank refuses: so the others wait first,
         # then say it too, and are usually killed before they print.
-        rank = int(os.environ.get("RANK", "0"))
-        if rank != 0:
+        if int(os.environ.get("RANK", "0")) != 0:
             time.sleep(REFUSAL_GRACE_S)
-        print(f"pretrain_gpt_moe.py: error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
-        return 2
+        return say_error(error)
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -53,9 +58,7 @@ def main(argv=None) -> int:
         pretrain(args)
     except CheckpointUnreadable as error:
         # found at the load, after the manifest check (which covers every file it lists)
-        rank = int(os.environ.get("RANK", "0"))
-        print(f"pretrain_gpt_moe.py: error{f' (rank {rank})' if rank else ''}: {error}", file=sys.stderr, flush=True)
-        return 2
+        return say_error(error)
     except NonFiniteTraining:
         return 3  # rank 0 has said why (training.loop.stop_or_skip)
     except CheckpointWriteFailed:

@@ -5,8 +5,9 @@ warns from seven modules at import (multi-tensor ops, optimizers, norms), each a
 `file:line: UserWarning` block; under torch 2.13 its collectives and its distributed
 optimizer's zero_grad add more. Four ranks turned that into about 80 lines before the first
 progress line. They say nothing about the run, so rank 0 shows each known one once as a single
-line and the other ranks keep them to themselves. Any other warning is shown once per rank, on one line naming the rank: it is new
-information, and a rank that differs from rank 0 is what a person needs to see.
+line and the other ranks keep them to themselves. Any other warning is shown once per rank, on
+one line naming the rank: it is new information, and a rank that differs from rank 0 is what a
+person needs to see.
 
 `show_once(rank)` is installed by the entry point before anything imports Megatron-Core.
 """

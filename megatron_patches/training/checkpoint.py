@@ -135,14 +135,14 @@ class _ShardIndexUnpickler(pickle.Unpickler):
     and a path (the checkpoint id). The same bytes are then safe for torch's reader."""
 
     def find_class(self, module: str, name: str):
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # a checkpoint id given as a Path
+            return getattr(pathlib, name)
         found = getattr(importlib.import_module(module), name, None) if module.startswith("torch") else None
         admitted = (
             (module in _SHARD_INDEX_MODULES and isinstance(found, type) and found.__module__ == module)
             or (module == "torch" and (name == "Size" or isinstance(found, torch.dtype)))
             or (module == "torch.serialization" and name == "_get_layout")
         )
-        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # a checkpoint id given as a Path
-            return getattr(pathlib, name)
         if not admitted:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch_dist shard index")
         return found
