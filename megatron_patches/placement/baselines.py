@@ -604,11 +604,22 @@ def flexmoe_adjust(
 
 
 def static_replication(num_experts: int, num_ranks: int, slots_per_rank: int) -> InstancePlacement:
-    """Fixed, popularity-blind replication: G*s slots split as evenly as possible over E experts.
+    """DeepSpeed-style static replication: every class floor or ceil of G*s / E instances, on distinct ranks.
 
-    The replicate-mode slot machinery with every class equally popular: each expert gets
-    floor or ceil of G*s / E instances (the replication paper's baseline: 16 ranks x 4 slots,
-    16 classes -> 4 instances each), laid out contiguously. Tokens over an instance's capacity
-    are dropped (`replicate.spread_tokens`); the placement never changes, so nothing moves.
+    Slot j of rank r holds expert (r*s + j) mod E: DeepSpeed-MoE's layout with expert-parallel
+    groups of E/s consecutive ranks, each group holding every class once, and a class's replicas
+    one per group (its expert-data-parallel group, ranks e//s, e//s + E/s, ...). The replication
+    paper's baseline (16 ranks x 4 slots, 16 classes) gives 4 instances of each class on 4
+    different ranks, whose gradients are all-reduced every iteration (`StaticPolicy`). Counts are
+    `popularity_slots`'s for equal popularity (the first G*s mod E classes get one more); the
+    layout is not: replicate's contiguous layout would put all 4 instances of class e on rank e,
+    which is EP with a capacity and no replica at all. Tokens over an instance's capacity are
+    dropped (`replicate.spread_tokens`); the placement never changes, so nothing moves.
     """
-    return slot_placement(popularity_slots(np.ones(num_experts), num_ranks, slots_per_rank), num_experts)
+    E = check_int(num_experts, "num_experts", 1)
+    G = check_int(num_ranks, "num_ranks", 1)
+    s = check_int(slots_per_rank, "slots_per_rank", 1)
+    if E > G * s:
+        raise PlacementError(f"{E} experts do not fit in {G} ranks x {s} slots; use slots_per_rank >= {-(-E // G)}")
+    slot_expert_RS = (np.arange(G * s, dtype=np.int64) % E).reshape(G, s)
+    return slot_placement(slot_expert_RS, E)

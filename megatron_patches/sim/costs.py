@@ -630,16 +630,23 @@ class CommModel:
         the NIC). The latency is the inter-node one when any byte crosses nodes, the intra-node
         one when bytes move only inside nodes, and 0 when nothing moves. Returns shape [...].
         """
+        latency, intra, nic = self.transfer_parts(sent_intra, sent_inter, recv_intra, recv_inter, steps)
+        return latency + np.maximum(intra, nic)
+
+    def transfer_parts(self, sent_intra, sent_inter, recv_intra, recv_inter, steps=1):
+        """The three terms of `transfer_time`, each of shape [...]: (latency x steps, the busiest
+        device's intra-node link time, the busiest node's NIC time). The collective takes the
+        latency plus the larger of the other two: the breakdown reports them to show which link
+        bounds it."""
         sent_intra, sent_inter, recv_intra, recv_inter = (
             np.asarray(x, dtype=np.float64) for x in (sent_intra, sent_inter, recv_intra, recv_inter)
         )
         intra = np.maximum(sent_intra, recv_intra) / self._intra_D
         nic = np.maximum(sent_inter @ self._node_DN, recv_inter @ self._node_DN) / self._nic_N
-        busiest = np.maximum(intra.max(axis=-1), nic.max(axis=-1))
         crosses = sent_inter.sum(axis=-1) > 0
         moves = crosses | (sent_intra.sum(axis=-1) > 0)
         latency = np.where(crosses, self.links.inter_latency_s, np.where(moves, self.links.intra_latency_s, 0.0))
-        return latency * steps + busiest
+        return latency * steps, intra.max(axis=-1), nic.max(axis=-1)
 
     def time(self, comm: CommBytes, steps=1) -> float:
         """Seconds of one collective moving `comm`."""

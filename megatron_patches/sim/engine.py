@@ -15,11 +15,15 @@ collective, and one program of `compute` / `collective` calls simulates all iter
 
 Time accounting. Every second of every device's compute stream is either busy (by the task's
 category) or idle. Idle time before a task is blamed on the dependency that ended last: if that
-is a collective, the part of the wait during the collective goes to the collective's category
-and the part before it started goes to whatever held the collective back (`wait_blame_I`:
-"straggler_wait" when another device's compute arrived last, else the category of the
-communication that was in the way). So per device, busy + idle over all categories equals the
-iteration time exactly, and averaging over devices gives an additive breakdown.
+is a collective, the part of the wait during the collective goes to the collective's category,
+and the part before it started goes, the same way, to whatever held the collective back (the
+dependency or stream predecessor that was ready last: "straggler_wait" when that is another
+device's compute), down the chain. So a wait behind a queue of collectives on one stream is
+shared among them by the time each ran, per device busy + idle over all categories equals the
+iteration time exactly, and averaging over devices gives an additive breakdown. Collectives
+also carry a label (the kind of traffic: "spag", "grad_allreduce", ...); the idle time blamed on
+collectives is recorded by label too (`by_label`), so a communication category splits into the
+kinds that were exposed, adding up to it.
 """
 
 from __future__ import annotations
@@ -55,8 +59,13 @@ class Event:
     """Index into CATEGORIES."""
     collective: bool
     """True for collectives (same start and end on every device)."""
-    wait_blame_I: np.ndarray | None = None
-    """Collectives: category index that delayed the start past a device's own readiness; int [I]."""
+    label: int = -1
+    """Collectives: index into `Timeline.labels` (the kind of traffic); -1 for compute."""
+    blockers: tuple = ()
+    """Collectives: the events it waited for (dependencies, then its stream's previous collective)."""
+    blocker_I: np.ndarray | None = None
+    """Collectives: per iteration, the index into `blockers` of the one ready last (it decided the
+    start); int [I]."""
 
 
 class Timeline:
@@ -67,6 +76,8 @@ class Timeline:
         idle: seconds each device's compute stream waited, by blamed category; float [C, I, D].
         max_busy: per compute category, sum over tasks of the slowest device's duration; float [C, I].
         comm: per communication category, summed collective durations (hidden or not); float [C, I].
+        labels: the collective labels seen, in order of first use.
+        idle_label: idle seconds blamed on collectives, by label index; float [len(labels), I, D].
     """
 
     def __init__(self, num_iterations: int, num_devices: int) -> None:
@@ -76,6 +87,8 @@ class Timeline:
         self.idle = np.zeros((C, self.I, self.D))
         self.max_busy = np.zeros((C, self.I))
         self.comm = np.zeros((C, self.I))
+        self.labels: list[str] = []
+        self._idle_label: list[np.ndarray] = []
         self._compute_free = np.zeros((self.I, self.D))
         self._streams: dict[str, Event] = {}
         self._events: list[Event] = []
@@ -105,13 +118,15 @@ class Timeline:
         self._events.append(event)
         return event
 
-    def collective(self, stream: str, category: str, duration_I, after=()) -> Event:
+    def collective(self, stream: str, category: str, duration_I, after=(), label: str | None = None) -> Event:
         """Run a collective over all devices on `stream` after the events in `after`.
 
         duration_I: seconds per iteration, broadcastable to [I]. The collective starts when
-        every device is ready and ends `duration` later on all of them.
+        every device is ready and ends `duration` later on all of them. label: the kind of
+        traffic for `by_label` (default: the category).
         """
         cat = self._category(category, COMM_CATEGORIES)
+        lab = self._label(label or category)
         duration = np.broadcast_to(np.asarray(duration_I, dtype=np.float64), (self.I,))
         candidates = [e for e in after if e is not None]
         previous = self._streams.get(stream)
@@ -122,15 +137,13 @@ class Timeline:
             ready_I = ends.max(axis=(0, 2))
             # which candidate, on which device, arrived last: it decides who is blamed for the wait
             k_I = np.argmax(ends.transpose(1, 0, 2).reshape(self.I, -1), axis=1) // self.D
-            blame_of = np.array([_INDEX[STRAGGLER] if not c.collective else c.category for c in candidates])
-            wait_blame = blame_of[k_I]
         else:
             ready_I = np.zeros(self.I)
-            wait_blame = np.full(self.I, cat)
+            k_I = None
         start = np.repeat(ready_I[:, None], self.D, axis=1)
         end = start + duration[:, None]
         self.comm[cat] += duration
-        event = Event(start, end, cat, True, wait_blame)
+        event = Event(start, end, cat, True, lab, tuple(candidates), k_I)
         self._streams[stream] = event
         self._events.append(event)
         return event
@@ -183,12 +196,30 @@ class Timeline:
                 self._split_wait(free, start, dep, mask)
 
     def _split_wait(self, free: np.ndarray, until: np.ndarray, dep: Event, mask: np.ndarray) -> None:
-        """Split a wait [free, until] on collective `dep`: before its start -> its wait blame, after -> its category."""
+        """Split a wait [free, until] on collective `dep`: from its start -> its category and label;
+        before its start -> split the same way on the blocker that held it back (a straggler when
+        that was compute)."""
         gap = np.where(mask, until - free, 0.0)
         before = np.clip(dep.start_ID - free, 0.0, None)
         before = np.minimum(np.where(mask, before, 0.0), gap)
         self.idle[dep.category] += gap - before
-        self.idle[dep.wait_blame_I, np.arange(self.I), :] += before
+        self._idle_label[dep.label] += gap - before
+        if dep.blocker_I is None or not (before > 0).any():
+            return
+        for j, blocker in enumerate(dep.blockers):
+            held = (before > 0) & (dep.blocker_I == j)[:, None]
+            if not held.any():
+                continue
+            if blocker.collective:
+                self._split_wait(free, free + before, blocker, held)
+            else:
+                self.idle[_INDEX[STRAGGLER]] += np.where(held, before, 0.0)
+
+    def _label(self, name: str) -> int:
+        if name not in self.labels:
+            self.labels.append(name)
+            self._idle_label.append(np.zeros((self.I, self.D)))
+        return self.labels.index(name)
 
     @staticmethod
     def _category(name: str, allowed: tuple[str, ...]) -> int:
@@ -200,3 +231,14 @@ class Timeline:
         """Per category: busy + idle seconds averaged over devices; float [I] each. Sums to the iteration time."""
         total = (self.busy + self.idle).mean(axis=2)
         return {name: total[i] for i, name in enumerate(CATEGORIES)}
+
+    def by_label(self, category: str) -> dict[str, np.ndarray]:
+        """The idle seconds blamed on a communication category, split by collective label and
+        averaged over devices; float [I] each, summing to `breakdown()[category]`."""
+        cat = self._category(category, COMM_CATEGORIES)
+        out = {}
+        for lab, name in enumerate(self.labels):
+            mine = [e for e in self._events if e.collective and e.label == lab]
+            if mine and mine[0].category == cat:
+                out[name] = self._idle_label[lab].mean(axis=1)
+        return out

@@ -11,7 +11,15 @@ expert_compute_mean, straggler_wait, all_to_all, exposed_collectives, rearrangem
 optimizer add up to iteration_s (each is the time the devices' compute streams spent on it or
 waited for it, averaged over devices; see `engine`). expert_compute_max is not a part: it is the
 expert compute of the busiest device, summed over layers and passes, for comparison with
-expert_compute_mean (their ratio is the cost of imbalance).
+expert_compute_mean (their ratio is the cost of imbalance). exposed_collectives is split by kind
+of traffic in exposed_collectives_by_kind_s (replica refresh is weight_scatter; replica gradient
+synchronisation grad_allreduce and grad_fetch; FSSDP's spag and sprs; Megatron's dense gradient
+all-reduce dense_grad_allreduce), adding up to it.
+
+Also per system: expert compute per device, the all-to-all's pricing terms (latency, busiest
+intra-node link, busiest NIC), memory by component on the peak device, and per MoE layer both
+the whole transformer layer's time and the MoE block's alone (per_layer_moe_s, the FSSDP
+paper's per-layer comparison), each with its speedup over EP.
 """
 
 from __future__ import annotations
@@ -58,6 +66,24 @@ class SystemResult:
     """BREAKDOWN_PARTS plus expert_compute_max, seconds per iteration; float [I] each."""
     layer_s_IL: np.ndarray
     """Time of each MoE layer's transformer layer (forward + backward), seconds; float [I, L]."""
+    moe_layer_s_IL: np.ndarray | None
+    """Time of each MoE layer's MoE block alone (router, dispatch, experts, combine; forward,
+    backward and any recompute), seconds; float [I, L]. None for zebra, whose attention and
+    experts of different micro-batches run at once, so no MoE-only span exists."""
+    exposed_by_kind_I: dict[str, np.ndarray]
+    """breakdown_I["exposed_collectives"] split by kind of traffic (spag, sprs, grad_allreduce,
+    grad_fetch, weight_scatter, shadow_broadcast, dense_grad_allreduce, ...); float [I] each,
+    adding up to it."""
+    expert_compute_D: np.ndarray
+    """Expert compute per device, seconds per iteration (mean over the trace); float [D]."""
+    all_to_all_parts: dict[str, float]
+    """The token all-to-alls' pricing terms, seconds per iteration summed over every pass and
+    layer: latency, intra_node_link (the busiest device's link) and inter_node_nic (the busiest
+    NIC); each all-to-all takes latency + max(link, NIC), so they do not add up."""
+    memory_parts: dict
+    """Bytes by component on the peak device at its peak iteration ("device": its index; then
+    dense weights/grads/optimizer, experts, expert copies, activations, reserve), adding up to
+    memory_D.max()."""
     imbalance_IL: np.ndarray
     """max / mean device load (processed tokens) per iteration and MoE layer; float [I, L]."""
     survival_IL: np.ndarray
@@ -115,8 +141,14 @@ def summarize(results: list[SystemResult], setup: dict, reference: str | None = 
             "memory_gb_capacity": float(r.memory_limit_D.min() / 1e9),
             "fits_in_memory": r.fits,
             "survival_mean": _mean(r.survival_IL),
+            "exposed_collectives_by_kind_s": {k: _mean(v) for k, v in r.exposed_by_kind_I.items()},
+            "expert_compute_s_per_device": r.expert_compute_D.tolist(),
+            "all_to_all_terms_s": dict(r.all_to_all_parts),
+            "memory_gb_parts": {k: (v if k == "device" else v / 1e9) for k, v in r.memory_parts.items()},
             "per_layer_s": layer_L.tolist(),
             "per_layer_speedup": None if ref is None else (ref.layer_s_IL.mean(axis=0) / layer_L).tolist(),
+            "per_layer_moe_s": None if r.moe_layer_s_IL is None else r.moe_layer_s_IL.mean(axis=0).tolist(),
+            "per_layer_moe_speedup": _moe_speedup(ref, r),
             "traffic_bytes_per_iteration": {
                 k: {"intra": float(v[0]), "inter": float(v[1])} for k, v in r.traffic.items()
             },
@@ -124,6 +156,13 @@ def summarize(results: list[SystemResult], setup: dict, reference: str | None = 
             "details": r.details,
         }
     return {"setup": setup, "systems": systems}
+
+
+def _moe_speedup(ref: SystemResult | None, r: SystemResult) -> list[float] | None:
+    """EP's MoE-block time over the system's, per MoE layer (None where either has no MoE-only span)."""
+    if ref is None or ref.moe_layer_s_IL is None or r.moe_layer_s_IL is None:
+        return None
+    return (ref.moe_layer_s_IL.mean(axis=0) / r.moe_layer_s_IL.mean(axis=0)).tolist()
 
 
 def _ms(seconds: float) -> str:
@@ -155,6 +194,19 @@ def format_table(summary: dict) -> str:
         if s["per_layer_speedup"] is not None:
             per_layer = " ".join(f"{x:.2f}" for x in s["per_layer_speedup"])
             lines.append(f"per-layer speedup vs ep, {name}: {per_layer}")
+        if s["per_layer_moe_speedup"] is not None:
+            per_layer = " ".join(f"{x:.2f}" for x in s["per_layer_moe_speedup"])
+            lines.append(f"MoE-block speedup vs ep per layer, {name}: {per_layer}")
+    for name, s in summary["systems"].items():
+        kinds = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in s["exposed_collectives_by_kind_s"].items() if v > 0)
+        a2a = s["all_to_all_terms_s"]
+        mem = s["memory_gb_parts"]
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "device" and v > 0)
+        lines.append(
+            f"{name}: coll = {kinds or 'nothing exposed'} ms; a2a terms: latency {a2a['latency'] * 1e3:.1f}, "
+            f"intra-node link {a2a['intra_node_link'] * 1e3:.1f}, NIC {a2a['inter_node_nic'] * 1e3:.1f} ms; "
+            f"memory on device {mem['device']}: {parts} GB"
+        )
     return "\n".join(lines)
 
 

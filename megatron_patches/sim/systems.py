@@ -590,7 +590,13 @@ _GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_fetch")
 
 def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[str, np.ndarray],
               a2a_IL: np.ndarray, rearrange_I: np.ndarray):
-    """Run the forward/backward program of every iteration; returns (timeline, iteration_s_I, layer_s_IL)."""
+    """Run the forward/backward program of every iteration.
+
+    Returns (timeline, iteration_s_I, layer_s_IL, moe_s_IL): the time of each MoE layer's whole
+    transformer layer, and of its MoE block alone (router, dispatch, experts, combine: forward,
+    backward and a full recompute's second forward; the span from the first device to start to
+    the last to finish), the per-layer figure the FSSDP paper compares.
+    """
     I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
     c = scn.compute
     wl = scn.workload
@@ -617,16 +623,23 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
 
     tl = Timeline(I, D)
     prev = tl.collective("a2a", "rearrangement", rearrange_I) if rearrange_I.any() else None
-    scatters = [tl.collective("scatter", "exposed_collectives", kind_times["weight_scatter"][:, k], after=[prev])
+    scatters = [tl.collective("scatter", "exposed_collectives", kind_times["weight_scatter"][:, k], after=[prev],
+                              label="weight_scatter")
                 for k in range(L)] if "weight_scatter" in kind_times else [None] * L
     moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
     fwd_span = np.zeros((I, L))
     bwd_span = np.zeros((I, L))
+    moe_span = np.zeros((I, L))
+
+    def span(first, last):
+        return last.end_ID.max(axis=1) - first.start_ID.min(axis=1)
+
     gathers: dict[int, object] = {}
     for j in range(wl.model.num_layers):
         k = moe_index.get(j)
         if k is not None and "spag" in kind_times:
-            gathers[k] = tl.collective("sparse", "exposed_collectives", kind_times["spag"][:, k], after=[prev])
+            gathers[k] = tl.collective("sparse", "exposed_collectives", kind_times["spag"][:, k], after=[prev],
+                                       label="spag")
         att = tl.compute("attention", att_fwd, after=[prev])
         if k is None:
             prev = tl.compute("other", other_dense, after=[att])
@@ -634,11 +647,13 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         gate = tl.compute("other", other_moe, after=[att])
         shadow = None
         if "shadow_broadcast" in kind_times:
-            shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate])
+            shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate],
+                                   label="shadow_broadcast")
         dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[gate, shadow, gathers.get(k), scatters[k]])
         experts = tl.compute("expert", expert_fwd[k], after=[dispatch])
         prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
-        fwd_span[:, k] = prev.end_ID.max(axis=1) - att.start_ID.min(axis=1)
+        fwd_span[:, k] = span(att, prev)
+        moe_span[:, k] = span(gate, prev)
     prev = tl.compute("other", head, after=[prev])
     regather: dict[int, object] = {}
     for j in reversed(range(wl.model.num_layers)):
@@ -652,10 +667,11 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
             if k is None:
                 prev = tl.compute("other", other_dense, after=[prev])
             else:
-                prev = tl.compute("other", other_moe, after=[prev])
+                gate = prev = tl.compute("other", other_moe, after=[prev])
                 prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev, regather.get(k)])
                 prev = tl.compute("expert", expert_fwd[k], after=[prev])
                 prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
+                moe_span[:, k] += span(gate, prev)
         if k is None:
             first = tl.compute("other", c.BACKWARD * other_dense, after=[prev])
         else:
@@ -668,23 +684,26 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
             if spec.remat and below and "spag" in kind_times:
                 # copies of the next MoE layer down were freed after its forward: gather them again
                 regather[below[-1]] = tl.collective(
-                    "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b]
+                    "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b],
+                    label="spag_rematerialize",
                 )
             if "sprs" in kind_times:
-                tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k], after=[experts_b])
+                tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k], after=[experts_b],
+                              label="sprs")
             for kind in grad_kinds:
-                tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b])
+                tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b], label=kind)
             first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b])
+            moe_span[:, k] += span(combine_b, first)
         attention_b = tl.compute("attention", att_bwd, after=[first])
-        tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b])
+        tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b], label="dense_grad_allreduce")
         if k is not None:
-            bwd_span[:, k] = attention_b.end_ID.max(axis=1) - start.start_ID.min(axis=1)
+            bwd_span[:, k] = span(start, attention_b)
         prev = attention_b
-    tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev])
+    tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev], label="dense_grad_allreduce")
     waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
     tl.compute("optimizer", optimizer, after=waits)
     total_I = tl.finish()
-    return tl, total_I, fwd_span + bwd_span
+    return tl, total_I, fwd_span + bwd_span, moe_span
 
 
 def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
@@ -699,7 +718,7 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     kind_times = {kind: b.times_IL(scn) for kind, b in rep.kinds.items()}
     m = rep.moves_I4D
     rearrange_I = np.where(rep.moves_I > 0, scn.comm.transfer_time(m[:, 0], m[:, 1], m[:, 2], m[:, 3]), 0.0)
-    tl, total_I, layer_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I)
+    tl, total_I, layer_s_IL, moe_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I)
 
     breakdown = tl.breakdown()
     expert_index = list(breakdown).index("expert")
@@ -715,13 +734,16 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         "optimizer": breakdown["optimizer"],
     }
     transient = rep.transient_ILD.max(axis=1) if spec.remat else rep.transient_ILD.sum(axis=1)
-    memory_ID = (
-        scn.memory.dense_bytes()
-        + scn.memory.reserved_bytes
-        + scn.memory.activation_bytes(rep.processed_ILD)
-        + rep.resident_ILD.sum(axis=1)
-        + transient
-    )
+    memory_parts_ID = {
+        "dense weights/grads/optimizer": np.full((scn.num_iterations, scn.num_devices), scn.memory.dense_bytes()),
+        "experts": rep.resident_ILD.sum(axis=1),
+        "expert copies": transient,
+        "activations": scn.memory.activation_bytes(rep.processed_ILD),
+        "reserve": np.full((scn.num_iterations, scn.num_devices), scn.memory.reserved_bytes),
+    }
+    memory_ID = sum(memory_parts_ID.values())
+    peak_i, peak_d = np.unravel_index(int(np.argmax(memory_ID)), memory_ID.shape)
+    a2a_parts = scn.comm.transfer_parts(*(rep.a2a.data[:, :, j] for j in range(4)))
     traffic = {"all_to_all": 4.0 * rep.a2a.totals()}
     traffic.update({kind: b.totals() for kind, b in rep.kinds.items()})
     dense = scn.workload.dense_params()
@@ -750,6 +772,12 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         iteration_s_I=total_I,
         breakdown_I=breakdown_I,
         layer_s_IL=layer_s_IL,
+        moe_layer_s_IL=moe_s_IL,
+        exposed_by_kind_I=tl.by_label("exposed_collectives"),
+        expert_compute_D=tl.busy[expert_index].mean(axis=0),
+        all_to_all_parts={name: float(4 * x.sum(axis=1).mean())
+                          for name, x in zip(("latency", "intra_node_link", "inter_node_nic"), a2a_parts)},
+        memory_parts={"device": int(peak_d), **{k: float(v[peak_i, peak_d]) for k, v in memory_parts_ID.items()}},
         imbalance_IL=imbalance_rows(rep.processed_ILD),
         survival_IL=rep.survival_IL,
         memory_D=memory_ID.max(axis=0),

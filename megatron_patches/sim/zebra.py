@@ -270,11 +270,13 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     e_exp_IL = expert_ILD[:, :, pools.expert].max(axis=2)
     e_att_IL = expert_ILD[:, :, pools.attention].max(axis=2)
     comm_IL = np.zeros((I, L))
+    a2a_parts = np.zeros(3)  # latency, intra-node link, NIC: seconds per iteration
     a2a_bytes = np.zeros(2)
     for l in range(L):
         per_token_CED = _comm_counters(scn, pools, owners_LE[l], R)
         counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), per_token_CED)  # [4, I, D]
         comm_IL[:, l] = scn.comm.transfer_time(*counters)
+        a2a_parts += 4.0 * R * np.array([x.mean() for x in scn.comm.transfer_parts(*counters)])
         # dispatch and combine, forward and backward, R micro-batches; counted at the sender
         a2a_bytes += 4.0 * R * np.array([counters[0].sum(axis=1).mean(), counters[1].sum(axis=1).mean()])
     schedule = zp.build_schedule(L, R, [l for l, o in enumerate(plan.offload_chunks_L) if o > 0])
@@ -358,15 +360,28 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     imbalance_IL = np.stack(
         [imbalance_rows(processed_ILD[:, l][:, holds_LD[l]]) for l in range(L)], axis=1
     )
-    memory_D = owned_D * scn.memory.expert_bytes_per_instance(True) + scn.memory.reserved_bytes
-    memory_D[pools.attention] += _attention_rank_parts(scn, pools, R)["dense weights/grads/optimizer"]
-    memory_D += _activation_bytes_ID(scn, pools, R, tokens_ILED.sum(axis=2)).max(axis=0)
+    dense_D = np.zeros(D)
+    dense_D[pools.attention] = _attention_rank_parts(scn, pools, R)["dense weights/grads/optimizer"]
+    memory_parts_D = {
+        "dense weights/grads/optimizer": dense_D,
+        "experts": owned_D * scn.memory.expert_bytes_per_instance(True),
+        "expert copies": np.zeros(D),
+        "activations": _activation_bytes_ID(scn, pools, R, tokens_ILED.sum(axis=2)).max(axis=0),
+        "reserve": np.full(D, scn.memory.reserved_bytes),
+    }
+    memory_D = sum(memory_parts_D.values())
+    peak = int(np.argmax(memory_D))
     return SystemResult(
         name=spec.name,
         description=spec.description,
         iteration_s_I=iteration_I,
         breakdown_I=breakdown_I,
         layer_s_IL=layer_IL,
+        moe_layer_s_IL=None,
+        exposed_by_kind_I={"dense_grad_allreduce": np.full(I, grad_s)},
+        expert_compute_D=busy["expert"].mean(axis=0),
+        all_to_all_parts=dict(zip(("latency", "intra_node_link", "inter_node_nic"), a2a_parts.tolist())),
+        memory_parts={"device": peak, **{k: float(v[peak]) for k, v in memory_parts_D.items()}},
         imbalance_IL=imbalance_IL,
         survival_IL=np.ones((I, L)),
         memory_D=memory_D,

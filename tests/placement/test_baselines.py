@@ -341,6 +341,10 @@ def test_static_replication_layout():
     p = static_replication(16, 16, 4)  # the replication paper's baseline: 4 instances per class
     assert p.instances_E().tolist() == [4] * 16
     assert p.slots_used_D().tolist() == [4] * 16
+    # DeepSpeed's layout: expert-parallel groups of 4 consecutive ranks each hold all 16 classes,
+    # so class e's replicas sit on ranks e // 4 + 4k, one per group, never two on one rank
+    assert p.holds_ED().sum(axis=1).tolist() == [4] * 16
+    assert [p.holders(e).tolist() for e in (0, 5, 15)] == [[0, 4, 8, 12], [1, 5, 9, 13], [3, 7, 11, 15]]
     q = static_replication(6, 2, 4)
     assert q.instances_E().sum() == 8 and q.instances_E().max() - q.instances_E().min() <= 1
     with pytest.raises(PlacementError, match="do not fit"):

@@ -59,6 +59,22 @@ def test_collectives_on_one_stream_run_in_order_and_the_wait_is_blamed_on_the_on
     assert b["all_to_all"][0] == 1.0
 
 
+def test_a_wait_behind_a_queue_of_collectives_is_shared_by_the_time_each_ran():
+    """A 4 s replica all-reduce, then a 2 s dense all-reduce on the same stream; the optimizer
+    waits from 1 s to 6 s: 3 s of it during the first (which held the second back), 2 s during
+    the second. By label the exposed time splits 3 + 2."""
+    tl = Timeline(1, 1)
+    tl.collective("grad", "exposed_collectives", 4.0, label="grad_allreduce")
+    backward = tl.compute("attention", 1.0)
+    dense = tl.collective("grad", "exposed_collectives", 2.0, after=[backward], label="dense_grad_allreduce")
+    tl.compute("optimizer", 1.0, after=[dense])
+    assert tl.finish().tolist() == [7.0]
+    assert tl.breakdown()["exposed_collectives"][0] == 5.0
+    by_kind = tl.by_label("exposed_collectives")
+    assert {k: float(v[0]) for k, v in by_kind.items()} == {"grad_allreduce": 3.0, "dense_grad_allreduce": 2.0}
+    assert tl.by_label("all_to_all") == {}
+
+
 def test_iterations_are_independent_and_vectorised():
     tl = Timeline(3, 2)
     work = tl.compute("expert", np.array([[1.0, 2.0], [5.0, 1.0], [0.0, 0.0]]))
@@ -94,9 +110,15 @@ def test_busy_plus_idle_equals_the_iteration_time_on_every_device(seed):
         else:
             category = ["all_to_all", "exposed_collectives", "rearrangement"][rng.integers(3)]
             stream = ["a2a", "sparse", "grad"][rng.integers(3)]
-            events.append(tl.collective(stream, category, rng.exponential(1.0, size=I), after=after))
+            label = f"{category}-{rng.integers(3)}"
+            events.append(tl.collective(stream, category, rng.exponential(1.0, size=I), after=after, label=label))
     total = tl.finish()
     np.testing.assert_allclose((tl.busy + tl.idle).sum(axis=0), np.repeat(total[:, None], D, axis=1))
+    breakdown = tl.breakdown()
+    for category in ("all_to_all", "exposed_collectives", "rearrangement"):
+        by_label = tl.by_label(category)
+        assert all(name.startswith(category) for name in by_label)
+        np.testing.assert_allclose(sum(by_label.values(), np.zeros(I)), breakdown[category], atol=1e-12)
     assert np.all(tl.idle >= -1e-12)
     for e in events[1:]:
         assert np.all(e.end_ID <= total[:, None] + 1e-12)

@@ -70,12 +70,62 @@ def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
     systems pay only for what replication costs (gradient synchronisation, optimizer state), never
     for imbalance."""
     ep = run(balanced, "ep")
-    for name in ("smartmoe", "flexmoe-2", "fastermoe", "fssdp-shard", "replicate", "static"):
+    for name in ("smartmoe", "flexmoe-2", "fastermoe", "fssdp-shard", "replicate"):
         r = run(balanced, name)
         np.testing.assert_allclose(r.imbalance_IL, 1.0, err_msg=name)
         np.testing.assert_allclose(r.survival_IL, 1.0, err_msg=name)
         np.testing.assert_allclose(r.breakdown_I["straggler_wait"], 0.0, atol=1e-15, err_msg=name)
         np.testing.assert_allclose(r.breakdown_I["all_to_all"], ep.breakdown_I["all_to_all"], rtol=1e-9, err_msg=name)
+    # DeepSpeed's layout (4 slots: every class on 4 devices) serves a source's tokens from its local
+    # replica where it has one, so less crosses the all-to-all; the replicas all-reduce gradients.
+    # (The default 9 slots would give one class 2 instances on one device, which replicate's
+    # local-first spreading cannot balance at capacity 1.0; DeepSpeed cannot express 9 slots.)
+    four = build_scenario(MODEL, make_cluster(), 8, balanced_trace(6, 2, 8, 8, 64),
+                          options=SimOptions(slots_per_rank=4, reshard_interval=3, overlap_degree=2))
+    static = run(four, "static")
+    # remote tokens spread over 3 replicas in whole tokens: 1 in 2,000 uneven
+    np.testing.assert_allclose(static.imbalance_IL, 1.0, rtol=1e-3)
+    np.testing.assert_allclose(static.survival_IL, 1.0)
+    assert np.all(static.breakdown_I["all_to_all"] < run(four, "ep").breakdown_I["all_to_all"])
+    assert static.details["collective_s"]["grad_allreduce"] > 0
+
+
+def test_static_replication_hand_case():
+    """DeepSpeed-style static replication, 2 devices (one per node, 80 Gbps NICs), 2 experts, 2 slots
+    each: both devices hold both experts, so every token is served where it was routed (no
+    all-to-all) and each expert's gradient is ring-all-reduced over its 2 replicas. An expert has
+    2 x 256 x 512 + 512 + 256 = 262,912 parameters, 1,051,648 B of fp32 gradients (bf16 run); each
+    device sends one buffer per expert (2 (r - 1) / r = 1): 2,103,296 B through its NIC at
+    10 GB/s x 0.85 efficiency = 247.45 us, plus 2 ring steps x 25 us latency = 297.45 us per
+    iteration. Replicate mode's contiguous layout with equal loads puts both slots of expert e on
+    device e: EP's all-to-all, no replica all-reduce."""
+    model = make_model(layers=1, experts=2, hidden=256, seq=512)
+    scn = build_scenario(model, make_cluster(nodes=2, gpus_per_node=1), 2, balanced_trace(2, 1, 2, 2, 64),
+                         options=SimOptions(slots_per_rank=2, capacity_factor=1.0))
+    assert scn.workload.byte_model.expert_grad_bytes == 4 * 262_912
+    static, ep, replicate = run(scn, "static"), run(scn, "ep"), run(scn, "replicate")
+    assert static.details["collective_s"]["grad_allreduce"] == pytest.approx(2 * 25e-6 + 2_103_296 / 8.5e9, rel=1e-12)
+    assert static.details["collective_s"]["all_to_all"] == 0.0
+    assert static.traffic["grad_allreduce"].tolist() == [0.0, 2 * 2_103_296]
+    assert replicate.details["collective_s"]["all_to_all"] == pytest.approx(ep.details["collective_s"]["all_to_all"])
+    assert replicate.details["collective_s"]["grad_allreduce"] == 0.0
+
+
+@pytest.mark.parametrize("nodes, per_node", [(8, 1), (2, 4)])
+def test_adaptive_replication_keeps_more_tokens_than_static_in_less_time(nodes, per_node):
+    """The replication paper's comparison on skewed loads with a capacity: replicate, whose
+    replica counts follow the popularity, drops fewer tokens than static replication's fixed
+    4 instances per class and is not slower, since both synchronise replica gradients every
+    iteration (static by all-reduce among its replicas, replicate by all-reduce among holders
+    and slice fetch) and static's replicas of one class sit on different devices, possibly nodes."""
+    model = make_model(layers=2, experts=8, hidden=512, seq=1024, topk=1)
+    for seed in range(2):
+        scn = build_scenario(model, make_cluster(nodes=nodes, gpus_per_node=per_node), 8,
+                             skewed_trace(6, 2, 8, 8, 16384, seed=seed),
+                             options=SimOptions(slots_per_rank=4, capacity_factor=1.0))
+        static, replicate = run(scn, "static"), run(scn, "replicate")
+        assert replicate.survival_IL.mean() > static.survival_IL.mean() + 0.1
+        assert replicate.iteration_s < static.iteration_s
 
 
 def test_ep_all_to_all_reproduces_the_closed_form(balanced):
