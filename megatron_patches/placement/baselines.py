@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_patches.placement.replicate import popularity_slots, slot_placement
+from megatron_patches.placement.replicate import slot_placement
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,

@@ -107,6 +107,8 @@ class Scenario:
     """The link parameters in use."""
     precision_note: str = ""
     """Why the workload trains in its precision (the default's reason, or who asked for it)."""
+    trace: Trace | None = None
+    """The trace as read (before scaling), for scenarios on a subset of the devices (`on_gpu_type`)."""
 
     @property
     def num_iterations(self) -> int:
@@ -140,6 +142,19 @@ class Scenario:
         """The run sets a capacity (--capacity-factor, or the model's): the dropless baselines that
         the papers run at a capacity (FlexMoE) then drop over it too."""
         return self.options.capacity_factor is not None or self.workload.model.moe_expert_capacity_factor is not None
+
+    def on_gpu_type(self, gpu_type: str) -> Scenario:
+        """The same model, batch per GPU, precision, recompute, options and trace on only the
+        devices of one GPU type (their node groups as one cluster); SimError when that cannot
+        run (e.g. the type lacks the precision)."""
+        cluster = self.hardware.cluster
+        groups = tuple(g for g in cluster.nodes if g.gpu == gpu_type)
+        if not groups:
+            raise SimError(f"no {gpu_type} devices among {', '.join(dict.fromkeys(cluster.device_types))}")
+        sub = dataclasses.replace(cluster, nodes=groups, gpu_types={gpu_type: cluster.gpu_types[gpu_type]})
+        wl = self.workload
+        return build_scenario(wl.model, sub, sub.num_devices, self.trace, wl.micro_batch_size, wl.seq_length,
+                              self.efficiency, self.links, self.options, wl.precision, wl.recompute)
 
     def with_recompute(self, recompute: str) -> Scenario:
         """The same scenario under another activation recompute (what-if figures for messages)."""
@@ -250,4 +265,5 @@ def build_scenario(
         efficiency=efficiency,
         links=links,
         precision_note=precision_note,
+        trace=trace,
     )

@@ -92,8 +92,10 @@ class SystemSpec:
     """FSSDP: "both" (materialization + heterogeneous sharding), "materialize" or "shard"."""
     remat: bool = False
     """FSSDP: free copies after forward use and gather them again for backward."""
-    ideal: bool = False
-    """EP-Ideal: every compute task takes the device-mean time (no stragglers of speed or load)."""
+    bound: bool = False
+    """ep-bound: every compute task takes the device-mean time (no stragglers of speed or load)."""
+    per_gpu_type: bool = False
+    """ep-ideal (HeterMoE's EP (Ideal)): EP run separately on each GPU type's devices, throughputs summed."""
     zebra_mode: str = ""
     """Zebra family: "naive" (disaggregation, one micro-batch), "zp" (zig-zag) or "asym" (zig-zag + Asym-EA)."""
 
@@ -104,10 +106,17 @@ SYSTEMS: dict[str, SystemSpec] = {
         SystemSpec("ep", "Megatron expert parallelism: static even expert layout, dropless", "placement", "ep"),
         SystemSpec(
             "ep-ideal",
+            "HeterMoE's EP (Ideal): EP on each GPU type's devices alone, the types' throughputs summed",
+            "placement",
+            "ep",
+            per_gpu_type=True,
+        ),
+        SystemSpec(
+            "ep-bound",
             "EP with every compute task at the device-mean time: no straggler from load or device speed (a bound)",
             "placement",
             "ep",
-            ideal=True,
+            bound=True,
         ),
         SystemSpec(
             "fastermoe",
@@ -216,6 +225,8 @@ def simulate(scn: Scenario, spec: SystemSpec) -> SystemResult:
         from megatron_patches.sim.zebra import simulate_zebra_system
 
         return simulate_zebra_system(scn, spec)
+    if spec.per_gpu_type:
+        return simulate_ep_per_gpu_type(scn, spec)
     return simulate_placement_system(scn, spec)
 
 
@@ -602,9 +613,9 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
     wl = scn.workload
 
     def even(duration):
-        """EP-Ideal: every device takes the device-mean time."""
+        """ep-bound: every device takes the device-mean time."""
         d = np.broadcast_to(np.asarray(duration, dtype=np.float64), (I, D))
-        return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.ideal else d
+        return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.bound else d
 
     recompute = wl.recompute
     att_fwd = even(c.attention_fwd_D())
@@ -785,4 +796,94 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         traffic=traffic,
         details=details,
         planner_s=rep.planner_s,
+    )
+
+
+def simulate_ep_per_gpu_type(scn: Scenario, spec: SystemSpec) -> SystemResult:
+    """HeterMoE's EP (Ideal): DeepSpeed-style EP run separately on all GPUs of each type, with the
+    throughputs summed.
+
+    Type t's n_t devices train the model alone on their share of the batch (the same micro-batch
+    per GPU): one of their iterations takes T_t and moves n_t x micro-batch x sequence tokens.
+    The pool's iteration of D devices' tokens then takes T = D / sum_t(n_t / T_t), per trace
+    iteration. Every time in the result (breakdown, per-layer) is the types' own weighted by
+    their throughput shares f_t = (n_t / T_t) / sum(n / T), so the breakdown still adds up to T;
+    traffic is per pool iteration (type t does f_t of its tokens). A type that cannot run EP on
+    its own (the experts do not divide over its devices, it lacks the precision, or the model
+    does not fit its memory) contributes nothing and is named in the details; on a homogeneous
+    cluster this is EP.
+    """
+    ep = dataclasses.replace(spec, per_gpu_type=False)
+    D = scn.num_devices
+    types = list(dict.fromkeys(scn.hardware.device_types))
+    per_type: dict[str, SystemResult] = {}
+    details: dict = {"gpu_types": {}}
+    for gpu_type in types:
+        n = scn.hardware.device_types.count(gpu_type)
+        entry = {"gpus": n}
+        details["gpu_types"][gpu_type] = entry
+        try:
+            sub = scn if len(types) == 1 else scn.on_gpu_type(gpu_type)
+        except SimError as err:
+            entry["excluded"] = str(err)
+            continue
+        problem = ep_layout_problem(sub)
+        if problem is not None:
+            entry["excluded"] = problem
+            continue
+        result = simulate_placement_system(sub, ep)
+        if not result.fits:
+            entry["excluded"] = (f"EP needs {result.memory_D.max() / 1e9:.1f} GB per GPU, "
+                                 f"{gpu_type} has {result.memory_limit_D.min() / 1e9:.0f}")
+            continue
+        per_type[gpu_type] = result
+        entry["iteration_s"] = result.iteration_s
+    if not per_type:
+        raise SimError(f"{spec.name}: no GPU type can run EP on its own: "
+                       + "; ".join(f"{t}: {e['excluded']}" for t, e in details["gpu_types"].items()))
+    rate_TI = np.stack([scn.hardware.device_types.count(t) / r.iteration_s_I for t, r in per_type.items()])
+    total_I = D / rate_TI.sum(axis=0)
+    share_TI = rate_TI / rate_TI.sum(axis=0)
+    for (t, r), share_I in zip(per_type.items(), share_TI):
+        details["gpu_types"][t]["throughput_share"] = float(share_I.mean())
+    results = list(per_type.values())
+
+    def mix(arrays):
+        """Throughput-weighted mean of per-type arrays with a leading iteration axis."""
+        return sum(a * share_I.reshape(-1, *([1] * (np.ndim(a) - 1))) for a, share_I in zip(arrays, share_TI))
+
+    memory_D, expert_compute_D = np.zeros(D), np.zeros(D)
+    device_types = np.array(scn.hardware.device_types)
+    for t, r in per_type.items():
+        memory_D[device_types == t] = r.memory_D
+        expert_compute_D[device_types == t] = r.expert_compute_D
+    peak_type = max(per_type, key=lambda t: per_type[t].memory_D.max())
+    peak_parts = dict(per_type[peak_type].memory_parts)
+    peak_parts["device"] = int(np.flatnonzero(device_types == peak_type)[peak_parts["device"]])
+    traffic = {}
+    for (t, r), share_I in zip(per_type.items(), share_TI):
+        scale = float(share_I.mean()) * D / scn.hardware.device_types.count(t)
+        for kind, v in r.traffic.items():
+            traffic[kind] = traffic.get(kind, 0.0) + scale * v
+    kinds = sorted({k for r in results for k in r.exposed_by_kind_I})
+    return SystemResult(
+        name=spec.name,
+        description=spec.description,
+        iteration_s_I=total_I,
+        breakdown_I={k: mix([r.breakdown_I[k] for r in results]) for k in results[0].breakdown_I},
+        layer_s_IL=mix([r.layer_s_IL for r in results]),
+        moe_layer_s_IL=mix([r.moe_layer_s_IL for r in results]),
+        exposed_by_kind_I={k: mix([r.exposed_by_kind_I.get(k, np.zeros_like(total_I)) for r in results])
+                           for k in kinds},
+        expert_compute_D=expert_compute_D,
+        all_to_all_parts={k: sum(float(s.mean()) * r.all_to_all_parts[k] for r, s in zip(results, share_TI))
+                          for k in results[0].all_to_all_parts},
+        memory_parts=peak_parts,
+        imbalance_IL=mix([r.imbalance_IL for r in results]),
+        survival_IL=mix([r.survival_IL for r in results]),
+        memory_D=memory_D,
+        memory_limit_D=scn.hardware.memory_D,
+        traffic=traffic,
+        details=details,
+        planner_s=sum(r.planner_s for r in results),
     )

@@ -69,7 +69,7 @@ def test_the_issue_command_prints_the_table_and_writes_json_and_plot(done_check)
 def test_list_systems_names_every_system():
     done = run_tool("simulate.py", "--list-systems")
     assert done.returncode == 0
-    for name in ("ep", "ep-ideal", "fastermoe", "smartmoe", "flexmoe-10", "flexmoe-50", "flexmoe-100", "fssdp",
+    for name in ("ep", "ep-ideal", "ep-bound", "fastermoe", "smartmoe", "flexmoe-10", "flexmoe-50", "flexmoe-100", "fssdp",
                  "fssdp-mat", "fssdp-shard", "fssdp-remat", "replicate", "static", "zebra-naive", "zebra",
                  "zebra-asym"):
         assert any(line.split()[0] == name for line in done.stdout.splitlines()), name

@@ -29,7 +29,7 @@ from megatron_patches.sim import (
 
 MODEL = make_model(layers=2, experts=8, hidden=512, seq=1024)
 PLACEMENT_SYSTEMS = ["ep", "smartmoe", "flexmoe-2", "fastermoe", "fssdp", "fssdp-mat", "fssdp-shard",
-                     "fssdp-remat", "replicate", "static", "ep-ideal"]
+                     "fssdp-remat", "replicate", "static", "ep-ideal", "ep-bound"]
 
 
 def run(scn, name):
@@ -55,7 +55,7 @@ def test_balanced_loads_make_load_reactive_systems_equal_ep(balanced):
     sharding-only variant does not re-shard at all: balanced loads cannot lower the even layout's
     imbalance bound, so nothing moves."""
     ep = run(balanced, "ep")
-    for name in ("smartmoe", "flexmoe-2", "fastermoe", "ep-ideal"):
+    for name in ("smartmoe", "flexmoe-2", "fastermoe", "ep-ideal", "ep-bound"):
         np.testing.assert_allclose(run(balanced, name).iteration_s_I, ep.iteration_s_I, rtol=1e-12, err_msg=name)
     no_copies = build_scenario(MODEL, make_cluster(), 8, balanced_trace(6, 2, 8, 8, 64),
                                options=SimOptions(overlap_degree=0))
@@ -309,3 +309,31 @@ def test_zebra_needs_a_two_type_pool():
     scn = build_scenario(ZEBRA_MODEL, make_cluster(1, 4), 4, balanced_trace(2, 3, 8, 4, 64))
     with pytest.raises(SimError, match="zebra systems need a pool of two GPU types"):
         run(scn, "zebra")
+
+
+def test_ep_ideal_is_hetermoes_ep_per_gpu_type_with_throughputs_summed():
+    """A pool of one GPU at full speed and one with half of every peak and bandwidth, 2 experts.
+    Alone, each runs EP on one device (no all-to-all, no gradient all-reduce): the slow one's
+    iteration takes exactly twice the fast one's t. Summing their throughputs, the pool does
+    2 devices' tokens in 2 / (1/t + 1/(2t)) = 4t/3. When the slow type cannot hold the model,
+    the fast one does everything: 2t. ep-bound (EP with every task at the device-mean time) is
+    another system."""
+    model = make_model(layers=1, experts=2, hidden=256, seq=512)
+    half = {"peak_fp16_tflops": 50.0, "peak_fp32_tflops": 10.0, "peak_tf32_tflops": 25.0, "hbm_gb_s": 500.0}
+    trace = skewed_trace(3, 1, 2, 2, 4096, seed=0)
+    no_launch = KernelEfficiency(kernel_launch_s=0.0)  # a fixed cost per kernel would not halve
+    t_fast = run(build_scenario(model, make_pool(1, 1), 1, trace, efficiency=no_launch), "ep").iteration_s_I
+    pool = build_scenario(model, make_pool(1, 1, expert_gpu=half), 2, trace, efficiency=no_launch)
+    t_slow = run(pool.on_gpu_type("OLD"), "ep").iteration_s_I
+    np.testing.assert_allclose(t_slow, 2 * t_fast, rtol=1e-12)
+    ideal = run(pool, "ep-ideal")
+    np.testing.assert_allclose(ideal.iteration_s_I, 4 / 3 * t_fast, rtol=1e-12)
+    assert ideal.details["gpu_types"]["OLD"]["throughput_share"] == pytest.approx(1 / 3)
+    np.testing.assert_allclose(sum(ideal.breakdown_I[k] for k in BREAKDOWN_PARTS), ideal.iteration_s_I, rtol=1e-12)
+    assert not np.allclose(run(pool, "ep-bound").iteration_s_I, ideal.iteration_s_I)
+    tiny = build_scenario(model, make_pool(1, 1, expert_gpu=dict(half, memory_gb=0.5)), 2, trace, efficiency=no_launch)
+    alone = run(tiny, "ep-ideal")
+    np.testing.assert_allclose(alone.iteration_s_I, 2 * t_fast, rtol=1e-12)
+    assert "EP needs" in alone.details["gpu_types"]["OLD"]["excluded"]
+    homogeneous = build_scenario(model, make_cluster(nodes=1, gpus_per_node=2), 2, trace, efficiency=no_launch)
+    np.testing.assert_allclose(run(homogeneous, "ep-ideal").iteration_s_I, run(homogeneous, "ep").iteration_s_I)
