@@ -15,6 +15,7 @@ from sim_builders import balanced_trace, make_cluster, make_model, make_pool, sk
 from megatron_patches.placement.accounting import allreduce_equivalent_bytes, sparse_all_gather_bytes
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import make_policy
+from megatron_patches.placement.trace import Trace
 from megatron_patches.sim import (
     BREAKDOWN_PARTS,
     KernelEfficiency,
@@ -140,6 +141,28 @@ def test_ep_all_to_all_reproduces_the_closed_form(balanced):
     one = links.inter_latency_s + max(intra, nic)
     np.testing.assert_allclose(ep.breakdown_I["all_to_all"], 4 * 2 * one, rtol=1e-12)
     assert ep.traffic["all_to_all"][1] == pytest.approx(4 * 2 * D * (D - P) * b * token_bytes)
+
+
+@pytest.mark.parametrize("nodes, per_node, latency, bandwidth", [(2, 1, 25e-6, 10e9 * 0.85), (1, 2, 10e-6, 100e9 * 0.8)])
+def test_the_dispatch_plans_split_prices_the_all_to_all(nodes, per_node, latency, bandwidth):
+    """2 devices, 2 experts, every one of the 2 x 512 tokens routed to expert 0 (on device 0 under
+    EP), 512 B per token. EP: device 1 sends its 512 tokens, 262,144 B, over the NIC (two nodes:
+    25 us + 262,144 B / 8.5 GB/s) or the intra-node link (one node: 10 us + 262,144 B / 80 GB/s),
+    four times per layer. FSSDP gathers a copy of expert 0 onto device 1 (t = m = 1): every token
+    is served where it was routed, so nothing crosses and the all-to-all costs nothing; the copy
+    costs spAG + spRS instead."""
+    model = make_model(layers=1, experts=2, hidden=256, seq=512, topk=1)
+    source = np.zeros((3, 1, 2, 2), dtype=np.int64)
+    source[..., 0] = 512
+    scn = build_scenario(model, make_cluster(nodes=nodes, gpus_per_node=per_node), 2,
+                         Trace(source.sum(axis=2), source, {}), options=SimOptions(overlap_degree=1, memory_capacity=1))
+    assert scn.workload.byte_model.token_bytes == 512
+    ep, fssdp = run(scn, "ep"), run(scn, "fssdp")
+    assert ep.details["collective_s"]["all_to_all"] == pytest.approx(4 * (latency + 262_144 / bandwidth), rel=1e-12)
+    assert fssdp.details["collective_s"]["all_to_all"] == 0.0
+    assert fssdp.traffic["all_to_all"].tolist() == [0.0, 0.0]
+    assert fssdp.details["collective_s"]["spag"] > 0
+    np.testing.assert_allclose(fssdp.imbalance_IL, 1.0)
 
 
 @pytest.mark.parametrize("pricing", ["p2p", "ring"])
@@ -337,3 +360,21 @@ def test_ep_ideal_is_hetermoes_ep_per_gpu_type_with_throughputs_summed():
     assert "EP needs" in alone.details["gpu_types"]["OLD"]["excluded"]
     homogeneous = build_scenario(model, make_cluster(nodes=1, gpus_per_node=2), 2, trace, efficiency=no_launch)
     np.testing.assert_allclose(run(homogeneous, "ep-ideal").iteration_s_I, run(homogeneous, "ep").iteration_s_I)
+
+
+def test_distep_is_a_serial_schedule_hand_case():
+    """zebra-naive (DistEP: attention on the new GPUs, experts on the old, one micro-batch) has
+    nothing to overlap: per layer the forward runs attention, dispatch, experts, combine one after
+    the other, the backward the same in reverse. 2 + 2 GPUs on two nodes (80 Gbps NICs, latency
+    0), 3 layers, balanced loads: each attention rank holds 2 x 1024 tokens, top-2, 1024 B per
+    token (512 x bf16), so every all-to-all pushes 2 x 4096 x 1024 = 8,388,608 B through one
+    NIC at 10 GB/s x 0.85: 986.9 us, four per layer (dispatch and combine, forward and
+    backward). Makespan = 3 (attention fwd+bwd + experts fwd+bwd + 4 x 986.9 us) + the head."""
+    scn = zebra_scenario(1)
+    r = run(scn, "zebra-naive")
+    p = r.details["profile"]
+    head = float(scn.compute.head_fwd_D()[0]) * 2048 / 1024 * 3  # forward + backward (2x)
+    a2a = 8_388_608 / 8.5e9
+    makespan = r.iteration_s - r.details["gradient_sync_s"] - r.details["optimizer_s"]
+    assert makespan == pytest.approx(3 * (p["t_attn_A"] + p["t_exp_E"] + 4 * a2a) + head, rel=1e-9)
+    assert r.traffic["all_to_all"][1] == pytest.approx(4 * 3 * 8_388_608)  # one way each: 4 per layer, 3 layers
