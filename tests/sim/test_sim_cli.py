@@ -56,6 +56,12 @@ def test_the_issue_command_prints_the_table_and_writes_json_and_plot(done_check)
                                    "exposed_collectives", "rearrangement", "optimizer"))
         assert parts == pytest.approx(s["iteration_s"], rel=1e-9)
         assert b["expert_compute_max"] >= b["expert_compute_mean"]
+        assert sum(s["exposed_collectives_by_kind_s"].values()) == pytest.approx(b["exposed_collectives"], rel=1e-9)
+        assert len(s["expert_compute_s_per_device"]) == 32
+        assert set(s["all_to_all_terms_s"]) == {"latency", "intra_node_link", "inter_node_nic"}
+        mem = s["memory_gb_parts"]
+        assert sum(v for k, v in mem.items() if k != "device") == pytest.approx(s["memory_gb_max"], rel=1e-9)
+        assert len(s["per_layer_moe_speedup"]) == 12 and all(x > 0 for x in s["per_layer_moe_s"])
         assert s["survival_mean"] == 1.0  # no capacity set: FlexMoE runs dropless
         # FlexMoE's reserved slots (sized to the memory left under balanced loads) are held from
         # the start, so a skewed iteration's extra activations push it past the 32 GB
@@ -120,3 +126,16 @@ def test_zebra_on_a_heterogeneous_pool(tmp_path):
     assert systems["zebra"]["details"]["attention_gpu"] == "A40-48GB"
     assert systems["zebra"]["details"]["microbatches"] == 4
     assert systems["zebra"]["iteration_s"] < systems["zebra-naive"]["iteration_s"]
+
+
+def test_the_readme_table_of_every_run_config_is_current():
+    """README's generated table (tools/simulate_runs.py) is what the simulator predicts today for
+    every configs/runs/ file: a change to the cost model or a config must regenerate it. Every
+    run config has a row."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate_runs.py"), "--check", "README.md"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    readme = open(os.path.join(REPO, "README.md")).read()
+    for name in os.listdir(os.path.join(REPO, "configs", "runs")):
+        assert f"| {name[:-5]} |" in readme, name

@@ -8,14 +8,17 @@
 - the breakdown adds up to the iteration time for every system.
 """
 
+import os
+
 import numpy as np
 import pytest
 from sim_builders import balanced_trace, make_cluster, make_model, make_pool, skewed_trace
 
+from megatron_patches.config import load_cluster_config, load_model_config
 from megatron_patches.placement.accounting import allreduce_equivalent_bytes, sparse_all_gather_bytes
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import make_policy
-from megatron_patches.placement.trace import Trace
+from megatron_patches.placement.trace import Trace, read_trace
 from megatron_patches.sim import (
     BREAKDOWN_PARTS,
     KernelEfficiency,
@@ -378,3 +381,26 @@ def test_distep_is_a_serial_schedule_hand_case():
     makespan = r.iteration_s - r.details["gradient_sync_s"] - r.details["optimizer_s"]
     assert makespan == pytest.approx(3 * (p["t_attn_A"] + p["t_exp_E"] + 4 * a2a) + head, rel=1e-9)
     assert r.traffic["all_to_all"][1] == pytest.approx(4 * 3 * 8_388_608)  # one way each: 4 per layer, 3 layers
+
+
+RECORDED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces",
+                        "tiny_ep4_austen.npz")
+
+
+def test_a_trace_recorded_by_training_replays_at_its_own_scale():
+    """The trace ep training wrote with --moe-log-loads (tests/data/traces): simulated at the run's
+    own batch (4 ranks x micro-batch 4 x 128 tokens, top-2) it is used as recorded: the per-rank
+    loads unchanged, and EP's device loads are the recorded loads summed over each rank's 2
+    experts, so the simulated imbalance is the run's."""
+    trace = read_trace(RECORDED)
+    assert trace.metadata["model"] == "gpt" and trace.num_ranks == 4
+    scn = build_scenario(load_model_config("tiny"), load_cluster_config("cluster_a"), 4, trace,
+                         micro_batch_size=4, seq_length=128, precision="fp32")
+    assert scn.trace_scale == 1.0 and scn.source_note == "per-rank loads of the trace (4 ranks)"
+    np.testing.assert_array_equal(scn.source_ILDE, trace.source_loads)
+    device_ILD = trace.loads.reshape(trace.num_iterations, 2, 4, 2).sum(axis=3)
+    ep = run(scn, "ep")
+    np.testing.assert_allclose(ep.imbalance_IL, device_ILD.max(axis=2) / device_ILD.mean(axis=2), rtol=1e-12)
+    assert ep.imbalance_IL[-10:].mean() > 1.8  # the router has collapsed by the end of the run
+    replicate = run(scn, "replicate")
+    assert replicate.imbalance_IL[-10:].mean() < ep.imbalance_IL[-10:].mean()
