@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from megatron_patches.config import ConfigError, load_cluster_config, load_model_config
+from megatron_patches.config import ConfigError, load_cluster_config, load_model_config, model_config_from_dict
 from megatron_patches.placement.synthetic import synthetic_trace
 from megatron_patches.placement.trace import TraceError, read_trace
 from megatron_patches.placement.types import PlacementError
@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "micro-batch, sequence length, precision, recompute, the mode's systems and flags")
     parser.add_argument("--model", help="model config: a YAML path or a name under configs/models")
     parser.add_argument("--cluster", help="cluster config: a YAML path or a name under configs/clusters")
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="experts per MoE layer instead of the model config's (the FSSDP paper's 16-GPU runs "
+                        "use 32 where its models have 64)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to use, the cluster's first ones (default: all, or the run's world size)")
     parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py); "
@@ -242,6 +245,12 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
         run = {"model": (load_model_config(args.model), f"--model {args.model}"),
                "cluster": (load_cluster_config(args.cluster), f"--cluster {args.cluster}")}
     out = dict(run)
+    if args.num_experts is not None:
+        model, source = out["model"]
+        if args.num_experts < 1:
+            raise SimError(f"--num-experts must be >= 1, got {args.num_experts}")
+        out["model"] = (model_config_from_dict({**model.to_dict(), "num_experts": args.num_experts}, "--num-experts"),
+                        f"{source}; --num-experts {args.num_experts}")
     defaults = {"micro_batch_size": 1, "seq_length": None, "precision": None, "recompute": "none",
                 "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None}
     for name in ("gpus", "micro_batch_size", "seq_length", "precision", "recompute", "systems",

@@ -89,6 +89,8 @@ def test_list_systems_names_every_system():
         (["--gpus", 12], "cannot be cut at 12 GPUs"),
         (["--efficiency", "gemm=0.5"], "unknown kernel efficiency parameter(s) ['gemm']"),
         (["--systems", "zebra"], "zebra systems need a pool of two GPU types"),
+        (["--num-experts", 0], "--num-experts must be >= 1, got 0"),
+        (["--num-experts", 32], "the trace has 12 layers x 64 experts but the model has 12 MoE layers x 32 experts"),
     ],
 )
 def test_bad_inputs_fail_with_clear_messages(gpt_trace, args, message):
@@ -103,6 +105,18 @@ def test_a_model_that_cannot_fit_fails(gpt_trace):
                     gpt_trace, "--iterations", 2)
     assert done.returncode == 2
     assert "does not fit" in done.stderr and "use more GPUs" in done.stderr
+
+
+def test_num_experts_expresses_the_fssdp_papers_16_gpu_runs(tmp_path):
+    """GPT-MoE-S has 64 experts; the FSSDP paper's 16-GPU runs use 32."""
+    trace = tmp_path / "s32.npz"
+    assert run_tool("make_trace.py", "--out", trace, "--iterations", 2, "--layers", 12, "--experts", 32,
+                    "--ranks", 16).returncode == 0
+    done = run_tool("simulate.py", "--model", "gpt_moe_s", "--num-experts", 32, "--cluster", "cluster_a", "--gpus", 16,
+                    "--trace", trace, "--systems", "ep,fssdp", "--json", tmp_path / "out.json")
+    assert done.returncode == 0, done.stderr
+    assert "32 experts, top-2" in done.stdout and "--num-experts 32" in done.stdout
+    assert json.loads((tmp_path / "out.json").read_text())["setup"]["model"]["num_experts"] == 32
 
 
 def test_trace_of_another_model_is_refused(tmp_path):
