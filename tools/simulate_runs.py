@@ -53,7 +53,7 @@ def run_names() -> list[str]:
     return sorted(name[:-5] for name in os.listdir(directory) if name.endswith(".yaml"))
 
 
-def simulate_run(name: str, iterations: int) -> tuple[dict | None, str]:
+def simulate_run(name: str, iterations: int, jobs: int = 1) -> tuple[dict | None, str]:
     """The summary JSON of one run config (None when it is refused) and the tool's message."""
     try:
         settings = simulate._settings(simulate.parse_args(["--run", name]))
@@ -64,7 +64,8 @@ def simulate_run(name: str, iterations: int) -> tuple[dict | None, str]:
     systems = ",".join(dict.fromkeys(BASELINES[mode].split(",") + own + (["zebra-asym"] if mode == "zebra" else [])))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "sim.json")
-        argv = ["--run", name, "--iterations", str(iterations), "--systems", systems, "--json", out, "--quiet"]
+        argv = ["--run", name, "--iterations", str(iterations), "--systems", systems, "--json", out, "--quiet",
+                "--jobs", str(jobs)]
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = simulate.main(argv)
@@ -81,13 +82,13 @@ def _cell(s: dict) -> str:
     return speed + extra + ("!" if not s["fits_in_memory"] else "")
 
 
-def table(iterations: int, progress=None) -> str:
+def table(iterations: int, jobs: int = 1, progress=None) -> str:
     lines = [
         "| run | setup | EP ms/iter | speedup over EP (survival when tokens drop; ! = over memory) |",
         "|---|---|---|---|",
     ]
     for name in run_names():
-        summary, message = simulate_run(name, iterations)
+        summary, message = simulate_run(name, iterations, jobs)
         if progress:
             progress(name)
         if summary is None:
@@ -124,10 +125,12 @@ def main(argv=None) -> int:
     group.add_argument("--write", metavar="README", help="replace the generated section of this file")
     group.add_argument("--check", metavar="README", help="exit 1 when this file's generated section differs")
     parser.add_argument("--iterations", type=int, default=ITERATIONS, help=f"synthetic iterations (default {ITERATIONS})")
+    parser.add_argument("--jobs", type=int, default=1, help="systems of a run simulated in parallel processes (default 1)")
     args = parser.parse_args(argv)
-    if args.iterations < 1:
-        print(f"simulate_runs.py: error: --iterations must be >= 1, got {args.iterations}", file=sys.stderr)
-        return 2
+    for flag, value in (("--iterations", args.iterations), ("--jobs", args.jobs)):
+        if value < 1:
+            print(f"simulate_runs.py: error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     path = args.write or args.check
     try:
         readme = None
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
             with open(path) as f:
                 readme = f.read()
             _replace(readme, "", path)  # refuse a file without the markers before simulating
-        text = table(args.iterations, lambda name: print(f"simulate_runs: {name}", file=sys.stderr))
+        text = table(args.iterations, args.jobs, lambda name: print(f"simulate_runs: {name}", file=sys.stderr))
         if path is None:
             print(text)
             return 0
