@@ -134,12 +134,6 @@ def _seed_rng_tracker():
     model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
 
 
-def _router_gating_linear():
-    from megatron.core.transformer.moe.moe_utils import router_gating_linear
-
-    return router_gating_linear(torch.randn(3, 4), torch.randn(2, 4), None, torch.float32)
-
-
 def _megatron_all_to_all():
     received, expected = _a2a_uneven(dist.get_world_size(), dist.get_rank())
     assert torch.equal(received, expected), (received, expected)
@@ -174,6 +168,15 @@ def _grad_norm_fp32():
     return get_grad_norm_fp32([torch.ones(3)])
 
 
+def _grad_scaler_round_trip():
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    scaler = DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5,
+                               growth_interval=1, hysteresis=1)
+    scaler.load_state_dict(scaler.state_dict())
+    return scaler
+
+
 def _clip_grad_by_total_norm():
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
@@ -206,10 +209,6 @@ NECESSITY_CHECKS = {
         ],
     ),
     "rng_tracker": (1, [("model_parallel_cuda_manual_seed", _seed_rng_tracker, NOT_COMPILED)]),
-    "te_general_gemm": (
-        1,
-        [("moe_utils.router_gating_linear", _router_gating_linear, "name 'te_general_gemm' is not defined")],
-    ),
     "gloo_all_to_all_single": (
         2,
         [("mappings.all_to_all (uneven, tensor split sizes)", _megatron_all_to_all, "incompatible function arguments")],
@@ -223,6 +222,7 @@ NECESSITY_CHECKS = {
         [
             ("transformer.utils.get_default_causal_mask", _causal_mask, NOT_COMPILED),
             ("clip_grads.get_grad_norm_fp32", _grad_norm_fp32, NOT_COMPILED),
+            ("DynamicGradScaler.load_state_dict (fp16 resume)", _grad_scaler_round_trip, NOT_COMPILED),
         ],
     ),
     "optimizer_type_checks": (
@@ -333,7 +333,6 @@ def test_apply_returns_every_shim_in_order(shims):
     assert SHIM_NAMES == [
         "device_and_streams",
         "rng_tracker",
-        "te_general_gemm",
         "gloo_all_to_all_single",
         "gloo_uneven_all_gather",
         "cuda_literals",
@@ -496,26 +495,7 @@ def test_activation_checkpoint_replays_dropout_under_the_tracker(shims):
     assert (plain_grad == 0).any() and (plain_grad != 0).any()
 
 
-# --- 3. te_general_gemm --------------------------------------------------------------------
-
-
-def test_router_gating_linear_falls_back_to_torch(shims):
-    from megatron.core.transformer.moe import moe_utils
-
-    assert moe_utils.te_general_gemm is None
-    x = torch.randn(5, 4, requires_grad=True)
-    weight = torch.randn(3, 4, requires_grad=True)
-    bias = torch.randn(3, requires_grad=True)
-    moe_utils.router_gating_linear(x, weight, bias, torch.float32).square().sum().backward()
-    grads = [t.grad.clone() for t in (x, weight, bias)]
-    reference_inputs = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
-    xr, wr, br = reference_inputs
-    (xr @ wr.T + br).square().sum().backward()
-    for got, ref in zip(grads, reference_inputs):
-        torch.testing.assert_close(got, ref.grad)
-
-
-# --- 4. gloo_all_to_all_single ------------------------------------------------------------
+# --- 3. gloo_all_to_all_single ------------------------------------------------------------
 
 
 def test_all_to_all_single_accepts_tensor_split_sizes(shims):
@@ -540,7 +520,7 @@ def test_all_gather_keeps_equal_shapes_on_the_stock_path_and_pads_uneven_ones(sh
     assert torch.equal(out[0], torch.ones(2, 3))
 
 
-# --- 5. cuda_literals ---------------------------------------------------------------------
+# --- 4. cuda_literals ---------------------------------------------------------------------
 
 
 def test_megatron_cuda_literals_create_cpu_tensors(shims):
@@ -560,6 +540,9 @@ def test_megatron_cuda_literals_create_cpu_tensors(shims):
     )
     scaler.update(found_inf=True)
     assert scaler.scale.device.type == "cpu" and scaler.scale.item() == 4.0
+    resumed = _grad_scaler_round_trip()
+    resumed.load_state_dict(scaler.state_dict())  # an fp16 run resuming its loss scale
+    assert resumed.scale.device.type == "cpu" and resumed.scale.item() == 4.0
 
 
 def test_no_pipelining_schedule_counts_tokens_on_cpu(shims):
@@ -617,7 +600,7 @@ def test_tensor_cuda_and_pin_memory_are_identity_only_in_wrapped_sites(shims):
         assert getattr(cls.__dict__[name], "_megatron_patches_cpu", False), name
 
 
-# --- 6. optimizer_type_checks -------------------------------------------------------------
+# --- 5. optimizer_type_checks -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -657,7 +640,7 @@ def test_clip_grad_by_total_norm_scales_cpu_grads(shims):
     assert torch.ones(1).type() == "torch.FloatTensor"
 
 
-# --- 7. torch_norm_sequence_parallel ------------------------------------------------------
+# --- 6. torch_norm_sequence_parallel ------------------------------------------------------
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])

@@ -12,6 +12,7 @@ Megatron modules (stock behaviour wrong), and the fix shown right.
   * EP2 with the distributed optimizer (dense params sharded over DP2): save -> load with the
     stock Megatron methods and with fix 4, per-parameter `step` tensors, and the next
     optimizer steps against a run that never stopped.
+- Fix 6 (the router's gating GEMM without Transformer Engine), in this process.
 """
 
 from __future__ import annotations
@@ -570,3 +571,26 @@ def test_fix4_resumed_steps_match_the_uninterrupted_run(world2):
         result = rank["round_trip"]
         assert result["fixed"]["losses"] == result["losses_uninterrupted"]
         assert result["fixed"]["max_param_diff"] == 0.0
+
+
+def test_fix6_router_gating_without_transformer_engine(monkeypatch):
+    """Stock, without Transformer Engine the router's gating GEMM raises NameError (on CPU and on
+    GPU: seen on an H200); with the name bound to None it is torch's x W^T + b, gradients too."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        pytest.skip("Transformer Engine is installed: the stock path is TE's GEMM")
+    x = torch.randn(5, 4, requires_grad=True)
+    weight = torch.randn(3, 4, requires_grad=True)
+    bias = torch.randn(3, requires_grad=True)
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # stock: the name is unbound
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(x, weight, bias, torch.float32)
+    fixes._fix_te_general_gemm_without_te()
+    assert moe_utils.te_general_gemm is None
+    moe_utils.router_gating_linear(x, weight, bias, torch.float32).square().sum().backward()
+    grads = [t.grad.clone() for t in (x, weight, bias)]
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, weight, bias))
+    (xr @ wr.T + br).square().sum().backward()
+    for got, ref in zip(grads, (xr, wr, br)):
+        torch.testing.assert_close(got, ref.grad)

@@ -40,7 +40,7 @@ from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.metrics import read_records
 from megatron_patches.training.validation import validate_args
 from support.submit import TEST_DATA, refused, tiny_run
-from support.training import ENTRY, MOCK, REPO
+from support.training import ENTRY, MOCK, REPO, launch
 
 DATA = "inputs/corpus_text_document"
 """A real indexed dataset of 64 sequences (written by the inputs fixture)."""
@@ -303,6 +303,23 @@ def test_a_non_finite_loss_stops_the_run_without_checkpointing_it(tmp_path):
     assert all(math.isfinite(r["loss"]) and r["update_successful"] for r in records[:-1]) and 1 < bad < 12
     assert (f"pretrain_gpt_moe.py: stopped: iteration {bad}: 1 non-finite step(s), more than --max-nonfinite-steps 0 "
             "allows") in output
+
+
+@pytest.mark.e2e
+def test_an_fp16_checkpoint_saved_before_any_step_resumes(tmp_path):
+    """fp16 at Megatron's initial loss scale 2^32 overflows and skips its first iterations, so a
+    checkpoint saved then comes from an optimizer that never stepped. It saved no Adam moments
+    (KeyError on resume), and Megatron drops a shared step of 0 (`if step:`, KeyError 'step');
+    on CPU the loss scale could not be read back either. Now it resumes, and the loss scale
+    goes on halving from where it stopped."""
+    ckpt = tmp_path / "ckpt"
+    fp16 = [*MOCK, "--fp16", "--global-batch-size", "2"]
+    saved = launch(1, [*fp16, "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2"], tmp_path, "fp16_save")
+    assert [r["update_successful"] for r in saved.records] == [False, False]
+    resumed = launch(1, [*fp16, "--train-iters", "3", "--load", str(ckpt)], tmp_path, "fp16_resume")
+    assert "checkpoint: loaded" in resumed.output
+    assert [r["iteration"] for r in resumed.records] == [3]
+    assert resumed.records[0]["loss_scale"] == saved.records[-1]["loss_scale"] / 2
 
 
 @pytest.mark.e2e

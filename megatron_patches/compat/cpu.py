@@ -159,19 +159,7 @@ def _shim_rng_tracker() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# 3. moe_utils refers to te_general_gemm even without Transformer Engine
-# ----------------------------------------------------------------------------------------
-
-
-def _shim_te_general_gemm() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-# ----------------------------------------------------------------------------------------
-# 4. gloo collectives: all_to_all_single wants list split sizes
+# 3. gloo collectives: all_to_all_single wants list split sizes
 # ----------------------------------------------------------------------------------------
 
 
@@ -228,7 +216,7 @@ def _shim_gloo_uneven_all_gather() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# 5. CUDA device literals: device='cuda' in factories, Tensor.cuda(), pin_memory()
+# 4. CUDA device literals: device='cuda' in factories, Tensor.cuda(), pin_memory()
 # ----------------------------------------------------------------------------------------
 
 
@@ -332,6 +320,7 @@ def _shim_cuda_literals() -> None:
 
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 
     _wrap_methods(
         [
@@ -339,13 +328,15 @@ def _shim_cuda_literals() -> None:
             (LanguageModule, "setup_embeddings_and_output_layer"),
             # distrib_optimizer.py:1089 send_tensor.cuda() when gathering optimizer state
             (DistributedOptimizer, "get_parameter_state_dp_zero"),
+            # grad_scaler.py:140 state_dict['scale'].cuda(...) when an fp16 run resumes
+            (DynamicGradScaler, "load_state_dict"),
         ],
         _inside(_TensorCudaToCpu),
     )
 
 
 # ----------------------------------------------------------------------------------------
-# 6. The mixed-precision / distributed optimizers compare x.type() with CUDA type names
+# 5. The mixed-precision / distributed optimizers compare x.type() with CUDA type names
 # ----------------------------------------------------------------------------------------
 
 _CUDA_TYPE_NAMES = {
@@ -393,7 +384,7 @@ def _shim_optimizer_type_checks() -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# 7. Sequence parallel with torch LayerNorm (no Apex / TE on CPU)
+# 6. Sequence parallel with torch LayerNorm (no Apex / TE on CPU)
 # ----------------------------------------------------------------------------------------
 
 
@@ -436,7 +427,6 @@ SHIMS: list[Shim] = [
         "tensor_parallel/random.py:41-110 (_get/_set_cuda_rng_state), :217-240 (add), :243-277 (fork)",
         _shim_rng_tracker,
     ),
-    Shim("te_general_gemm", "transformer/moe/moe_utils.py:1192 (NameError without Transformer Engine)", _shim_te_general_gemm),
     Shim(
         "gloo_all_to_all_single",
         "tensor_parallel/mappings.py _AllToAll (tensor split sizes; gloo needs lists)",
@@ -453,7 +443,8 @@ SHIMS: list[Shim] = [
         "device='cuda' factories in pipeline_parallel/schedules.py:596,983,2138, "
         "optimizer/optimizer.py:473-485,907, grad_scaler.py:15-94, clip_grads.py:90-207, "
         "transformer/moe/moe_utils.py:998, transformer/utils.py:35-40, utils.py:1207; Tensor.cuda() in "
-        "models/common/language_module/language_module.py:244, optimizer/distrib_optimizer.py:1089",
+        "models/common/language_module/language_module.py:244, optimizer/distrib_optimizer.py:1089, "
+        "optimizer/grad_scaler.py:140",
         _shim_cuda_literals,
     ),
     Shim(

@@ -152,11 +152,29 @@ def _fix_checkpoint_without_output_fp8() -> None:
     tp_random.CheckpointWithoutOutput.__init__ = __init__
 
 
+# ----------------------------------------------------------------------------------------
+# Fix 6: the router's gating GEMM refers to te_general_gemm without Transformer Engine
+# ----------------------------------------------------------------------------------------
+# moe_utils binds `te_general_gemm` only inside its `try: from transformer_engine ...` block
+# (moe_utils.py:30-39), but RouterGatingLinearFunction.forward tests `te_general_gemm is not
+# None` unconditionally (moe_utils.py:1192): without Transformer Engine every router forward
+# raises NameError, on CPU and on GPU alike (seen on an H200 with PyTorch 2.11 and no TE).
+# Binding the name to None takes the function's own torch path (the same GEMM in torch).
+
+
+def _fix_te_general_gemm_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_global_fixes() -> None:
-    """Install the module-level fixes (1, 4 and 5). Fixes 2-3 apply per model / optimizer."""
+    """Install the module-level fixes (1, 4, 5 and 6). Fixes 2-3 apply per model / optimizer."""
     _fix_single_rank_reduce()
     _fix_torch_adam_step_on_load()
     _fix_checkpoint_without_output_fp8()
+    _fix_te_general_gemm_without_te()
 
 
 __all__ = [

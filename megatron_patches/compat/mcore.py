@@ -9,6 +9,7 @@ refuses any version other than the pinned one so that this can never happen sile
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import multiprocessing
 import os
@@ -97,6 +98,18 @@ def seed_model_parallel_rng(seed: int) -> None:
 # ----------------------------------------------------------------------------------------
 
 
+FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
+"""The CUDA extensions of Megatron's fused masked softmax (fusions/fused_softmax.py:31-131): built
+by Megatron-LM's or Apex's compilation, not shipped in the megatron-core wheel."""
+
+
+def fused_softmax_kernels() -> bool:
+    """Whether Megatron's fused softmax kernels can be imported. Without them a GPU run with
+    masked_softmax_fusion on fails at its first half-precision attention (ModuleNotFoundError,
+    seen on an H200 with the plain wheel), so the fusion is asked for only where they exist;
+    Megatron's torch softmax computes the same values otherwise."""
+    return all(importlib.util.find_spec(name) is not None for name in FUSED_SOFTMAX_MODULES)
+
 def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig (its field names are version-specific).
 
@@ -142,9 +155,11 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         # CPU: initialise on the host; the fused kernels below need Apex/TE/CUDA.
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,
-        bias_activation_fusion=on_gpu,
+        # the experts' fused bias + activation with their per-token probabilities exists only for
+        # gated SiLU / quick-GELU (transformer/mlp.py:171-193 raises for plain GELU: seen on an H200)
+        bias_activation_fusion=on_gpu and model.swiglu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and fused_softmax_kernels(),
         persist_layer_norm=False,  # needs Apex's FusedLayerNorm (Megatron-LM: --no-persist-layer-norm)
         apply_rope_fusion=False,
         attention_softmax_in_fp32=run.attention_softmax_in_fp32,
@@ -572,6 +587,10 @@ def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> Non
     _results_queue_dies_with_rank()
     state = {"model": model_chunks[0].sharded_state_dict()}
     if opt is not None:
+        # An optimizer that never stepped (fp16: every iteration so far skipped for overflow)
+        # has no Adam state, and the checkpoint would lack the moments every load asks for
+        # (KeyError on resume: seen on CPU and on an H200). Its state is zeros at step 0.
+        _materialize_optimizer_state(opt)
         state["optimizer"] = opt.sharded_state_dict(
             state["model"], metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
@@ -597,15 +616,39 @@ def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> 
     loaded = dist_checkpointing.load(state, directory)
     model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
     if opt is not None:
-        opt.load_state_dict(loaded.pop("optimizer"))
+        optimizer_state = loaded.pop("optimizer")
+        _restore_step_zero(optimizer_state)
+        opt.load_state_dict(optimizer_state)
     return loaded
 
 
+def _restore_step_zero(state) -> None:
+    """Give back the shared Adam step of an optimizer saved at step 0.
+
+    Megatron stores the step shared by all parameters only `if step:` (optimizer/optimizer.py:845),
+    so a checkpoint of an optimizer that never stepped (fp16: every iteration so far skipped)
+    has moments but no step, and torch's Adam refuses such state on load (KeyError 'step'). The
+    step it lost is 0. Walks the loaded optimizer state (a chained optimizer's per-optimizer
+    entries too) and adds it where the moments have no step.
+    """
+    if not isinstance(state, dict):
+        return
+    per_param = state.get("state")
+    if isinstance(per_param, dict) and "common_step" not in per_param:
+        entries = [v for v in per_param.values() if isinstance(v, dict)]
+        if entries and all("exp_avg" in v and "step" not in v for v in entries):
+            per_param["common_step"] = torch.zeros((), dtype=torch.float32)
+    for value in state.values():
+        _restore_step_zero(value)
+
+
 def _materialize_optimizer_state(opt) -> None:
-    """Create Adam state (exp_avg, exp_avg_sq, step) before building a loading state dict.
+    """Create Adam state (exp_avg, exp_avg_sq, step) where a parameter has none yet.
 
     Megatron's sharded optimizer state dict describes the *existing* state; a fresh torch
-    Adam has none until its first step, so without this nothing would be loaded.
+    Adam has none until its first step, so without this nothing would be loaded, or saved.
+    Zero moments at step 0 are what torch's Adam creates at its first step, so a run that
+    continues after the save steps exactly as it would have.
     """
     for sub in getattr(opt, "chained_optimizers", [opt]):
         inner = sub.optimizer

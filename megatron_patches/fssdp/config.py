@@ -24,8 +24,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fssdp-memory-capacity", type=auto_or_int, default="auto",
         help="m: extra expert copies a device may hold per layer. auto: free memory per MoE layer "
-        "whose copies are alive over the bytes of one expert (GPU: 90%% of free memory; CPU: "
-        "--fssdp-memory-budget-mb). New flag.",
+        "whose copies are alive over the bytes of one copy (weights and gradient). GPU: the first "
+        "iteration runs without copies and measures its activation peak; m is what stays free "
+        "after reserving that peak plus --fssdp-memory-margin. CPU: --fssdp-memory-budget-mb. "
+        "New flag.",
+    )
+    group.add_argument(
+        "--fssdp-memory-margin", type=float, default=0.25,
+        help="GPU, with --fssdp-memory-capacity auto: reserve this fraction of the measured "
+        "activation peak on top of it before counting copy slots (routing varies between "
+        "iterations, and with it the activation and all-to-all memory). New flag.",
     )
     group.add_argument(
         "--fssdp-memory-budget-mb", type=float, default=256.0,
@@ -54,6 +62,9 @@ def validate(args: argparse.Namespace) -> None:
         fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
     if not args.fssdp_memory_budget_mb > 0:
         fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
+    if not 0 <= args.fssdp_memory_margin <= 10:
+        fail("--fssdp-memory-margin", args.fssdp_memory_margin,
+             "must be a fraction of the activation peak in [0, 10] (0.25 reserves a quarter more)")
 
 
 @dataclass(frozen=True)
@@ -66,10 +77,13 @@ class FSSDPConfig:
     layer, the point-to-point bandwidth between the ranks and the bytes of one expert."""
     memory_capacity: int | None
     """m: extra expert copies a device may hold per layer. None = auto: the free memory per
-    MoE layer over the bytes of one expert (GPU: free device memory after the first
-    iteration, minus a 10% reserve; CPU: `memory_budget_bytes`)."""
+    MoE layer whose copies are alive over the bytes of one copy, weights and gradient (GPU:
+    free device memory after the first iteration, which runs without copies, minus its
+    measured activation peak x (1 + `memory_margin`); CPU: `memory_budget_bytes`)."""
     memory_budget_bytes: int
     """CPU only, for m = auto: bytes of host memory a rank may spend on expert copies."""
+    memory_margin: float
+    """GPU, for m = auto: fraction of the measured activation peak reserved on top of it."""
     reshard_interval: int
     """Iterations between heterogeneous re-sharding decisions; 0 = never."""
     rematerialize: bool
@@ -90,6 +104,7 @@ class FSSDPConfig:
             overlap_degree=None if args.fssdp_overlap_degree == "auto" else int(args.fssdp_overlap_degree),
             memory_capacity=None if args.fssdp_memory_capacity == "auto" else int(args.fssdp_memory_capacity),
             memory_budget_bytes=int(args.fssdp_memory_budget_mb * 2**20),
+            memory_margin=args.fssdp_memory_margin,
             reshard_interval=args.fssdp_reshard_interval,
             rematerialize=args.fssdp_rematerialize,
             calibrate=args.fssdp_calibrate,

@@ -32,12 +32,12 @@ there is no attention backward above it to hide a gather behind).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from megatron_patches.comm.timing import nvtx_range
 from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
 from megatron_patches.compat import activations, mcore
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
@@ -82,16 +82,14 @@ class LayerPass:
     def wait_gather(self) -> torch.Tensor:
         """The copies of `plan` (after calibration's extra gather, if any)."""
         if self.held_HN is None:
-            stats = self.layer.runtime.stats
-            started = time.perf_counter()
-            held_HN = self.gather.wait()
-            stats.exposed_s["spag"] += time.perf_counter() - started
+            timer = self.layer.runtime.timer
+            with timer.span("fssdp.wait.spag"):
+                held_HN = self.gather.wait()
             self.gather = None
             if self.calibration is not None:
                 before, extra_gather, extra = self.calibration
-                started = time.perf_counter()
-                extra_XN = extra.wait()
-                stats.exposed_s["spag_calibrate"] += time.perf_counter() - started
+                with timer.span("fssdp.wait.spag_calibrate"):
+                    extra_XN = extra.wait()
                 held_HN = _merge_rows(self.plan, before, held_HN, extra_XN, extra_gather)
                 self.calibration = None
             self.held_HN = held_HN
@@ -104,9 +102,8 @@ class LayerPass:
         if self.held_HN is None:
             if self.regather is None:
                 self.regather = self.layer.runtime.launch_regather(self)
-            started = time.perf_counter()
-            self.held_HN = self.regather.wait()
-            self.layer.runtime.stats.exposed_s["regather"] += time.perf_counter() - started
+            with self.layer.runtime.timer.span("fssdp.wait.regather"):
+                self.held_HN = self.regather.wait()
             self.regather = None
         return self.held_HN
 
@@ -189,6 +186,14 @@ class FSSDPMoELayer(InstanceMoELayer):
         layer_pass.tokens_ED = tokens_from_source(plan, self.runtime.rank)
         return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)
 
+    def dispatch(self, hidden_states, probs):
+        with nvtx_range("fssdp.dispatch", self.runtime.device):
+            return super().dispatch(hidden_states, probs)
+
+    def combine(self, output):
+        with nvtx_range("fssdp.combine", self.runtime.device):
+            return super().combine(output)
+
     def before_dispatch(self):
         layer_pass = self._pass
         held_HN = layer_pass.rematerialized() if layer_pass.replaying else layer_pass.wait_gather()
@@ -205,8 +210,8 @@ class FSSDPMoELayer(InstanceMoELayer):
         # Re-materialization frees the copies after the forward; a replay's backward follows at once.
         frees = not layer_pass.keeps_copies and not layer_pass.replaying
         hooks = self._saved_copy_hooks(layer_pass) if frees and torch.is_grad_enabled() else contextlib.nullcontext()
-        started = time.perf_counter()
-        with hooks:
+        counted = self.training and not layer_pass.replaying
+        with hooks, self.runtime.timer.span("fssdp.experts" if counted else "fssdp.experts.untimed"):
             for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
                 if counts[expert] == 0:
                     continue
@@ -225,8 +230,7 @@ class FSSDPMoELayer(InstanceMoELayer):
                 # plan gathers none): the empty output stays connected to the dispatched tokens
                 # so that the backward's all-to-all still runs here.
                 outputs.append(tokens_ND * probs_N.unsqueeze(-1).to(tokens_ND.dtype))
-        if self.training and not layer_pass.replaying:
-            self.runtime.stats.expert_s += time.perf_counter() - started
+        if counted:
             self.runtime.stats.expert_tokens += tokens_ND.shape[0]
         if frees:
             layer_pass.held_HN = None  # freed: the backward (or the recompute) re-gathers

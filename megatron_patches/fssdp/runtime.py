@@ -42,6 +42,7 @@ from megatron.core import parallel_state
 
 from megatron_patches.comm.groups import node_layout
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
+from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
@@ -62,6 +63,7 @@ the backward with re-materialization; spag_calibrate: calibration's extra copies
 experts (weights and optimizer state) moved to new owners. Counted apart so that
 spag + spag_calibrate = sprs holds."""
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
+"""Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 
 # Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
 # gathered by calibration serves both, so the cost model charges 3x the measured forward.
@@ -99,12 +101,15 @@ class IterationStats:
     computes every plan, so this is global without communication)."""
     t: int
     """Overlap degree the iteration's plans used."""
+    m: int = 0
+    """Memory capacity the iteration's plans used (0 while auto m measures on GPU)."""
     exposed_s: dict = field(default_factory=lambda: defaultdict(float))
-    """Seconds this rank blocked in wait() per collective kind (not hidden by compute)."""
+    """Seconds the compute stream stalled in wait() per collective kind (not hidden by compute);
+    this and the other times are the runtime's `DeviceTimer` spans (CUDA events on GPU)."""
     non_moe_s: list = field(default_factory=list)
     """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
     expert_s: float = 0.0
-    """Seconds of expert forward compute (for calibration's cost model)."""
+    """Seconds of expert forward compute on the stream (for calibration's cost model)."""
     expert_tokens: int = 0
     """Token copies those seconds processed."""
     calibrations: int = 0
@@ -134,6 +139,10 @@ class FSSDPRuntime(ModeRuntime):
         self.moe_layer_numbers = list(moe_layer_numbers)
         """Global numbers of all MoE layers of the model (the load tracker covers all)."""
         self.on_gpu = on_gpu
+        self.timer = DeviceTimer(self.device)
+        """Times the stalls behind collectives, the expert compute and the non-MoE part of each
+        layer on the compute stream (CUDA events on GPU, read once per iteration in
+        `end_iteration`; the host clock on CPU)."""
         if parallel_state.get_expert_tensor_parallel_world_size() != 1:
             raise ValueError("fssdp mode needs --expert-tensor-parallel-size 1 (expert copies are whole experts)")
         if parallel_state.get_expert_model_parallel_world_size() < 2:
@@ -163,6 +172,8 @@ class FSSDPRuntime(ModeRuntime):
         self.element_size = 0
         self.t: int | None = config.overlap_degree
         self.m: int | None = config.memory_capacity
+        self._memory_base: int | None = None
+        """GPU, auto m: bytes held when the measuring (first) iteration started."""
         self.cost: planner.CalibrationCost | None = None
         """Calibration's cost model, from the first iteration's measured expert time."""
         self.stats: IterationStats | None = None
@@ -241,15 +252,15 @@ class FSSDPRuntime(ModeRuntime):
 
     def _layer_start_hook(self, moe_layer):
         def hook(module, args):
-            self._layer_started = time.perf_counter()
+            counted = self.stats is not None and module.training and not mcore.recomputing()
+            self._non_moe_mark = self.timer.start("fssdp.non_moe" if counted else "fssdp.non_moe.untimed")
             moe_layer.start_gather()
 
         return hook
 
     def _moe_start_hook(self):
         def hook(module, args):
-            if self.stats is not None and module.training and not mcore.recomputing():
-                self.stats.non_moe_s.append(time.perf_counter() - self._layer_started)
+            self.timer.stop(self._non_moe_mark)
 
         return hook
 
@@ -279,19 +290,24 @@ class FSSDPRuntime(ModeRuntime):
 
     def begin_iteration(self, iteration: int) -> None:
         """Plan every layer of this stage for the iteration (same plan on every rank)."""
-        if self.m is None:
-            self.m = self._auto_memory_capacity()
+        if self.m is None and not self.on_gpu:
+            self.m = self._budget_memory_capacity()
+        if self.m is None and self._memory_base is None:
+            # auto m on GPU: this iteration runs without copies and measures its activation peak
+            DeviceMemory.reset_peak(self.device)
+            self._memory_base = DeviceMemory.read(self.device).allocated
+        m = 0 if self.m is None else self.m
         t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
         predicted_LE = self.tracker.predict()
         self.traffic.reset()
-        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t)
+        self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
         self.plans = {}
         for index, layer in enumerate(self.layers):
             shard = self.layout.layer(index)
             row = self.moe_layer_numbers.index(layer.layer_number)
-            placement = planner.materialize(shard, predicted_LE[row], t, self.m, self.topology)
+            placement = planner.materialize(shard, predicted_LE[row], t, m, self.topology)
             self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
 
     def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
@@ -318,10 +334,9 @@ class FSSDPRuntime(ModeRuntime):
                 "fssdp: re-sharding moves optimizer state but no optimizer was attached; call "
                 "FSSDPRuntime.attach(layers, config, optimizer) after building it (or pass --fssdp-reshard-interval 0)"
             )
-        started = time.perf_counter()
-        moves = plan_reshard(self.table, current, proposed, self.rank)
-        exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
-        self.stats.reshard_s = time.perf_counter() - started
+        with self.timer.span("fssdp.reshard"):
+            moves = plan_reshard(self.table, current, proposed, self.rank)
+            exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
         self.layout, self.table = proposed, moves.table
         self._log.append(
             f"fssdp: re-shard at iteration {iteration}: moved {moved} experts (weights and optimizer state), "
@@ -374,7 +389,7 @@ class FSSDPRuntime(ModeRuntime):
         if self.cost is None:
             return  # the first iteration measures the expert time the cost model needs
         plan = layer_pass.plan
-        remaining_D = np.maximum(self.m - plan.placement.extra_copies_D(plan.shard), 0)
+        remaining_D = np.maximum((self.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
         placement, gathered = planner.calibrate(plan.placement, plan.shard, actual_E, remaining_D, self.topology, self.cost)
         if not gathered:
             return
@@ -396,12 +411,24 @@ class FSSDPRuntime(ModeRuntime):
         """
         if self.pending:
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
+        self._collect_times()
         self.tracker.observe(step.processed_LE)
         if self.t is None:
             self.t = self._auto_overlap_degree()
+        if self.m is None:
+            self.m = self._measured_memory_capacity()
         if self.config.calibrate and self.cost is None:
             self.cost = self._calibration_cost()
         return self._metrics()
+
+    def _collect_times(self) -> None:
+        """The iteration's timed spans into its stats (one device synchronisation on GPU)."""
+        times = self.timer.collect()
+        for kind in EXPOSED_KINDS:
+            self.stats.exposed_s[kind] += sum(times.get(f"fssdp.wait.{kind}", []))
+        self.stats.expert_s += sum(times.get("fssdp.experts", []))
+        self.stats.non_moe_s.extend(times.get("fssdp.non_moe", []))
+        self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
 
     def _calibration_cost(self) -> planner.CalibrationCost:
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
@@ -426,19 +453,46 @@ class FSSDPRuntime(ModeRuntime):
         )
         return t
 
-    def _auto_memory_capacity(self) -> int:
-        layers_alive = 2 if self.config.rematerialize else len(self.layers)
-        if self.on_gpu:
-            free, _ = torch.cuda.mem_get_info()
-            budget, source = 0.9 * free, "90% of free GPU memory"
-        else:
-            budget, source = float(self.config.memory_budget_bytes), "--fssdp-memory-budget-mb"
-        local = torch.tensor([budget / min(layers_alive, len(self.layers))], dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
-        m = planner.memory_capacity(float(local.item()), self.expert_bytes)
+    @property
+    def _layers_alive(self) -> int:
+        """MoE layers whose copies are alive at once (re-materialization: the one in use and the
+        one being re-gathered)."""
+        return min(2 if self.config.rematerialize else len(self.layers), len(self.layers))
+
+    def _budget_memory_capacity(self) -> int:
+        """CPU, auto m: --fssdp-memory-budget-mb over the layers alive and the bytes of one copy."""
+        budget = torch.tensor([self.config.memory_budget_bytes / self._layers_alive], dtype=torch.float64)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self.group)
+        copy_bytes = 2 * self.expert_bytes
+        m = planner.memory_capacity(float(budget.item()), copy_bytes)
         self._log.append(
-            f"fssdp: auto memory capacity m = {m} ({source}: {local.item() / 2**20:.1f} MiB per layer with copies "
-            f"alive, expert {self.expert_bytes} bytes)"
+            f"fssdp: auto memory capacity m = {m} (--fssdp-memory-budget-mb: {budget.item() / 2**20:.1f} MiB per "
+            f"layer with copies alive, {self._layers_alive} such layers, {copy_bytes} bytes per copy: weights "
+            "and gradient)"
+        )
+        return m
+
+    def _measured_memory_capacity(self) -> int:
+        """GPU, auto m, after the first iteration (run without copies): free memory minus its
+        activation peak x (1 + margin), per layer alive, over the bytes of one copy; the
+        minimum over the ranks, so every rank plans with the same m."""
+        memory = DeviceMemory.read(self.device)
+        peak = max(memory.peak - self._memory_base, 0)
+        figures = torch.tensor([memory.free, peak], dtype=torch.float64)
+        every = [torch.zeros_like(figures) for _ in range(self.num_devices)]
+        dist.all_gather(every, figures.to(self.device), group=self.group)
+        copy_bytes = 2 * self.expert_bytes
+        margin = self.config.memory_margin
+        per_rank = [planner.memory_capacity_after_activations(float(f), float(p), margin, self._layers_alive, copy_bytes)
+                    for f, p in (e.tolist() for e in every)]
+        m = min(per_rank)
+        r = per_rank.index(m)
+        free, peak = (float(x) for x in every[r].tolist())
+        self._log.append(
+            f"fssdp: auto memory capacity m = {m} (rank {r}, the tightest: {free / 2**20:.0f} MiB free after "
+            f"iteration 1 - activation peak {peak / 2**20:.0f} MiB x (1 + --fssdp-memory-margin {margin}) = "
+            f"{(free - peak * (1 + margin)) / 2**20:.0f} MiB over {self._layers_alive} layers with copies alive, "
+            f"{copy_bytes} bytes per copy: weights and gradient)"
         )
         return m
 
@@ -454,7 +508,8 @@ class FSSDPRuntime(ModeRuntime):
         first = layer is self.layers[0]
         keeps = not self.config.rematerialize or layer is self.layers[-1]
         layer_pass = LayerPass(layer, plan, owned_ON, keeps_copies=keeps, below=None if first else self._last_pass)
-        layer_pass.gather = plan.gather(owned_ON)
+        with nvtx_range("fssdp.spag", self.device):
+            layer_pass.gather = plan.gather(owned_ON)
         self._last_pass = layer_pass
         return layer_pass
 
@@ -477,7 +532,8 @@ class FSSDPRuntime(ModeRuntime):
                 f"fssdp: layer {layer_pass.layer.layer_number}'s copies got no gradient before its MoE input did"
             )
         grad_HN = layer_pass.grad_HN.to(torch.float32) if self.config.reduce_in_fp32 else layer_pass.grad_HN
-        handle = layer_pass.plan.reduce(grad_HN.contiguous())
+        with nvtx_range("fssdp.sprs", self.device):
+            handle = layer_pass.plan.reduce(grad_HN.contiguous())
         self.pending.append((layer_pass, handle))
         below = layer_pass.below
         if below is not None and not below.keeps_copies and below.regather is None and below.held_HN is None:
@@ -490,9 +546,8 @@ class FSSDPRuntime(ModeRuntime):
     def drain(self) -> None:
         """Wait for the reduces in flight and add the owners' gradients into main_grad."""
         for layer_pass, handle in self.pending:
-            started = time.perf_counter()
-            grads_ON = handle.wait()
-            self.stats.exposed_s["sprs"] += time.perf_counter() - started
+            with self.timer.span("fssdp.wait.sprs"):
+                grads_ON = handle.wait()
             layer = layer_pass.layer
             for row, slot in enumerate(self.table.slots_of(layer_pass.plan.index)):
                 layer.expert_layout.grads_into(self.slot_modules[slot], grads_ON[row])
@@ -609,7 +664,7 @@ class FSSDPRuntime(ModeRuntime):
         alive_D = copies_D.sum(axis=0) if not self.config.rematerialize else copies_D[-1] + copies_D[:-1].max(axis=0, initial=0)
         return {
             "t": self.stats.t,
-            "m": self.m,
+            "m": self.stats.m,
             "layers": layers,
             "bytes": traffic,
             "exposed_s": dict(zip(EXPOSED_KINDS, exposed_s)),

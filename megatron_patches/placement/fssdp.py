@@ -134,6 +134,25 @@ def memory_capacity(free_bytes, expert_bytes: float):
     return int(m) if m.ndim == 0 else m
 
 
+def memory_capacity_after_activations(free_bytes: float, activation_peak_bytes: float, margin: float,
+                                      layers_alive: int, copy_bytes: float) -> int:
+    """m from measured memory: free - activation peak x (1 + margin), per layer whose copies
+    are alive at once, over the bytes of one copy (weights and its gradient); >= 0.
+
+    The activation peak is what one iteration without copies added on top of the memory held
+    before it (activations, their gradients, the all-to-all buffers, the optimizer step's
+    temporaries); the copies must leave room for it, and the margin for the iterations whose
+    routing makes it larger.
+    """
+    for name, value in (("free_bytes", free_bytes), ("activation_peak_bytes", activation_peak_bytes),
+                        ("margin", margin), ("copy_bytes", copy_bytes)):
+        if not np.isfinite(value) or value < 0:
+            raise PlacementError(f"memory_capacity_after_activations: {name} must be finite and >= 0, got {value!r}")
+    layers_alive = check_int(layers_alive, "layers_alive", 1)
+    budget = free_bytes - activation_peak_bytes * (1.0 + margin)
+    return memory_capacity(budget / layers_alive, copy_bytes)
+
+
 # ----------------------------------------------------------------------------------------
 # Sparse materialization (4.2)
 # ----------------------------------------------------------------------------------------

@@ -105,7 +105,13 @@ def layout_summary(args) -> str:
 
 
 def init_distributed(use_cuda: bool, backend: str) -> None:
-    """torch.distributed from torchrun's environment, or a world of one for a plain process."""
+    """torch.distributed from torchrun's environment, or a world of one for a plain process.
+
+    With NCCL the default group also gets gloo for host tensors ("cpu:gloo,cuda:nccl", and
+    every group made from it likewise): the loop's small bookkeeping collectives (losses,
+    counts, byte counters, planning inputs) reduce host tensors, which NCCL alone refuses
+    ("No backend type associated with device type cpu", seen on an H200).
+    """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         with socket.socket() as s:
@@ -113,6 +119,8 @@ def init_distributed(use_cuda: bool, backend: str) -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
 
 

@@ -37,8 +37,14 @@ def gpt_loss(mask_BS, output_BS):
     return loss, {"lm loss": loss.detach().clone()}  # clone: Megatron divides `loss` in place
 
 
+def _on_model_device(batch: dict, model) -> dict:
+    """The micro-batch's tensors on the model's device (the data loader yields them on the host)."""
+    device = next(model.parameters()).device
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def gpt_forward_step(data_iterator, model):
-    batch = datasets.gpt_batch(next(data_iterator))
+    batch = _on_model_device(datasets.gpt_batch(next(data_iterator)), model)
     with activations.measure():
         output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output_BS, partial(gpt_loss, batch["loss_mask"])
@@ -55,7 +61,7 @@ def bert_loss(mask_BS, is_random_B, output):
 
 
 def bert_forward_step(data_iterator, model, binary_head: bool):
-    batch = datasets.bert_batch(next(data_iterator))
+    batch = _on_model_device(datasets.bert_batch(next(data_iterator)), model)
     with activations.measure():
         output = model(
             batch["tokens"], batch["padding_mask"], tokentype_ids=batch["types"] if binary_head else None, lm_labels=batch["labels"]

@@ -26,6 +26,7 @@ from megatron_patches.placement import (
     shard_imbalance_bound,
     shard_slots_D,
 )
+from megatron_patches.placement.fssdp import memory_capacity_after_activations
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -569,3 +570,15 @@ def test_fssdp_beats_ep_on_a_skewed_layer():
     for t, m in ((16, 16), (8, 4)):
         fssdp = imbalance(dispatch(materialize(shard, loads, t, m, topo), source, topo).device_loads_D())
         assert fssdp < 1.01, (t, m)
+
+
+def test_memory_capacity_after_activations_reserves_the_measured_peak():
+    """10 GiB free after the measuring iteration, whose activations peaked at 2 GiB; a 25% margin
+    reserves 2.5 GiB: 7.5 GiB over 4 layers with copies alive = 1.875 GiB per layer, 19 copies of
+    100 MiB. A peak that leaves nothing gives 0, never a negative count."""
+    GiB, MiB = 2**30, 2**20
+    assert memory_capacity_after_activations(10 * GiB, 2 * GiB, 0.25, 4, 100 * MiB) == 19
+    assert memory_capacity_after_activations(10 * GiB, 2 * GiB, 0.0, 4, 100 * MiB) == 20
+    assert memory_capacity_after_activations(2 * GiB, 2 * GiB, 0.25, 4, 100 * MiB) == 0
+    with pytest.raises(PlacementError, match="margin must be finite and >= 0"):
+        memory_capacity_after_activations(GiB, 0, -0.1, 1, MiB)
