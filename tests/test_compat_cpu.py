@@ -32,7 +32,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from support.mp import run_forked, run_ranks, single_rank_group
-from megatron_patches.compat import cpu
+from megatron_patches.compat import cpu, fixes
 
 SHIM_NAMES = [shim.name for shim in cpu.SHIMS]
 MEGATRON_CORE = Path(tensor_parallel.__file__).resolve().parents[1]
@@ -318,8 +318,11 @@ def test_shim_is_necessary_and_sufficient(necessity, name):
 
 @pytest.fixture(scope="module")
 def shims():
-    """CPU shims installed in this process and a single-rank gloo world with Megatron's parallel state."""
+    """CPU shims installed in this process and a single-rank gloo world with Megatron's parallel state;
+    also the device-independent fix a router needs without Transformer Engine (compat/fixes.py fix 6),
+    which every run installs beside the shims."""
     names = cpu.apply_cpu_shims()
+    fixes._fix_te_general_gemm_without_te()
     with single_rank_group():
         parallel_state.initialize_model_parallel(1, 1)
         try:

@@ -589,8 +589,11 @@ def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> Non
     if opt is not None:
         # An optimizer that never stepped (fp16: every iteration so far skipped for overflow)
         # has no Adam state, and the checkpoint would lack the moments every load asks for
-        # (KeyError on resume: seen on CPU and on an H200). Its state is zeros at step 0.
-        _materialize_optimizer_state(opt)
+        # (KeyError on resume: seen on CPU and on an H200). Its state is zeros at step 0. Only
+        # an optimizer without any state: Megatron refuses to save different steps per parameter.
+        for sub in getattr(opt, "chained_optimizers", [opt]):
+            if not any(sub.optimizer.state.values()):
+                _materialize_optimizer_state(sub)
         state["optimizer"] = opt.sharded_state_dict(
             state["model"], metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
