@@ -478,9 +478,9 @@ class FSSDPRuntime(ModeRuntime):
         minimum over the ranks, so every rank plans with the same m."""
         memory = DeviceMemory.read(self.device)
         peak = max(memory.peak - self._memory_base, 0)
-        figures = torch.tensor([memory.free, peak], dtype=torch.float64)
+        figures = torch.tensor([memory.free, peak], dtype=torch.float64)  # host tensors: the group's gloo side
         every = [torch.zeros_like(figures) for _ in range(self.num_devices)]
-        dist.all_gather(every, figures.to(self.device), group=self.group)
+        dist.all_gather(every, figures, group=self.group)
         copy_bytes = 2 * self.expert_bytes
         margin = self.config.memory_margin
         per_rank = [planner.memory_capacity_after_activations(float(f), float(p), margin, self._layers_alive, copy_bytes)
