@@ -87,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to use, the cluster's first ones (default: all, or the run's world size)")
     parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py); "
-                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations")
+                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations, or 2N + 1 "
+                        "for flexmoe-N / smartmoe-N")
     parser.add_argument("--systems", default=None,
                         help="comma-separated systems (default ep,fssdp; with --run, ep and the run's mode)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
@@ -264,12 +265,20 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
     return out
 
 
-def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
+def synthetic_iterations(specs) -> int:
+    """Iterations of the synthetic trace without --iterations: SYNTHETIC_ITERATIONS, or enough for
+    the periodic systems asked for (FlexMoE-N, SmartMoE-N) to adjust twice (2 N + 1), since a
+    shorter trace shows them never adjusting."""
+    periods = [spec.interval for spec in specs if spec.interval]
+    return max([SYNTHETIC_ITERATIONS] + [2 * n + 1 for n in periods])
+
+
+def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int, specs):
     """The --trace file, or with --run a synthetic trace of the run's routing (tools/make_trace.py's
     defaults: Zipf 1.0, drift 0.05, seed 0, per-rank loads for every GPU); (trace, description)."""
     if args.trace is not None:
         return read_trace(args.trace), os.path.abspath(args.trace)
-    iterations = args.iterations or SYNTHETIC_ITERATIONS
+    iterations = args.iterations or synthetic_iterations(specs)
     trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
                             tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0)
     return trace, (f"synthetic (no --trace): {iterations} iterations, Zipf 1.0, drift 0.05, seed 0, "
@@ -315,7 +324,7 @@ def main(argv=None) -> int:
         gpus = cluster.num_devices if value["gpus"] is None else value["gpus"]
         seq_length = value["seq_length"] or model.seq_length
         trace, trace_label = _trace(args, model, select_devices(cluster, gpus).num_devices,
-                                    value["micro_batch_size"] * seq_length)
+                                    value["micro_batch_size"] * seq_length, specs)
         if args.iterations is not None:
             trace = dataclasses.replace(
                 trace,

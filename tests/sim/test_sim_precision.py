@@ -461,6 +461,18 @@ def test_run_mode_flags_reach_the_systems(capsys, tmp_path):
     assert json.loads(out.read_text())["systems"]["zebra"]["details"]["microbatches"] == 4
 
 
+def test_a_run_without_a_trace_is_long_enough_for_the_periodic_systems(capsys, tmp_path):
+    """FlexMoE-10 adjusts at iterations 10 and 20: the synthetic trace has 21 (10 would show it never
+    adjusting, as the replication paper's comparison did before)."""
+    out = tmp_path / "run.json"
+    rc, stdout, _ = run_tool(capsys, "--run", "replicate_gpt_small_16", "--systems", "flexmoe-10", "--quiet",
+                             "--json", out)
+    assert rc == 0 and "synthetic (no --trace): 21 iterations" in stdout
+    summary = json.loads(out.read_text())
+    assert summary["setup"]["iterations"] == 21
+    assert summary["systems"]["flexmoe-10"]["details"]["rearrangement_events"] >= 1
+
+
 def test_the_tool_needs_a_trace_or_a_run(capsys):
     rc, _, err = run_tool(capsys, "--model", "gpt_moe_s", "--cluster", "cluster_a")
     assert rc == 2 and "--trace required (or --run, or --list-systems)" in err
