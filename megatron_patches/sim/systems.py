@@ -815,15 +815,14 @@ def simulate_ep_per_gpu_type(scn: Scenario, spec: SystemSpec) -> SystemResult:
     """
     ep = dataclasses.replace(spec, per_gpu_type=False)
     D = scn.num_devices
-    types = list(dict.fromkeys(scn.hardware.device_types))
+    gpus = {t: scn.hardware.device_types.count(t) for t in dict.fromkeys(scn.hardware.device_types)}
     per_type: dict[str, SystemResult] = {}
     details: dict = {"gpu_types": {}}
-    for gpu_type in types:
-        n = scn.hardware.device_types.count(gpu_type)
+    for gpu_type, n in gpus.items():
         entry = {"gpus": n}
         details["gpu_types"][gpu_type] = entry
         try:
-            sub = scn if len(types) == 1 else scn.on_gpu_type(gpu_type)
+            sub = scn if len(gpus) == 1 else scn.on_gpu_type(gpu_type)
         except SimError as err:
             entry["excluded"] = str(err)
             continue
@@ -841,7 +840,7 @@ def simulate_ep_per_gpu_type(scn: Scenario, spec: SystemSpec) -> SystemResult:
     if not per_type:
         raise SimError(f"{spec.name}: no GPU type can run EP on its own: "
                        + "; ".join(f"{t}: {e['excluded']}" for t, e in details["gpu_types"].items()))
-    rate_TI = np.stack([scn.hardware.device_types.count(t) / r.iteration_s_I for t, r in per_type.items()])
+    rate_TI = np.stack([gpus[t] / r.iteration_s_I for t, r in per_type.items()])
     total_I = D / rate_TI.sum(axis=0)
     share_TI = rate_TI / rate_TI.sum(axis=0)
     for (t, r), share_I in zip(per_type.items(), share_TI):
@@ -862,7 +861,7 @@ def simulate_ep_per_gpu_type(scn: Scenario, spec: SystemSpec) -> SystemResult:
     peak_parts["device"] = int(np.flatnonzero(device_types == peak_type)[peak_parts["device"]])
     traffic = {}
     for (t, r), share_I in zip(per_type.items(), share_TI):
-        scale = float(share_I.mean()) * D / scn.hardware.device_types.count(t)
+        scale = float(share_I.mean()) * D / gpus[t]
         for kind, v in r.traffic.items():
             traffic[kind] = traffic.get(kind, 0.0) + scale * v
     kinds = sorted({k for r in results for k in r.exposed_by_kind_I})
