@@ -803,6 +803,13 @@ def test_fssdp_defaults_and_values(parse):
     assert (args.fssdp_overlap_degree, args.fssdp_memory_capacity, args.moe_load_window) == (3, 0, 1)
 
 
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_instance_modes_accept_more_ranks_than_an_expert_group(parse, mode):
+    """EP 2 on 4 ranks: two expert groups (expert-data-parallel 2), sharded inside each group."""
+    args = validate_args(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "2"), 4)
+    assert (args.expert_model_parallel_size, args.expert_data_parallel_size) == (2, 2)
+
+
 @pytest.mark.parametrize("flags,world,fragments", [
     (["--fssdp-rematerialize"], 4, ["--fssdp-rematerialize=True", "only applies with --moe-parallel-mode fssdp"]),
     (["--fssdp-overlap-degree", "2"], 4, ["--fssdp-overlap-degree=2", "(mode is ep)"]),
@@ -810,12 +817,12 @@ def test_fssdp_defaults_and_values(parse):
     (["--moe-parallel-mode", "fssdp", "--moe-load-window", "0"], 4, ["--moe-load-window=0", "at least 1"]),
     (["--moe-parallel-mode", "fssdp", "--fssdp-reshard-interval", "-1"], 4, ["--fssdp-reshard-interval=-1", ">= 0"]),
     (["--moe-parallel-mode", "fssdp", "--fssdp-memory-budget-mb", "0"], 4, ["--fssdp-memory-budget-mb=0", "positive"]),
-    (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2"], 4,
-     ["--expert-model-parallel-size=2", "expert-data-parallel size is 2", "valid: world size", "= 4"]),
     (["--moe-parallel-mode", "fssdp"], 1,
      ["--expert-model-parallel-size=1", "at least 2", "use --moe-parallel-mode ep"]),
     (["--moe-parallel-mode", "fssdp", "--moe-token-dispatcher-type", "allgather"], 4,
      ["--moe-token-dispatcher-type=allgather", "valid: alltoall"]),
+    (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 4,
+     ["--fssdp-reshard-interval=100", "expert-data-parallel size 2", "valid: 0"]),
     (["--moe-parallel-mode", "fssdp", "--use-distributed-optimizer", "--overlap-grad-reduce"], 4,
      ["--overlap-grad-reduce=True", "not supported"]),
 ])

@@ -34,7 +34,7 @@ from megatron_patches.comm.traffic import TrafficCounter, default_counter
 from megatron_patches.placement.replicate import contiguous_rank_groups
 from megatron_patches.placement.types import ElementShardLayout, Topology
 
-__all__ = ["ContiguousGroups", "node_layout", "ring_allreduce_numel"]
+__all__ = ["ContiguousGroups", "node_layout", "record_ring_allreduce", "ring_allreduce_numel"]
 
 
 def ring_allreduce_numel(numel: int, members: int) -> np.ndarray:
@@ -184,14 +184,25 @@ class ContiguousGroups:
         if topology.num_devices != self.size:
             raise ValueError(f"the topology has {topology.num_devices} devices but the parent group {self.size} ranks")
         work = dist.all_reduce(tensor, group=group, async_op=async_op)
-        members = stop - start
-        i = self.position - start
-        sent_M = ring_allreduce_numel(tensor.numel(), members) * tensor.element_size()
-        counter = default_counter() if traffic is None else traffic
-        # Sends go to the successor, receipts come from the predecessor (the same rank in a ring of two).
-        peer_P = np.array([start + (i + 1) % members, start + (i - 1) % members])
-        counter.record(kind, self.position, topology, peer_P, np.array([sent_M[i], 0]), np.array([0, sent_M[i - 1]]))
+        record_ring_allreduce(default_counter() if traffic is None else traffic, kind, tensor, self.position - start,
+                              stop - start, topology, first=start)
         return work
+
+
+def record_ring_allreduce(counter: TrafficCounter, kind: str, tensor: torch.Tensor, position: int, members: int,
+                          topology: Topology, first: int = 0) -> None:
+    """Record one member's bytes of a ring all-reduce of `tensor` (`ring_allreduce_numel`).
+
+    Args:
+        position: the member's place in the ring, in [0, members).
+        topology: its devices are the ring's members at first, first + 1, ... (classifies the
+            successor and predecessor as intra- or inter-node).
+    """
+    sent_M = ring_allreduce_numel(tensor.numel(), members) * tensor.element_size()
+    # Sends go to the successor, receipts come from the predecessor (the same rank in a ring of two).
+    peer_P = np.array([first + (position + 1) % members, first + (position - 1) % members])
+    counter.record(kind, first + position, topology, peer_P, np.array([sent_M[position], 0]),
+                   np.array([0, sent_M[position - 1]]))
 
 
 def node_layout(group_ranks: Sequence[int]) -> tuple[int, int]:

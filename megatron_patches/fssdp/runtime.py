@@ -1,11 +1,16 @@
 """The FSSDP runtime: plans, collectives and gradient flow for all MoE layers of a stage.
 
-Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group, which
-must span every data-parallel replica of the experts (expert-data-parallel size 1,
-expert-tensor-parallel size 1). Every expert of every MoE layer is then owned by exactly one
-rank and held in one of that rank's *slots*, Megatron's local expert modules (`reshard`), with
-its gradient in Megatron's DDP buffer and its Adam state in Megatron's optimizer, once
-globally. At start the slots hold EP's contiguous layout (the even sharding of DESIGN 4.3);
+Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group
+(expert-tensor-parallel size 1). Every expert of every MoE layer is owned by exactly one rank
+of the group and held in one of that rank's *slots*, Megatron's local expert modules
+(`reshard`), with its gradient in Megatron's DDP buffer and its Adam state in Megatron's
+optimizer, once per group. With more ranks than one group needs (expert-data-parallel size
+EDP > 1) the stage has EDP FSSDP groups, HSDP-style: sharded inside a group, replicated
+across groups. Each group gathers and reduces its own copies; Megatron's DDP all-reduces the
+owners' gradients over the expert-data-parallel group (the same position in every group), as
+it does in ep. Every plan input (the loads, t, m, the bandwidth) is reduced over the whole job,
+so every group computes the same plans and the same re-shards, and position d holds the same
+experts in every group. At start the slots hold EP's contiguous layout (the even sharding of DESIGN 4.3);
 every `reshard_interval` iterations the heterogeneous sharding of the predicted loads is
 adopted when it lowers the mean imbalance bound, moving weights and optimizer state between
 ranks (`reshard.exchange_slots`). Non-expert parameters are untouched.
@@ -147,19 +152,18 @@ class FSSDPRuntime(ModeRuntime):
             raise ValueError("fssdp mode needs --expert-tensor-parallel-size 1 (expert copies are whole experts)")
         if parallel_state.get_expert_model_parallel_world_size() < 2:
             raise ValueError("fssdp mode needs an expert-parallel group of at least 2 ranks (copies go to the other ranks)")
-        if parallel_state.get_expert_data_parallel_world_size() != 1:
-            raise ValueError(
-                "fssdp mode needs the expert-parallel group to span every data-parallel replica "
-                f"(expert-data-parallel size is {parallel_state.get_expert_data_parallel_world_size()}); "
-                "set --expert-model-parallel-size to world size / (pipeline size x expert tensor size)"
-            )
         self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.edp_group = parallel_state.get_expert_data_parallel_group()
+        """The same position in every FSSDP group of the stage (Megatron's expert-data-parallel
+        group): owners' gradients are all-reduced over it by Megatron's DDP."""
+        self.edp_size = parallel_state.get_expert_data_parallel_world_size()
         self.group = _dedicated_groups(dist.get_process_group_ranks(self.ep_group))
         """Process group of the sparse collectives (the EP group's ranks)."""
         ranks = dist.get_process_group_ranks(self.group)
         self.rank = dist.get_rank(self.group)
         self.num_devices = len(ranks)
         self.nodes, self.devices_per_node = node_layout(ranks)
+        _check_same_node_layout(self.nodes, self.devices_per_node, ranks)
         self.traffic = TrafficCounter()
         self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window)
         self.layers: list = []
@@ -266,7 +270,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def _probe_bandwidth(self) -> float:
         """Point-to-point bytes/s in the group: a ring exchange of 8 experts' bytes, median of 5,
-        minimum over ranks (every rank must derive the same t)."""
+        minimum over every rank of the job (every FSSDP group must derive the same t and plans)."""
         send = torch.ones(8 * self.expert_numel, dtype=torch.float32, device=self.device)
         recv = torch.empty_like(send)
         ranks = dist.get_process_group_ranks(self.group)
@@ -283,7 +287,7 @@ class FSSDPRuntime(ModeRuntime):
                 torch.cuda.synchronize()
             samples.append(time.perf_counter() - started)
         bw = torch.tensor([send.numel() * send.element_size() / float(np.median(samples[1:]))], dtype=torch.float64)
-        dist.all_reduce(bw, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(bw, op=dist.ReduceOp.MIN)  # the world: every FSSDP group plans with the same topology
         return float(bw.item())
 
     # ---- per iteration ---------------------------------------------------------------------
@@ -432,7 +436,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def _calibration_cost(self) -> planner.CalibrationCost:
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
         seconds = FORWARD_BACKWARD_FACTOR * float(local.item())
         self._log.append(
             f"fssdp: calibration cost model: {seconds * 1e6:.2f} us per token copy (expert forward + backward, "
@@ -443,7 +447,7 @@ class FSSDPRuntime(ModeRuntime):
     def _auto_overlap_degree(self) -> int:
         samples = self.stats.non_moe_s
         local = torch.tensor([float(np.mean(samples)) if samples else 0.0], dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(local, op=dist.ReduceOp.MIN)
         t_non_moe = float(local.item())
         bw = planner.gather_bandwidth(self.topology)
         t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
@@ -462,7 +466,7 @@ class FSSDPRuntime(ModeRuntime):
     def _budget_memory_capacity(self) -> int:
         """CPU, auto m: --fssdp-memory-budget-mb over the layers alive and the bytes of one copy."""
         budget = torch.tensor([self.config.memory_budget_bytes / self._layers_alive], dtype=torch.float64)
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
         copy_bytes = 2 * self.expert_bytes
         m = planner.memory_capacity(float(budget.item()), copy_bytes)
         self._log.append(
@@ -475,12 +479,12 @@ class FSSDPRuntime(ModeRuntime):
     def _measured_memory_capacity(self) -> int:
         """GPU, auto m, after the first iteration (run without copies): free memory minus its
         activation peak x (1 + margin), per layer alive, over the bytes of one copy; the
-        minimum over the ranks, so every rank plans with the same m."""
+        minimum over every rank of the job, so every FSSDP group plans with the same m."""
         memory = DeviceMemory.read(self.device)
         peak = max(memory.peak - self._memory_base, 0)
         figures = torch.tensor([memory.free, peak], dtype=torch.float64)  # host tensors: the group's gloo side
-        every = [torch.zeros_like(figures) for _ in range(self.num_devices)]
-        dist.all_gather(every, figures, group=self.group)
+        every = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, figures)
         copy_bytes = 2 * self.expert_bytes
         margin = self.config.memory_margin
         per_rank = [planner.memory_capacity_after_activations(float(f), float(p), margin, self._layers_alive, copy_bytes)
@@ -632,7 +636,14 @@ class FSSDPRuntime(ModeRuntime):
     # ---- metrics ---------------------------------------------------------------------------
 
     def _metrics(self) -> dict:
-        """Global FSSDP figures of the iteration (identical on every rank of the group)."""
+        """The iteration's FSSDP figures: tokens per device position and remote copies summed over
+        the FSSDP groups (like the common record's ep figures); bytes, times and copies are this
+        group's (every group runs the same plans), identical on every rank of the group."""
+        if self.edp_size > 1:
+            tokens = torch.from_numpy(np.append(self.stats.device_tokens_LD.ravel(), self.stats.remote_copies))
+            dist.all_reduce(tokens, group=self.edp_group)
+            self.stats.device_tokens_LD = tokens[:-1].numpy().reshape(self.stats.device_tokens_LD.shape)
+            self.stats.remote_copies = int(tokens[-1])
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
@@ -729,6 +740,22 @@ class FSSDPRuntime(ModeRuntime):
         dist.all_gather(parts, local, group=self.group)
         stacked = torch.stack(parts).to(torch.int64)
         return {"shard_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
+
+
+def _check_same_node_layout(nodes: int, per_node: int, ranks: list[int]) -> None:
+    """Every FSSDP group must span the same nodes x devices: with several groups (expert-data-
+    parallel > 1) each plans alone, and Megatron's DDP all-reduces the owners' gradients across
+    groups, so the plans (which read the topology) must agree slot for slot."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (nodes, per_node, list(ranks)))
+    layouts = {(n, p) for n, p, _ in everyone}
+    if len(layouts) > 1:
+        shown = "; ".join(sorted({f"ranks {r}: {n} node(s) x {p}" for n, p, r in everyone}))
+        raise ValueError(
+            f"fssdp mode: the expert-parallel groups span different node layouts ({shown}); every group must "
+            "span the same number of nodes and ranks per node (launch the same number of ranks on every node "
+            "and choose --expert-model-parallel-size as a multiple or a divisor of the ranks per node)"
+        )
 
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

@@ -11,7 +11,6 @@ def check_instance_mode(args, mode: str) -> None:
     """Everything fssdp and replicate refuse alike, before any process group."""
     if args.num_experts is None:
         fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to place)")
-    expert_group = args.world_size // (args.pipeline_model_parallel_size * args.expert_tensor_parallel_size)
     refusals = (
         ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size < 2,
          f"{mode} places expert instances on the other ranks of the expert-parallel group, so it needs at "
@@ -21,10 +20,6 @@ def check_instance_mode(args, mode: str) -> None:
          f"{mode} routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
          f"{mode} copies whole experts; valid: 1"),
-        ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_data_parallel_size != 1,
-         f"the {mode} group is the expert-parallel group and must span all data-parallel replicas "
-         f"(expert-data-parallel size is {args.expert_data_parallel_size}); valid: world size / "
-         f"(--pipeline-model-parallel-size x --expert-tensor-parallel-size) = {expert_group}"),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm,
          f"{mode} runs each expert instance with Megatron's MLP module; drop --moe-grouped-gemm"),
         ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,

@@ -1,8 +1,12 @@
 """The replicate runtime: per-iteration expert replication for all MoE layers of a stage.
 
 DESIGN 4.6 inside Megatron-Core training. The replicate group is Megatron's expert-parallel
-group, which must span every data-parallel replica (expert-data-parallel 1, expert-tensor-
-parallel 1), so its G ranks see every token of the stage. Per MoE layer and rank:
+group of G ranks (expert-tensor-parallel 1). With more ranks than one group needs (expert-data-
+parallel size EDP > 1) the stage has EDP replicate groups, HSDP-style: each routes its own
+tokens over its own slots; rank r of every group owns the same slice r, whose summed gradient
+is all-reduced over the expert-data-parallel group (the same position in every group) before
+Adam, so the slices stay identical across groups. Placements come from world-wide loads, so
+every group places alike. Per MoE layer and rank:
 
 - `ReplicatedExperts` (engine.py) holds the s slots (the instances this rank runs), slice r of
   every expert's fp32 master weights and Adam state (never moving), and moves the gradients
@@ -14,7 +18,8 @@ Per iteration, on every rank in the same order:
 
     route (each micro-batch, each layer)   counts [G, E] all-reduced; tokens spread over the
                                            instances under the capacity; the overflow dropped
-    finalize_model_grads (wrapped)         slot gradients -> summed slices [E, n_r], x 1/DP like
+    finalize_model_grads (wrapped)         slot gradients -> summed slices [E, n_r] (all-reduced
+                                           over the groups when EDP > 1), x 1/DP like
                                            Megatron's DDP; their squared norm is added to
                                            Megatron's grad norm (clipping sees every parameter once)
     end_iteration                          Adam on the slices (same lr and clip factor as
@@ -35,7 +40,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import ContiguousGroups, node_layout
+from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
@@ -53,9 +58,10 @@ from megatron_patches.replicate.slices import AdamConfig
 
 __all__ = ["ReplicateRuntime"]
 
-TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights", "moved_state")
+TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_grad_edp", "rep_weights", "moved_state")
 """rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
-gradient steps (b) and (c); rep_weights: the push of the updated weights into the next slots;
+gradient steps (b) and (c); rep_grad_edp: the slices' gradient all-reduce across replicate
+groups (ring model; EDP > 1 only); rep_weights: the push of the updated weights into the next slots;
 moved_state: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
 
 # Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
@@ -97,11 +103,6 @@ class ReplicateRuntime(ModeRuntime):
         """The expert optimizer's hyper-parameters (Megatron's Adam settings)."""
         if parallel_state.get_expert_tensor_parallel_world_size() != 1:
             raise ValueError("replicate mode needs --expert-tensor-parallel-size 1 (slots hold whole experts)")
-        if parallel_state.get_expert_data_parallel_world_size() != 1:
-            raise ValueError(
-                "replicate mode needs the expert-parallel group to span every data-parallel replica "
-                f"(expert-data-parallel size is {parallel_state.get_expert_data_parallel_world_size()})"
-            )
         ep_group = parallel_state.get_expert_model_parallel_group()
         own = tuple(dist.get_process_group_ranks(ep_group))
         everyone = [None] * dist.get_world_size()
@@ -118,6 +119,12 @@ class ReplicateRuntime(ModeRuntime):
         nodes, per_node = node_layout(own)
         self.topology = Topology(nodes, per_node, 1.0, 1.0)
         """Devices and nodes of the group (bandwidths unused: only the byte split intra/inter)."""
+        self.edp_group = parallel_state.get_expert_data_parallel_group()
+        """This position in every replicate group of the stage (Megatron's expert-data-parallel group)."""
+        edp_ranks = dist.get_process_group_ranks(self.edp_group)
+        self.edp_size, self.edp_rank = len(edp_ranks), dist.get_rank(self.edp_group)
+        self.edp_topology = Topology(*node_layout(edp_ranks), 1.0, 1.0)
+        """Nodes of the expert-data-parallel group, for the byte split of rep_grad_edp."""
         if num_experts > self.num_devices * config.slots_per_rank:
             raise ValueError(
                 f"replicate mode: {num_experts} experts need at least one slot each, but {self.num_devices} ranks x "
@@ -267,16 +274,22 @@ class ReplicateRuntime(ModeRuntime):
             grad_SN = experts.slots.slots_SN.grad
             if grad_SN is None:
                 grad_SN = torch.zeros_like(experts.slots.slots_SN)
-            self.grads[layer.layer_number] = experts.reduce_gradients(grad_SN).mul_(scale)
+            grad_En = experts.reduce_gradients(grad_SN)
+            if self.edp_size > 1:  # the other groups' tokens: same slice, same position
+                dist.all_reduce(grad_En, group=self.edp_group)
+                record_ring_allreduce(self.traffic, "rep_grad_edp", grad_En, self.edp_rank, self.edp_size, self.edp_topology)
+            self.grads[layer.layer_number] = grad_En.mul_(scale)
 
     def grad_norm_sq(self) -> float:
         """Squared norm of every expert gradient, for Megatron's grad norm (collective over the
         world; called by the optimizer step after the gradients are unscaled)."""
         local = torch.zeros((), dtype=torch.float64)
-        for grad_En in self.grads.values():
-            local += grad_En.double().square().sum().cpu()
-        # The slices partition every expert's elements; each stage has one replicate group (EDP = 1),
-        # so the world-wide sum counts every expert parameter exactly once.
+        # The slices partition every expert's elements within a group and are equal across the
+        # groups of a stage: counting the first group's only, the world-wide sum counts every
+        # expert parameter exactly once.
+        if self.edp_rank == 0:
+            for grad_En in self.grads.values():
+                local += grad_En.double().square().sum().cpu()
         total = local.to(self.device)
         dist.all_reduce(total)
         return float(total.item())
@@ -496,7 +509,17 @@ class ReplicateRuntime(ModeRuntime):
     # ---- metrics ---------------------------------------------------------------------------
 
     def _metrics(self) -> dict:
-        """Global replicate figures of the iteration (identical on every rank)."""
+        """The iteration's replicate figures (identical on every rank): tokens summed over the
+        replicate groups; bytes and seconds are this group's."""
+        if self.edp_size > 1:
+            stats = self.stats
+            counts = torch.from_numpy(np.concatenate([stats.routed_LE.ravel(), stats.processed_LED.ravel(), [stats.remote_copies]]))
+            dist.all_reduce(counts, group=self.edp_group)
+            counts = counts.numpy()
+            n = stats.routed_LE.size
+            stats.routed_LE = counts[:n].reshape(stats.routed_LE.shape)
+            stats.processed_LED = counts[n:-1].reshape(stats.processed_LED.shape)
+            stats.remote_copies = int(counts[-1])
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter")
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]

@@ -1,0 +1,95 @@
+"""fssdp and replicate in Megatron's compositions, each trained against ep on the same data.
+
+The issue's composition matrix, one cell so far: **EDP 2**, more ranks than one expert group
+needs. 8 gloo ranks, EP 4: two expert groups of 4 ranks (expert-data-parallel size 2), each
+sharding (fssdp) or slicing (replicate) every expert once, HSDP-style. fp32, dropless, dropout
+0, so every mode computes the same model: the losses must equal ep's within 1e-5 relative (the
+order of the floating-point sums differs; measured differences are ~1e-7).
+
+One spawn per mode serves several checks: the fssdp run re-shards (t = m = 1, so the owners
+matter) and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then resumes
+in replicate mode on 4 ranks (one group), on ep's losses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from support.training import launch
+
+pytestmark = pytest.mark.e2e
+
+ITERS, SAVE_AT, RESHARD_EVERY = 10, 5, 2
+# tiny on the embedded Austen corpus: 2 MoE layers of 8 experts, top-2; micro-batch 1 of 128
+# tokens per rank, so the global batch of 8 is one micro-batch on 8 ranks and two on 4.
+COMMON = [
+    "--expert-model-parallel-size", "4", "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--train-iters", str(ITERS), "--lr-warmup-iters", "2", "--lr-decay-iters", str(ITERS),
+    "--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+LAYERS, EXPERTS, TOPK, GROUP = 2, 8, 2, 4
+TOKEN_COPIES = 8 * 128 * TOPK  # per layer and iteration, over the world
+EXPERT_NUMEL = 16_576  # fc1 64x128 + 128, fc2 128x64 + 64
+EXPERT_BYTES = EXPERT_NUMEL * 4  # fp32
+
+
+def losses(run) -> np.ndarray:
+    return np.array(run.losses)
+
+
+@pytest.fixture(scope="module")
+def ep(workdir):
+    return launch(8, COMMON, workdir, "ep_edp2")
+
+
+def check_common(run, reference, mode: str):
+    np.testing.assert_allclose(losses(run), losses(reference), rtol=1e-5, atol=0)
+    np.testing.assert_allclose(run.grad_norms, reference.grad_norms, rtol=1e-5, atol=0)
+    for record, ep_record in zip((r for r in run.records if "loss" in r), (r for r in reference.records if "loss" in r)):
+        for layer, ep_layer in zip(record[mode]["layers"], ep_record["moe_layers"]):
+            # device positions of a group, summed over both groups (as the common record sums ep's)
+            assert len(layer["device_tokens"]) == GROUP
+            assert sum(layer["device_tokens"]) == sum(ep_layer["device_tokens"]) == TOKEN_COPIES
+
+
+def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
+    ckpt = workdir / "ckpt_fssdp_edp2"
+    fssdp = launch(8, [*COMMON, "--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1",
+                       "--fssdp-memory-capacity", "1", "--fssdp-reshard-interval", str(RESHARD_EVERY),
+                       "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir, "fssdp_edp2")
+    # Equal losses also say both groups re-sharded alike: DDP all-reduces position d's slots over
+    # the groups, so a different owner in one group would mix two experts' gradients.
+    check_common(fssdp, ep, "fssdp")
+    adopted = []
+    for record in (r for r in fssdp.records if "loss" in r):
+        info = record["fssdp"]
+        copies = sum(sum(layer["copies"]) for layer in info["layers"])
+        # one group's bytes: one message per copy, owner -> holder and back
+        assert info["bytes"]["spag"] == info["bytes"]["sprs"] == {"intra": copies * EXPERT_BYTES, "inter": 0}
+        moved = info["reshard"]["moved"] if info["reshard"] and info["reshard"]["adopted"] else 0
+        assert info["bytes"]["reshard"] == {"intra": moved * 3 * EXPERT_BYTES, "inter": 0}  # weights + 2 moments
+        adopted += [record["iteration"]] if moved else []
+        # every expert once per group, its Adam moments with it
+        assert sum(info["memory"]["shard_bytes"]) == LAYERS * EXPERTS * EXPERT_BYTES
+        assert sum(info["memory"]["optimizer_state_bytes"]) == 2 * LAYERS * EXPERTS * EXPERT_BYTES
+        assert np.array([layer["owned"] for layer in info["layers"]]).sum(axis=0).tolist() == [LAYERS * EXPERTS // GROUP] * GROUP
+    assert adopted and adopted[0] <= SAVE_AT, adopted
+
+    # saved at 8 ranks in fssdp (two groups, after a re-shard), resumed at 4 in replicate (one group)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
+    resumed = launch(4, [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(ckpt)], workdir, "replicate_from_edp2")
+    assert resumed.records[0]["iteration"] == SAVE_AT + 1
+    assert "holds no replicate placement" in resumed.output
+    np.testing.assert_allclose(losses(resumed), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
+
+
+def test_replicate_two_expert_groups(ep, workdir):
+    replicate = launch(8, [*COMMON, "--moe-parallel-mode", "replicate"], workdir, "replicate_edp2")
+    check_common(replicate, ep, "replicate")
+    for record in (r for r in replicate.records if "loss" in r):
+        info = record["replicate"]
+        # rank r of each group owns slice r of every expert; the two groups all-reduce it (a ring
+        # of two: each member sends its whole [E, n_r] slice once), so one group sends E x N per layer
+        assert info["bytes"]["rep_grad_edp"] == {"intra": LAYERS * EXPERTS * EXPERT_BYTES, "inter": 0}
+        assert info["survival"] == 1.0
