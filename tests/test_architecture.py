@@ -8,6 +8,8 @@ Also checks that the architecture document names every package and every registe
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from megatron_patches.training.modes import MODES
@@ -59,3 +61,17 @@ def test_architecture_document_names_every_package_and_mode():
         assert f"`{package}/`" in text, package
     for mode in MODES:
         assert f"`{mode}`" in text, mode
+
+
+def test_the_entry_point_and_the_parser_import_no_torch():
+    """A process multiprocessing spawns re-imports the entry point, and every rank parses and
+    validates its flags before torch is needed: both stay light (torch alone takes ~2 s of CPU
+    per process; eight such processes on two cores cost a checkpoint save ~10 s once)."""
+    code = (
+        "import runpy, sys\n"
+        "runpy.run_path('pretrain_gpt_moe.py', run_name='__mp_main__')\n"
+        "import megatron_patches.training.arguments, megatron_patches.training.validation\n"
+        "heavy = [m for m in ('torch', 'megatron.core') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, check=True, timeout=120)

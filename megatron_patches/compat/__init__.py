@@ -5,14 +5,12 @@
 - `mcore.py`: every version-sensitive call into Megatron-Core.
 - `activations.py`: activation memory measured through torch's saved-tensor hooks.
 - `known_warnings.py`: Megatron-Core's and torch's known warnings, once from rank 0 as one line each.
-- `lifetime.py`: ranks and their helper processes end with their parent, even on SIGKILL.
+- `lifetime.py`: ranks end with their launcher, even on SIGKILL.
 
 `prepare_megatron(use_cuda)` is called once per process before any model is built.
 """
 
 from __future__ import annotations
-
-import torch
 
 
 def prepare_megatron(use_cuda: bool) -> list[str]:
@@ -20,6 +18,8 @@ def prepare_megatron(use_cuda: bool) -> list[str]:
 
     Returns the names of the CPU shims installed (empty on GPU).
     """
+    import torch  # here, not at the top: the entry point imports known_warnings and lifetime before torch
+
     from megatron_patches.compat import fixes, mcore
 
     mcore.check_version()

@@ -1,16 +1,14 @@
 """Process lifetime: a process ends when the process that started it ends, even by SIGKILL.
 
 Linux's PR_SET_PDEATHSIG asks the kernel to signal a process when its parent ends, which covers
-the one case no handler can forward: a parent killed with SIGKILL. Two places need it:
-- a rank under torchrun: killing the agent with SIGKILL (an OOM killer, a scheduler's hard
-  stop) otherwise leaves the ranks running, holding memory and devices, until a collective or
-  the stall watchdog gives up;
-- each rank's dist-checkpoint results queue, served by a spawned multiprocessing.Manager
-  process (Megatron's filesystem_async; about 0.5 GB each): a rank killed with SIGKILL
-  otherwise leaves it behind for good (compat/mcore.py starts it through `die_with_parent`).
+the one case no handler can forward: a parent killed with SIGKILL. A rank under torchrun needs
+it: killing the agent with SIGKILL (an OOM killer, a scheduler's hard stop) otherwise leaves the
+ranks running, holding memory and devices, until a collective or the stall watchdog gives up.
+(Megatron's dist-checkpoint results queue used to be a spawned multiprocessing.Manager that also
+outlived a killed rank; compat/mcore.py now keeps that queue in the rank's own process.)
 Elsewhere than Linux nothing is set.
 
-Light on purpose: a spawned helper imports this module to run `die_with_parent`.
+Light on purpose: the entry point imports it before torch.
 """
 
 from __future__ import annotations

@@ -17,11 +17,6 @@ Training integration (imported from their modules, as they need Megatron-Core): 
 the slots) and `runtime` (ReplicateRuntime: routing under capacity, gradients, the expert
 optimizer step beside Megatron's, the next placement by policy, metrics).
 
-This package's top level imports `placement` and `comm` only.
+The package's top level imports nothing: `config` must stay torch-free (the argument parser,
+and every process that re-imports the entry point, imports it).
 """
-
-from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
-from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
-from megatron_patches.replicate.slots import SlotWeights
-
-__all__ = ["STATE_NAMES", "AdamConfig", "ExpertSlices", "ReplicatedExperts", "SlotWeights"]

@@ -16,7 +16,7 @@ import torch
 
 from megatron.core import dist_checkpointing
 
-from megatron_patches.compat import moe
+from megatron_patches.compat import mcore, moe
 
 
 def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> None:
@@ -30,7 +30,7 @@ def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> No
         "replicate": replicate.placement_state_dict(),
         **common,
     }
-    dist_checkpointing.save(state, directory)
+    mcore.save_sharded(state, directory)
 
 
 def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bool, replicate, notes: list[str]) -> dict:

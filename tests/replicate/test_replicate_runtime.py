@@ -44,13 +44,9 @@ from megatron_patches.placement import (
     replica_counts,
     slot_placement,
 )
-from megatron_patches.replicate import (
-    STATE_NAMES,
-    AdamConfig,
-    ExpertSlices,
-    ReplicatedExperts,
-    SlotWeights,
-)
+from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
+from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
+from megatron_patches.replicate.slots import SlotWeights
 
 ITERATIONS = 3
 KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights")
