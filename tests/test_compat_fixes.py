@@ -12,7 +12,8 @@ Megatron modules (stock behaviour wrong), and the fix shown right.
   * EP2 with the distributed optimizer (dense params sharded over DP2): save -> load with the
     stock Megatron methods and with fix 4, per-parameter `step` tensors, and the next
     optimizer steps against a run that never stopped.
-- Fix 6 (the router's gating GEMM without Transformer Engine), in this process.
+- Fix 6 (the router's gating GEMM without Transformer Engine) and fix 7 (BERT masking's replacement
+  tokens in a per-process order), in this process.
 """
 
 from __future__ import annotations
@@ -594,3 +595,29 @@ def test_fix6_router_gating_without_transformer_engine(monkeypatch):
     (xr @ wr.T + br).square().sum().backward()
     for got, ref in zip(grads, (xr, wr, br)):
         torch.testing.assert_close(got, ref.grad)
+
+
+def test_fix7_bert_replacement_tokens_follow_the_seed_alone(monkeypatch, tmp_path):
+    """Stock, BERT masking draws replacement tokens from the tokenizer's vocabulary in the order
+    its hash map gives (randomised per process by the HuggingFace tokenizers library); fixed, in
+    id order, so a sample depends on the seed only."""
+    from megatron.core.datasets import bert_dataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_patches.data.corpus import ensure_default_corpus
+    from megatron_patches.data.tokenizers import build_tokenizer
+
+    corpus = ensure_default_corpus("bert", max_documents=12)
+    tokenizer = build_tokenizer(corpus.tokenizer_type, corpus.vocab_file, corpus.merge_file)
+    assert list(tokenizer.inv_vocab) != sorted(tokenizer.inv_vocab)  # the order the stock code uses
+    config = bert_dataset.BERTMaskedWordPieceDatasetConfig(
+        random_seed=1234, sequence_length=64, blend=([str(corpus.data_prefix)], None), split="100,0,0",
+        tokenizer=tokenizer, path_to_cache=str(tmp_path), masking_probability=0.15, short_sequence_probability=0.1,
+        masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
+        masking_use_longer_ngrams=False, masking_use_geometric_distribution=False, classification_head=True,
+    )
+    monkeypatch.setattr(bert_dataset.BERTMaskedWordPieceDataset, "__init__", bert_dataset.BERTMaskedWordPieceDataset.__init__)
+    fixes._fix_bert_token_lookup_order()
+    with single_rank_group():
+        train = BlendedMegatronDatasetBuilder(bert_dataset.BERTMaskedWordPieceDataset, [8, 0, 0], lambda: True, config).build()[0]
+    assert train.token_lookup == sorted(tokenizer.inv_vocab)
