@@ -119,15 +119,15 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(fp16_runs, name):
     assert "dynamic loss scale from 1024" in run.output and "loss scale" in run.output.split("iter      2/10")[1]
 
 
-@pytest.mark.parametrize(
-    "name, flags",
-    [
-        ("ep_full", FULL),
-        ("ep_selective", [*SELECTIVE, "moe"]),
-        ("fssdp_full_remat", [*FSSDP, *FULL, "--fssdp-rematerialize"]),
-        ("replicate_full", [*REPLICATE, *FULL]),
-    ],
-)
+RECOMPUTE = [
+    ("ep_full", FULL),
+    ("ep_selective", [*SELECTIVE, "moe"]),
+    ("fssdp_full_remat", [*FSSDP, *FULL, "--fssdp-rematerialize"]),
+    ("replicate_full", [*REPLICATE, *FULL]),
+]
+
+
+@pytest.mark.parametrize("name, flags", RECOMPUTE, ids=[name for name, _ in RECOMPUTE])
 def test_recompute_keeps_losses_and_loads(ep_fp32, workdir, name, flags):
     run = launch(4, [*COMMON, "--train-iters", str(SHORT), *flags], workdir, name)
     assert relative(run, ep_fp32).max() < 1e-6

@@ -1,0 +1,189 @@
+"""The README's support matrix (fssdp and replicate x Megatron feature), checked against the tests.
+
+Each cell is one of:
+- tested: a test that trains the mode with the feature against ep (named as `file::function`,
+  with the parametrization where there is one); the test must exist;
+- refused: the flags are refused before any work starts, with a message that contains the given
+  words; validation runs here on those flags, so a refusal that disappears or changes fails;
+- not tested: accepted but never trained in a test (said plainly rather than left out);
+- n/a: the feature does not exist in that mode (accepted, nothing to do).
+
+The README block between the markers must equal `render()`; after changing `MATRIX`, write it
+with `python tests/test_support_matrix.py --write README.md`.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_patches.config.flags import ArgumentError
+from megatron_patches.training.arguments import parse_args
+from megatron_patches.training.validation import validate_args
+
+TESTS = Path(__file__).resolve().parent
+README = TESTS.parent / "README.md"
+BEGIN, END = "<!-- support-matrix: begin -->", "<!-- support-matrix: end -->"
+MODES = ("fssdp", "replicate")
+
+
+@dataclass(frozen=True)
+class Cell:
+    status: str
+    """tested, refused, not tested, or n/a (the feature does not exist in the mode)."""
+    where: str = ""
+    """tested: file::function[param]; refused: words of the refusal; not tested: why it matters."""
+    flags: tuple[str, ...] = ()
+    """What this mode needs besides the row's flags."""
+
+
+@dataclass(frozen=True)
+class Row:
+    feature: str
+    flags: tuple[str, ...]
+    """What a user adds to the tiny model's flags (besides --moe-parallel-mode)."""
+    world: int
+    cells: dict
+
+
+def by_test(where: str, *flags: str) -> Cell:
+    return Cell("tested", where, flags)
+
+
+def refusal(words: str) -> Cell:
+    return Cell("refused", words)
+
+
+COMPOSITION = "test_composition.py::"
+PRECISION = "test_precision_training.py::"
+MATRIX = (
+    Row("more ranks than one expert group (EDP 2)", ("--expert-model-parallel-size", "4"), 8, {
+        "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
+        "replicate": by_test(COMPOSITION + "test_replicate_two_expert_groups")}),
+    Row("TP 2 + sequence parallel, PP 2, EDP 2, distributed optimizer, together",
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"), 8, {
+        "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]",
+                         "--fssdp-reshard-interval", "0"),
+        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
+    Row("BERT", ("--model-family", "bert", "--expert-model-parallel-size", "2"), 2, {
+        "fssdp": by_test(COMPOSITION + "test_bert[fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_bert[replicate]")}),
+    Row("bf16", ("--bf16",), 4, {
+        "fssdp": by_test(PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise"),
+        "replicate": by_test(PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise")}),
+    Row("fp16 with recompute and the distributed optimizer", ("--fp16", "--use-distributed-optimizer"), 4, {
+        "fssdp": by_test(PRECISION + "test_half_precision_with_recompute_and_distributed_optimizer[fp16-fssdp]"),
+        "replicate": by_test(PRECISION + "test_half_precision_with_recompute_and_distributed_optimizer[fp16-replicate]")}),
+    Row("full activation recompute", ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                      "--recompute-num-layers", "1"), 4, {
+        "fssdp": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[fssdp_full_remat]"),
+        "replicate": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[replicate_full]")}),
+    Row("save at 8 ranks (2 expert groups), resume at 4 in the other mode", ("--expert-model-parallel-size", "4"), 8, {
+        "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
+        "replicate": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere")}),
+    Row("checkpoints with the distributed optimizer", ("--use-distributed-optimizer", "--save", "ckpt",
+                                                       "--save-interval", "5"), 4, {
+        "fssdp": Cell("not tested", "accepted; saving goes through Megatron's own distributed-optimizer form"),
+        "replicate": refusal("replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer")}),
+    Row("re-sharding with the distributed optimizer over several expert groups",
+        ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), 4, {
+        "fssdp": refusal("shards that state over the 2 expert groups"),
+        "replicate": Cell("n/a", "replicate never re-shards: its optimizer slices never move")}),
+    Row("grouped GEMM", ("--moe-grouped-gemm",), 4, {
+        "fssdp": refusal("runs each expert instance with Megatron's MLP module"),
+        "replicate": refusal("runs each expert instance with Megatron's MLP module")}),
+    Row("overlapped gradient reduce", ("--use-distributed-optimizer", "--overlap-grad-reduce"), 4, {
+        "fssdp": refusal("handles the expert gradients after the backward"),
+        "replicate": refusal("handles the expert gradients after the backward")}),
+    Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {
+        "fssdp": refusal("copies whole experts"),
+        "replicate": refusal("copies whole experts")}),
+    Row("MoE-only recompute", ("--recompute-granularity", "selective", "--recompute-modules", "moe"), 4, {
+        "fssdp": refusal("plans its collectives once per forward"),
+        "replicate": refusal("plans its collectives once per forward")}),
+    Row("padding expert inputs to capacity", ("--moe-expert-capacity-factor", "1.0",
+                                              "--moe-pad-expert-input-to-capacity"), 4, {
+        "fssdp": refusal("padding is per expert rank"),
+        "replicate": refusal("padding is per expert rank")}),
+)
+
+
+def _cell_text(cell: Cell) -> str:
+    if cell.status == "tested":
+        return f"tested: `{cell.where}`" + (f" (with `{' '.join(cell.flags)}`)" if cell.flags else "")
+    if cell.status == "refused":
+        return f"refused: \"...{cell.where}...\""
+    return f"{cell.status} ({cell.where})"
+
+
+def render() -> str:
+    lines = [BEGIN, "| feature | flags (on the tiny model) | " + " | ".join(MODES) + " |",
+             "|---|---|" + "---|" * len(MODES)]
+    for row in MATRIX:
+        lines.append(f"| {row.feature} | `{' '.join(row.flags)}` ({row.world} ranks) | " + " | ".join(_cell_text(row.cells[m]) for m in MODES) + " |")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> str:
+    match = re.search(re.escape(BEGIN) + r".*?" + re.escape(END), text, flags=re.S)
+    assert match, f"README.md has no {BEGIN} ... {END} block"
+    return match.group(0)
+
+
+def test_readme_shows_the_matrix():
+    assert readme_block(README.read_text()) == render(), (
+        "README.md's support matrix differs from tests/test_support_matrix.py: run "
+        "python tests/test_support_matrix.py --write README.md")
+
+
+CELLS = [(row, mode) for row in MATRIX for mode in MODES]
+
+
+@pytest.fixture(scope="module")
+def collected() -> set[str]:
+    """The node ids pytest collects from the files the tested cells name (collection only)."""
+    files = sorted({row.cells[m].where.partition("::")[0] for row in MATRIX for m in MODES if row.cells[m].status == "tested"})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *(str(TESTS / f) for f in files)], cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {line.strip().removeprefix("tests/") for line in proc.stdout.splitlines() if "::" in line}
+
+
+@pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status == "tested"],
+                         ids=lambda value: getattr(value, "feature", value))
+def test_every_tested_cell_names_a_collected_test(collected, row, mode):
+    where = row.cells[mode].where
+    assert where in collected or any(node.startswith(where + "[") for node in collected), (
+        f"no collected test is {where}; collected: {sorted(collected)}")
+
+
+@pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status == "refused"],
+                         ids=lambda value: getattr(value, "feature", value))
+def test_every_refused_cell_is_refused_before_any_work(row, mode):
+    args = parse_args(["--moe-parallel-mode", mode, *row.flags])
+    with pytest.raises(ArgumentError) as caught:
+        validate_args(args, row.world)
+    assert row.cells[mode].where in str(caught.value)
+
+
+@pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status != "refused"],
+                         ids=lambda value: getattr(value, "feature", value))
+def test_every_other_cell_is_accepted(row, mode):
+    validate_args(parse_args(["--moe-parallel-mode", mode, *row.flags, *row.cells[mode].flags]), row.world)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
+        sys.exit("usage: python tests/test_support_matrix.py --write README.md")
+    target = Path(sys.argv[2])
+    text = target.read_text()
+    target.write_text(text.replace(readme_block(text), render()))
+    print(f"wrote the support matrix into {target}")
