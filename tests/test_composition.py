@@ -14,7 +14,9 @@ equal ep's within 1e-5 relative (the order of floating-point sums differs; measu
 
 One spawn per mode serves several checks: the EDP-2 fssdp run re-shards (t = m = 1, so the
 owners matter) and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then
-resumes in replicate mode on 4 ranks (one group), on ep's losses.
+resumes on 4 ranks (one group) in replicate mode, and in fssdp with the saved layout and load
+history, on ep's losses. fssdp with the distributed optimizer (4 ranks) saves after a re-shard
+and resumes in fssdp bit for bit and in ep.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ BASE = [
 COMMON = [*BASE, "--expert-model-parallel-size", "4"]
 COMBINED = [*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
+# t = m = 1: one copy of the hottest expert per layer, so who owns the others matters and
+# re-sharding moves experts
+FSSDP_RESHARDING = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp-memory-capacity", "1",
+                    "--fssdp-reshard-interval", str(RESHARD_EVERY)]
 LAYERS, EXPERTS, TOPK, GROUP = 2, 8, 2, 4
 TOKEN_COPIES = 8 * 128 * TOPK  # per layer and iteration, over the world
 EXPERT_NUMEL = 16_576  # fc1 64x128 + 128, fc2 128x64 + 64
@@ -68,9 +74,8 @@ def check_common(run, reference, mode: str, group: int = GROUP, token_copies: in
 
 def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
     ckpt = workdir / "ckpt_fssdp_edp2"
-    fssdp = launch(8, [*COMMON, "--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1",
-                       "--fssdp-memory-capacity", "1", "--fssdp-reshard-interval", str(RESHARD_EVERY),
-                       "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir, "fssdp_edp2")
+    fssdp = launch(8, [*COMMON, *FSSDP_RESHARDING, "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir,
+                   "fssdp_edp2")
     # Equal losses also say both groups re-sharded alike: DDP all-reduces position d's slots over
     # the groups, so a different owner in one group would mix two experts' gradients.
     check_common(fssdp, ep, "fssdp")
@@ -89,12 +94,19 @@ def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
         assert np.array([layer["owned"] for layer in info["layers"]]).sum(axis=0).tolist() == [LAYERS * EXPERTS // GROUP] * GROUP
     assert adopted and adopted[0] <= SAVE_AT, adopted
 
-    # saved at 8 ranks in fssdp (two groups, after a re-shard), resumed at 4 in replicate (one group)
+    # saved at 8 ranks in fssdp (two groups, after a re-shard), resumed at 4 (one group): in
+    # replicate, and in fssdp with the saved (re-sharded) layout and load history, which fit a group of 4
     (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
     resumed = launch(4, [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(ckpt)], workdir, "replicate_from_edp2")
     assert resumed.records[0]["iteration"] == SAVE_AT + 1
     assert "holds no replicate placement" in resumed.output
     np.testing.assert_allclose(losses(resumed), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
+    again = launch(4, [*COMMON, *FSSDP_RESHARDING, "--load", str(ckpt)], workdir, "fssdp_from_edp2")
+    assert "fssdp: restored the shard layout" in again.output and f"{SAVE_AT} observed iterations of loads" in again.output
+    straight = next(r for r in fssdp.records if r.get("iteration") == SAVE_AT + 1)["fssdp"]
+    first = next(r for r in again.records if "loss" in r)["fssdp"]
+    assert [layer["owned"] for layer in first["layers"]] == [layer["owned"] for layer in straight["layers"]]
+    np.testing.assert_allclose(losses(again), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
 
 
 def test_replicate_two_expert_groups(ep, workdir):
@@ -137,3 +149,20 @@ def test_bert(ep_bert, workdir, mode):
     run = launch(2, [*BERT, "--moe-parallel-mode", mode], workdir, f"{mode}_bert")
     assert "BertWordPieceLowerCase" in run.output
     check_common(run, ep_bert, mode, group=2, token_copies=None)
+
+
+def test_fssdp_checkpoints_with_the_distributed_optimizer(workdir):
+    """fssdp with Megatron's distributed optimizer (one expert group of 4, so re-sharding moves
+    whole optimizer states): saved after a re-shard, it resumes in fssdp bit for bit and in ep
+    (distributed optimizer too) on the same losses."""
+    flags = [*COMMON, "--use-distributed-optimizer"]
+    ckpt = workdir / "ckpt_fssdp_distopt"
+    straight = launch(4, [*flags, *FSSDP_RESHARDING, "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir,
+                      "fssdp_distopt")
+    moved = [r["iteration"] for r in straight.records if "loss" in r and (r["fssdp"]["reshard"] or {}).get("moved")]
+    assert moved and moved[0] <= SAVE_AT, moved
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
+    again = launch(4, [*flags, *FSSDP_RESHARDING, "--load", str(ckpt)], workdir, "fssdp_distopt_resumed")
+    assert again.losses == straight.losses[SAVE_AT:] and again.grad_norms == straight.grad_norms[SAVE_AT:]
+    in_ep = launch(4, [*flags, "--load", str(ckpt)], workdir, "ep_distopt_from_fssdp")
+    np.testing.assert_allclose(losses(in_ep), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)

@@ -84,12 +84,12 @@ MATRIX = (
                                       "--recompute-num-layers", "1"), 4, {
         "fssdp": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[fssdp_full_remat]"),
         "replicate": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[replicate_full]")}),
-    Row("save at 8 ranks (2 expert groups), resume at 4 in the other mode", ("--expert-model-parallel-size", "4"), 8, {
+    Row("save at 8 ranks (2 expert groups), resume at 4 (1 group)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
         "replicate": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere")}),
     Row("checkpoints with the distributed optimizer", ("--use-distributed-optimizer", "--save", "ckpt",
                                                        "--save-interval", "5"), 4, {
-        "fssdp": Cell("not tested", "accepted; saving goes through Megatron's own distributed-optimizer form"),
+        "fssdp": by_test(COMPOSITION + "test_fssdp_checkpoints_with_the_distributed_optimizer"),
         "replicate": refusal("replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer")}),
     Row("re-sharding with the distributed optimizer over several expert groups",
         ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), 4, {
