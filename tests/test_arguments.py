@@ -781,8 +781,6 @@ def test_replicate_defaults_and_refusals(parse):
                  "--replicate-policy=best", "valid: adaptive, static, periodic")
     expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-rebalance-interval", "50"), 4,
                  "--replicate-rebalance-interval=50", "only applies with --replicate-policy periodic")
-    expect_error(parse("--moe-parallel-mode", "replicate", "--expert-model-parallel-size", "2"), 4,
-                 "--expert-model-parallel-size=2", "replicate group is the expert-parallel group", "valid: world size")
     expect_error(parse("--moe-parallel-mode", "replicate", "--use-distributed-optimizer", "--save", "/tmp/x",
                        "--save-interval", "5"), 4, "--save=/tmp/x", "not --use-distributed-optimizer's")
     assert validate_args(parse("--moe-parallel-mode", "replicate", "--save", "/tmp/x", "--save-interval", "5"), 4).save == "/tmp/x"
@@ -824,7 +822,7 @@ def test_instance_modes_accept_more_ranks_than_an_expert_group(parse, mode):
     (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 4,
      ["--fssdp-reshard-interval=100", "expert-data-parallel size 2", "valid: 0"]),
     (["--moe-parallel-mode", "fssdp", "--use-distributed-optimizer", "--overlap-grad-reduce"], 4,
-     ["--overlap-grad-reduce=True", "not supported"]),
+     ["--overlap-grad-reduce=True", "before those additions", "replicate mode supports it"]),
 ])
 def test_fssdp_refusals(parse, flags, world, fragments):
     expect_error(parse(*flags), world, *fragments)

@@ -98,9 +98,10 @@ MATRIX = (
     Row("grouped GEMM", ("--moe-grouped-gemm",), 4, {
         "fssdp": refusal("runs each expert instance with Megatron's MLP module"),
         "replicate": refusal("runs each expert instance with Megatron's MLP module")}),
-    Row("overlapped gradient reduce", ("--use-distributed-optimizer", "--overlap-grad-reduce"), 4, {
-        "fssdp": refusal("handles the expert gradients after the backward"),
-        "replicate": refusal("handles the expert gradients after the backward")}),
+    Row("overlapped gradient reduce and parameter gather (dense parameters)",
+        ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"), 4, {
+        "fssdp": refusal("starts reducing (and scaling) an expert bucket as soon as its owners' own gradients are ready"),
+        "replicate": by_test(COMPOSITION + "test_replicate_with_overlapped_reduce_and_param_gather")}),
     Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {
         "fssdp": refusal("copies whole experts"),

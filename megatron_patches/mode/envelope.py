@@ -24,14 +24,9 @@ def check_instance_mode(args, mode: str) -> None:
          f"{mode} runs each expert instance with Megatron's MLP module; drop --moe-grouped-gemm"),
         ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,
          f"padding is per expert rank, instances make it per instance; not supported in {mode} mode"),
-        ("--overlap-grad-reduce", True, args.overlap_grad_reduce,
-         f"{mode} handles the expert gradients after the backward; not supported together with DDP's "
-         "overlapped reduce yet"),
         ("--recompute-modules", "moe", "moe" in (args.recompute_modules or ()),
          f"{mode}'s MoE layer plans its collectives once per forward; recompute it with the whole layer "
          "(--recompute-granularity full) or drop moe from --recompute-modules"),
-        ("--overlap-param-gather", True, args.overlap_param_gather,
-         f"not supported in {mode} mode (it needs --overlap-grad-reduce)"),
     )
     for flag, value, refused, why in refusals:
         if refused:
