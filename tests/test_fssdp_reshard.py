@@ -1,16 +1,13 @@
 """FSSDP heterogeneous re-sharding: moving experts' weights and optimizer state between ranks.
 
-Three levels:
+Two levels here:
 - `plan_reshard` (pure planning): every changed expert leaves its old owner and arrives at its
   new one, senders and receivers agree on the order, experts that stay keep their slot;
 - `exchange_slots` on 4 gloo ranks: after two successive re-shards every slot holds exactly
-  the content of the (layer, expert) its table names, and the bytes are moved x row bytes;
-- end to end through `pretrain_gpt_moe.py` on 4 gloo ranks: with a small overlap degree the
-  router's own skew on real text makes re-sharding move experts, and the losses still equal
-  ep's (fp32, no dropping); the logged re-shard bytes are moved experts x (weights + Adam's
-  two moments); a checkpoint saved after a re-shard resumes in ep mode on ep's losses, and in
-  fssdp mode with the re-sharded layout and the load history: the uninterrupted run's losses,
-  placements and re-shard decisions exactly.
+  the content of the (layer, expert) its table names, and the bytes are moved x row bytes.
+End to end (training re-shards on real text, equals ep's losses, counts the bytes, owners become
+heterogeneous per layer, a checkpoint saved after a re-shard resumes in fssdp bit for bit with the
+same decisions, in ep, in replicate, and at another world size) is tests/test_composition.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import torch.distributed as dist
 
 
 from support.mp import run_ranks
-from support.training import launch
 
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
@@ -138,84 +134,3 @@ def test_exchange_moves_slot_contents_on_gloo_ranks():
         moved = reports[0]["moved"][step]
         assert moved > 0 and all(r["moved"][step] == moved for r in reports)
         assert sum(r["sent"][step] for r in reports) == sum(r["received"][step] for r in reports) == moved * row_bytes
-
-
-# ---- end to end ---------------------------------------------------------------------------
-
-ITERS = 16
-INTERVAL = 4
-SAVE_AT = 10
-COMMON = [
-    "--expert-model-parallel-size", "4", "--lr-warmup-iters", "5", "--lr-decay-iters", str(ITERS),
-    "--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
-]
-# tiny: 2 MoE layers of 8 experts, fc1 64x128 + 128, fc2 128x64 + 64 (fp32); the fp32 Adam
-# state is exp_avg and exp_avg_sq, no separate main copy.
-EXPERT_BYTES = 16_576 * 4
-MOVED_BYTES_PER_EXPERT = 3 * EXPERT_BYTES
-TINY_LAYERS, TINY_EXPERTS = 2, 8
-# t = m = 1: one copy of the hottest expert per layer, so who owns the others matters and
-# the heterogeneous layout lowers the imbalance bound.
-FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp-memory-capacity", "1",
-         "--fssdp-reshard-interval", str(INTERVAL)]
-
-
-@pytest.mark.e2e
-def test_reshard_matches_ep_counts_bytes_and_resumes_in_ep_and_fssdp(tmp_path):
-    ep = launch(4, [*COMMON, "--train-iters", str(ITERS)], tmp_path, "ep")
-    ckpt = tmp_path / "ckpt"
-    fssdp = launch(4, [*COMMON, "--train-iters", str(ITERS), *FSSDP, "--save", str(ckpt), "--save-interval", str(SAVE_AT)],
-                   tmp_path, "fssdp")
-
-    # (1) the same model: re-sharding only changes where experts and their state live
-    losses = [r["loss"] for r in fssdp.records if "loss" in r]
-    assert len(losses) == ITERS
-    np.testing.assert_allclose(losses, [r["loss"] for r in ep.records if "loss" in r], rtol=1e-5, atol=0)
-
-    # (2) checks at every INTERVAL iterations, bytes = moved x (weights + exp_avg + exp_avg_sq)
-    checks = [r["fssdp"]["reshard"] for r in fssdp.records if "loss" in r and r["fssdp"]["reshard"] is not None]
-    assert [c["iteration"] for c in checks] == list(range(INTERVAL + 1, ITERS + 1, INTERVAL))
-    adopted = [c for c in checks if c["adopted"]]
-    assert adopted and all(c["moved"] > 0 and c["bound_proposed"] < c["bound_before"] for c in adopted)
-    heterogeneous = False
-    for record in fssdp.records:
-        if "loss" not in record:
-            continue
-        info = record["fssdp"]
-        moved = info["reshard"]["moved"] if info["reshard"] else 0
-        assert info["bytes"]["reshard"] == {"intra": moved * MOVED_BYTES_PER_EXPERT, "inter": 0}
-        owned_LD = np.array([layer["owned"] for layer in info["layers"]])
-        # memory stays balanced over the layers, not per layer
-        assert owned_LD.sum(axis=0).tolist() == [TINY_LAYERS * TINY_EXPERTS // 4] * 4
-        heterogeneous |= len(np.unique(owned_LD)) > 1
-        memory = info["memory"]
-        assert sum(memory["optimizer_state_bytes"]) == 2 * TINY_LAYERS * TINY_EXPERTS * EXPERT_BYTES
-        assert len(set(memory["optimizer_state_bytes"])) == 1
-    assert heterogeneous, "no re-shard gave a rank more experts of one layer than of another"
-    assert f"fssdp: re-shard at iteration {adopted[0]['iteration']}: moved {adopted[0]['moved']} experts" in fssdp.output
-
-    # (3) saved after a re-shard, resumed in ep mode: ep's own continuation
-    assert adopted[0]["iteration"] <= SAVE_AT
-    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")  # the mid-run save
-    resumed = launch(4, [*COMMON, "--train-iters", str(ITERS), "--load", str(ckpt)], tmp_path, "ep_resumed")
-    assert resumed.records[0]["iteration"] == SAVE_AT + 1
-    np.testing.assert_allclose(
-        [r["loss"] for r in resumed.records if "loss" in r],
-        [r["loss"] for r in ep.records if "loss" in r][SAVE_AT:], rtol=1e-5, atol=0,
-    )
-
-    # (4) resumed in fssdp: the saved layout (after the re-shard), slot tables and load history
-    fssdp_resumed = launch(4, [*COMMON, "--train-iters", str(ITERS), *FSSDP, "--load", str(ckpt)], tmp_path,
-                           "fssdp_resumed")
-    assert "fssdp: restored the shard layout" in fssdp_resumed.output
-    assert "10 observed iterations of loads" in fssdp_resumed.output
-    straight = [r for r in fssdp.records if "loss" in r][SAVE_AT:]
-    again = [r for r in fssdp_resumed.records if "loss" in r]
-    assert [r["loss"] for r in again] == [r["loss"] for r in straight]
-    assert [r["grad_norm"] for r in again] == [r["grad_norm"] for r in straight]
-    for record, reference in zip(again, straight):
-        assert [layer["owned"] for layer in record["fssdp"]["layers"]] == [
-            layer["owned"] for layer in reference["fssdp"]["layers"]]
-        assert [layer["copies"] for layer in record["fssdp"]["layers"]] == [
-            layer["copies"] for layer in reference["fssdp"]["layers"]]
-        assert record["fssdp"]["reshard"] == reference["fssdp"]["reshard"]

@@ -70,7 +70,8 @@ MATRIX = (
          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"), 8, {
         "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]",
                          "--fssdp-reshard-interval", "0"),
-        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]",
+                             "--overlap-grad-reduce", "--overlap-param-gather")}),
     Row("BERT", ("--model-family", "bert", "--expert-model-parallel-size", "2"), 2, {
         "fssdp": by_test(COMPOSITION + "test_bert[fssdp]"),
         "replicate": by_test(COMPOSITION + "test_bert[replicate]")}),
@@ -101,7 +102,7 @@ MATRIX = (
     Row("overlapped gradient reduce and parameter gather (dense parameters)",
         ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"), 4, {
         "fssdp": refusal("starts reducing (and scaling) an expert bucket as soon as its owners' own gradients are ready"),
-        "replicate": by_test(COMPOSITION + "test_replicate_with_overlapped_reduce_and_param_gather")}),
+        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
     Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {
         "fssdp": refusal("copies whole experts"),
