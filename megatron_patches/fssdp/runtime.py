@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import node_layout
+from megatron_patches.comm.groups import node_layout, sum_over_group
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
@@ -156,7 +156,6 @@ class FSSDPRuntime(ModeRuntime):
         self.edp_group = parallel_state.get_expert_data_parallel_group()
         """The same position in every FSSDP group of the stage (Megatron's expert-data-parallel
         group): owners' gradients are all-reduced over it by Megatron's DDP."""
-        self.edp_size = parallel_state.get_expert_data_parallel_world_size()
         self.group = _dedicated_groups(dist.get_process_group_ranks(self.ep_group))
         """Process group of the sparse collectives (the EP group's ranks)."""
         ranks = dist.get_process_group_ranks(self.group)
@@ -639,11 +638,8 @@ class FSSDPRuntime(ModeRuntime):
         """The iteration's FSSDP figures: tokens per device position and remote copies summed over
         the FSSDP groups (like the common record's ep figures); bytes, times and copies are this
         group's (every group runs the same plans), identical on every rank of the group."""
-        if self.edp_size > 1:
-            tokens = torch.from_numpy(np.append(self.stats.device_tokens_LD.ravel(), self.stats.remote_copies))
-            dist.all_reduce(tokens, group=self.edp_group)
-            self.stats.device_tokens_LD = tokens[:-1].numpy().reshape(self.stats.device_tokens_LD.shape)
-            self.stats.remote_copies = int(tokens[-1])
+        self.stats.device_tokens_LD, remote = sum_over_group(self.edp_group, self.stats.device_tokens_LD, self.stats.remote_copies)
+        self.stats.remote_copies = int(remote)
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]

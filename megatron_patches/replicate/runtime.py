@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce
+from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce, sum_over_group
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
@@ -511,15 +511,10 @@ class ReplicateRuntime(ModeRuntime):
     def _metrics(self) -> dict:
         """The iteration's replicate figures (identical on every rank): tokens summed over the
         replicate groups; bytes and seconds are this group's."""
-        if self.edp_size > 1:
-            stats = self.stats
-            counts = torch.from_numpy(np.concatenate([stats.routed_LE.ravel(), stats.processed_LED.ravel(), [stats.remote_copies]]))
-            dist.all_reduce(counts, group=self.edp_group)
-            counts = counts.numpy()
-            n = stats.routed_LE.size
-            stats.routed_LE = counts[:n].reshape(stats.routed_LE.shape)
-            stats.processed_LED = counts[n:-1].reshape(stats.processed_LED.shape)
-            stats.remote_copies = int(counts[-1])
+        stats = self.stats
+        stats.routed_LE, stats.processed_LED, remote = sum_over_group(
+            self.edp_group, stats.routed_LE, stats.processed_LED, stats.remote_copies)
+        stats.remote_copies = int(remote)
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter")
         local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
