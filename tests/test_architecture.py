@@ -25,7 +25,7 @@ ALLOWED = {
     "mode": {"placement", "config", "comm", "compat"},
     "fssdp": {"placement", "config", "comm", "compat", "mode"},
     "replicate": {"placement", "config", "comm", "compat", "mode"},
-    "zebra": {"placement", "config", "comm", "compat", "mode"},
+    "zebra": {"placement", "config", "comm", "compat", "data", "mode"},  # data: attention ranks read their micro-batches
     "sim": {"placement", "config"},
     "training": {"placement", "config", "comm", "compat", "data", "mode", "fssdp", "replicate", "zebra"},
 }

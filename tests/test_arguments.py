@@ -403,9 +403,9 @@ def test_run_dir_names_the_outputs_and_explicit_flags_win(parse, tmp_path):
         str(run_dir / "metrics.jsonl"), str(run_dir / "tensorboard"), str(run_dir / "loads.npz"))
     args = validate_args(parse("--run-dir", str(run_dir), "--log-json", str(tmp_path / "m.jsonl")), 4)
     assert args.log_json == str(tmp_path / "m.jsonl") and args.moe_log_loads == str(run_dir / "loads.npz")
-    # zebra's own loop writes no load trace (and refuses --moe-log-loads): the folder leaves it unset
+    # zebra runs the shared loop: its run folder holds the load trace too
     zebra = validate_args(parse("--run-dir", str(run_dir), *ZEBRA_2_2_4, "--micro-batch-size", "3"), 8)
-    assert zebra.moe_log_loads is None and zebra.log_json == str(run_dir / "metrics.jsonl")
+    assert zebra.moe_log_loads == str(run_dir / "loads.npz") and zebra.log_json == str(run_dir / "metrics.jsonl")
     assert not run_dir.exists()  # created by rank 0 at start-up, not by validation
 
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from megatron_patches.mode.runtime import ModeRuntime
-from megatron_patches.training.modes import MODES, SEPARATE_LOOPS
+from megatron_patches.training.modes import MODES
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = [name for name, member in vars(ModeRuntime).items()
          if not name.startswith("_") and (inspect.isfunction(member) or isinstance(member, classmethod))]
 
 
-@pytest.mark.parametrize("name", [name for name, spec in MODES.items() if spec.runtime is not None])
+@pytest.mark.parametrize("name", list(MODES))
 def test_runtime_overrides_keep_the_base_signatures(name):
     runtime = MODES[name].runtime_class()
     assert issubclass(runtime, ModeRuntime)
@@ -26,11 +26,6 @@ def test_runtime_overrides_keep_the_base_signatures(name):
     for step in STEPS:
         base, own = inspect.signature(getattr(ModeRuntime, step)), inspect.signature(getattr(runtime, step))
         assert list(own.parameters) == list(base.parameters), f"{runtime.__name__}.{step}{own} differs from {base}"
-
-
-def test_every_mode_has_a_runtime_or_a_separate_loop():
-    for name, spec in MODES.items():
-        assert (spec.runtime is None) == (name in SEPARATE_LOOPS), name
 
 
 def test_each_mode_owns_its_flags_under_its_prefix():

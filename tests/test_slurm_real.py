@@ -165,13 +165,14 @@ def test_zebra_hetjob_attention_pool_first(cluster, corpus, tmp_path):
     # Every iteration: the tiny model's 2 MoE layers route global batch 16 x 128 tokens x top-2
     # = 4096 token copies, all of them to the expert ranks (positions 2, 3; Asym-EA is off).
     for record in records:
-        assert record["zebra"] == {"attention_ranks": 2, "expert_ranks": 2, "zp_groups": 1, "microbatches": 4,
-                                   "offload_chunks": [0, 0]}
+        zebra = {k: v for k, v in record["zebra"].items() if k not in ("bytes", "memory")}
+        assert zebra == {"attention_ranks": 2, "expert_ranks": 2, "zp_groups": 1, "microbatches": 4,
+                         "offload_chunks": [0, 0]}
         for layer in record["moe_layers"]:
             assert sum(layer["expert_tokens"]) == 16 * 128 * 2
             attention_tokens, expert_tokens = layer["device_tokens"][:2], layer["device_tokens"][2:]
             assert attention_tokens == [0, 0] and sum(expert_tokens) == 16 * 128 * 2 and min(expert_tokens) > 0
-        assert record["bytes"]["a2a_dispatch"] > 0 and record["bytes"]["a2a_combine"] > 0
+        assert record["zebra"]["bytes"]["a2a_dispatch"] > 0 and record["zebra"]["bytes"]["a2a_combine"] > 0
     # It learns: 6 Adam steps at lr 1e-3 on the embedded corpus (10.83 -> 10.60 when measured).
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.05, losses

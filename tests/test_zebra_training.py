@@ -18,6 +18,7 @@ import pytest
 
 from support.training import REPO, launch
 
+from megatron_patches.placement.trace import read_trace
 from megatron_patches.zebra.timeline import read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +42,8 @@ def runs(tmp_path_factory):
     # ep: one global batch = micro x R x M = 32 sequences, as zebra's (DP 4 x 2 micro-batches).
     ep = launch(4, [*COMMON, "--global-batch-size", str(MICRO * R * M)], work, "ep")
     timeline = work / "timeline.json"
-    zebra = launch(4, [*COMMON, *ZEBRA, "--zebra-timeline", str(timeline)], work, "zebra")
+    zebra = launch(4, [*COMMON, *ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz")],
+                   work, "zebra")
     asym = launch(4, [*COMMON, *ZEBRA, "--zebra-asym-ea", "1,2"], work, "zebra_asym")
     return {"ep": ep, "zebra": zebra, "asym": asym, "timeline": timeline, "work": work}
 
@@ -62,22 +64,32 @@ def test_losses_and_grad_norms_match_ep(runs, variant):
 
 def test_records_count_routed_tokens_and_exact_all_to_all_bytes(runs):
     copies = MICRO * R * M * SEQ * TOPK  # token copies routed per layer and iteration
-    for record in (r for r in runs["zebra"].records if "moe_layers" in r):
-        assert record["zebra"] == {"attention_ranks": M, "expert_ranks": N, "zp_groups": 1, "microbatches": R,
-                                   "offload_chunks": [0, 0]}
+    records = [r for r in runs["zebra"].records if "moe_layers" in r]
+    for record in records:
+        zebra = record["zebra"]
+        assert {k: v for k, v in zebra.items() if k not in ("bytes", "memory")} == {
+            "attention_ranks": M, "expert_ranks": N, "zp_groups": 1, "microbatches": R, "offload_chunks": [0, 0]}
         for layer in record["moe_layers"]:
             assert sum(layer["expert_tokens"]) == copies
             # no Asym-EA: the two attention positions hold nothing, expert rank j holds experts 4j..4j+3
             tokens = layer["expert_tokens"]
             assert layer["device_tokens"] == [0, 0, sum(tokens[:4]), sum(tokens[4:])]
+            assert layer["imbalance"] == pytest.approx(max(layer["device_tokens"]) / (copies / N))
         # Every copy crosses ranks (attention -> expert). Dispatch: tokens and fp32 probabilities
         # forward, their gradients backward; combine: outputs forward, their gradients backward.
-        assert record["bytes"]["a2a_dispatch"] == LAYERS * copies * (2 * HIDDEN * 4 + 2 * 4)
-        assert record["bytes"]["a2a_combine"] == LAYERS * copies * 2 * HIDDEN * 4
+        assert zebra["bytes"]["a2a_dispatch"] == LAYERS * copies * (2 * HIDDEN * 4 + 2 * 4)
+        assert zebra["bytes"]["a2a_combine"] == LAYERS * copies * 2 * HIDDEN * 4
+        # the common record's a2a: 4 transfers of every remote copy (tokens only), as in every mode
+        assert record["bytes"]["a2a"] == 4 * LAYERS * copies * HIDDEN * 4
+    # --moe-log-loads: the shared loop's trace, from Megatron's routers on the attention ranks
+    trace = read_trace(runs["work"] / "loads.npz")
+    assert trace.loads.shape == (ITERS, LAYERS, EXPERTS)
+    assert trace.loads.tolist() == [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in records]
     for record in (r for r in runs["asym"].records if "moe_layers" in r):
         assert record["zebra"]["offload_chunks"] == [1, 2]
         # offloaded experts on the sending attention rank itself: those copies stay local
-        assert record["bytes"]["a2a_combine"] < LAYERS * copies * 2 * HIDDEN * 4
+        assert record["zebra"]["bytes"]["a2a_combine"] < LAYERS * copies * 2 * HIDDEN * 4
+        assert record["bytes"]["a2a"] < 4 * LAYERS * copies * HIDDEN * 4
 
 
 def test_timeline_shows_attention_and_expert_ranks_computing_at_once(runs):

@@ -20,7 +20,7 @@ tensors' device, never from `torch.cuda`, which the CPU compat shims replace wit
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -65,6 +65,21 @@ class CommStream:
             done = torch.cuda.Event()
             done.record(self.cuda_stream)
         caller.wait_event(done)
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], bool]]:
+        """An asynchronous copy of `tensor` into pinned host memory, queued on this stream after
+        what it holds; returns (the host tensor, a poll that is True once the values are there).
+        The caller polls instead of blocking, so neither it nor the compute stream waits for the
+        copy. On CPU: the tensor itself, already there."""
+        if self.cuda_stream is None:
+            return tensor, lambda: True
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        tensor.record_stream(self.cuda_stream)
+        with torch.cuda.stream(self.cuda_stream):
+            host.copy_(tensor, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(self.cuda_stream)
+        return host, arrived.query
 
 
 _STREAMS: dict[torch.device, CommStream] = {}

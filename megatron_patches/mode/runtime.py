@@ -3,12 +3,17 @@
     runtime = Runtime.from_args(args, moe_layer_numbers, on_gpu)   after process groups + seed
     config  = runtime.transformer_config(config)                   building the model
     spec    = runtime.moe_spec(megatron_moe_layer_spec)            building the model
+    chunk, optimizer = runtime.wrap(model, config, args)           precision wrapper, DDP, optimizer
+    runtime.data_parallel()                                        the ranks that read data
     runtime.attach(transformer_layers, config, optimizer)          after model, DDP, optimizer
     runtime.load_checkpoint(...)                                   --load
     per iteration:
+        runtime.zero_grad(chunk, optimizer)
         runtime.begin_iteration(iteration)                         before the first forward
-        (Megatron's forward/backward and optimizer step)
+        loss = runtime.forward_backward(megatron_fb, iterator, forward_only)
+        (the optimizer's step: Megatron's, or the one `wrap` returned)
         record = runtime.end_iteration(step)                       after the step
+        runtime.owner_positions_LE(...)                            the common per-layer records
         runtime.a2a_remote_copies(loads), runtime.memory_report()  metrics
         runtime.progress(record), runtime.tensorboard_scalars(record)  rank 0's sinks
         runtime.take_log()                                         lines for rank 0's log
@@ -23,8 +28,10 @@ communicates says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+from megatron.core import parallel_state
 
 from megatron_patches.compat import mcore
 
@@ -80,19 +87,51 @@ class ModeRuntime:
         """The layer spec of an MoE transformer layer (ep: Megatron's MoELayer)."""
         return moe_layer_spec
 
+    def wrap(self, model, config, args) -> tuple[object, object]:
+        """The model chunk the loop trains and its optimizer. ep: Megatron's Float16Module (half
+        precision), then Megatron's DDP, and Megatron's optimizer (one world-wide loss scale).
+        A mode that returns its own optimizer gives it Megatron's step interface: `step()` ->
+        (update successful, grad norm, zeros), `zero_grad()`, `param_groups` (the LR schedule's
+        keys), `get_loss_scale()`, `reload_model_params()`."""
+        ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+        return ddp, mcore.optimizer(args, [ddp])
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's index, their number) among the ranks that read training data. ep: Megatron's
+        data-parallel group."""
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
     def attach(self, transformer_layers, config, optimizer) -> None:
         """Hook the built stage: its TransformerLayers, the TransformerConfig Megatron's
         schedules read (finalize_model_grads_func lives there) and Megatron's optimizer."""
 
     # ---- per iteration -----------------------------------------------------------------------
 
+    def zero_grad(self, chunk, optimizer) -> None:
+        """Before the iteration: clear the gradients (ep: DDP's buffers and the optimizer's)."""
+        chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+
     def begin_iteration(self, iteration: int) -> None:
         """Before the iteration's first forward (plans for the iteration)."""
+
+    def forward_backward(self, megatron_forward_backward: Callable[[object, bool], float], iterator,
+                         forward_only: bool) -> float:
+        """One iteration's micro-batches from `iterator`, forward (and backward unless
+        `forward_only`); returns the world's mean micro-batch loss. ep: Megatron's pipeline
+        schedule, `megatron_forward_backward(iterator, forward_only)`. Communicates."""
+        return megatron_forward_backward(iterator, forward_only)
 
     def end_iteration(self, step: StepResult) -> dict | None:
         """After Megatron's optimizer step: the mode's own updates; returns the mode's record for
         the metrics (None: nothing beyond the common record). May communicate."""
         return None
+
+    def owner_positions_LE(self, num_layers: int, num_experts: int, ep_size: int) -> np.ndarray:
+        """int [MoE layers, experts]: the position, within one expert group, of the rank that owns
+        each expert (the common record's device_tokens and imbalance are per position, over the
+        positions that own an expert). ep: Megatron's contiguous blocks of E / EP experts."""
+        return np.tile(np.arange(num_experts) // (num_experts // ep_size), (num_layers, 1))
 
     def a2a_remote_copies(self, loads) -> int:
         """Token copies the iteration's dispatch sent to another rank (all layers, sources and

@@ -36,10 +36,9 @@ class ModeSpec:
     """The --moe-parallel-mode value."""
     summary: str
     """One line for --help and docs: what the mode does."""
-    runtime: str | None
+    runtime: str
     """`module:Class` of its ModeRuntime subclass; imported after the process groups exist
-    (it needs Megatron-Core and torch.distributed). None: the mode still runs a loop of its own
-    (training/modes.py SEPARATE_LOOPS)."""
+    (it needs Megatron-Core and torch.distributed)."""
     add_args: Callable[[argparse.ArgumentParser], None] = _no_flags
     """Adds the mode's own argument group. Its flags are refused (by their dest) when another
     mode is selected and they differ from their defaults."""

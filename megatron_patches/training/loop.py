@@ -63,9 +63,6 @@ class Summary:
 
 def pretrain(args) -> Summary:
     set_up(args)
-    separate = modes.separate_loop(args.moe_parallel_mode)
-    if separate is not None:
-        return separate(args)
     run = build(args)
     try:
         history = train(args, run)
@@ -200,8 +197,7 @@ def build(args) -> Run:
     layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
     model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)
-    ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
-    optimizer = mcore.optimizer(args, [ddp])
+    ddp, optimizer = mode.wrap(model, config, args)
     mode.attach(mcore.transformer_layers(model), config, optimizer)
     scheduler = mcore.scheduler(args, optimizer)
     num_params = sum(p.numel() for p in model.parameters())
@@ -222,8 +218,7 @@ def build(args) -> Run:
             log0(f"checkpoint: {note}")
         for change in getattr(args, "resume_changes", []):
             log0(f"resume: {change}")
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank, dp_size = mode.data_parallel()
     return Run(
         mode=mode,
         model=model,
@@ -296,18 +291,23 @@ class History:
 
 def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
-    recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.use_cuda else torch.device("cpu")
+    recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
+                                       device)
     writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if dist.get_rank() == 0 else None
     if writer is not None:
         writer.log_text("run/precision", run.precision)
     history = History(start_iteration=run.state["iteration"])
     log0(f"training: iterations {history.start_iteration} -> {args.train_iters}, {args.num_micro_batches} micro-batches of "
-         f"{args.micro_batch_size} x DP {parallel_state.get_data_parallel_world_size()}")
+         f"{args.micro_batch_size} x DP {run.train_iter.dp_size}")
 
-    def forward_backward(iterator, forward_only: bool) -> float:
+    def megatron_forward_backward(iterator, forward_only: bool) -> float:
         losses = mcore.forward_backward(forward_step, iterator, [run.ddp], args.num_micro_batches, args.seq_length,
                                         args.micro_batch_size, forward_only=forward_only)
         return mean_loss_over_world(losses)
+
+    def forward_backward(iterator, forward_only: bool) -> float:
+        return run.mode.forward_backward(megatron_forward_backward, iterator, forward_only)
 
     def evaluate() -> float:
         recorder.enabled = False
@@ -325,8 +325,7 @@ def train(args, run: Run) -> History:
             started = time.perf_counter()
             if args.use_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            run.ddp.zero_grad_buffer()
-            run.optimizer.zero_grad()
+            run.mode.zero_grad(run.ddp, run.optimizer)
             run.mode.begin_iteration(iteration)
             loss = forward_backward(run.train_iter, forward_only=False)
             kept_bytes = activations.take_peak()
@@ -412,7 +411,9 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "dtypes": run.dtypes,
         "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
         "iteration_time_s": elapsed,
-        "moe_layers": metrics.moe_layer_records(loads, run.layer_numbers, args.expert_model_parallel_size),
+        "moe_layers": metrics.moe_layer_records(
+            loads, run.layer_numbers,
+            run.mode.owner_positions_LE(len(run.layer_numbers), args.num_experts, args.expert_model_parallel_size)),
         # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
         "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
         "memory": memory,

@@ -47,28 +47,27 @@ class IterationLoads:
     remote_copies: int
     """Token copies sent to an expert on another EP rank (all ranks, all layers)."""
 
-    def device_tokens_LD(self, ep_size: int) -> np.ndarray:
-        layers, experts = self.processed_LE.shape
-        return self.processed_LE.reshape(layers, ep_size, experts // ep_size).sum(axis=2)
-
 
 class MoELoadRecorder:
-    """Counts routed and processed tokens per MoE layer via hooks on Megatron's routers."""
+    """Counts routed and processed tokens per MoE layer via hooks on Megatron's routers.
 
-    def __init__(self, model_chunks, moe_layer_numbers: list[int], num_experts: int, ep_size: int):
+    The counts stay on the model's device until `collect()` (once per iteration): a hook that
+    read them back to the host would wait, on a GPU, for all the work queued before it."""
+
+    def __init__(self, model_chunks, moe_layer_numbers: list[int], num_experts: int, ep_size: int, device: torch.device):
         self.layer_index = {number: i for i, number in enumerate(moe_layer_numbers)}
         self.num_experts = num_experts
         self.ep_size = ep_size
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         num_layers = len(moe_layer_numbers)
-        self.routed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64)
-        self.processed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64)
-        self.remote = torch.zeros((), dtype=torch.int64)
+        self.routed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self.processed_LE = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self.remote = torch.zeros((), dtype=torch.int64, device=device)
         self.enabled = True
         self.handles = []
         # Experts are laid out contiguously over EP ranks (Megatron's EP).
         per_rank = num_experts // ep_size
-        self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool)
+        self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool, device=device)
         self.remote_mask_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = False
         for chunk in model_chunks:
             for number, moe_layer in moe_layers(mcore.unwrap(chunk)):
@@ -81,14 +80,14 @@ class MoELoadRecorder:
     def _on_routed(self, row: int):
         def record(routing_map_TE: torch.Tensor) -> None:
             if self.enabled and not mcore.recomputing():  # a recomputed forward routes the same tokens again
-                self.routed_LE[row] += routing_map_TE.sum(dim=0).to(torch.int64).cpu()
+                self.routed_LE[row] += routing_map_TE.sum(dim=0).to(torch.int64)
 
         return record
 
     def _on_processed(self, row: int):
         def record(routing_map_TE: torch.Tensor) -> None:
             if self.enabled and not mcore.recomputing():
-                counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
+                counts_E = routing_map_TE.sum(dim=0).to(torch.int64)
                 self.processed_LE[row] += counts_E
                 self.remote += counts_E[self.remote_mask_E].sum()
 
@@ -97,7 +96,7 @@ class MoELoadRecorder:
     def collect(self) -> IterationLoads:
         """All-gathers this iteration's counts over the world and resets them."""
         world = dist.get_world_size()
-        local = torch.cat([self.routed_LE.flatten(), self.processed_LE.flatten(), self.remote.view(1)])
+        local = torch.cat([self.routed_LE.flatten(), self.processed_LE.flatten(), self.remote.view(1)]).cpu()
         gathered = [torch.zeros_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         stacked = torch.stack(gathered).numpy()
@@ -131,39 +130,23 @@ def _stage_source_index() -> tuple[list[int], int]:
     return index, max(seen.values())
 
 
-def moe_layer_records(loads: IterationLoads, layer_numbers: list[int], ep_size: int) -> list[dict]:
-    device_LD = loads.device_tokens_LD(ep_size)
+def moe_layer_records(loads: IterationLoads, layer_numbers: list[int], owners_LE: np.ndarray) -> list[dict]:
+    """Per MoE layer: tokens per expert, tokens per owner position (`owners_LE`: the position of
+    each expert's owner within an expert group, ModeRuntime.owner_positions_LE), the imbalance over
+    the positions that own an expert (zebra's attention positions own none without Asym-EA) and
+    the token survival."""
+    positions = int(owners_LE.max()) + 1
     records = []
     for i, number in enumerate(layer_numbers):
+        device_D = np.bincount(owners_LE[i], weights=loads.processed_LE[i], minlength=positions).astype(np.int64)
         routed = int(loads.routed_LE[i].sum())
         records.append(
             {
                 "layer": number,
                 "expert_tokens": loads.routed_LE[i].tolist(),
-                "device_tokens": device_LD[i].tolist(),
-                "imbalance": float(imbalance_of(device_LD[i])),
+                "device_tokens": device_D.tolist(),
+                "imbalance": float(imbalance_of(device_D[np.unique(owners_LE[i])])),
                 "survival": float(loads.processed_LE[i].sum() / routed) if routed else 1.0,
-            }
-        )
-    return records
-
-
-def zebra_layer_records(routed_LE: np.ndarray, owners_LE: list[np.ndarray], layout, layer_numbers: list[int]) -> list[dict]:
-    """Per layer of a zebra run: tokens per expert, and per rank position of a ZP group (attention
-    ranks first, then expert ranks; summed over ZP groups) the tokens its experts processed.
-    Imbalance is over the positions that hold experts in that layer; zebra is dropless."""
-    positions = layout.attention_ranks + layout.expert_ranks
-    records = []
-    for i, number in enumerate(layer_numbers):
-        device_P = np.bincount(owners_LE[i], weights=routed_LE[i], minlength=positions).astype(np.int64)
-        holders = np.unique(owners_LE[i])
-        records.append(
-            {
-                "layer": number,
-                "expert_tokens": routed_LE[i].tolist(),
-                "device_tokens": device_P.tolist(),
-                "imbalance": float(imbalance_of(device_P[holders])),
-                "survival": 1.0,
             }
         )
     return records

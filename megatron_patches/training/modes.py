@@ -8,7 +8,7 @@ read this registry only; adding a mode adds its line here and touches no other s
 from __future__ import annotations
 
 from megatron_patches.fssdp.config import MODE as FSSDP
-from megatron_patches.mode.spec import EP, ModeSpec, import_target
+from megatron_patches.mode.spec import EP, ModeSpec
 from megatron_patches.replicate.config import MODE as REPLICATE
 from megatron_patches.zebra.config import MODE as ZEBRA
 
@@ -17,17 +17,5 @@ MODES: dict[str, ModeSpec] = {spec.name: spec for spec in (EP, FSSDP, REPLICATE,
 
 MOE_PARALLEL_MODES = tuple(MODES)
 
-SEPARATE_LOOPS = {"zebra": "megatron_patches.training.zebra_loop:pretrain_zebra"}
-"""Modes that still run a training loop of their own instead of the ModeRuntime steps:
-zebra's engine runs forward, backward and its optimizer itself (the zebra issue moves it onto
-ModeRuntime and removes this table)."""
-
-
 def spec(name: str) -> ModeSpec:
     return MODES[name]
-
-
-def separate_loop(name: str):
-    """The mode's own `pretrain(args)`, or None when it runs the shared loop."""
-    target = SEPARATE_LOOPS.get(name)
-    return None if target is None else import_target(target)

@@ -33,13 +33,12 @@ RUN_FILES = {
 }
 
 
-def apply_run_dir(args, writes_load_trace: bool) -> None:
-    """Fill the unset output flags from --run-dir (the load trace only where the mode's loop
-    writes one)."""
+def apply_run_dir(args) -> None:
+    """Fill the unset output flags from --run-dir."""
     if not args.run_dir:
         return
     for dest, (name, _) in RUN_FILES.items():
-        if getattr(args, dest) is None and (dest != "moe_log_loads" or writes_load_trace):
+        if getattr(args, dest) is None:
             setattr(args, dest, str(Path(args.run_dir) / name))
 
 

@@ -36,7 +36,7 @@ from megatron_patches.training.arguments import (
     TRANSFORMER_IMPLS,
     build_parser,
 )
-from megatron_patches.training.modes import MODES, SEPARATE_LOOPS
+from megatron_patches.training.modes import MODES
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -578,8 +578,7 @@ def _resolve_tokenizer(args):
 
 
 def _resolve_outputs(args):
-    # the shared loop writes load traces; a mode with a loop of its own (zebra) refuses the flag
-    outputs.apply_run_dir(args, writes_load_trace=args.moe_parallel_mode not in SEPARATE_LOOPS)
+    outputs.apply_run_dir(args)
     outputs.check_outputs(args)
 
 

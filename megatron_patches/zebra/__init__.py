@@ -12,7 +12,7 @@
 - `timeline`: start/end of every task per rank and stream, bubble fractions
   (tools/plot_timeline.py draws them).
 
-The training loop runs it as `--moe-parallel-mode zebra` (training/loop.py `pretrain_zebra`).
+The training loop runs it as `--moe-parallel-mode zebra` (training/loop.py through `zebra/runtime.py`).
 
 The planning side (profile format, Asym-EA, task order) lives in `megatron_patches.placement.zebra`.
 """

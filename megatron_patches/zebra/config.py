@@ -198,8 +198,6 @@ def validate(args: argparse.Namespace) -> None:
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
         ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
-        ("--moe-log-loads", args.moe_log_loads, args.moe_log_loads is not None,
-         "load traces record Megatron's router in ep, fssdp and replicate modes; not recorded in zebra mode"),
         ("--save", args.save, args.save is not None, "checkpoints are not supported in zebra mode yet"),
         ("--load", args.load, args.load is not None, "checkpoints are not supported in zebra mode yet"),
     )
@@ -228,7 +226,7 @@ def validate(args: argparse.Namespace) -> None:
 MODE = ModeSpec(
     name="zebra",
     summary="attention/expert disaggregation over a pool of mixed GPU generations",
-    runtime=None,  # runs its own loop (training/modes.py SEPARATE_LOOPS) until it moves onto ModeRuntime
+    runtime="megatron_patches.zebra.runtime:ZebraRuntime",
     add_args=add_args,
     validate=validate,
     default_expert_parallel_size=1,  # the whole model on every rank; zebra's own EP is --zebra-expert-ranks

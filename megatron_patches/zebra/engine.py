@@ -155,8 +155,8 @@ class _Exchange:
     """Rows this rank dispatches to each rank of its ZP group (as a token source)."""
     recv_splits: list[int]
     """Rows this rank receives from each rank of its ZP group (as an expert owner)."""
-    counts_SK: torch.Tensor
-    """[group ranks, local experts] rows per (source rank, local expert), int64."""
+    counts_SK: np.ndarray
+    """[group ranks, local experts] rows per (source rank, local expert), int64 (host values)."""
 
 
 @dataclass
@@ -180,12 +180,13 @@ class _Segment:
 
 
 class _Collective:
-    """One all-to-all task in flight on this rank: the async works of its current stage."""
+    """One all-to-all task in flight on this rank: the async works of its current stage, and the
+    stages still to launch (each launched once the previous one's works have completed)."""
 
-    def __init__(self, task: Task, works: list, next_stage: Callable[[], list] | None, finish: Callable[[], None]):
+    def __init__(self, task: Task, works: list, next_stages: Sequence[Callable[[], list]], finish: Callable[[], None]):
         self.task = task
         self.works = works
-        self.next_stage = next_stage
+        self.next_stages = deque(next_stages)
         self.finish = finish
 
     def poll(self) -> bool:
@@ -194,11 +195,20 @@ class _Collective:
         while all(work.is_completed() for work in self.works):
             for work in self.works:
                 work.wait()
-            if self.next_stage is None:
+            if not self.next_stages:
                 return True
-            launch, self.next_stage = self.next_stage, None
-            self.works = launch()
+            self.works = self.next_stages.popleft()()
         return False
+
+
+class _Arrival:
+    """A host copy in flight, as a work: completed once the copy's values are in host memory."""
+
+    def __init__(self, arrived: Callable[[], bool]):
+        self.is_completed = arrived
+
+    def wait(self) -> None:
+        """Only called once is_completed() said so: nothing left to wait for."""
 
 
 def naive_order(num_layers: int, num_microbatches: int, role: str, offloaded_layers: Sequence[int] = ()) -> dict[str, list[Task]]:
@@ -331,6 +341,8 @@ class ZebraEngine:
         """The last recorded iteration's executed tasks (when ``record_timeline`` is on)."""
         self.record_timeline = config.timeline is not None
         """Record task times (a barrier starts each iteration's clock)."""
+        self.last_loss = float("nan")
+        """The mean loss of the last forward_backward (the optimizer step skips a non-finite one)."""
 
     # ------------------------------------------------------------------------------------------
     # Checks
@@ -413,7 +425,8 @@ class ZebraEngine:
         self._take_batches(microbatches)
         self._run_schedule(self.order)
         self._reduce_gradients()
-        return self._mean_loss()
+        self.last_loss = self._mean_loss()
+        return self.last_loss
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[dict] | None) -> float:
@@ -436,7 +449,9 @@ class ZebraEngine:
 
     def _mean_loss(self) -> float:
         """Mean micro-batch loss over every attention rank (a collective over the world)."""
-        total = torch.tensor([sum(self._losses)], dtype=torch.float64, device=self.device)  # NCCL: device tensors
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
+        for loss in self._losses:  # on the device: one read per iteration, after the all-reduce
+            total += loss.double()
         dist.all_reduce(total)
         return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
 
@@ -465,17 +480,16 @@ class ZebraEngine:
         self.optimizer.step()
         return grad_norm, True
 
-    def last_run_counts(self) -> tuple[np.ndarray, dict[str, int]]:
+    def last_run_counts(self) -> tuple[int, dict[str, int]]:
         """Collective: of the last schedule run (train_step or evaluate), summed over the world:
-        token copies routed per layer and expert [L, E] (int64), and the all-to-all bytes sent to
+        the token rows the forward dispatch sent to another rank, and the all-to-all bytes sent to
         other ranks per stream ({"dispatch", "combine"}; the count all-gather not included)."""
         streams = ("dispatch", "combine")
-        packed = torch.cat([self._routed_LE.reshape(-1), torch.tensor([self._bytes_sent[s] for s in streams])])
-        packed = packed.to(self.device)  # NCCL reduces device tensors only
+        packed = torch.tensor([self._remote_rows, *(self._bytes_sent[s] for s in streams)], dtype=torch.int64,
+                              device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(packed)
-        packed = packed.cpu()
-        routed_LE = packed[: self._routed_LE.numel()].view_as(self._routed_LE).numpy()
-        return routed_LE, {s: int(v) for s, v in zip(streams, packed[self._routed_LE.numel():])}
+        rows, *sent = packed.tolist()
+        return rows, dict(zip(streams, sent))
 
     def write_timeline(self, path: str) -> None:
         """Collective: write the last iteration's timeline of every rank to ``path`` (rank 0 writes)."""
@@ -498,9 +512,9 @@ class ZebraEngine:
     # ------------------------------------------------------------------------------------------
 
     def _state_reset(self) -> None:
-        self._losses: list[float] = []
-        self._routed_LE = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64)
+        self._losses: list[torch.Tensor] = []
         self._bytes_sent = {"dispatch": 0, "combine": 0}
+        self._remote_rows = 0
         self._exchange: dict[tuple[int, int], _Exchange] = {}
         self._segments: dict[tuple[int, int], _Segment] = {}
         self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
@@ -695,16 +709,16 @@ class ZebraEngine:
         probs_TE, routing_TE = tl.mlp.router(normed_SBH)
         order_E = self.owner_order_LE[layer].to(routing_TE.device)
         routing_ord_TE = routing_TE[:, order_E]
+        # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
         sent_XH, sent_probs_X, sorted_indices = permute(
             normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E],
-            num_out_tokens=int(routing_TE.sum()),
+            num_out_tokens=routing_TE.shape[0] * self.model.config.moe_router_topk,
         )
         self._segments[(layer, mb)] = _Segment(
             inputs=inputs, hidden_SBH=mid_SBH, sent_XH=sent_XH, sent_probs_X=sent_probs_X,
             sorted_indices=sorted_indices, routing_map_TE=routing_ord_TE,
             counts_E=routing_TE.sum(dim=0).to(torch.int64),
         )
-        self._routed_LE[layer] += self._segments[(layer, mb)].counts_E.cpu()
 
     def _head_forward(self, mb: int) -> None:
         batch = self._batches[mb]
@@ -714,7 +728,7 @@ class ZebraEngine:
         logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
         losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)
         loss = self.loss_fn(losses_BS, batch)
-        self._losses.append(float(loss.detach()))
+        self._losses.append(loss.detach())
         self._head_loss[mb] = (loss, inputs)
 
     def _head_backward(self, mb: int) -> None:
@@ -739,17 +753,13 @@ class ZebraEngine:
         if segment.inputs:
             self._store_input_grads(layer - 1, mb, segment.inputs)
 
-    def _expert_major(self, counts_SK: torch.Tensor) -> torch.Tensor:
+    def _expert_major(self, counts_SK: np.ndarray) -> torch.Tensor:
         """Row index that turns received rows (source-major, then local expert) into expert-major
-        order (local expert, then source), Megatron's sort_chunks_by_idxs order."""
+        order (local expert, then source), Megatron's sort_chunks_by_idxs order; from host counts."""
+        offsets_SK = (np.cumsum(counts_SK.reshape(-1)) - counts_SK.reshape(-1)).reshape(counts_SK.shape)
         sources, experts = counts_SK.shape
-        offsets = torch.cumsum(counts_SK.reshape(-1), 0) - counts_SK.reshape(-1)
-        offsets_SK = offsets.view(sources, experts)
-        pieces = [
-            torch.arange(int(offsets_SK[s, k]), int(offsets_SK[s, k] + counts_SK[s, k]))
-            for k in range(experts) for s in range(sources)
-        ]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        pieces = [np.arange(offsets_SK[s, k], offsets_SK[s, k] + counts_SK[s, k]) for k in range(experts) for s in range(sources)]
+        return torch.from_numpy(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64))
 
     def _experts_forward(self, layer: int, mb: int) -> None:
         tokens_XH, probs_X = self._expert_in.pop((layer, mb))
@@ -767,7 +777,7 @@ class ZebraEngine:
             # SequentialMLP: scale the input instead, probabilities reset to 1.
             sorted_XH = (sorted_probs_X.unsqueeze(-1) * sorted_XH).to(tokens_XH.dtype)
             sorted_probs_X = torch.ones_like(sorted_probs_X)
-        per_expert = counts_SK.sum(dim=0).tolist()
+        per_expert = counts_SK.sum(axis=0).tolist()
         experts = self.layers[layer].mlp.experts.local_experts
         outputs = [
             experts[e](chunk_XH, chunk_probs_X)[0]
@@ -814,7 +824,7 @@ class ZebraEngine:
                 if self.role == "attention":
                     self._received[key] = received
 
-            return _Collective(task, [work], None, finish)
+            return _Collective(task, [work], [], finish)
         if (task.kind, task.phase) == ("C", "B"):
             send = self._grad_received.pop(key) if self.role == "attention" else empty_XH
             received, work = self._a2a(stream, send, exchange.send_splits, exchange.recv_splits)
@@ -823,7 +833,7 @@ class ZebraEngine:
                 if key in self._expert_out:
                     self._grad_expert_out[key] = received
 
-            return _Collective(task, [work], None, finish)
+            return _Collective(task, [work], [], finish)
         # D_B: gradients of the expert inputs back to the token sources.
         if key in self._grad_expert_in:
             grad_tokens, grad_probs = self._grad_expert_in.pop(key)
@@ -837,40 +847,55 @@ class ZebraEngine:
             if self.role == "attention":
                 self._grad_sent[key] = (tokens, probs)
 
-        return _Collective(task, [work_tokens, work_probs], None, finish)
+        return _Collective(task, [work_tokens, work_probs], [], finish)
 
     def _launch_dispatch(self, task: Task, empty_XH: torch.Tensor) -> _Collective:
-        """D_F: gather the per-expert counts of every rank of the ZP group, then send the tokens
-        and probabilities with the split sizes the counts give."""
+        """D_F: gather the per-expert counts of every rank of the ZP group, copy them to the host
+        (asynchronously, on the dispatch stream), then send the tokens and probabilities with the
+        split sizes the counts give. The all-to-all needs its split sizes on the host, so this is
+        the one read of device values per (layer, micro-batch); it waits for the copy's event in
+        the poll loop, never for the compute stream."""
         key = (task.layer, task.microbatch)
         segment = self._segments.get(key) if self.role == "attention" else None
         counts_E = segment.counts_E if segment is not None else torch.zeros(self.num_experts, dtype=torch.int64)
         counts_E = counts_E.to(self.device)
-        gathered = [torch.empty_like(counts_E) for _ in range(self.layout.attention_ranks + self.layout.expert_ranks)]
-        with self._streams["dispatch"].launch(counts_E):
-            work = dist.all_gather(gathered, counts_E, group=self.dispatch_group, async_op=True)
+        group_size = self.layout.attention_ranks + self.layout.expert_ranks
+        gathered_GE = counts_E.new_empty(group_size * self.num_experts)  # flat: gloo's layout
+        with self._streams["dispatch"].launch(counts_E, gathered_GE):
+            work = dist.all_gather_into_tensor(gathered_GE, counts_E, group=self.dispatch_group, async_op=True)
         result: dict[str, torch.Tensor] = {}
 
+        def copy_counts() -> list:
+            host_GE, arrived = self._streams["dispatch"].to_host(gathered_GE)
+            result["counts_GE"] = host_GE.view(group_size, self.num_experts)
+            return [_Arrival(arrived)]
+
         def send_tokens() -> list:
-            counts_GE = torch.stack(gathered).cpu()
-            owners_E = torch.from_numpy(self.owners_LE[task.layer])
-            group_size = counts_GE.shape[0]
-            mine = self.my_experts_L[task.layer]
-            send_splits = [int(counts_GE[self.group_rank, owners_E == d].sum()) for d in range(group_size)]
-            counts_SK = counts_GE[:, mine]
-            self._exchange[key] = _Exchange(send_splits, counts_SK.sum(dim=1).tolist(), counts_SK)
+            self._exchange[key] = self._split_sizes(task.layer, result["counts_GE"])
             tokens = segment.sent_XH.detach() if segment is not None else empty_XH
             probs = (segment.sent_probs_X.detach() if segment is not None
                      else torch.zeros(0, dtype=_PROBS_DTYPE, device=self.device)).to(_PROBS_DTYPE)
-            result["tokens"], work_tokens = self._a2a("dispatch", tokens, send_splits, self._exchange[key].recv_splits)
-            result["probs"], work_probs = self._a2a("dispatch", probs, send_splits, self._exchange[key].recv_splits)
+            exchange = self._exchange[key]
+            result["tokens"], work_tokens = self._a2a("dispatch", tokens, exchange.send_splits, exchange.recv_splits)
+            result["probs"], work_probs = self._a2a("dispatch", probs, exchange.send_splits, exchange.recv_splits)
             return [work_tokens, work_probs]
 
         def finish():
             if self.role == "expert" or self.has_experts_L[task.layer]:
                 self._expert_in[key] = (result["tokens"], result["probs"])
 
-        return _Collective(task, [work], send_tokens, finish)
+        return _Collective(task, [work], [copy_counts, send_tokens], finish)
+
+    def _split_sizes(self, layer: int, counts_GE: torch.Tensor) -> _Exchange:
+        """The all-to-all split sizes of one (layer, micro-batch) from the host copy of the ZP
+        group's counts [group ranks, experts]."""
+        counts_GE_np = counts_GE.numpy()
+        owners_E = self.owners_LE[layer]
+        group_size = counts_GE_np.shape[0]
+        send_splits = [int(counts_GE_np[self.group_rank, owners_E == d].sum()) for d in range(group_size)]
+        counts_SK = counts_GE_np[:, self.my_experts_L[layer]]
+        self._remote_rows += sum(send_splits) - send_splits[self.group_rank]
+        return _Exchange(send_splits, counts_SK.sum(axis=1).tolist(), counts_SK)
 
     # ------------------------------------------------------------------------------------------
     # Gradient sums

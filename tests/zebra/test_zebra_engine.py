@@ -104,6 +104,37 @@ def _fresh_model(args):
     return model
 
 
+class HostReads:
+    """Counts the calls that read a tensor's values on the host (on a GPU each one waits for all the
+    work queued before it, serialising the streams the schedule overlaps), by the calling
+    function: {"file.py:function": calls}."""
+
+    METHODS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__")
+
+    def __enter__(self) -> dict[str, int]:
+        import sys
+
+        self.calls: dict[str, int] = {}
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.METHODS}
+
+        def counting(original):
+            def read(tensor, *args, **kwargs):
+                caller = sys._getframe(1).f_code
+                key = f"{Path(caller.co_filename).name}:{caller.co_name}"
+                self.calls[key] = self.calls.get(key, 0) + 1
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, counting(original))
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
 def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
     """Rank body: every variant, 3 iterations each; gradients and weights saved to out_dir."""
     import torch.distributed as dist
@@ -145,7 +176,8 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
         for it in range(ITERS):
             mine = batches[it][share * R : (share + 1) * R] if share is not None else None
             engine.zero_grad()
-            losses.append(engine.forward_backward(mine))
+            with HostReads() as reads:
+                losses.append(engine.forward_backward(mine))
             if it == 0:
                 torch.save({names[id(p)]: p.grad.clone() for p in owned if p.grad is not None},
                            Path(out_dir) / f"{variant}_grads_{rank}.pt")
@@ -159,6 +191,7 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             "role": engine.role,
             "losses": losses,
             "norms": norms,
+            "host_reads": reads,  # of the last iteration's forward_backward
             "experts": engine.my_experts_L,
             "planned": {stream: [t.label for t in tasks] for stream, tasks in engine.order.items()},
             "executed": {stream: engine.timeline.executed_order(stream) for stream in engine.order},
@@ -260,6 +293,20 @@ def test_expert_placement_follows_the_asym_ea_plan(runs):
     # two groups, "1,0": in each group the expert rank gives expert 3 of layer 0 to its attention rank
     assert [r["groups"]["role"] for r in ranks] == ["attention", "expert", "attention", "expert"]
     assert [r["groups"]["experts"] for r in ranks] == [[[3], []], [[0, 1, 2], [0, 1, 2, 3]]] * 2
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_no_host_reads_in_the_tasks(runs, variant):
+    """An iteration's forward and backward read device values on the host in two places only: the
+    mean loss, once per iteration (after its all-reduce), and the all-to-all split sizes, once per
+    (layer, micro-batch) from the host copy of the gathered counts (the all-to-all takes its
+    splits from the host; on a GPU the dispatch stream copies them into pinned memory and the
+    poll loop reads them after the copy's event, so no stream waits). No compute task reads
+    anything (the router's counts, the losses and the permutation size stay on the device)."""
+    _, ranks, _ = runs
+    layers = 2
+    for result in ranks:
+        assert result[variant]["host_reads"] == {"engine.py:_mean_loss": 1, "engine.py:_split_sizes": layers * R}, result["rank"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -1,0 +1,151 @@
+"""Zebra mode on the shared training loop (DESIGN 4.7, 4.8): the ModeRuntime steps that hand
+each iteration to the ZebraEngine.
+
+    from_args        the ZP layout of this world (zebra.pools.zebra_layout)
+    wrap             the engine over the whole GPTModel (TP = PP = EP = 1): every rank keeps its
+                     role's parameters; its optimizer behind Megatron's step interface
+    data_parallel    only attention ranks read data (R micro-batches each per iteration)
+    forward_backward the zig-zag schedule over this rank's R micro-batches (or its F tasks only)
+    end_iteration    the engine's measured all-to-all rows and bytes; the timeline of the last
+                     iteration (--zebra-timeline)
+
+Everything else (logging, evaluation, the non-finite stop, the stall watchdog, metrics, the load
+trace) is the shared loop's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.data import datasets
+from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
+from megatron_patches.placement.zebra import expert_owners
+from megatron_patches.zebra.config import ZebraConfig
+from megatron_patches.zebra.engine import AdamSettings, ZebraEngine
+from megatron_patches.zebra.pools import ZebraLayout, pool_cluster, zebra_layout
+
+
+class ZebraOptimizer:
+    """The engine's gradient-norm clipping and AdamW step behind the interface the training loop
+    calls on Megatron's optimizer. fp32 only (validation refuses --bf16/--fp16): the parameters
+    are the main weights and there is no loss scale."""
+
+    def __init__(self, engine: ZebraEngine):
+        self.engine = engine
+        self.param_groups = engine.optimizer.param_groups
+        """torch AdamW's groups with Megatron's keys (max_lr, min_lr, lr_mult, wd_mult): the LR
+        schedule sets lr and weight_decay in them."""
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def step(self) -> tuple[bool, float, None]:
+        """(update successful, grad norm before clipping, zeros: not counted). The step is skipped on
+        every rank when the loss or the norm is not finite (both world-wide values)."""
+        grad_norm, stepped = self.engine.step(skip=not math.isfinite(self.engine.last_loss))
+        return stepped, grad_norm, None
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(1)
+
+    def reload_model_params(self) -> None:
+        """fp32: the parameters are the weights Adam steps; nothing to refresh."""
+
+
+class ZebraRuntime(ModeRuntime):
+    """--moe-parallel-mode zebra (see the module docstring)."""
+
+    name = "zebra"
+
+    def __init__(self, config: ZebraConfig, layout: ZebraLayout, adam: AdamSettings, train_iters: int):
+        super().__init__()
+        self.config = config
+        self.layout = layout
+        self.adam = adam
+        self.train_iters = train_iters
+        self.rank = dist.get_rank()
+        self.attention = layout.roles[self.rank] == "attention"
+        self.engine: ZebraEngine | None = None
+
+    @classmethod
+    def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ZebraRuntime":
+        config = ZebraConfig.from_args(args)
+        layout = zebra_layout(pool_cluster(config.cluster, dist.get_world_size()), config.attention_ranks,
+                              config.expert_ranks, dist.get_world_size(), num_layers=args.num_layers,
+                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile)
+        return cls(config, layout, AdamSettings.from_args(args), args.train_iters)
+
+    # ---- building ----------------------------------------------------------------------------
+
+    def wrap(self, model, config, args) -> tuple[object, object]:
+        """The engine over the unwrapped model (no DDP: it sums gradients over its own groups);
+        the model's parameters of the other role are released here."""
+        self.engine = ZebraEngine(model, self.config, self.layout, self.adam)
+        layout = self.layout
+        self._log.append(
+            f"zebra: {layout.num_groups} ZP group(s) of M={layout.attention_ranks} attention + N={layout.expert_ranks} "
+            f"expert ranks ({layout.attention_device_type} / {layout.expert_device_type}); R={self.config.microbatches} "
+            f"micro-batches per attention rank; Asym-EA offload chunks per layer {list(layout.asym_ea.offload_chunks_L)}"
+        )
+        return model, ZebraOptimizer(self.engine)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """Attention ranks of every ZP group read data; expert ranks read none (index 0)."""
+        group = self.layout.attention_dp_group
+        return (group.index(self.rank) if self.attention else 0), len(group)
+
+    # ---- per iteration -----------------------------------------------------------------------
+
+    def zero_grad(self, chunk, optimizer) -> None:
+        optimizer.zero_grad()
+
+    def forward_backward(self, megatron_forward_backward, iterator, forward_only: bool) -> float:
+        """This attention rank's R micro-batches through the zebra schedule (expert ranks take none):
+        forward and backward with the gradient sums, or the forward tasks only."""
+        batches = ([datasets.gpt_batch(next(iterator)) for _ in range(self.config.microbatches)]
+                   if self.attention else None)
+        if forward_only:
+            return self.engine.evaluate(batches)
+        return self.engine.forward_backward(batches)
+
+    def end_iteration(self, step: StepResult) -> dict:
+        """The measured all-to-all traffic of the iteration (collective); the timeline of the last
+        training iteration to --zebra-timeline."""
+        self._remote_rows, sent = self.engine.last_run_counts()
+        if self.config.timeline is not None and step.iteration == self.train_iters:
+            self.engine.write_timeline(self.config.timeline)
+            self._log.append(f"zebra: wrote the timeline of iteration {step.iteration} to {self.config.timeline} "
+                             "(tools/plot_timeline.py draws it)")
+        layout = self.layout
+        return {
+            "attention_ranks": layout.attention_ranks,
+            "expert_ranks": layout.expert_ranks,
+            "zp_groups": layout.num_groups,
+            "microbatches": self.config.microbatches,
+            "offload_chunks": list(layout.asym_ea.offload_chunks_L),
+            "bytes": {f"a2a_{stream}": value for stream, value in sent.items()},
+        }
+
+    # ---- metrics -----------------------------------------------------------------------------
+
+    def owner_positions_LE(self, num_layers: int, num_experts: int, ep_size: int) -> np.ndarray:
+        """Positions 0..M-1 are the attention ranks (owners of Asym-EA's offloaded experts),
+        M..M+N-1 the expert ranks."""
+        return np.stack([expert_owners(self.layout.asym_ea, layer) for layer in range(num_layers)])
+
+    def a2a_remote_copies(self, loads) -> int:
+        """Token rows the forward dispatch sent to another rank (all ranks, layers, micro-batches):
+        every routed copy except those of experts Asym-EA placed on the sending attention rank."""
+        return self._remote_rows
+
+    def progress(self, record: dict) -> tuple[str, float]:
+        zebra = record[self.name]
+        return f" (zebra M={zebra['attention_ranks']} N={zebra['expert_ranks']} R={zebra['microbatches']})", 1.0
+
+    def tensorboard_scalars(self, record: dict) -> dict[str, float]:
+        sent = record[self.name]["bytes"]
+        return traffic_scalars(self.name, {kind: {"sent": value} for kind, value in sent.items()}, {}, "seconds")
