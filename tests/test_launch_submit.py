@@ -74,11 +74,16 @@ def test_zebra_paper_run_trains_in_zebra_mode_on_its_pool(path):
     assert job.zp_groups == 1 and "export ZP_GROUPS=1" in script and f"--het-ranks {m},{n} --zp-groups 1" in script
     # Only the attention ranks read data: global batch = micro-batch x R x M.
     args = job.args
-    assert args.data_parallel_size == m and args.global_batch_size == args.micro_batch_size * 4 * m
+    r = values["mode_flags"]["zebra"]["zebra_microbatches"]
+    assert args.data_parallel_size == m and args.global_batch_size == args.micro_batch_size * r * m
     assert (f"# Zebra: world {m + n} = 1 ZP group(s) x ({m} attention + {n} expert ranks); attention ranks "
             f"data-parallel (DP {m}), each expert rank holds {args.num_experts // n} of the {args.num_experts} "
-            f"experts of every layer; global batch {args.global_batch_size} = 4 micro-batches x 1 x {m} attention "
+            f"experts of every layer; global batch {args.global_batch_size} = {r} micro-batches x 1 x {m} attention "
             "ranks.") in script
+    # The ep baseline (--mode ep) trains the same sequences per iteration, so speedups are like for like.
+    baseline = plan(path, mode="ep").args
+    assert (baseline.global_batch_size, baseline.seq_length, baseline.micro_batch_size) == (
+        args.global_batch_size, args.seq_length, args.micro_batch_size)
     assert re.search(rf"^zebra_args=\(\n  --zebra-attention-ranks {m}\n", script, re.M)
 
 

@@ -45,6 +45,7 @@ SIZE_FLAGS = {  # set when the run sets them: only then are they part of its com
     "expert_model_parallel_size": ["--expert-model-parallel-size", "2"],
     "zebra_attention_ranks": ["--zebra-attention-ranks", "1"],
     "zebra_expert_ranks": ["--zebra-expert-ranks", "1"],
+    "zebra_microbatches": ["--zebra-microbatches", "2"],  # with 1 attention rank: the global batch of 2
 }
 
 
