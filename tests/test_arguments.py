@@ -747,7 +747,7 @@ def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
      ("--tensor-model-parallel-size=2", "valid: 1")),
     (("--moe-expert-capacity-factor", "1.0"), 4, ("--moe-expert-capacity-factor=1.0", "dropless")),
     (("--moe-aux-loss-coeff", "0.01"), 4, ("--moe-aux-loss-coeff=0.01", "valid: 0")),
-    (("--bf16",), 4, ("--bf16=True", "float32")),
+    (("--use-distributed-optimizer",), 4, ("--use-distributed-optimizer=True", "zebra has its own optimizer")),
     (("--moe-layer-freq", "2"), 4, ("--moe-layer-freq=2", "every layer to be MoE")),
     (("--save", "/tmp/x", "--save-interval", "5"), 4, ("--save=/tmp/x", "not supported in zebra mode")),
     (("--zebra-cluster", "nowhere"), 4, ("--zebra-cluster nowhere", "unknown cluster config", "zebra_o1")),

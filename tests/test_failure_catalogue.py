@@ -67,7 +67,8 @@ BAD_INPUTS = [
     ("bf16_and_fp16", ["--bf16", "--fp16"], 1, ["--fp16", "--bf16"]),
     ("save_without_interval", ["--save", "never_written"], 1, ["--save=never_written", "needs --save-interval"]),
     ("zebra_fp16", ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
-                    "--zebra-microbatches", "2", "--fp16"], 4, ["--fp16=True", "zebra's optimizer steps"]),
+                    "--zebra-microbatches", "2", "--use-distributed-optimizer"], 4,
+     ["--use-distributed-optimizer=True", "zebra has its own optimizer"]),
     # YAML configs
     ("yaml_missing", ["--config", "inputs/absent.yaml"], 1, ["inputs/absent.yaml"]),
     ("yaml_unknown_key", ["--config", "inputs/unknown_key.yaml"], 1, ["hiden_size", "hidden_size"]),
@@ -249,15 +250,15 @@ def processes_with(marker: str) -> list[str]:
 
 @pytest.mark.e2e
 def test_a_refused_flag_reaches_the_user_under_torchrun(tmp_path):
-    """zebra with --fp16 under torchrun used to end with no message at all: another rank exited
+    """zebra with a refused flag (it was --fp16) under torchrun used to end with no message at all: another rank exited
     first and torchrun killed rank 0 before it printed. Rank 0 prints at once now, the others
     only after a grace period (and are killed before it ends)."""
     started = time.monotonic()
     output = finish(torchrun(4, [str(ENTRY), *MOCK, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2",
-                                 "--zebra-expert-ranks", "2", "--zebra-microbatches", "2", "--fp16"], tmp_path))
+                                 "--zebra-expert-ranks", "2", "--zebra-microbatches", "2", "--use-distributed-optimizer"], tmp_path))
     assert "exitcode  : 2" in output
     # rank 0's line; another rank's only if rank 0 was still importing 10 s after it refused
-    said = re.findall(r"pretrain_gpt_moe.py: error( \(rank [123]\))?: --fp16=True: zebra's optimizer steps", output)
+    said = re.findall(r"pretrain_gpt_moe.py: error( \(rank [123]\))?: --use-distributed-optimizer=True: zebra has its own optimizer", output)
     assert 1 <= len(said) == len(set(said)), output
     assert time.monotonic() - started < 60
 

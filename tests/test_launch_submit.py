@@ -55,8 +55,8 @@ def test_paper_run_dry_runs_in_its_own_mode(path):
 def test_zebra_paper_run_trains_in_zebra_mode_on_its_pool(path):
     """A zebra paper run is one ZP group over the whole pool: component 0 = the M attention GPUs
     (the cluster's first node group), component 1 = the N expert GPUs; training gets the pool as
-    --zebra-cluster, the load trace as every run does, and none of the flags zebra refuses (fp16,
-    checkpoints)."""
+    --zebra-cluster, fp16 and the load trace as the other runs, and none of the flags zebra refuses
+    (checkpoints, the distributed optimizer)."""
     values = yaml.safe_load(path.read_text())
     cluster = load_cluster_config(values["cluster"])
     job = plan(path)
@@ -68,8 +68,9 @@ def test_zebra_paper_run_trains_in_zebra_mode_on_its_pool(path):
     assert [(c.gpu.name, c.ranks, c.role) for c in job.components] == [
         (attention.gpu, m, "attention pool"), (expert.gpu, n, "expert pool")]
     assert argv[argv.index("--zebra-cluster") + 1] == values["cluster"] == job.args.zebra_cluster
-    for refused_flag in ("--fp16", "--bf16", "--save", "--load", "--use-distributed-optimizer"):
+    for refused_flag in ("--save", "--load", "--use-distributed-optimizer"):
         assert refused_flag not in argv
+    assert "--fp16" in argv  # V100 and T4: no bf16
     assert argv[argv.index("--moe-log-loads") + 1].endswith("/loads.npz")
     assert job.zp_groups == 1 and "export ZP_GROUPS=1" in script and f"--het-ranks {m},{n} --zp-groups 1" in script
     # Only the attention ranks read data: global batch = micro-batch x R x M.
@@ -503,8 +504,7 @@ def test_readme_lists_every_run():
 # ----------------------------------------------------------------------------------------------
 
 O1 = REPO / "configs" / "runs" / "zebra_o1.yaml"
-ZEBRA_FP16 = ("--fp16=True: zebra's optimizer steps the model's own parameters without master weights or loss "
-              "scaling; train in float32 (drop --fp16)")
+ZEBRA_DISTOPT = "--use-distributed-optimizer=True: zebra has its own optimizer (AdamW over each rank's own parameters); drop it"
 
 
 def het_run(**changes) -> dict:
@@ -515,17 +515,17 @@ def het_run(**changes) -> dict:
 
 
 def test_zebra_refusals_name_the_run_key_that_caused_them():
-    """The published runs' fp16 and checkpoints: zebra refuses them in validate_args; the message
+    """Flags zebra refuses (the distributed optimizer, checkpoints) fail in validate_args; the message
     says which key of the run config produced the flag. A load trace is fine."""
     flags = yaml.safe_load((TEST_DATA / "run_cpu_het.yaml").read_text())["mode_flags"]["zebra"]
-    assert refused(het_run(mode_flags={"zebra": {**flags, "fp16": True}})) == (
-        f"training flags at world size 4 (2 + 2 ranks): {ZEBRA_FP16} (from inline mode_flags.zebra.fp16)")
+    assert refused(het_run(mode_flags={"zebra": {**flags, "use_distributed_optimizer": True}})) == (
+        f"training flags at world size 4 (2 + 2 ranks): {ZEBRA_DISTOPT} (from inline mode_flags.zebra.use_distributed_optimizer)")
     assert plan(het_run(trace=True)).args.moe_log_loads == "$RUN_DIR/loads.npz"
     train = yaml.safe_load((TEST_DATA / "run_cpu_het.yaml").read_text())["train"]
     assert refused(het_run(train={**train, "save_interval": 3})) == (
         "training flags at world size 4 (2 + 2 ranks): --save=$CKPT_DIR: checkpoints are not supported in zebra mode "
         "yet (from save_interval (the launcher then checkpoints to $CKPT_DIR))")
-    assert refused(O1, training=["--bf16"]).endswith("train in float32 (drop --bf16) (from command line)")
+    assert refused(O1, training=["--use-distributed-optimizer"]).endswith("drop it (from command line)")
     # The same settings are fine for the ep baseline of the same hetjob.
     assert plan(het_run(trace=True), mode="ep").args.moe_log_loads == "$RUN_DIR/loads.npz"
 

@@ -34,6 +34,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -355,6 +356,19 @@ def optimizer(args, model_chunks):
     else:
         WorldFiniteCheck(opt)
     return opt
+
+
+def grad_scaler(args):
+    """The loss scaler Megatron's optimizer would make for these flags (get_megatron_optimizer in
+    0.16.1): --loss-scale: constant; --fp16 without it: dynamic (growth 2, backoff 0.5 every
+    --loss-scale-window steps, --hysteresis, from --initial-loss-scale down to --min-loss-scale);
+    otherwise None. For a mode whose optimizer is its own (zebra)."""
+    if args.loss_scale:
+        return ConstantGradScaler(args.loss_scale)
+    if args.fp16:
+        return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=args.loss_scale_window, hysteresis=args.hysteresis)
+    return None
 
 
 class WorldLossScaling:

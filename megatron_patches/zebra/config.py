@@ -188,10 +188,6 @@ def validate(args: argparse.Namespace) -> None:
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),
-        ("--fp16", True, args.fp16, "zebra's optimizer steps the model's own parameters without master weights or "
-         "loss scaling; train in float32 (drop --fp16)"),
-        ("--bf16", True, args.bf16, "zebra's optimizer steps the model's own parameters without master weights; "
-         "train in float32 (drop --bf16)"),
         ("--recompute-granularity", args.recompute_granularity, args.recompute_granularity is not None,
          "zebra's engine runs Megatron's modules in its own schedule, without Megatron's recompute; drop it"),
         ("--use-distributed-optimizer", True, args.use_distributed_optimizer,

@@ -84,7 +84,7 @@ from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
 
-__all__ = ["SCHEDULES", "AdamSettings", "IterationResult", "ZebraEngine", "ZebraEngineError", "masked_mean_loss",
+__all__ = ["SCHEDULES", "AdamSettings", "IterationResult", "Precision", "ZebraEngine", "ZebraEngineError", "masked_mean_loss",
            "naive_order"]
 
 SCHEDULES = ("zebra", "naive")
@@ -110,6 +110,12 @@ def masked_mean_loss(losses_BS: torch.Tensor, batch: dict) -> torch.Tensor:
     return (losses_BS.float() * mask_BS).sum() / mask_BS.sum().clamp(min=1.0)
 
 
+def _accumulate_main_grad(param: torch.Tensor) -> None:
+    """After autograd accumulated into param.grad: move it into param.main_grad."""
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
 @dataclass(frozen=True)
 class AdamSettings:
     """Adam hyper-parameters, as Megatron-LM's flags name them (the scheduler sets lr and wd later)."""
@@ -133,6 +139,19 @@ class AdamSettings:
     def from_args(cls, args) -> "AdamSettings":
         return cls(args.lr, args.min_lr, args.weight_decay, args.adam_beta1, args.adam_beta2, args.adam_eps,
                    args.clip_grad)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the engine keeps gradients and weights (Megatron's mixed-precision rules): with bf16 or
+    fp16 parameters Adam steps fp32 main weights, copied back into the parameters after each step."""
+
+    grad_dtype: torch.dtype = torch.float32
+    """dtype gradients are accumulated over micro-batches and summed over ranks in: fp32 with
+    --accumulate-allreduce-grads-in-fp32 (always in bf16, as Megatron-LM sets it), else the
+    parameters' dtype."""
+    grad_scaler: object | None = None
+    """Megatron's loss scaler (fp16: dynamic or constant); None: no loss scaling (bf16, fp32)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +257,7 @@ class ZebraEngine:
         layout: ZebraLayout,
         adam: AdamSettings,
         *,
+        precision: Precision = Precision(),
         loss_fn: Callable[[torch.Tensor, dict], torch.Tensor] = masked_mean_loss,
         schedule: str = "zebra",
         emulated_expert_slowdown: float = 1.0,
@@ -294,6 +314,8 @@ class ZebraEngine:
             for e in mine
             for p in layer.mlp.experts.local_experts[e].parameters()
         }
+        self.dtype = next(model.parameters()).dtype
+        """The parameters' (and the exchanged tokens') dtype: fp32, or bf16/fp16 after Megatron's Float16Module cast."""
         self.dense_params: list[torch.nn.Parameter] = []
         self.expert_params: list[torch.nn.Parameter] = []
         named = []
@@ -319,16 +341,29 @@ class ZebraEngine:
         self._norm_counts_dense = self.rank == layout.attention_dp_group[0]
         self._norm_counts_experts = self.zp_group == 0
 
-        decay = [p for name, p in named if not (len(p.shape) == 1 or name.endswith(".bias"))]
-        no_decay = [p for name, p in named if len(p.shape) == 1 or name.endswith(".bias")]
+        # Gradients: every backward's parameter gradient is added into `main_grad` (grad_dtype) and
+        # dropped, as Megatron's DDP accumulates into its buffers; in bf16/fp16 Adam steps fp32
+        # main weights (`self.main`), copied back into the parameters after each step.
+        self.precision = precision
+        self.half = self.dtype != torch.float32
+        self.main: dict[int, torch.Tensor] = {}
+        for _, p in named:
+            p.main_grad = torch.zeros_like(p, dtype=precision.grad_dtype)
+            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            self.main[id(p)] = p.detach().float().clone() if self.half else p
+
+        def stepped(group):
+            return [self.main[id(p)] for name, p in named if (len(p.shape) == 1 or name.endswith(".bias")) == group]
+
+        decay, no_decay = stepped(False), stepped(True)
         common = dict(lr_mult=1.0, is_decoupled_lr=False, max_lr=adam.lr, min_lr=adam.min_lr, default_config=True)
         self.adam = adam
         self.optimizer = torch.optim.AdamW(
             [dict(params=decay, wd_mult=1.0, **common), dict(params=no_decay, wd_mult=0.0, **common)],
             lr=adam.lr, weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
         )
-        """torch AdamW over this rank's parameters with Megatron's groups; Megatron's
-        OptimizerParamScheduler can drive it (it sets lr and weight_decay per group)."""
+        """torch AdamW over this rank's main weights (its parameters in fp32) with Megatron's groups;
+        Megatron's OptimizerParamScheduler can drive it (it sets lr and weight_decay per group)."""
 
         self._streams = {"dispatch": CommStream(self.device), "combine": CommStream(self.device)}
         self._use_cuda = self.device.type == "cuda"
@@ -404,7 +439,13 @@ class ZebraEngine:
     # ------------------------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
+        for p in self.dense_params + self.expert_params:
+            p.main_grad.zero_()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """The accumulated (after forward_backward: summed over ranks) gradient of an owned parameter."""
+        return param.main_grad
 
     def train_step(self, microbatches: Sequence[dict] | None) -> IterationResult:
         """One training iteration: zero gradients, R micro-batches forward and backward through
@@ -455,30 +496,57 @@ class ZebraEngine:
         dist.all_reduce(total)
         return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
 
-    def step(self, skip: bool = False) -> tuple[float, bool]:
-        """Global-norm clipping (Megatron's rule) and the AdamW step; (the norm before clipping,
-        whether the step was taken). Skipped, leaving every weight as it was, when `skip` (a
-        non-finite loss) or the norm is not finite: both are world-wide values, so every rank
-        decides alike."""
+    def step(self, skip: bool = False) -> tuple[float | None, bool]:
+        """Unscaling (fp16), global-norm clipping (Megatron's rule) and the AdamW step on the main
+        weights, copied back into half-precision parameters; (the norm before clipping, whether the
+        step was taken). Skipped, leaving every weight as it was, when `skip` (a non-finite loss) or
+        the norm is not finite (an fp16 overflow backs the loss scale off; the norm is then None, as
+        Megatron reports it): both are world-wide values, so every rank of both roles decides alike."""
+        owned = self.dense_params + self.expert_params
+        scaler = self.precision.grad_scaler
+        for p in owned:
+            main = self.main[id(p)]
+            main.grad = p.main_grad.float()  # the buffer itself when it is fp32
+            if scaler is not None:
+                main.grad.mul_(scaler.inv_scale.to(main.grad.device))
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
         for params, counted in ((self.dense_params, self._norm_counts_dense),
                                 (self.expert_params, self._norm_counts_experts)):
             if counted:
                 for p in params:
-                    if p.grad is not None:
-                        squares += torch.norm(p.grad.float()).double() ** 2
+                    squares += torch.norm(self.main[id(p)].grad).double() ** 2
         dist.all_reduce(squares)
         grad_norm = float(squares[0]) ** 0.5
-        if skip or not math.isfinite(grad_norm):
+        overflow = not math.isfinite(grad_norm)
+        if scaler is not None:
+            scaler.update(overflow)
+            if overflow:
+                return None, False
+        if skip or overflow:
             return grad_norm, False
         if self.adam.clip_grad > 0:
             clip_coeff = self.adam.clip_grad / (grad_norm + 1.0e-6)
             if clip_coeff < 1.0:
-                for p in self.dense_params + self.expert_params:
-                    if p.grad is not None:
-                        p.grad.mul_(clip_coeff)
+                for p in owned:
+                    self.main[id(p)].grad.mul_(clip_coeff)
         self.optimizer.step()
+        if self.half:
+            with torch.no_grad():
+                for p in owned:
+                    p.copy_(self.main[id(p)])
         return grad_norm, True
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        scaler = self.precision.grad_scaler
+        return 1.0 if scaler is None else float(scaler.scale)
+
+    def reload_main_weights(self) -> None:
+        """Half precision: the main weights from the parameters (after they were loaded)."""
+        if self.half:
+            with torch.no_grad():
+                for p in self.dense_params + self.expert_params:
+                    self.main[id(p)].copy_(p)
 
     def last_run_counts(self) -> tuple[int, dict[str, int]]:
         """Collective: of the last schedule run (train_step or evaluate), summed over the world:
@@ -733,7 +801,10 @@ class ZebraEngine:
 
     def _head_backward(self, mb: int) -> None:
         loss, inputs = self._head_loss.pop(mb)
-        (loss / (len(self.layout.attention_dp_group) * self.config.microbatches)).backward()
+        scaled = loss / (len(self.layout.attention_dp_group) * self.config.microbatches)
+        if self.precision.grad_scaler is not None:
+            scaled = scaled * self.precision.grad_scaler.scale.to(scaled.device)
+        scaled.backward()
         self._store_input_grads(self.num_layers - 1, mb, inputs)
 
     def _store_input_grads(self, layer: int, mb: int, inputs: list[torch.Tensor]) -> None:
@@ -812,7 +883,7 @@ class ZebraEngine:
     def _launch(self, task: Task) -> _Collective:
         key = (task.layer, task.microbatch)
         stream = "dispatch" if task.kind == "D" else "combine"
-        empty_XH = torch.zeros((0, self.hidden), dtype=self.model.config.params_dtype, device=self.device)
+        empty_XH = torch.zeros((0, self.hidden), dtype=self.dtype, device=self.device)
         if (task.kind, task.phase) == ("D", "F"):
             return self._launch_dispatch(task, empty_XH)
         exchange = self._exchange[key]
@@ -906,10 +977,9 @@ class ZebraEngine:
                                     (self.expert_params, self._expert_dp, self._dp_sizes[1])):
             if group is None or size == 1 or not params:
                 continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([p.main_grad.reshape(-1) for p in params])
             dist.all_reduce(flat, group=group)
             offset = 0
             for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                p.main_grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()

@@ -21,18 +21,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.zebra import expert_owners
 from megatron_patches.zebra.config import ZebraConfig
-from megatron_patches.zebra.engine import AdamSettings, ZebraEngine
+from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
 from megatron_patches.zebra.pools import ZebraLayout, pool_cluster, zebra_layout
 
 
 class ZebraOptimizer:
-    """The engine's gradient-norm clipping and AdamW step behind the interface the training loop
-    calls on Megatron's optimizer. fp32 only (validation refuses --bf16/--fp16): the parameters
-    are the main weights and there is no loss scale."""
+    """The engine's unscaling, gradient-norm clipping and AdamW step on fp32 main weights behind
+    the interface the training loop calls on Megatron's optimizer."""
 
     def __init__(self, engine: ZebraEngine):
         self.engine = engine
@@ -50,10 +50,11 @@ class ZebraOptimizer:
         return stepped, grad_norm, None
 
     def get_loss_scale(self) -> torch.Tensor:
-        return torch.ones(1)
+        return torch.tensor([self.engine.loss_scale()])
 
     def reload_model_params(self) -> None:
-        """fp32: the parameters are the weights Adam steps; nothing to refresh."""
+        """After the model was loaded without optimizer state: main weights from the parameters."""
+        self.engine.reload_main_weights()
 
 
 class ZebraRuntime(ModeRuntime):
@@ -82,9 +83,16 @@ class ZebraRuntime(ModeRuntime):
     # ---- building ----------------------------------------------------------------------------
 
     def wrap(self, model, config, args) -> tuple[object, object]:
-        """The engine over the unwrapped model (no DDP: it sums gradients over its own groups);
-        the model's parameters of the other role are released here."""
-        self.engine = ZebraEngine(model, self.config, self.layout, self.adam)
+        """The engine over the model (no DDP: it sums gradients over its own groups), cast to bf16
+        or fp16 by Megatron's Float16Module as in ep (the engine calls the modules inside it); the
+        parameters of the other role are released here. Gradients accumulate in fp32 with
+        --accumulate-allreduce-grads-in-fp32 (bf16 always), fp16 scales the loss with Megatron's
+        scaler."""
+        mcore.half_precision(config, model)  # casts in place; the engine runs the modules directly
+        grad_dtype = torch.float32 if (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)) else (
+            next(model.parameters()).dtype)
+        precision = Precision(grad_dtype=grad_dtype, grad_scaler=mcore.grad_scaler(args))
+        self.engine = ZebraEngine(model, self.config, self.layout, self.adam, precision=precision)
         layout = self.layout
         self._log.append(
             f"zebra: {layout.num_groups} ZP group(s) of M={layout.attention_ranks} attention + N={layout.expert_ranks} "

@@ -401,11 +401,10 @@ def test_bf16_on_v100_is_refused_on_the_command_line(capsys, d1_trace):
     assert "precision bf16: the V100-SXM2-16GB (cluster zebra_o1) has no bf16 support" in err
 
 
-NOT_FITTING_AT_FP32 = {"zebra_c2", "zebra_o3"}
-"""Zebra runs (fp32, no recompute until zebra mode has them) that no simulated system fits at
-the run's sequence length: C2's two L40S attention ranks hold 5 sequences' unfused fp32
-attention each (56.5 GB of 48), O3's three V100 expert ranks 8 experts per layer (22.0 GB of
-16). They fit with --recompute full."""
+NOT_FITTING = {"zebra_o3"}
+"""Runs (the zebra runs: fp16, no recompute until zebra mode has it) that no simulated system fits
+at the run's sequence length: O3's three V100 expert ranks hold 8 experts per layer (17.4 GB of
+16 in fp16). It fits with --recompute full."""
 
 NO_EP_LAYOUT = {"zebra_c2": 10, "zebra_o3": 9}
 """Pools whose GPU count neither divides nor is a multiple of Mixtral-D1's 24 experts: the
@@ -416,7 +415,7 @@ simulator's EP (every GPU an EP rank) cannot place them, so zebra runs without s
 def test_every_run_config_simulates(capsys, tmp_path, path):
     out = tmp_path / "run.json"
     rc, stdout, err = run_tool(capsys, "--run", path, "--iterations", 2, "--quiet", "--json", out)
-    if path.stem in NOT_FITTING_AT_FP32:
+    if path.stem in NOT_FITTING:
         assert rc == 2 and "the model does not fit" in err and "--recompute full (zebra would fit" in err
         rc, stdout, err = run_tool(capsys, "--run", path, "--iterations", 2, "--quiet", "--json", out,
                                    "--recompute", "full")
@@ -458,7 +457,7 @@ def test_run_mode_flags_reach_the_systems(capsys, tmp_path):
     details = json.loads(out.read_text())["systems"]["replicate"]["details"]
     assert details["slots_per_rank"] == 4 and details["capacity_factor"] == 1.0
     assert run_tool(capsys, "--run", "zebra_o2", "--iterations", 2, "--quiet", "--json", out)[0] == 0
-    assert json.loads(out.read_text())["systems"]["zebra"]["details"]["microbatches"] == 4
+    assert json.loads(out.read_text())["systems"]["zebra"]["details"]["microbatches"] == 6  # the run config's zebra_microbatches
 
 
 def test_a_run_without_a_trace_is_long_enough_for_the_periodic_systems(capsys, tmp_path):

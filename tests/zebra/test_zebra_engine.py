@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -179,7 +180,7 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             with HostReads() as reads:
                 losses.append(engine.forward_backward(mine))
             if it == 0:
-                torch.save({names[id(p)]: p.grad.clone() for p in owned if p.grad is not None},
+                torch.save({names[id(p)]: engine.gradient(p).clone() for p in owned},
                            Path(out_dir) / f"{variant}_grads_{rank}.pt")
             norm, stepped = engine.step()
             assert stepped
@@ -199,8 +200,47 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
         # forward only, on the first iteration's data with the trained weights
         first = batches[0][share * R : (share + 1) * R] if share is not None else None
         out[variant]["eval_loss"] = engine.evaluate(first)
+    out["overflow"] = _fp16_overflow(args, batches, cluster)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _fp16_overflow(args, batches, cluster) -> dict:
+    """fp16 with a dynamic loss scale from 1024 (hysteresis 1): one clean step, then an inf written
+    into one expert gradient of rank 2 (an expert rank) only. Every rank of both roles must skip that
+    step, back the scale off to 512 and keep its parameters and main weights as they were."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from megatron_patches.compat import mcore
+    from megatron_patches.zebra.config import ZebraConfig
+    from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
+    from megatron_patches.zebra.pools import zebra_layout
+
+    model = _fresh_model(args).half()
+    scaler = mcore.grad_scaler(argparse.Namespace(loss_scale=None, fp16=True, initial_loss_scale=1024.0, min_loss_scale=1.0,
+                                                  loss_scale_window=1000, hysteresis=1))
+    layout = zebra_layout(cluster, M, N, 4, num_layers=2, num_experts=4)
+    engine = ZebraEngine(model, ZebraConfig(M, N, R), layout, AdamSettings.from_args(args),
+                         precision=Precision(torch.float32, scaler))
+    share = layout.attention_dp_group.index(dist.get_rank()) if engine.role == "attention" else None
+    owned = engine.dense_params + engine.expert_params
+    result = {"stepped": [], "scales": [], "dtype": str(engine.dtype), "finite_losses": []}
+    for it in range(2):
+        engine.zero_grad()
+        loss = engine.forward_backward(batches[it][share * R : (share + 1) * R] if share is not None else None)
+        result["finite_losses"].append(math.isfinite(loss))
+        if it == 1 and dist.get_rank() == 2:
+            engine.gradient(engine.expert_params[0]).view(-1)[0] = float("inf")
+        before = [(p.detach().clone(), engine.main[id(p)].detach().clone()) for p in owned]
+        _, stepped = engine.step()
+        result["stepped"].append(stepped)
+        result["scales"].append(engine.loss_scale())
+        if it == 1:
+            result["unchanged"] = all(torch.equal(p, old) and torch.equal(engine.main[id(p)], old_main)
+                                      for p, (old, old_main) in zip(owned, before))
+    return result
 
 
 def reference(tokens: list[int]) -> dict:
@@ -293,6 +333,16 @@ def test_expert_placement_follows_the_asym_ea_plan(runs):
     # two groups, "1,0": in each group the expert rank gives expert 3 of layer 0 to its attention rank
     assert [r["groups"]["role"] for r in ranks] == ["attention", "expert", "attention", "expert"]
     assert [r["groups"]["experts"] for r in ranks] == [[[3], []], [[0, 1, 2], [0, 1, 2, 3]]] * 2
+
+
+def test_an_fp16_overflow_on_one_expert_rank_skips_the_step_on_every_rank(runs):
+    _, ranks, _ = runs
+    for result in ranks:
+        overflow = result["overflow"]
+        assert overflow["dtype"] == "torch.float16" and overflow["finite_losses"] == [True, True]
+        assert overflow["stepped"] == [True, False], result["rank"]
+        assert overflow["scales"] == [1024.0, 512.0], result["rank"]
+        assert overflow["unchanged"], result["rank"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
