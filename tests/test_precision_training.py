@@ -17,7 +17,8 @@ and the noise itself above 1e-5 (fp32 modes differ by 2e-8: a run that stayed fp
 fp16 with expert parallelism (which Megatron-LM refuses) trains with a dynamic loss scale that
 moves, in ep, fssdp and zebra, with ep's scale decisions and within fp16's noise (ep-fp16 vs
 ep-fp32 over 10 iterations, measured 2026-11-26: max 5.7e-5, mean 1.7e-5; zebra-fp16 vs ep-fp16
-max 3.0e-5, mean 9.0e-6 without Asym-EA; the test runs zebra with Asym-EA "1,2").
+max 3.0e-5, mean 9.0e-6 without Asym-EA and recompute; the test runs zebra with Asym-EA "1,2" and
+full recompute, the paper's setting).
 
 zebra (2 attention + 2 expert ranks, 2 micro-batches each: ep's global batch of 8) in bf16 is
 bit-equal to ep-bf16 for 2 iterations, then drifts like fssdp and replicate (its gradients are
@@ -82,7 +83,7 @@ def bf16_runs(workdir):
 def fp16_runs(workdir):
     """10 iterations in fp16 with a loss scale that starts low and grows every 2 iterations."""
     return {name: launch(4, [*COMMON, "--train-iters", "10", *FP16, *flags], workdir, f"{name}_fp16")
-            for name, flags in (("ep", []), ("fssdp", FSSDP), ("zebra", [*ZEBRA, "--zebra-asym-ea", "1,2"]))}
+            for name, flags in (("ep", []), ("fssdp", FSSDP), ("zebra", [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]))}
 
 
 def relative(run, reference) -> np.ndarray:
@@ -130,6 +131,9 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, n
         assert scales == [r["loss_scale"] for r in ep_fp16.records if "loss" in r]
         assert difference.max() < noise.max() and difference.mean() < noise.mean(), (name, difference, noise)
     if name == "zebra":
+        # the paper's setting: fp16 with full recompute (every layer's attention segment and expert
+        # task checkpointed; the same arithmetic, so still ep's scale decisions and losses)
+        assert "| recompute full (uniform, 1 layers)" in run.output
         # with Asym-EA "1,2": layer 0 moves one expert per expert rank, layer 1 all of them, onto the
         # attention ranks; copies to an expert on the sending attention rank itself stay local
         copies = 8 * 64 * 2  # global batch x sequence x top-2, per layer

@@ -57,10 +57,12 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def measure():
-    """Measures one forward (one micro-batch); the largest so far is `take_peak()`'s."""
+def measure(forward: dict[int, int] | None = None):
+    """Measures one forward (one micro-batch); the largest so far is `take_peak()`'s. A forward run
+    in parts (zebra's tasks of one micro-batch) passes the same `forward` dict to every part: it
+    collects that forward's storages, counted once, and the peak sees their sum so far."""
     global _held, _peak_bytes
-    _held = {}
+    _held = {} if forward is None else forward
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
             yield

@@ -37,6 +37,7 @@ from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megat
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import checkpoint as _checkpoint
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -542,6 +543,15 @@ def _observing_token_dropping(original: Callable) -> Callable:
 
     apply_router_token_dropping._megatron_patches = True
     return apply_router_token_dropping
+
+
+def checkpointed(function: Callable, *tensors: torch.Tensor):
+    """`function(*tensors)` under Megatron's activation checkpointing (tensor_parallel.checkpoint,
+    what --recompute-granularity full applies per layer): only the inputs are kept, the forward
+    runs again in the backward with the same RNG states. Every output must be a tensor that
+    needs a gradient; a mode whose own schedule calls the modules (zebra) checkpoints its
+    segments with it."""
+    return _checkpoint(function, False, *tensors)
 
 
 def recomputing() -> bool:

@@ -188,8 +188,14 @@ def validate(args: argparse.Namespace) -> None:
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),
-        ("--recompute-granularity", args.recompute_granularity, args.recompute_granularity is not None,
-         "zebra's engine runs Megatron's modules in its own schedule, without Megatron's recompute; drop it"),
+        ("--recompute-num-layers", args.recompute_num_layers,
+         args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1,
+         "with --recompute-method uniform zebra checkpoints each layer's attention and expert segments apart (the "
+         "all-to-alls sit between them); valid: 1, or --recompute-method block N (the first N layers)"),
+        ("--recompute-modules", " ".join(args.recompute_modules or []),
+         args.recompute_granularity == "selective" and bool(set(args.recompute_modules or ["core_attn"]) - {"core_attn"}),
+         "zebra's schedule calls the layer's modules itself, so only the attention module's own recompute applies; "
+         "valid: core_attn"),
         ("--use-distributed-optimizer", True, args.use_distributed_optimizer,
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),

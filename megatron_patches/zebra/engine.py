@@ -78,7 +78,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_patches.comm.streams import CommStream
-from megatron_patches.compat import mcore
+from megatron_patches.compat import activations, mcore
 from megatron_patches.placement.zebra import Task, expert_owners, task_order
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.pools import ZebraLayout
@@ -285,6 +285,11 @@ class ZebraEngine:
         self.hidden = model.config.hidden_size
         self.plan = layout.asym_ea
         self.device = next(model.parameters()).device
+        cfg = model.config
+        full = cfg.recompute_granularity == "full"
+        self.recomputed_layers = set(range(self.num_layers if cfg.recompute_method == "uniform" else cfg.recompute_num_layers)) if full else set()
+        """Layers whose attention segments (A_F) and expert tasks (E_F) keep only their inputs and run
+        again in the backward (--recompute-granularity full: uniform 1 = every layer, block N = the first N)."""
 
         # Process groups: every rank creates every group, in one order.
         self._dispatch_groups = [dist.new_group(list(g)) for g in layout.zp_groups]
@@ -422,6 +427,15 @@ class ZebraEngine:
         for flag, value, refused, why in refusals:
             if refused:
                 raise ZebraEngineError(f"{flag}={value!r}: {why}")
+        if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform" and cfg.recompute_num_layers != 1:
+            raise ZebraEngineError(
+                f"--recompute-num-layers={cfg.recompute_num_layers} with --recompute-method uniform: zebra checkpoints each "
+                "layer's attention and expert segments apart (the all-to-alls sit between them); valid: 1, or "
+                "--recompute-method block")
+        if cfg.recompute_granularity == "selective" and set(cfg.recompute_modules) - {"core_attn"}:
+            raise ZebraEngineError(
+                f"--recompute-modules={' '.join(cfg.recompute_modules)}: zebra's schedule calls the layer's modules "
+                "itself, so only the attention module's own recompute applies; valid: core_attn")
         layers = mcore.transformer_layers(model)
         dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "router")]
         if dense:
@@ -581,6 +595,7 @@ class ZebraEngine:
 
     def _state_reset(self) -> None:
         self._losses: list[torch.Tensor] = []
+        self._kept: dict[int, dict[int, int]] = {}  # micro-batch -> the storages its forward keeps (activations.measure)
         self._bytes_sent = {"dispatch": 0, "combine": 0}
         self._remote_rows = 0
         self._exchange: dict[tuple[int, int], _Exchange] = {}
@@ -726,6 +741,14 @@ class ZebraEngine:
         return prepared
 
     def _compute(self, task: Task) -> None:
+        if task.phase == "F":
+            # what this micro-batch's forward tasks keep for their backward, summed over its tasks
+            with activations.measure(self._kept.setdefault(task.microbatch, {})):
+                self._compute_task(task)
+        else:
+            self._compute_task(task)
+
+    def _compute_task(self, task: Task) -> None:
         key = (task.layer, task.microbatch)
         if task.kind == "A" and task.phase == "F":
             if task.layer == self.num_layers:
@@ -742,12 +765,15 @@ class ZebraEngine:
         else:
             self._experts_backward(*key)
 
-    def _combine_input(self, layer: int, mb: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The output of layer ``layer``: un-permute the returned expert outputs, add the residual.
-        Starts from detached leaves, so the backward of the caller's segment stops here."""
+    def _combine_leaves(self, layer: int, mb: int) -> list[torch.Tensor]:
+        """The detached leaves a segment after layer ``layer`` starts from: [its residual stream,
+        the returned expert outputs], so the backward of the caller's segment stops here."""
+        residual_SBH = self._segments[(layer, mb)].hidden_SBH.detach().requires_grad_()
+        return [residual_SBH, self._received.pop((layer, mb)).requires_grad_()]
+
+    def _combine(self, layer: int, mb: int, residual_SBH: torch.Tensor, received_XH: torch.Tensor) -> torch.Tensor:
+        """The output of layer ``layer``: un-permute the returned expert outputs, add the residual."""
         segment = self._segments[(layer, mb)]
-        residual_SBH = segment.hidden_SBH.detach().requires_grad_()
-        received_XH = self._received.pop((layer, mb)).requires_grad_()
         moe_TH = unpermute(
             received_XH,
             segment.sorted_indices,
@@ -755,43 +781,56 @@ class ZebraEngine:
             routing_map=segment.routing_map_TE,
         )
         transformer_layer = self.layers[layer]
-        output_SBH = transformer_layer.mlp_bda(transformer_layer.training, transformer_layer.config.bias_dropout_fusion)(
+        return transformer_layer.mlp_bda(transformer_layer.training, transformer_layer.config.bias_dropout_fusion)(
             (moe_TH.view(residual_SBH.shape), None), residual_SBH, transformer_layer.hidden_dropout
         )
-        return output_SBH, [residual_SBH, received_XH]
 
     def _attention_forward(self, layer: int, mb: int) -> None:
+        """A_F(layer, mb): [combine of layer-1 | embedding] -> attention -> router -> permute. Under
+        full recompute everything after the embedding is one checkpointed segment whose inputs are
+        the leaves (layer 0: the embedding's output)."""
         batch = self._batches[mb]
         if layer == 0:
-            hidden_SBH = self.model.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])
             inputs: list[torch.Tensor] = []
+            starts = [self.model.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])]
         else:
-            hidden_SBH, inputs = self._combine_input(layer - 1, mb)
+            inputs = starts = self._combine_leaves(layer - 1, mb)
         tl = self.layers[layer]
-        attention = tl.self_attention(
-            tl.input_layernorm(hidden_SBH), attention_mask=batch["attention_mask"],
-            rotary_pos_emb=batch["rotary_pos_emb"],
-        )
-        mid_SBH = tl.self_attn_bda(tl.training, tl.config.bias_dropout_fusion)(attention, hidden_SBH, tl.hidden_dropout)
-        normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
-        probs_TE, routing_TE = tl.mlp.router(normed_SBH)
-        order_E = self.owner_order_LE[layer].to(routing_TE.device)
-        routing_ord_TE = routing_TE[:, order_E]
-        # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
-        sent_XH, sent_probs_X, sorted_indices = permute(
-            normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E],
-            num_out_tokens=routing_TE.shape[0] * self.model.config.moe_router_topk,
-        )
+        order_E = self.owner_order_LE[layer]
+        routed: dict[str, torch.Tensor] = {}
+
+        def segment(*start):
+            hidden_SBH = start[0] if layer == 0 else self._combine(layer - 1, mb, *start)
+            attention = tl.self_attention(
+                tl.input_layernorm(hidden_SBH), attention_mask=batch["attention_mask"],
+                rotary_pos_emb=batch["rotary_pos_emb"],
+            )
+            mid_SBH = tl.self_attn_bda(tl.training, tl.config.bias_dropout_fusion)(attention, hidden_SBH, tl.hidden_dropout)
+            normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
+            probs_TE, routing_TE = tl.mlp.router(normed_SBH)
+            routing_ord_TE = routing_TE[:, order_E.to(routing_TE.device)]
+            # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
+            sent_XH, sent_probs_X, sorted_indices = permute(
+                normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E.to(probs_TE.device)],
+                num_out_tokens=routing_TE.shape[0] * self.model.config.moe_router_topk,
+            )
+            routed.update(routing_TE=routing_TE, routing_ord_TE=routing_ord_TE, sorted_indices=sorted_indices)
+            return mid_SBH, sent_XH, sent_probs_X
+
+        if layer in self.recomputed_layers:
+            mid_SBH, sent_XH, sent_probs_X = mcore.checkpointed(segment, *starts)
+        else:
+            mid_SBH, sent_XH, sent_probs_X = segment(*starts)
         self._segments[(layer, mb)] = _Segment(
             inputs=inputs, hidden_SBH=mid_SBH, sent_XH=sent_XH, sent_probs_X=sent_probs_X,
-            sorted_indices=sorted_indices, routing_map_TE=routing_ord_TE,
-            counts_E=routing_TE.sum(dim=0).to(torch.int64),
+            sorted_indices=routed["sorted_indices"], routing_map_TE=routed["routing_ord_TE"],
+            counts_E=routed["routing_TE"].sum(dim=0).to(torch.int64),
         )
 
     def _head_forward(self, mb: int) -> None:
         batch = self._batches[mb]
-        hidden_SBH, inputs = self._combine_input(self.num_layers - 1, mb)
-        hidden_SBH = self.model.decoder.final_layernorm(hidden_SBH)
+        inputs = self._combine_leaves(self.num_layers - 1, mb)
+        hidden_SBH = self.model.decoder.final_layernorm(self._combine(self.num_layers - 1, mb, *inputs))
         weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
         logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
         losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)
@@ -842,19 +881,25 @@ class ZebraEngine:
             return
         counts_SK = self._exchange[(layer, mb)].counts_SK
         index = self._expert_major(counts_SK).to(tokens_XH.device)
-        sorted_XH, sorted_probs_X = tokens_XH[index], probs_X[index]
-        cfg = self.model.config
-        if cfg.moe_apply_probs_on_input:
-            # SequentialMLP: scale the input instead, probabilities reset to 1.
-            sorted_XH = (sorted_probs_X.unsqueeze(-1) * sorted_XH).to(tokens_XH.dtype)
-            sorted_probs_X = torch.ones_like(sorted_probs_X)
         per_expert = counts_SK.sum(axis=0).tolist()
         experts = self.layers[layer].mlp.experts.local_experts
-        outputs = [
-            experts[e](chunk_XH, chunk_probs_X)[0]
-            for e, chunk_XH, chunk_probs_X in zip(mine, sorted_XH.split(per_expert), sorted_probs_X.split(per_expert))
-        ]
-        output_XH = torch.cat(outputs)[torch.argsort(index)]
+        apply_probs_on_input = self.model.config.moe_apply_probs_on_input
+
+        def compute(tokens_XH: torch.Tensor, probs_X: torch.Tensor) -> torch.Tensor:
+            sorted_XH, sorted_probs_X = tokens_XH[index], probs_X[index]
+            if apply_probs_on_input:
+                # SequentialMLP: scale the input instead, probabilities reset to 1.
+                sorted_XH = (sorted_probs_X.unsqueeze(-1) * sorted_XH).to(tokens_XH.dtype)
+                sorted_probs_X = torch.ones_like(sorted_probs_X)
+            outputs = [
+                experts[e](chunk_XH, chunk_probs_X)[0]
+                for e, chunk_XH, chunk_probs_X in zip(mine, sorted_XH.split(per_expert), sorted_probs_X.split(per_expert))
+            ]
+            return torch.cat(outputs)[torch.argsort(index)]
+
+        # full recompute: only the received tokens and probabilities are kept for the backward
+        output_XH = mcore.checkpointed(compute, tokens_XH, probs_X) if layer in self.recomputed_layers else compute(
+            tokens_XH, probs_X)
         self._expert_out[(layer, mb)] = (tokens_XH, probs_X, output_XH)
 
     def _experts_backward(self, layer: int, mb: int) -> None:

@@ -46,7 +46,11 @@ FLAGS = [
 # name: (M, N, --zebra-asym-ea); "groups" is two ZP groups of one attention and one expert rank
 # each (ranks 0, 2 attention; 1, 3 expert): dense gradients summed over ranks 0 and 2, expert
 # gradients over 1 and 3, and over 0 and 2 for the expert of layer 0 that Asym-EA moves.
-VARIANTS = {"plain": (M, N, "off"), "asym": (M, N, "1,2"), "groups": (1, 1, "1,0")}
+VARIANTS = {"plain": (M, N, "off"), "asym": (M, N, "1,2"), "groups": (1, 1, "1,0"), "recompute_full": (M, N, "off"),
+            "recompute_selective": (M, N, "off")}
+RECOMPUTE = {"recompute_full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"],
+             "recompute_selective": ["--recompute-granularity", "selective"]}  # core_attn
 
 
 def corpus_tokens() -> list[int]:
@@ -162,8 +166,13 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
     except ZebraEngineError as err:
         out["refusal"] = str(err)
 
+    from megatron_patches.compat import activations
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
+
+    variant_args = {name: validate_args(parse_args(FLAGS + flags), 1) for name, flags in RECOMPUTE.items()}
     for variant, (m, n, asym) in VARIANTS.items():
-        model = _fresh_model(args)
+        model = _fresh_model(variant_args.get(variant, args))
         timeline = str(Path(out_dir) / f"timeline_{variant}.json")
         layout = zebra_layout(cluster, m, n, 4, num_layers=2, num_experts=4, asym_ea=asym)
         engine = ZebraEngine(model, ZebraConfig(m, n, R, asym_ea=asym, timeline=timeline), layout,
@@ -173,12 +182,13 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
         scheduler = mcore.scheduler(args, engine.optimizer)
         names = {id(p): name for name, p in model.named_parameters()}
         owned = engine.dense_params + engine.expert_params
-        losses, norms = [], []
+        losses, norms, kept = [], [], []
         for it in range(ITERS):
             mine = batches[it][share * R : (share + 1) * R] if share is not None else None
             engine.zero_grad()
             with HostReads() as reads:
                 losses.append(engine.forward_backward(mine))
+            kept.append(activations.take_peak())
             if it == 0:
                 torch.save({names[id(p)]: engine.gradient(p).clone() for p in owned},
                            Path(out_dir) / f"{variant}_grads_{rank}.pt")
@@ -193,6 +203,7 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             "losses": losses,
             "norms": norms,
             "host_reads": reads,  # of the last iteration's forward_backward
+            "activation_bytes": kept,  # what one micro-batch's forward tasks keep for the backward
             "experts": engine.my_experts_L,
             "planned": {stream: [t.label for t in tasks] for stream, tasks in engine.order.items()},
             "executed": {stream: engine.timeline.executed_order(stream) for stream in engine.order},
@@ -335,6 +346,27 @@ def test_expert_placement_follows_the_asym_ea_plan(runs):
     assert [r["groups"]["experts"] for r in ranks] == [[[3], []], [[0, 1, 2], [0, 1, 2, 3]]] * 2
 
 
+def test_recompute_keeps_losses_and_lowers_activation_memory(runs):
+    """Full recompute checkpoints every layer's attention segment and expert task (only their inputs
+    are kept), selective recomputes Megatron's core attention on the attention ranks; both compute
+    the same losses as without recompute (and Megatron's reference: test_zebra_equals_megatron_reference).
+    Measured (2026-11-26, bytes one micro-batch's forward keeps, iteration 1): attention ranks
+    13,009,412 without, 12,993,036 selective, 12,904,356 full (the head's 50k-vocabulary logits and
+    softmax are 12.9 MB of it, kept either way); expert ranks 164,976 / 212,608 without, 14,256 /
+    21,120 full (the received tokens only), selective unchanged."""
+    _, ranks, _ = runs
+    for result in ranks:
+        plain = result["plain"]
+        for variant in RECOMPUTE:
+            np.testing.assert_allclose(result[variant]["losses"], plain["losses"], rtol=1e-6, atol=0)
+        full, selective, without = (result[v]["activation_bytes"][0] for v in ("recompute_full", "recompute_selective", "plain"))
+        if plain["role"] == "attention":
+            # the head's logits and softmax (50k vocabulary: 12.9 MB) are kept either way
+            assert full < selective < without, (result["rank"], full, selective, without)
+        else:
+            assert full < 0.2 * without and selective == without, (result["rank"], full, selective, without)
+
+
 def test_an_fp16_overflow_on_one_expert_rank_skips_the_step_on_every_rank(runs):
     _, ranks, _ = runs
     for result in ranks:
@@ -356,7 +388,12 @@ def test_no_host_reads_in_the_tasks(runs, variant):
     _, ranks, _ = runs
     layers = 2
     for result in ranks:
-        assert result[variant]["host_reads"] == {"engine.py:_mean_loss": 1, "engine.py:_split_sizes": layers * R}, result["rank"]
+        reads = dict(result[variant]["host_reads"])
+        if variant == "recompute_selective" and result[variant]["role"] == "attention":
+            # Megatron's core-attention checkpoint passes the mask type as a tensor made on the host
+            # and reads it back (attention.py): a host value, no device sync; forward and recompute
+            assert reads.pop("attention.py:custom_forward") == 2 * layers * R
+        assert reads == {"engine.py:_mean_loss": 1, "engine.py:_split_sizes": layers * R}, result["rank"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -372,7 +409,7 @@ def test_executed_order_per_stream_is_the_planned_order(runs, variant):
         # one compute stream: its tasks never overlap
         assert all(a["end"] <= b["start"] for a, b in zip(compute, compute[1:]))
     attention_e = [t for t in timeline["ranks"][0]["tasks"] if t["task"].startswith("E_")]
-    assert bool(attention_e) == (variant != "plain")
+    assert bool(attention_e) == (VARIANTS[variant][2] != "off")
 
 
 def test_plot_timeline_draws_and_reports_bubbles(runs, tmp_path, capsys):
