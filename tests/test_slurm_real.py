@@ -204,7 +204,7 @@ def test_bad_requests_never_reach_sbatch(cluster, tmp_path):
         (run, "--expert-model-parallel-size", "3"): "--expert-model-parallel-size=3:",
         (het, "--zebra-expert-ranks", "1"): ("--zebra-expert-ranks=1: 1 ZP group(s) of 2 attention rank(s) need "
                                              "1 x 1 = 1 expert ranks, but component 1 has 2; valid: 2"),
-        (het, "--bf16"): "--bf16=True: zebra's optimizer steps the model's own parameters without master weights",
+        (het, "--use-distributed-optimizer"): "--use-distributed-optimizer=True: zebra has its own optimizer",
         (het, "--zebra-expert-ranks", "3", "--gpus-per-node", "2,3"): "gpus_per_node=3: more than the 2 cpu-expert",
     }
     for (run_file, *args), message in cases.items():
