@@ -291,9 +291,8 @@ class History:
 
 def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
-    device = torch.device("cuda", torch.cuda.current_device()) if args.use_cuda else torch.device("cpu")
     recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
-                                       device)
+                                       compute_device(args.use_cuda))
     writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if dist.get_rank() == 0 else None
     if writer is not None:
         writer.log_text("run/precision", run.precision)
@@ -423,13 +422,18 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
     writer.log(metrics_record, placed, survival, run.mode.tensorboard_scalars(metrics_record))
 
 
+def compute_device(use_cuda: bool) -> torch.device:
+    """This rank's GPU (set in init_distributed), or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
 def activation_memory(use_cuda: bool, kept_bytes: int) -> dict[str, list[int]]:
     """Every rank's activation memory this iteration: `activation_bytes`, what its largest
     micro-batch forward kept for the backward (measured by `compat.activations`, on every
     device), and on CUDA the allocator's peak over the iteration, which also holds the recomputed
     layer, the gradients and the optimizer's work."""
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    mine_2 = torch.tensor([kept_bytes, torch.cuda.max_memory_allocated() if use_cuda else 0], dtype=torch.int64, device=device)
+    mine_2 = torch.tensor([kept_bytes, torch.cuda.max_memory_allocated() if use_cuda else 0], dtype=torch.int64,
+                          device=compute_device(use_cuda))
     ranks_R2 = [torch.empty_like(mine_2) for _ in range(dist.get_world_size())]
     dist.all_gather(ranks_R2, mine_2)
     kept_R, peak_R = torch.stack(ranks_R2).cpu().T.tolist()

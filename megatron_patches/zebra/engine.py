@@ -302,7 +302,7 @@ class ZebraEngine:
 
         # Expert ownership per layer (ZP-group-local ranks), and this rank's experts.
         self.owners_LE = [expert_owners(self.plan, layer) for layer in range(self.num_layers)]
-        self.owner_order_LE = [torch.from_numpy(np.argsort(o, kind="stable")) for o in self.owners_LE]
+        self.owner_order_LE = [torch.from_numpy(np.argsort(o, kind="stable")).to(self.device) for o in self.owners_LE]
         self.my_experts_L = [[int(e) for e in np.flatnonzero(o == self.group_rank)] for o in self.owners_LE]
         self.has_experts_L = [bool(e) for e in self.my_experts_L]
 
@@ -808,10 +808,10 @@ class ZebraEngine:
             mid_SBH = tl.self_attn_bda(tl.training, tl.config.bias_dropout_fusion)(attention, hidden_SBH, tl.hidden_dropout)
             normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
             probs_TE, routing_TE = tl.mlp.router(normed_SBH)
-            routing_ord_TE = routing_TE[:, order_E.to(routing_TE.device)]
+            routing_ord_TE = routing_TE[:, order_E]
             # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
             sent_XH, sent_probs_X, sorted_indices = permute(
-                normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E.to(probs_TE.device)],
+                normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E],
                 num_out_tokens=routing_TE.shape[0] * self.model.config.moe_router_topk,
             )
             routed.update(routing_TE=routing_TE, routing_ord_TE=routing_ord_TE, sorted_indices=sorted_indices)
