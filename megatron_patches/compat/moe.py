@@ -39,7 +39,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding, replace_prefix_for_sharding
-from megatron.core.optimizer import _get_param_groups
+from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -48,17 +48,24 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 __all__ = [
-    "EXPERT_STATE_NAMES",
+    "ADAM_STATE_NAMES",
+    "DENSE_INDEX",
+    "EXPERT_INDEX",
+    "chained_sharded_state_dict",
     "ExpertLayout",
     "InstanceMoELayer",
     "InstanceTokenDispatcher",
     "dense_optimizer",
     "ep_optimizer_sharded_state_dict",
+    "ep_param_groups",
     "expert_checkpoint_keys",
     "expert_optimizer_tensors",
     "frozen_expert_param_groups",
     "held_experts_sharded_state_dict",
     "load_ep_optimizer_state",
+    "optimizer_sharded_state_dict",
+    "read_optimizer_state",
+    "sharded_tensors",
     "with_moe_layer",
 ]
 
@@ -292,17 +299,114 @@ def expert_optimizer_tensors(optimizer, param: torch.nn.Parameter) -> list[torch
 
 
 # ----------------------------------------------------------------------------------------
-# ep mode's optimizer checkpoint for experts Megatron's optimizer does not hold (replicate)
+# Megatron's optimizer checkpoint form for parameters its optimizer does not hold
+# (replicate's experts; every parameter of zebra, whose optimizer is its own)
 # ----------------------------------------------------------------------------------------
 
-EXPERT_STATE_NAMES = ("exp_avg", "exp_avg_sq")
+ADAM_STATE_NAMES = ("exp_avg", "exp_avg_sq")
 """Adam's per-element state, keyed in a checkpoint as `optimizer.state.<name>.<model param key>`."""
 
 # ep mode's optimizer is a ChainedOptimizer of two: get_megatron_optimizer (optimizer/__init__.py
 # in 0.16.1) builds the dense parameters' optimizer first and the expert-parallel ones' second,
 # and ChainedOptimizer.sharded_state_dict (optimizer.py:1184) prefixes each one's keys with
-# chained_<index>. when it has several.
+# chained_<index>. when it has several. With --expert-model-parallel-size 1 the experts are
+# dense parameters to Megatron (their `allreduce` attribute) and the optimizer is one.
 DENSE_INDEX, EXPERT_INDEX = 0, 1
+
+
+def optimizer_sharded_state_dict(groups, model_sd, param_state, step, fp32_main: bool, grad_scaler_state,
+                                 is_loading: bool) -> dict:
+    """One of Megatron's (non-distributed) sub-optimizers in its checkpoint form, for parameters
+    held outside Megatron's optimizer: FP32Optimizer's form, or with `fp32_main`
+    Float16OptimizerWithFloat16Params' (optimizer.py:800 in 0.16.1: the fp32 master weights
+    under `fp32_from_fp16_params`, the scaler's state beside them). The same keys, offsets and
+    common structure as Megatron writes, so Megatron's optimizer loads it and it loads from
+    Megatron's.
+
+    Args:
+        groups: one (values, params) per parameter group in Megatron's order (every group, also
+            one without parameters on this rank: the common structure is the same on every
+            rank): the group's values as Megatron's optimizer keeps them (torch Adam's
+            hyper-parameters and Megatron's fields, no "params"), and the group's parameters on
+            this rank.
+        model_sd: the model's sharded state dict; its tensors of the parameters give the keys,
+            offsets and replica ids.
+        param_state: parameter -> {name: tensor of the parameter's shape} for `ADAM_STATE_NAMES`
+            and, with `fp32_main`, "fp32_param". Saving: the values; loading: the buffers.
+        step: Adam's step count (saving; Megatron keeps it as the common `common_step`).
+        fp32_main: the Float16OptimizerWithFloat16Params form (bf16 / fp16).
+        grad_scaler_state: the loss scaler's state dict (fp16), else None.
+        is_loading: a template to load into (no step: it comes from the checkpoint).
+    """
+    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
+    state, param_groups, fp32_groups, next_id = {}, [], [], 0
+    for values, params in groups:
+        ids = list(range(next_id, next_id + len(params)))
+        next_id += len(params)
+        param_groups.append({**values, "params": LocalNonpersistentObject(ids)})
+        fp32_row = []
+        for i, param in zip(ids, params):
+            if id(param) not in sharded_of:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+            tensors = param_state[param]
+            state[i] = {
+                name: make_sharded_optimizer_tensor(sharded_of[id(param)], tensors[name], prefix=f"optimizer.state.{name}")
+                for name in ADAM_STATE_NAMES
+            }
+            if fp32_main:
+                fp32_row.append(make_sharded_optimizer_tensor(sharded_of[id(param)], tensors["fp32_param"],
+                                                              prefix="optimizer.state.fp32_param"))
+        fp32_groups.append(fp32_row)
+    if not is_loading:
+        state["common_step"] = torch.tensor(float(step), dtype=torch.float32)
+    inner = {"state": state, "param_groups": param_groups}
+    if not fp32_main:
+        return inner
+    out = {"optimizer": inner, "fp32_from_fp16_params": fp32_groups}
+    if grad_scaler_state is not None:
+        out["grad_scaler"] = grad_scaler_state
+    return out
+
+
+def read_optimizer_state(loaded: dict, groups, fp32_main: bool) -> tuple[dict, float | None, list[dict]]:
+    """The parts of a loaded `optimizer_sharded_state_dict` (template `groups`, `fp32_main` as
+    built): (parameter -> {name: loaded tensor}, the step (None: the checkpoint has none, i.e. it
+    was saved before any step), the saved groups' values (no "params"))."""
+    inner = loaded["optimizer"] if fp32_main else loaded
+    out, next_id = {}, 0
+    for g, (_, params) in enumerate(groups):
+        for j, param in enumerate(params):
+            out[param] = {name: inner["state"][next_id][name] for name in ADAM_STATE_NAMES}
+            if fp32_main:
+                out[param]["fp32_param"] = loaded["fp32_from_fp16_params"][g][j]
+            next_id += 1
+    step = inner["state"].get("common_step")
+    values = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
+    return out, None if step is None else float(step), values
+
+
+def ep_param_groups(model, lr: float, min_lr: float, expert_params) -> list[tuple[dict, list]]:
+    """Megatron's parameter groups of `model` as ep mode with expert parallelism (EP > 1) makes
+    them, for a model built with EP = 1 (zebra: the whole model on every rank): one (fields,
+    params) per group in Megatron's order, `fields` Megatron's (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr, default_config, max_lr, min_lr).
+
+    Megatron tells expert-parallel parameters by their `allreduce` attribute, which the expert
+    layers set only when EP > 1 (experts.py:203); `expert_params` get it for the call. Every
+    parameter must still have its shape (the no-decay rule reads it). Collective over the world
+    (Megatron aligns the groups' keys across ranks)."""
+    before = [(p, p.__dict__.get("allreduce")) for p in expert_params]
+    for p, _ in before:
+        p.allreduce = False
+    try:
+        groups = _get_param_groups([model], OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr), None)
+    finally:
+        for p, value in before:
+            if value is None:
+                del p.allreduce
+            else:
+                p.allreduce = value
+    return [({k: v for k, v in group.items() if k != "params"}, group["params"]) for group in groups]
 
 
 def dense_optimizer(optimizer):
@@ -369,8 +473,9 @@ def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_s
     """ep mode's optimizer sharded state dict, for a model whose experts the optimizer does not hold.
 
     {0: the dense optimizer's own sharded state dict, 1: the expert optimizer's, built as
-    Megatron builds it for ep}, each under ep's chained_<index>. prefix: the same keys, offsets
-    and common structure as an ep checkpoint, so ep loads it and it loads from ep's.
+    Megatron builds it for ep (`optimizer_sharded_state_dict`, the dense groups' Adam values)},
+    each under ep's chained_<index>. prefix: the same keys, offsets and common structure as an ep
+    checkpoint, so ep loads it and it loads from ep's.
 
     Args:
         optimizer: Megatron's optimizer over the non-expert parameters (see `dense_optimizer`).
@@ -378,59 +483,43 @@ def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_s
             keys and offsets (ep's: Megatron's for each global expert id).
         expert_groups: `frozen_expert_param_groups`.
         expert_state: expert parameter -> {name: tensor of the parameter's shape} for
-            `EXPERT_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param" (the
+            `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param" (the
             fp32 master weights). Saving: the values; loading: buffers of the right dtype.
         step: the experts' Adam step count (saving only; a loaded one comes from the checkpoint).
         is_loading: a template to load into (the dense optimizer creates its state for it).
     """
     dense = dense_optimizer(optimizer)
     dense_sd = dense.sharded_state_dict(model_sd, is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-    add_prefix_for_sharding(dense_sd, f"chained_{DENSE_INDEX}.")
-
-    sharded_of = {id(value.data): value for value in _sharded_tensors(model_sd)}
     hyper = {_group_key(g): g for g in dense.optimizer.param_groups}
-    state, param_groups, fp32_groups, next_id = {}, [], [], 0
+    groups = []
     for fields, params in expert_groups:
         if _group_key(fields) not in hyper:
             raise ValueError(
                 f"no dense parameter group has the expert group's (wd_mult, lr_mult, is_decoupled_lr) = "
                 f"{_group_key(fields)}: its learning rate and weight decay are unknown"
             )
-        ids = list(range(next_id, next_id + len(params)))
-        next_id += len(params)
-        group = {k: v for k, v in hyper[_group_key(fields)].items() if k != "params"}
-        param_groups.append({**group, **fields, "params": LocalNonpersistentObject(ids)})
-        fp32_row = []
-        for i, param in zip(ids, params):
-            if id(param) not in sharded_of:
-                raise ValueError(f"an expert parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
-            tensors = expert_state[param]
-            state[i] = {
-                name: make_sharded_optimizer_tensor(sharded_of[id(param)], tensors[name], prefix=f"optimizer.state.{name}")
-                for name in EXPERT_STATE_NAMES
-            }
-            if isinstance(dense, Float16OptimizerWithFloat16Params):
-                fp32_row.append(make_sharded_optimizer_tensor(sharded_of[id(param)], tensors["fp32_param"], prefix="optimizer.state.fp32_param"))
-        fp32_groups.append(fp32_row)
-    if not is_loading:
-        state["common_step"] = torch.tensor(float(step), dtype=torch.float32)
-    inner = {"state": state, "param_groups": param_groups}
-    if isinstance(dense, Float16OptimizerWithFloat16Params):
-        expert_sd = {"optimizer": inner, "fp32_from_fp16_params": fp32_groups}
-        if dense.grad_scaler:
-            expert_sd["grad_scaler"] = dense.grad_scaler.state_dict()
-    else:
-        expert_sd = inner
-    add_prefix_for_sharding(expert_sd, f"chained_{EXPERT_INDEX}.")
-    return {DENSE_INDEX: dense_sd, EXPERT_INDEX: expert_sd}
+        values = {k: v for k, v in hyper[_group_key(fields)].items() if k != "params"}
+        groups.append(({**values, **fields}, params))
+    fp32_main = isinstance(dense, Float16OptimizerWithFloat16Params)
+    scaler = dense.grad_scaler.state_dict() if fp32_main and dense.grad_scaler else None
+    expert_sd = optimizer_sharded_state_dict(groups, model_sd, expert_state, step, fp32_main, scaler, is_loading)
+    return chained_sharded_state_dict([dense_sd, expert_sd])
+
+
+def chained_sharded_state_dict(parts: list[dict]) -> dict:
+    """Megatron's ChainedOptimizer form of its sub-optimizers' sharded state dicts (in place):
+    {index: part}, each part's keys under chained_<index>. (optimizer.py:1184 in 0.16.1)."""
+    for index, part in enumerate(parts):
+        add_prefix_for_sharding(part, f"chained_{index}.")
+    return dict(enumerate(parts))
 
 
 def expert_checkpoint_keys(optimizer, model_sd, expert_groups) -> dict[str, list[str]]:
     """The checkpoint keys of the experts' optimizer tensors in ep's form: {name: [key, ...]} for
-    `EXPERT_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param"."""
+    `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param"."""
     dense = dense_optimizer(optimizer)
-    names = EXPERT_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
-    sharded_of = {id(value.data): value for value in _sharded_tensors(model_sd)}
+    names = ADAM_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
+    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
     keys = {name: [] for name in names}
     for _, params in expert_groups:
         for param in params:
@@ -449,19 +538,11 @@ def load_ep_optimizer_state(optimizer, loaded: dict, expert_groups, with_experts
     dense.load_state_dict(loaded[DENSE_INDEX])
     if not with_experts:
         return {}, None
-    expert = loaded[EXPERT_INDEX]
-    inner = expert["optimizer"] if isinstance(dense, Float16OptimizerWithFloat16Params) else expert
-    step = inner["state"].get("common_step")
-    out, next_id = {}, 0
-    for g, (_, params) in enumerate(expert_groups):
-        for j, param in enumerate(params):
-            out[param] = {name: inner["state"][next_id][name] for name in EXPERT_STATE_NAMES}
-            if isinstance(dense, Float16OptimizerWithFloat16Params):
-                out[param]["fp32_param"] = expert["fp32_from_fp16_params"][g][j]
-            next_id += 1
-    return out, None if step is None else float(step)
+    out, step, _ = read_optimizer_state(loaded[EXPERT_INDEX], expert_groups,
+                                        isinstance(dense, Float16OptimizerWithFloat16Params))
+    return out, step
 
 
-def _sharded_tensors(sharded_state_dict):
+def sharded_tensors(sharded_state_dict):
     """Every ShardedTensor in a nested sharded state dict."""
     return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]

@@ -200,8 +200,6 @@ def validate(args: argparse.Namespace) -> None:
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
         ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
-        ("--save", args.save, args.save is not None, "checkpoints are not supported in zebra mode yet"),
-        ("--load", args.load, args.load is not None, "checkpoints are not supported in zebra mode yet"),
     )
     for flag, value, refused, why in refusals:
         if refused:

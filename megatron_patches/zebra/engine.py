@@ -75,10 +75,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_patches.comm.streams import CommStream
-from megatron_patches.compat import activations, mcore
+from megatron_patches.compat import activations, mcore, moe
 from megatron_patches.placement.zebra import Task, expert_owners, task_order
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.pools import ZebraLayout
@@ -307,33 +308,47 @@ class ZebraEngine:
         self.has_experts_L = [bool(e) for e in self.my_experts_L]
 
         # Keep what this rank owns, release the rest.
-        expert_params = {
-            id(p)
-            for layer in self.layers
-            for expert in layer.mlp.experts.local_experts
-            for p in expert.parameters()
-        }
+        expert_modules = [p for layer in self.layers for expert in layer.mlp.experts.local_experts for p in expert.parameters()]
+        expert_params = {id(p) for p in expert_modules}
         owned_expert_params = {
             id(p)
             for layer, mine in zip(self.layers, self.my_experts_L)
             for e in mine
             for p in layer.mlp.experts.local_experts[e].parameters()
         }
+        # ep's parameter groups (taken while every parameter still has its shape): the optimizer
+        # steps them with ep's hyper-parameters and the checkpoints keep ep's form.
+        groups = moe.ep_param_groups(model, adam.lr, adam.min_lr, expert_modules)
+        sharded = model.sharded_state_dict()
         self.dtype = next(model.parameters()).dtype
         """The parameters' (and the exchanged tokens') dtype: fp32, or bf16/fp16 after Megatron's Float16Module cast."""
         self.dense_params: list[torch.nn.Parameter] = []
         self.expert_params: list[torch.nn.Parameter] = []
-        named = []
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if id(p) in owned_expert_params:
                 self.expert_params.append(p)
-                named.append((name, p))
             elif id(p) not in expert_params and self.role == "attention":
                 self.dense_params.append(p)
-                named.append((name, p))
             else:
                 p.requires_grad_(False)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        owned = {id(p) for p in self.dense_params + self.expert_params}
+        self.owned_sharded_state: dict[str, tuple[object, bool]] = {}
+        """Megatron's sharded state dict of the model (taken while every parameter had its shape)
+        restricted to what this rank owns, key -> (entry, whether an expert's): the checkpoints'
+        template (zebra/checkpoint.py)."""
+        for key, value in sharded.items():
+            if isinstance(value, ShardedTensor):
+                mine, expert = id(value.data) in owned, id(value.data) in expert_params
+            else:  # a module's `_extra_state` object: its module's
+                module_params = list(model.get_submodule(key.rsplit(".", 1)[0]).parameters())
+                mine = any(id(p) in owned for p in module_params) if module_params else self.role == "attention"
+                expert = any(id(p) in expert_params for p in module_params)
+            if mine:
+                self.owned_sharded_state[key] = (value, expert)
+        self.param_groups = [(fields, [p for p in params if id(p) in owned]) for fields, params in groups]
+        """ep's parameter groups in its order (dense, then expert-parallel), each with this rank's
+        parameters of it (possibly none): (Megatron's group fields, parameters)."""
         # Gradient reduction groups: dense over all attention ranks; experts over the same
         # group-local rank of every ZP group (they hold the same experts).
         self._dense_dp = attention_dp if self.role == "attention" else None
@@ -352,23 +367,20 @@ class ZebraEngine:
         self.precision = precision
         self.half = self.dtype != torch.float32
         self.main: dict[int, torch.Tensor] = {}
-        for _, p in named:
+        for p in self.dense_params + self.expert_params:
             p.main_grad = torch.zeros_like(p, dtype=precision.grad_dtype)
             p.register_post_accumulate_grad_hook(_accumulate_main_grad)
             self.main[id(p)] = p.detach().float().clone() if self.half else p
-
-        def stepped(group):
-            return [self.main[id(p)] for name, p in named if (len(p.shape) == 1 or name.endswith(".bias")) == group]
-
-        decay, no_decay = stepped(False), stepped(True)
-        common = dict(lr_mult=1.0, is_decoupled_lr=False, max_lr=adam.lr, min_lr=adam.min_lr, default_config=True)
         self.adam = adam
         self.optimizer = torch.optim.AdamW(
-            [dict(params=decay, wd_mult=1.0, **common), dict(params=no_decay, wd_mult=0.0, **common)],
+            [dict(params=[self.main[id(p)] for p in params], **fields) for fields, params in self.param_groups],
             lr=adam.lr, weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
         )
-        """torch AdamW over this rank's main weights (its parameters in fp32) with Megatron's groups;
-        Megatron's OptimizerParamScheduler can drive it (it sets lr and weight_decay per group)."""
+        """torch AdamW over this rank's main weights (its parameters in fp32) in ep's groups, with
+        Megatron's fields: Megatron's OptimizerParamScheduler drives it (it sets lr and weight_decay
+        per group)."""
+        self.steps = 0
+        """Adam steps taken (skipped iterations not counted): the step count every rank shares."""
 
         self._streams = {"dispatch": CommStream(self.device), "combine": CommStream(self.device)}
         self._use_cuda = self.device.type == "cuda"
@@ -544,6 +556,7 @@ class ZebraEngine:
                 for p in owned:
                     self.main[id(p)].grad.mul_(clip_coeff)
         self.optimizer.step()
+        self.steps += 1
         if self.half:
             with torch.no_grad():
                 for p in owned:
@@ -561,6 +574,39 @@ class ZebraEngine:
             with torch.no_grad():
                 for p in self.dense_params + self.expert_params:
                     self.main[id(p)].copy_(p)
+
+    def adam_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """The optimizer's tensors of an owned parameter, by the names of Megatron's checkpoint form:
+        Adam's "exp_avg", "exp_avg_sq" (zeros before the first step, as Adam starts them) and, in
+        bf16/fp16, the fp32 main weights "fp32_param". The live tensors: loading copies into them."""
+        main = self.main[id(param)]
+        state = self.optimizer.state[main]
+        if not state:
+            state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(main),
+                         exp_avg_sq=torch.zeros_like(main))
+        tensors = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        if self.half:
+            tensors["fp32_param"] = main
+        return tensors
+
+    @torch.no_grad()
+    def load_optimizer_state(self, tensors: dict, step: float | None, group_values: list[dict],
+                             grad_scaler_state: dict | None) -> None:
+        """Adopt loaded optimizer state: `tensors` parameter -> {name: tensor} as `adam_state`
+        names them (every owned parameter), the shared step (None: saved before any step), the
+        saved groups' values in `param_groups` order (Adam's hyper-parameters and Megatron's fields
+        replace this run's, as torch's load_state_dict does), the fp16 loss scaler's state."""
+        steps = 0 if step is None else int(step)
+        for param in self.dense_params + self.expert_params:
+            for name, live in self.adam_state(param).items():
+                live.copy_(tensors[param][name])
+            self.optimizer.state[self.main[id(param)]]["step"] = torch.tensor(float(steps), dtype=torch.float32)
+        for group, values in zip(self.optimizer.param_groups, group_values, strict=True):
+            group.update({k: v for k, v in values.items() if k in group and k != "params"})
+        self.steps = steps
+        scaler = self.precision.grad_scaler
+        if scaler is not None and grad_scaler_state is not None:
+            scaler.load_state_dict(grad_scaler_state)
 
     def last_run_counts(self) -> tuple[int, dict[str, int]]:
         """Collective: of the last schedule run (train_step or evaluate), summed over the world:

@@ -8,6 +8,7 @@ each iteration to the ZebraEngine.
     forward_backward the zig-zag schedule over this rank's R micro-batches (or its F tasks only)
     end_iteration    the engine's measured all-to-all rows and bytes; the timeline of the last
                      iteration (--zebra-timeline)
+    save/load        checkpoints in ep's form (zebra/checkpoint.py)
 
 Everything else (logging, evaluation, the non-finite stop, the stall watchdog, metrics, the load
 trace) is the shared loop's.
@@ -25,6 +26,7 @@ from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.zebra import expert_owners
+from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
 from megatron_patches.zebra.pools import ZebraLayout, pool_cluster, zebra_layout
@@ -157,3 +159,13 @@ class ZebraRuntime(ModeRuntime):
     def tensorboard_scalars(self, record: dict) -> dict[str, float]:
         sent = record[self.name]["bytes"]
         return traffic_scalars(self.name, {kind: {"sent": value} for kind, value in sent.items()}, {}, "seconds")
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
+        """ep's form (zebra/checkpoint.py): each rank writes what it owns."""
+        checkpoint.save(directory, self.engine, common)
+
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+        """Any ep-form checkpoint (zebra, ep with EP > 1, fssdp, replicate) into this run's layout."""
+        return checkpoint.load(directory, self.engine, template, load_optim)
