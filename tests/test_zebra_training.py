@@ -6,7 +6,19 @@ tests/zebra/test_zebra_engine.py against Megatron's model, and test_precision_tr
 same time, and tools/plot_timeline.py draws it. Dropout is off in both runs: the zebra schedule
 draws dropout masks in another order (the equivalence is of the model, not of the RNG stream).
 
-One launch per run (2 in all, about 2 minutes on 2 cores).
+Checkpoints (ep's placement-independent form, zebra/checkpoint.py): both runs save at iteration
+K = 9, and four runs resume from those checkpoints to iteration 12 (from the second resumed
+iteration on, a loss depends on Adam's moments crossing the checkpoint):
+    zebra, Asym-EA "1,2"       from zebra  -> zebra's iterations 10-12, losses bit for bit (every expert's
+                                               gradient is the same sum wherever it lives)
+    zebra, 2 ZP groups (1 + 1) from zebra  -> zebra's within 1e-6 (each ZP group's expert rank sums
+                                               its own tokens' gradients: another summation order)
+    ep                         from zebra  -> iteration 10 is zebra's loss bit for bit (the same weights,
+                                               the same forward), then within 1e-6
+    zebra                      from ep     -> iteration 10 is ep's loss bit for bit, then within 1e-6
+Measured (2026-11-26, K = 3 of 6): 0 / 1e-9 / 8e-8 (grad norms) / 3e-8 relative.
+
+One launch per run (6 in all, about 4 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -15,15 +27,18 @@ import subprocess
 import sys
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from support.training import REPO, launch
 
 from megatron_patches.placement.trace import read_trace
+from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
 from megatron_patches.zebra.timeline import read_timeline
 
 pytestmark = pytest.mark.e2e
 
 ITERS = 12
+K = 9  # the checkpoint the resumes start from
 M, N, R = 2, 2, 4
 MICRO = 4
 COMMON = [
@@ -32,6 +47,7 @@ COMMON = [
 ]
 ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", str(M), "--zebra-expert-ranks", str(N),
          "--zebra-microbatches", str(R)]
+EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro x R x M = 32 sequences
 # tiny.yaml: 2 layers, hidden 64, 8 experts, top-2, sequence 128.
 LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 
@@ -39,12 +55,33 @@ LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zebra_training")
-    # ep: one global batch = micro x R x M = 32 sequences, as zebra's (DP 4 x 2 micro-batches).
-    ep = launch(4, [*COMMON, "--global-batch-size", str(MICRO * R * M)], work, "ep")
+    ep = launch(4, [*COMMON, *EP, *saving(work / "ep_ckpt")], work, "ep")
     timeline = work / "timeline.json"
-    zebra = launch(4, [*COMMON, *ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz")],
-                   work, "zebra")
+    zebra = launch(4, [*COMMON, *ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz"),
+                       *saving(work / "zebra_ckpt")], work, "zebra")
     return {"ep": ep, "zebra": zebra, "timeline": timeline, "work": work}
+
+
+def saving(checkpoint) -> list[str]:
+    return ["--save", str(checkpoint), "--save-interval", str(K)]
+
+
+@pytest.fixture(scope="module")
+def resumed(runs):
+    """The four resumes from iteration K (module docstring)."""
+    work = runs["work"]
+    for name in ("ep_ckpt", "zebra_ckpt"):
+        (work / name / TRACKER_FILE).write_text(f"{K}\n")  # the mid-run save, not the last one
+    zebra_ckpt, ep_ckpt = ["--load", str(work / "zebra_ckpt")], ["--load", str(work / "ep_ckpt")]
+    groups = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "1", "--zebra-expert-ranks", "1",
+              "--zebra-microbatches", str(R)]
+    flags = {
+        "zebra_asym": [*ZEBRA, "--zebra-asym-ea", "1,2", *zebra_ckpt],
+        "zebra_groups": [*groups, *zebra_ckpt],
+        "ep_from_zebra": [*EP, *zebra_ckpt],
+        "zebra_from_ep": [*ZEBRA, *ep_ckpt],
+    }
+    return {name: launch(4, [*COMMON, *more], work, name) for name, more in flags.items()}
 
 
 def _series(run, key):
@@ -105,3 +142,33 @@ def test_timeline_shows_attention_and_expert_ranks_computing_at_once(runs):
     assert proc.returncode == 0, proc.stderr
     assert png.stat().st_size > 10_000
     assert "bubble" in proc.stdout.lower()
+
+
+def test_checkpoints_resume_in_zebra_layouts_and_in_ep(runs, resumed):
+    zebra, ep = _series(runs["zebra"], "loss"), _series(runs["ep"], "loss")
+    for name, run in resumed.items():
+        assert [r["iteration"] for r in run.records if "moe_layers" in r] == list(range(K + 1, ITERS + 1)), name
+    # zebra -> zebra with another Asym-EA plan: bit for bit, grad norms to rounding
+    assert _series(resumed["zebra_asym"], "loss") == zebra[K:]
+    assert _series(resumed["zebra_asym"], "grad_norm") == pytest.approx(_series(runs["zebra"], "grad_norm")[K:], rel=1e-12)
+    assert [r["zebra"]["offload_chunks"] for r in resumed["zebra_asym"].records if "zebra" in r][0] == [1, 2]
+    assert f"checkpoint: zebra: Adam state loaded (step {K})" in resumed["zebra_asym"].output
+    # zebra -> zebra in 2 ZP groups of 1 + 1
+    assert _series(resumed["zebra_groups"], "loss") == pytest.approx(zebra[K:], rel=1e-6)
+    assert [r["zebra"]["zp_groups"] for r in resumed["zebra_groups"].records if "zebra" in r][0] == 2
+    # across modes: the first resumed loss is the saving run's exactly (the weights crossed bit for bit)
+    for name, saver in (("ep_from_zebra", zebra), ("zebra_from_ep", ep)):
+        losses = _series(resumed[name], "loss")
+        assert losses[0] == saver[K], name
+        assert losses == pytest.approx(saver[K:], rel=1e-6), name
+    # the resumed runs train on, with Adam's moments and the LR schedule carried over
+    assert _series(resumed["ep_from_zebra"], "lr") == pytest.approx(_series(runs["zebra"], "lr")[K:], rel=1e-12)
+
+
+def test_zebra_checkpoint_has_eps_keys_and_shapes(runs):
+    zebra = FileSystemReader(str(runs["work"] / "zebra_ckpt" / f"iter_{K:07d}")).read_metadata().state_dict_metadata
+    ep = FileSystemReader(str(runs["work"] / "ep_ckpt" / f"iter_{K:07d}")).read_metadata().state_dict_metadata
+    assert set(zebra) == set(ep)
+    for key in zebra:
+        assert getattr(zebra[key], "size", None) == getattr(ep[key], "size", None), key
+    assert "chained_1.optimizer.state.exp_avg.module.decoder.layers.mlp.experts.experts.linear_fc1.weight" in zebra

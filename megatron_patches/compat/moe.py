@@ -362,6 +362,15 @@ def optimizer_sharded_state_dict(groups, model_sd, param_state, step, fp32_main:
     inner = {"state": state, "param_groups": param_groups}
     if not fp32_main:
         return inner
+    if any(fp32_groups) and not all(fp32_groups):
+        raise ValueError(f"this rank holds parameters of {sum(map(bool, fp32_groups))} of the sub-optimizer's "
+                         f"{len(fp32_groups)} groups: Megatron's checkpoint merges its per-group lists of fp32 master "
+                         "weights by position, so a rank holds parameters of every group or of none")
+    if not any(fp32_groups):
+        # a rank holding none of these parameters (zebra's expert ranks have no dense ones): its
+        # empty lists would enter the common state (rank 0's) and fail to merge with another
+        # rank's full ones; kept local instead
+        fp32_groups = LocalNonpersistentObject(fp32_groups)
     out = {"optimizer": inner, "fp32_from_fp16_params": fp32_groups}
     if grad_scaler_state is not None:
         out["grad_scaler"] = grad_scaler_state
