@@ -82,8 +82,9 @@ def bf16_runs(workdir):
 @pytest.fixture(scope="module")
 def fp16_runs(workdir):
     """10 iterations in fp16 with a loss scale that starts low and grows every 2 iterations."""
+    saving = ["--save", str(workdir / "zebra_fp16_ckpt"), "--save-interval", "5"]
     return {name: launch(4, [*COMMON, "--train-iters", "10", *FP16, *flags], workdir, f"{name}_fp16")
-            for name, flags in (("ep", []), ("fssdp", FSSDP), ("zebra", [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]))}
+            for name, flags in (("ep", []), ("fssdp", FSSDP), ("zebra", [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL, *saving]))}
 
 
 def relative(run, reference) -> np.ndarray:
@@ -144,6 +145,22 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, n
     assert records[-1]["skipped_iterations"] == sum(not r["update_successful"] for r in records)
     assert run.losses[-1] < run.losses[0]
     assert "dynamic loss scale from 1024" in run.output and "loss scale" in run.output.split("iter      2/10")[1]
+
+
+def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, workdir):
+    """zebra's fp16 checkpoint (iteration 5; fp16 weights, fp32 main weights, Adam moments, the loss
+    scaler) in ep: the first resumed loss is zebra's (the same fp16 weights: measured 4.7e-7 apart, the
+    modes sum the micro-batch losses in another order), the following ones within fp16's noise (the
+    main weights and moments crossed), and the loss scale goes on as zebra's."""
+    checkpoint = workdir / "zebra_fp16_ckpt"
+    (checkpoint / TRACKER_FILE).write_text("5\n")
+    run = launch(4, [*COMMON, "--train-iters", "10", *FP16, "--load", str(checkpoint)], workdir, "ep_fp16_from_zebra")
+    zebra = [r for r in fp16_runs["zebra"].records if "loss" in r][5:]
+    records = [r for r in run.records if "loss" in r]
+    assert [r["iteration"] for r in records] == list(range(6, 11))
+    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=1e-6)
+    assert relative(run, Run("", zebra)).max() < 1e-4
+    assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in zebra]
 
 
 RECOMPUTE = [
