@@ -9,8 +9,9 @@ are restored only when the world size is unchanged.
 
 What the model and optimizer state look like on disk is the mode's
 (`ModeRuntime.save_checkpoint` / `load_checkpoint`): ep and fssdp write Megatron's own sharded
-state dicts (fssdp under per-expert keys, so placement-independent); replicate writes ep's form
-(replicate/checkpoint.py). Any of the three loads in any of the three.
+state dicts (fssdp under per-expert keys, so placement-independent); replicate and zebra write
+ep's form (replicate/checkpoint.py, zebra/checkpoint.py). Any of the four loads in any of the
+four (an ep checkpoint with EP > 1 in zebra).
 """
 
 from __future__ import annotations
