@@ -4,8 +4,8 @@ Every checkpoint holds the flag values it was saved with (`iter_N/flags.json`, w
 0). A resume compares them with its own before any process group starts (flag validation):
 
 - the model's shape cannot change (the weights would not fit): refused, naming both values;
-- nor can the optimizer's form (distributed or not) while its state is loaded: refused, naming
-  --no-load-optim;
+- nor can the optimizer's form (distributed or not; the experts' state apart from the dense
+  parameters' or not, `experts_apart`) while its state is loaded: refused, naming --no-load-optim;
 - the learning-rate schedule is the checkpoint's (Megatron-Core's OptimizerParamScheduler keeps
   its saved lr, decay and warm-up, as Megatron-LM does by default): a changed value is reported
   as not applied, unless --override-opt_param-scheduler applies it;
@@ -30,6 +30,15 @@ MODEL_SHAPE = (
 OPTIMIZER_FORM = ("use_distributed_optimizer",)
 """The optimizer state's form: the distributed optimizer's and the plain one's do not load into
 each other (measured: a KeyError inside Megatron-Core either way)."""
+
+
+def experts_apart(flags: dict) -> bool:
+    """Whether a run's optimizer state keeps the experts' Adam state apart from the dense
+    parameters' (keys `chained_1.`): Megatron-Core does with expert parallelism > 1 (with EP = 1
+    its expert layers look like dense ones to the optimizer), zebra always (it writes ep's EP > 1
+    form). The two forms do not load into each other (measured: a KeyError inside Megatron-Core)."""
+    mode, ep = flags.get("moe_parallel_mode", "ep"), flags.get("expert_model_parallel_size") or 1
+    return bool(flags.get("num_experts")) and (mode == "zebra" or ep > 1)
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
 NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads", "no_load_optim",
                 "no_load_rng", "override_opt_param_scheduler")
@@ -83,4 +92,13 @@ def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, obj
                          "(--override-opt_param-scheduler applies it)")
         else:
             notes.append(f"{flag} {before} -> {after}: applied")
+    if not args.no_load_optim and experts_apart(saved) != experts_apart(now):
+        apart = experts_apart(saved)
+        refused.append(("expert_model_parallel_size", saved.get("expert_model_parallel_size"), now.get("expert_model_parallel_size"),
+                        f"its optimizer state keeps the experts' Adam state {'apart from' if apart else 'with'} the dense "
+                        f"parameters' (mode {saved.get('moe_parallel_mode', 'ep')}), this run's would keep it "
+                        f"{'with' if apart else 'apart from'} them (Megatron-Core keeps it apart with "
+                        "--expert-model-parallel-size > 1, zebra always); valid: "
+                        f"{'> 1 (or zebra)' if apart else '1 (not zebra)'}, or --no-load-optim (fresh Adam moments, the "
+                        "model's weights loaded)"))
     return refused, notes
