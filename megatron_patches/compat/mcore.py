@@ -607,6 +607,16 @@ def save_sharded(state: dict, directory: str) -> None:
     dist_checkpointing.save(state, directory)
 
 
+def load_sharded(state: dict, directory: str) -> dict:
+    """`dist_checkpointing.load`: the checkpoint's values for the sharded template `state`."""
+    return dist_checkpointing.load(state, directory)
+
+
+def saved_tensor_keys(directory: str) -> set[str]:
+    """The keys of every sharded tensor a torch_dist checkpoint holds (its metadata only)."""
+    return set(dist_checkpointing.load_tensors_metadata(directory))
+
+
 def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> None:
     state = {"model": model_chunks[0].sharded_state_dict()}
     if opt is not None:

@@ -36,6 +36,11 @@ from megatron.core import parallel_state
 from megatron_patches.compat import mcore
 
 
+class CheckpointRefused(ValueError):
+    """A checkpoint the mode cannot resume from, found by `load_checkpoint` before it changed any
+    state; the message names the checkpoint and what would do instead."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one training iteration produced, as end_iteration receives it."""
@@ -166,7 +171,8 @@ class ModeRuntime:
 
     def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
         """Read a checkpoint into the model (and the optimizer with `load_optim`); returns the
-        loaded common entries named by `template` and notes for the log."""
+        loaded common entries named by `template` and notes for the log. Raises
+        CheckpointRefused for a checkpoint the mode cannot use."""
         loaded = mcore.load_checkpoint(directory, model_chunks, optimizer if load_optim else None, template)
         return loaded, []
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core import dist_checkpointing
-
 from megatron_patches.compat import mcore, moe
 
 
@@ -41,7 +39,7 @@ def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bo
     if load_optim:
         groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
         wanted = moe.expert_checkpoint_keys(optimizer, model_sd, groups)
-        available = set(dist_checkpointing.load_tensors_metadata(directory))
+        available = mcore.saved_tensor_keys(directory)
         missing = sorted(k for keys in wanted.values() for k in keys if k not in available)
         with_experts = not missing
         buffers = {
@@ -54,7 +52,7 @@ def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bo
             del state["optimizer"][moe.EXPERT_INDEX]
             notes.append(f"replicate: the experts' optimizer state is not in the checkpoint ({len(missing)} keys missing, "
                          f"e.g. {missing[0]}); their Adam moments start at zero")
-    loaded = dist_checkpointing.load(state, directory)
+    loaded = mcore.load_sharded(state, directory)
     model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
     expert_state, step = {}, None
     if load_optim:

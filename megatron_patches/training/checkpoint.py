@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import CheckpointException
 from megatron.core.tensor_parallel import random as mp_random
 
 from megatron_patches.compat import mcore
+from megatron_patches.mode.runtime import CheckpointRefused
 from megatron_patches.training import checkpoint_dirs, resume
 
 
@@ -180,7 +181,10 @@ def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, l
     directory = checkpoint_dirs.iteration_dir(root, iteration)
     check_shard_index(directory)
     template = {"loop_state": None, "scheduler": None}
-    loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
+    try:
+        loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
+    except CheckpointRefused as error:
+        raise CheckpointUnreadable(str(error)) from None
     notes = [f"loaded {directory}", *mode_notes]
     if load_optim:
         if scheduler.override_opt_param_scheduler:

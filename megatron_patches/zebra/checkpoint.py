@@ -25,19 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron.core import dist_checkpointing
+import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from megatron_patches.compat import mcore, moe
+from megatron_patches.mode.runtime import CheckpointRefused
 from megatron_patches.zebra.engine import ZebraEngine
 
 EP_CHUNK_PREFIX = "module."
 """The prefix of ep's model keys: its model chunk is Megatron's DDP, whose child `module` is the
 model (Float16Module passes the prefix through)."""
-
-
-class ZebraCheckpointError(ValueError):
-    """A checkpoint zebra cannot resume from; the message says why and what would do."""
 
 
 def _model_sharded_state_dict(engine: ZebraEngine) -> dict:
@@ -47,8 +44,8 @@ def _model_sharded_state_dict(engine: ZebraEngine) -> dict:
     kept = {}
     for key, (value, expert) in engine.owned_sharded_state.items():
         if not isinstance(value, (ShardedTensor, ShardedObject)):
-            raise ZebraCheckpointError(f"the model's sharded state holds {key} as {type(value).__name__}; zebra "
-                                       "checkpoints know tensors and modules' extra state only")
+            raise TypeError(f"the model's sharded state holds {key} as {type(value).__name__}; zebra checkpoints "
+                            "know tensors and modules' extra state only")
         # replica 0 writes: the first attention rank the dense parts, ZP group 0 the experts
         replica = (0, 0, engine.zp_group if expert else attention_index)
         kept[key] = dataclasses.replace(value, key=EP_CHUNK_PREFIX + value.key, replica_id=replica)
@@ -88,20 +85,23 @@ def load(directory: str, engine: ZebraEngine, template: dict, load_optim: bool) 
     state = {"model": model_sd, **template}
     if load_optim:
         state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, is_loading=True)
-        available = set(dist_checkpointing.load_tensors_metadata(directory))
-        wanted = [t.key for t in moe.sharded_tensors(state["optimizer"])]
-        missing = sorted(key for key in wanted if key not in available)
-        if missing:
-            raise ZebraCheckpointError(
-                f"--load {directory}: the optimizer state is not in ep's form with expert parallelism ({len(missing)} "
-                f"tensors missing, e.g. {missing[0]}; a checkpoint of ep with --expert-model-parallel-size 1 keeps the "
-                "experts with the dense parameters); valid: a checkpoint of zebra, fssdp, replicate or ep with "
-                "--expert-model-parallel-size > 1, or --no-load-optim (the weights only)")
-    loaded = dist_checkpointing.load(state, directory)
+    # every rank decides alike (the load is collective): any rank's missing tensor stops all
+    available = mcore.saved_tensor_keys(directory)
+    missing = sorted(t.key for t in moe.sharded_tensors(state) if t.key not in available)
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (len(missing), missing[:1]))
+    if any(count for count, _ in found):
+        count, example = next((count, example[0]) for count, example in found if count)
+        raise CheckpointRefused(
+            f"--load {directory}: a rank asks for {count} tensors the checkpoint does not hold, e.g. {example} (a "
+            "checkpoint of another model, or of ep with --expert-model-parallel-size 1, whose optimizer keeps the "
+            "experts with the dense parameters); valid: a checkpoint of this model from zebra, fssdp, replicate or "
+            "ep with --expert-model-parallel-size > 1, or --no-load-optim where only the optimizer state differs")
+    loaded = mcore.load_sharded(state, directory)
     weights = loaded.pop("model")
     result = engine.model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
-        raise ZebraCheckpointError(f"--load {directory}: the model has no {result.unexpected_keys[0]}")
+        raise CheckpointRefused(f"--load {directory}: the model has no {result.unexpected_keys[0]}")
     notes = [f"zebra: loaded the {len(weights)} tensors this {engine.role} rank owns"]
     if load_optim:
         parts = loaded.pop("optimizer")
