@@ -308,8 +308,9 @@ class ZebraEngine:
         self.has_experts_L = [bool(e) for e in self.my_experts_L]
 
         # Keep what this rank owns, release the rest.
-        expert_modules = [p for layer in self.layers for expert in layer.mlp.experts.local_experts for p in expert.parameters()]
-        expert_params = {id(p) for p in expert_modules}
+        every_expert_param = [p for layer in self.layers for expert in layer.mlp.experts.local_experts
+                              for p in expert.parameters()]
+        expert_params = {id(p) for p in every_expert_param}
         owned_expert_params = {
             id(p)
             for layer, mine in zip(self.layers, self.my_experts_L)
@@ -318,7 +319,7 @@ class ZebraEngine:
         }
         # ep's parameter groups (taken while every parameter still has its shape): the optimizer
         # steps them with ep's hyper-parameters and the checkpoints keep ep's form.
-        groups = moe.ep_param_groups(model, adam.lr, adam.min_lr, expert_modules)
+        groups = moe.ep_param_groups(model, adam.lr, adam.min_lr, every_expert_param)
         sharded = model.sharded_state_dict()
         self.dtype = next(model.parameters()).dtype
         """The parameters' (and the exchanged tokens') dtype: fp32, or bf16/fp16 after Megatron's Float16Module cast."""
@@ -347,8 +348,9 @@ class ZebraEngine:
             if mine:
                 self.owned_sharded_state[key] = (value, expert)
         self.param_groups = [(fields, [p for p in params if id(p) in owned]) for fields, params in groups]
-        """ep's parameter groups in its order (dense, then expert-parallel), each with this rank's
-        parameters of it (possibly none): (Megatron's group fields, parameters)."""
+        """ep's parameter groups in Megatron's order (`is_expert_parallel` tells which of ep's two
+        optimizers holds a group), each with this rank's parameters of it (possibly none):
+        (Megatron's group fields, parameters)."""
         # Gradient reduction groups: dense over all attention ranks; experts over the same
         # group-local rank of every ZP group (they hold the same experts).
         self._dense_dp = attention_dp if self.role == "attention" else None
@@ -594,8 +596,9 @@ class ZebraEngine:
                              grad_scaler_state: dict | None) -> None:
         """Adopt loaded optimizer state: `tensors` parameter -> {name: tensor} as `adam_state`
         names them (every owned parameter), the shared step (None: saved before any step), the
-        saved groups' values in `param_groups` order (Adam's hyper-parameters and Megatron's fields
-        replace this run's, as torch's load_state_dict does), the fp16 loss scaler's state."""
+        saved groups' values in `param_groups` order (where this run's groups have the same key, the
+        saved value wins, as in torch's load_state_dict: Adam's hyper-parameters, Megatron's fields),
+        the fp16 loss scaler's state."""
         steps = 0 if step is None else int(step)
         for param in self.dense_params + self.expert_params:
             for name, live in self.adam_state(param).items():
