@@ -545,7 +545,8 @@ def test_zebra_split_must_match_the_hetjob_components():
 def test_zebra_model_must_fit_the_pool():
     """Mixtral-D3's 40 experts do not divide over O1's 6 expert GPUs; Mixtral-W2's experts
     (4 layers x 24 x 3 x 2048 x 7168 = 4,227,858,432 parameters) over O3's 3 V100-16GB are
-    4,227,858,432 / 3 x 16 B = 22.5 GB of fp32 model state per GPU."""
+    4,227,858,432 / 3 x 16 B = 22.5 GB of model state per GPU (fp16 weights and gradients, fp32
+    main weights and Adam moments)."""
     message = refused(O1, model="mixtral_d3")
     assert message.startswith("training flags at world size 12 (6 + 6 ranks): --zebra-expert-ranks=6 does not divide "
                               "the 40 experts per layer: every expert rank must hold the same number; valid: "
