@@ -748,6 +748,10 @@ def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
     (("--moe-expert-capacity-factor", "1.0"), 4, ("--moe-expert-capacity-factor=1.0", "dropless")),
     (("--moe-aux-loss-coeff", "0.01"), 4, ("--moe-aux-loss-coeff=0.01", "valid: 0")),
     (("--use-distributed-optimizer",), 4, ("--use-distributed-optimizer=True", "zebra has its own optimizer")),
+    (("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"), 4,
+     ("--recompute-num-layers=2", "segments apart", "valid: 1, or --recompute-method block N")),
+    (("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"), 4,
+     ("--recompute-modules=core_attn layernorm", "valid: core_attn")),
     (("--moe-layer-freq", "2"), 4, ("--moe-layer-freq=2", "every layer to be MoE")),
     (("--zebra-cluster", "nowhere"), 4, ("--zebra-cluster nowhere", "unknown cluster config", "zebra_o1")),
     # zebra_o1 = 6 A40 then 6 V100: 12 ranks, M = N = 6 -> 8 experts do not divide over 6 expert ranks

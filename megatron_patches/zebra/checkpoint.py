@@ -106,14 +106,13 @@ def load(directory: str, engine: ZebraEngine, template: dict, load_optim: bool) 
     if load_optim:
         parts = loaded.pop("optimizer")
         tensors, values, step = {}, [None] * len(engine.param_groups), None
-        scaler_state = None
         for index, indices in enumerate(_parts(engine)):
             groups = [engine.param_groups[i] for i in indices]
             part_tensors, step, part_values = moe.read_optimizer_state(parts[index], groups, engine.half)
             tensors.update(part_tensors)
             for i, value in zip(indices, part_values, strict=True):
                 values[i] = value
-            scaler_state = scaler_state or (parts[index].get("grad_scaler") if engine.half else None)
-        engine.load_optimizer_state(tensors, step, values, scaler_state)
+        # both parts hold the one world-wide scaler's state (fp16; none in bf16 and fp32)
+        engine.load_optimizer_state(tensors, step, values, parts[moe.DENSE_INDEX].get("grad_scaler"))
         notes.append(f"zebra: Adam state loaded (step {engine.steps})")
     return loaded, notes

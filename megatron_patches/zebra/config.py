@@ -157,6 +157,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def recompute_refusals(granularity: str | None, method: str | None, num_layers: int | None,
+                       modules: list[str]) -> tuple[tuple[str, object, bool, str], ...]:
+    """(flag, value, refused, why) of the recompute settings zebra cannot honour, for the flags'
+    validation and the engine's own check alike: full recompute checkpoints each layer's
+    segments apart, selective recompute only reaches the attention module's own."""
+    return (
+        ("--recompute-num-layers", num_layers, granularity == "full" and method == "uniform" and num_layers != 1,
+         "with --recompute-method uniform zebra checkpoints each layer's attention and expert segments apart (the "
+         "all-to-alls sit between them); valid: 1, or --recompute-method block N (the first N layers)"),
+        ("--recompute-modules", " ".join(modules), granularity == "selective" and bool(set(modules) - {"core_attn"}),
+         "zebra's schedule calls the layer's modules itself, so only the attention module's own recompute applies; "
+         "valid: core_attn"),
+    )
+
+
 def validate(args: argparse.Namespace) -> None:
     """Zebra: every refusal before any process group, including the pool checks of
     zebra.pools.zebra_layout (world divisible by M + N, experts by N, Asym-EA shape, GPU types,
@@ -188,14 +203,8 @@ def validate(args: argparse.Namespace) -> None:
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),
-        ("--recompute-num-layers", args.recompute_num_layers,
-         args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1,
-         "with --recompute-method uniform zebra checkpoints each layer's attention and expert segments apart (the "
-         "all-to-alls sit between them); valid: 1, or --recompute-method block N (the first N layers)"),
-        ("--recompute-modules", " ".join(args.recompute_modules or []),
-         args.recompute_granularity == "selective" and bool(set(args.recompute_modules or ["core_attn"]) - {"core_attn"}),
-         "zebra's schedule calls the layer's modules itself, so only the attention module's own recompute applies; "
-         "valid: core_attn"),
+        *recompute_refusals(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                            args.recompute_modules or ["core_attn"]),
         ("--use-distributed-optimizer", True, args.use_distributed_optimizer,
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),

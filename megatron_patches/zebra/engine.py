@@ -81,7 +81,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron_patches.comm.streams import CommStream
 from megatron_patches.compat import activations, mcore, moe
 from megatron_patches.placement.zebra import Task, expert_owners, task_order
-from megatron_patches.zebra.config import ZebraConfig
+from megatron_patches.zebra.config import ZebraConfig, recompute_refusals
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
 
@@ -437,19 +437,12 @@ class ZebraEngine:
              "zebra runs each expert's MLP module; drop --moe-grouped-gemm"),
             ("moe_router_padding_for_quantization", cfg.moe_router_padding_for_quantization,
              cfg.moe_router_padding_for_quantization, "not supported in zebra mode"),
+            *recompute_refusals(cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers,
+                                list(cfg.recompute_modules or [])),
         )
         for flag, value, refused, why in refusals:
             if refused:
                 raise ZebraEngineError(f"{flag}={value!r}: {why}")
-        if cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform" and cfg.recompute_num_layers != 1:
-            raise ZebraEngineError(
-                f"--recompute-num-layers={cfg.recompute_num_layers} with --recompute-method uniform: zebra checkpoints each "
-                "layer's attention and expert segments apart (the all-to-alls sit between them); valid: 1, or "
-                "--recompute-method block")
-        if cfg.recompute_granularity == "selective" and set(cfg.recompute_modules) - {"core_attn"}:
-            raise ZebraEngineError(
-                f"--recompute-modules={' '.join(cfg.recompute_modules)}: zebra's schedule calls the layer's modules "
-                "itself, so only the attention module's own recompute applies; valid: core_attn")
         layers = mcore.transformer_layers(model)
         dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "router")]
         if dense:
