@@ -42,9 +42,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import MOCK, Run, launch
-
-from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
+from support.training import MOCK, Run, launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -66,25 +64,67 @@ N = 16_576  # elements of one tiny expert: fc1 64x128 + 128, fc2 128x64 + 64
 LAYERS, EXPERTS, RANKS = 2, 8, 4
 
 
-@pytest.fixture(scope="module")
-def ep_fp32(workdir):
-    return launch(4, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep_fp32")
+RECOMPUTE = [
+    ("ep_full", FULL),
+    ("ep_selective", [*SELECTIVE, "moe"]),
+    ("fssdp_full_remat", [*FSSDP, *FULL, "--fssdp-rematerialize"]),
+    ("replicate_full", [*REPLICATE, *FULL]),
+]
+
+# Half precision with recompute and the distributed optimizer (8 iterations, 4 ranks), against
+# the same mode and precision without either. Measured (2026-11-25): in bf16 the losses are
+# bit-identical in every mode (Megatron reduces bf16 gradients in fp32 with or without the
+# distributed optimizer, and a recomputed forward is the same computation), grad norms within
+# 6e-7 (the distributed optimizer sums its shards' squares in another order). fp16 reduces
+# gradients in fp16 (Megatron's default), and a reduce-scatter rounds other partial sums than an
+# all-reduce: the losses drift from iteration 5, to 1.1e-6 (ep) and 1.9e-5 (fssdp) relative
+# by iteration 8, the scale of fp16 itself (ep-fp16 against ep-fp32: 1.8e-5). replicate has no
+# fp16 reference of its own; against ep-fp16 it is 5.3e-5 (the modes' rounding differs, as in
+# bf16).
+HALF = [
+    ("bf16", "ep", [*FULL]),
+    ("bf16", "fssdp", [*FSSDP, "--fssdp-rematerialize"]),
+    ("bf16", "replicate", [*REPLICATE, *SELECTIVE]),
+    ("fp16", "ep", [*SELECTIVE]),
+    ("fp16", "fssdp", [*FSSDP, *FULL]),
+    ("fp16", "replicate", [*REPLICATE, *SELECTIVE]),
+]
+BF16_MODES = {"ep": [], "fssdp": FSSDP, "replicate": REPLICATE, "zebra": ZEBRA}
+FP16_MODES = {"ep": [], "fssdp": FSSDP, "zebra": [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]}
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(workdir):
-    """The 30-iteration bf16 run of every mode."""
-    modes = {"ep": [], "fssdp": FSSDP, "replicate": REPLICATE, "zebra": ZEBRA}
-    return {name: launch(4, [*COMMON, "--train-iters", str(ITERS), "--bf16", *flags], workdir, f"{name}_bf16")
-            for name, flags in modes.items()}
+def runs(workdir) -> dict[str, Run]:
+    """Every 4-rank run of this file, in one spawn (support/multirun.py): the 30-iteration fp32
+    and bf16 runs of every mode; 10 iterations in fp16 with a loss scale that starts low and grows
+    every 2 iterations (zebra saves at 5); the recompute runs; half precision with recompute and
+    the distributed optimizer; ep resuming zebra's fp16 checkpoint from iteration 5."""
+    zebra_fp16 = workdir / "zebra_fp16_ckpt"
+    flags = {"ep_fp32": [*COMMON, "--train-iters", str(ITERS)]}
+    flags |= {f"{name}_bf16": [*COMMON, "--train-iters", str(ITERS), "--bf16", *more] for name, more in BF16_MODES.items()}
+    flags |= {f"{name}_fp16": [*COMMON, "--train-iters", "10", *FP16, *more] for name, more in FP16_MODES.items()}
+    flags["zebra_fp16"] += ["--save", str(zebra_fp16), "--save-interval", "5"]
+    flags |= {name: [*COMMON, "--train-iters", str(SHORT), *more] for name, more in RECOMPUTE}
+    flags |= {f"{mode}_{precision}_recompute_distopt": [
+        *COMMON, "--train-iters", str(SHORT), *(["--bf16"] if precision == "bf16" else FP16), *more,
+        "--use-distributed-optimizer"] for precision, mode, more in HALF}
+    flags["ep_fp16_from_zebra"] = [*COMMON, "--train-iters", "10", *FP16, "--load", str(zebra_fp16)]
+    return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5)})
 
 
 @pytest.fixture(scope="module")
-def fp16_runs(workdir):
-    """10 iterations in fp16 with a loss scale that starts low and grows every 2 iterations."""
-    saving = ["--save", str(workdir / "zebra_fp16_ckpt"), "--save-interval", "5"]
-    return {name: launch(4, [*COMMON, "--train-iters", "10", *FP16, *flags], workdir, f"{name}_fp16")
-            for name, flags in (("ep", []), ("fssdp", FSSDP), ("zebra", [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL, *saving]))}
+def ep_fp32(runs):
+    return runs["ep_fp32"]
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(runs):
+    return {name: runs[f"{name}_bf16"] for name in BF16_MODES}
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(runs):
+    return {name: runs[f"{name}_fp16"] for name in FP16_MODES}
 
 
 def relative(run, reference) -> np.ndarray:
@@ -147,14 +187,12 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, n
     assert "dynamic loss scale from 1024" in run.output and "loss scale" in run.output.split("iter      2/10")[1]
 
 
-def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, workdir):
+def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, runs):
     """zebra's fp16 checkpoint (iteration 5; fp16 weights, fp32 main weights, Adam moments, the loss
     scaler) in ep: the first resumed loss is zebra's (the same fp16 weights: measured 4.7e-7 apart, the
     modes sum the micro-batch losses in another order), the following ones within fp16's noise (the
     main weights and moments crossed), and the loss scale goes on as zebra's."""
-    checkpoint = workdir / "zebra_fp16_ckpt"
-    (checkpoint / TRACKER_FILE).write_text("5\n")
-    run = launch(4, [*COMMON, "--train-iters", "10", *FP16, "--load", str(checkpoint)], workdir, "ep_fp16_from_zebra")
+    run = runs["ep_fp16_from_zebra"]
     zebra = [r for r in fp16_runs["zebra"].records if "loss" in r][5:]
     records = [r for r in run.records if "loss" in r]
     assert [r["iteration"] for r in records] == list(range(6, 11))
@@ -163,17 +201,9 @@ def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, workdir):
     assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in zebra]
 
 
-RECOMPUTE = [
-    ("ep_full", FULL),
-    ("ep_selective", [*SELECTIVE, "moe"]),
-    ("fssdp_full_remat", [*FSSDP, *FULL, "--fssdp-rematerialize"]),
-    ("replicate_full", [*REPLICATE, *FULL]),
-]
-
-
 @pytest.mark.parametrize("name, flags", RECOMPUTE, ids=[name for name, _ in RECOMPUTE])
-def test_recompute_keeps_losses_and_loads(ep_fp32, workdir, name, flags):
-    run = launch(4, [*COMMON, "--train-iters", str(SHORT), *flags], workdir, name)
+def test_recompute_keeps_losses_and_loads(ep_fp32, runs, name, flags):
+    run = runs[name]
     assert relative(run, ep_fp32).max() < 1e-6
     assert_recompute_lowers_activation_memory(run, ep_fp32, full="full" in name)
     for record, reference in zip(run.records, ep_fp32.records):
@@ -205,31 +235,9 @@ def assert_recompute_lowers_activation_memory(run, reference, full: bool) -> Non
         assert kept[0][0] < 0.5 * min(min(ranks) for ranks in without), (kept[0], without)
 
 
-# Half precision with recompute and the distributed optimizer (8 iterations, 4 ranks), against
-# the same mode and precision without either. Measured (2026-11-25): in bf16 the losses are
-# bit-identical in every mode (Megatron reduces bf16 gradients in fp32 with or without the
-# distributed optimizer, and a recomputed forward is the same computation), grad norms within
-# 6e-7 (the distributed optimizer sums its shards' squares in another order). fp16 reduces
-# gradients in fp16 (Megatron's default), and a reduce-scatter rounds other partial sums than an
-# all-reduce: the losses drift from iteration 5, to 1.1e-6 (ep) and 1.9e-5 (fssdp) relative
-# by iteration 8, the scale of fp16 itself (ep-fp16 against ep-fp32: 1.8e-5). replicate has no
-# fp16 reference of its own; against ep-fp16 it is 5.3e-5 (the modes' rounding differs, as in
-# bf16).
-HALF = [
-    ("bf16", "ep", [*FULL]),
-    ("bf16", "fssdp", [*FSSDP, "--fssdp-rematerialize"]),
-    ("bf16", "replicate", [*REPLICATE, *SELECTIVE]),
-    ("fp16", "ep", [*SELECTIVE]),
-    ("fp16", "fssdp", [*FSSDP, *FULL]),
-    ("fp16", "replicate", [*REPLICATE, *SELECTIVE]),
-]
-
-
 @pytest.mark.parametrize("precision, mode, flags", HALF, ids=[f"{p}-{m}" for p, m, _ in HALF])
-def test_half_precision_with_recompute_and_distributed_optimizer(bf16_runs, fp16_runs, workdir, precision, mode, flags):
-    half = ["--bf16"] if precision == "bf16" else FP16
-    run = launch(4, [*COMMON, "--train-iters", str(SHORT), *half, *flags, "--use-distributed-optimizer"], workdir,
-                 f"{mode}_{precision}_recompute_distopt")
+def test_half_precision_with_recompute_and_distributed_optimizer(bf16_runs, fp16_runs, runs, precision, mode, flags):
+    run = runs[f"{mode}_{precision}_recompute_distopt"]
     line = next(l for l in run.output.splitlines() if "precision: " in l)
     assert "(distributed optimizer)" in line, line
     assert ("| recompute " in line) == any(f.startswith("--recompute") for f in flags), line
@@ -264,19 +272,24 @@ def test_bf16_resumes_exactly_and_in_the_other_modes(workdir):
     k = 4
     two = ["--expert-model-parallel-size", "2", "--train-iters", str(2 * k), "--bf16"]
     modes = {"ep": [], "fssdp": FSSDP, "replicate": [*REPLICATE, "--replicate-slots-per-rank", "6"]}
-    straight = {}
-    for name, flags in modes.items():
-        ckpt = workdir / f"bf16_ckpt_{name}"
-        straight[name] = launch(2, [*COMMON, *two, *flags, "--save", str(ckpt), "--save-interval", str(k)], workdir,
-                                f"{name}_bf16_saved")
-        (ckpt / TRACKER_FILE).write_text(f"{k}\n")  # resume from the mid-run save
-        resumed = launch(2, [*COMMON, *two, *flags, "--load", str(ckpt)], workdir, f"{name}_bf16_resumed")
+    flags = {f"{name}_bf16_saved": [*COMMON, *two, *more, "--save", str(workdir / f"bf16_ckpt_{name}"), "--save-interval", str(k)]
+             for name, more in modes.items()}
+    flags |= {f"{name}_bf16_resumed": [*COMMON, *two, *more, "--load", str(workdir / f"bf16_ckpt_{name}")]
+              for name, more in modes.items()}
+    crossings = (("fssdp", "ep"), ("replicate", "fssdp"), ("ep", "replicate"))
+    flags |= {f"{saver}_to_{loader}_bf16": [*COMMON, *two, *modes[loader], "--load", str(workdir / f"bf16_ckpt_{saver}")]
+              for saver, loader in crossings}
+    # every resume from the mid-run save (the savers' trackers point at 2k)
+    trackers = {f"{name}_bf16_resumed": (workdir / f"bf16_ckpt_{name}", k) for name in modes}
+    runs = launch_many(2, flags, workdir, trackers)
+    straight = {name: runs[f"{name}_bf16_saved"] for name in modes}
+    for name in modes:
+        resumed = runs[f"{name}_bf16_resumed"]
         assert resumed.records[0]["iteration"] == k + 1
         assert resumed.losses == straight[name].losses[k:], name
         assert resumed.grad_norms == straight[name].grad_norms[k:], name
-    for saver, loader in (("fssdp", "ep"), ("replicate", "fssdp"), ("ep", "replicate")):
-        resumed = launch(2, [*COMMON, *two, *modes[loader], "--load", str(workdir / f"bf16_ckpt_{saver}")], workdir,
-                         f"{saver}_to_{loader}_bf16")
+    for saver, loader in crossings:
+        resumed = runs[f"{saver}_to_{loader}_bf16"]
         assert resumed.losses[0] == straight[saver].losses[k], (saver, loader)
         drift = relative(resumed, Run("", straight[saver].records[k:]))
         assert drift.max() < 1e-4, (saver, loader, drift)

@@ -18,7 +18,7 @@ iteration on, a loss depends on Adam's moments crossing the checkpoint):
     zebra                      from ep     -> iteration 10 is ep's loss bit for bit, then within 1e-6
 Measured (2026-11-26, K = 3 of 6): 0 / 1e-9 / 8e-8 (grad norms) / 3e-8 relative.
 
-One launch per run (6 in all, about 4 minutes on 2 cores).
+Two spawns of 4 ranks (the two runs, then the four resumes: support/multirun.py).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ import sys
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from support.training import REPO, launch
+from support.training import REPO, launch_many
 
 from megatron_patches.placement.trace import read_trace
-from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
 from megatron_patches.zebra.timeline import read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -55,11 +54,11 @@ LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zebra_training")
-    ep = launch(4, [*COMMON, *EP, *saving(work / "ep_ckpt")], work, "ep")
     timeline = work / "timeline.json"
-    zebra = launch(4, [*COMMON, *ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz"),
-                       *saving(work / "zebra_ckpt")], work, "zebra")
-    return {"ep": ep, "zebra": zebra, "timeline": timeline, "work": work}
+    zebra = [*ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz")]
+    runs = launch_many(4, {"ep": [*COMMON, *EP, *saving(work / "ep_ckpt")],
+                           "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")]}, work)
+    return {**runs, "timeline": timeline, "work": work}
 
 
 def saving(checkpoint) -> list[str]:
@@ -68,10 +67,8 @@ def saving(checkpoint) -> list[str]:
 
 @pytest.fixture(scope="module")
 def resumed(runs):
-    """The four resumes from iteration K (module docstring)."""
+    """The four resumes from iteration K (module docstring), the trackers pointed at the mid-run save."""
     work = runs["work"]
-    for name in ("ep_ckpt", "zebra_ckpt"):
-        (work / name / TRACKER_FILE).write_text(f"{K}\n")  # the mid-run save, not the last one
     zebra_ckpt, ep_ckpt = ["--load", str(work / "zebra_ckpt")], ["--load", str(work / "ep_ckpt")]
     groups = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "1", "--zebra-expert-ranks", "1",
               "--zebra-microbatches", str(R)]
@@ -81,7 +78,8 @@ def resumed(runs):
         "ep_from_zebra": [*EP, *zebra_ckpt],
         "zebra_from_ep": [*ZEBRA, *ep_ckpt],
     }
-    return {name: launch(4, [*COMMON, *more], work, name) for name, more in flags.items()}
+    trackers = {"zebra_asym": (work / "zebra_ckpt", K), "zebra_from_ep": (work / "ep_ckpt", K)}
+    return launch_many(4, {name: [*COMMON, *more] for name, more in flags.items()}, work, trackers)
 
 
 def _series(run, key):

@@ -37,6 +37,14 @@ def persistent(tensors) -> None:
     _persistent.update(t.untyped_storage().data_ptr() for t in tensors)
 
 
+def forget() -> None:
+    """At a run's end: its persistent storages are freed with it, and their addresses may come
+    back as another run's activations in the same process (tests/support/multirun.py)."""
+    global _peak_bytes
+    _persistent.clear()
+    _peak_bytes = 0
+
+
 def note(tensor: torch.Tensor) -> None:
     """Counts `tensor`'s storage as kept for the backward (no-op outside a measured forward)."""
     if _held is None:

@@ -510,5 +510,6 @@ def finish(args, times: list[float], losses_seen: list[float], eval_loss: float 
 
 def tear_down() -> None:
     dist.barrier()
+    activations.forget()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

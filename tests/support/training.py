@@ -4,6 +4,7 @@ must pass (`check_moe_records`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.multirun import MARKER
 
 from megatron_patches.training.metrics import read_records
 
@@ -53,6 +55,36 @@ def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int 
     assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{output[-6000:]}"
     records = read_records(str(log)) if log.exists() else []
     return Run(output, records)
+
+
+def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers: dict[str, tuple[Path, int]] | None = None,
+                timeout: int = 1800) -> dict[str, Run]:
+    """Several runs in one spawn (support/multirun.py: the ranks' imports are paid once), in the
+    order given; each Run as `launch` returns it, its output the spawn's lines between its marker
+    and the next (stdout and stderr as one stream). `trackers`: run name -> (checkpoint directory,
+    iteration) its tracker is pointed at before that run starts."""
+    trackers = trackers or {}
+    spec = workdir / f"multirun_{next(iter(runs))}.json"
+    logs = {name: workdir / f"{name}.jsonl" for name in runs}
+    spec.write_text(json.dumps([
+        {"name": name, "argv": [*flags, "--log-json", str(logs[name])],
+         **({"tracker": [str(trackers[name][0]), trackers[name][1]]} if name in trackers else {})}
+        for name, flags in runs.items()]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(REPO / "tests" / "support" / "multirun.py"), str(spec)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{', '.join(runs)}: exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    outputs, name = {}, None
+    for line in proc.stdout.splitlines(keepends=True):
+        if line.startswith(MARKER + " "):
+            name = line.split(" ", 1)[1].strip()
+            outputs[name] = ""
+        elif name is not None:
+            outputs[name] += line
+    assert list(outputs) == list(runs), (list(outputs), proc.stdout[-6000:])
+    return {name: Run(outputs[name], read_records(str(logs[name])) if logs[name].exists() else []) for name in runs}
 
 
 def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers: int, ep: int, dropless: bool = True) -> None:

@@ -1,0 +1,81 @@
+"""Several training runs in one torchrun spawn: `support.training.launch_many` starts this script
+on every rank with a JSON file of runs ([{"name": ..., "argv": [...]}, ...]) and it calls the
+entry point's `main(argv)` for each in turn, in the same processes. A run may name a checkpoint
+tracker to point at an earlier save first ("tracker": [directory, iteration]: a resume from the
+middle of a run that went on saving).
+
+Why: each rank process pays ~7 s of imports (torch, Megatron-Core), ~17 s per 4-rank spawn on
+2 cores, and a training run tears its process groups down at its end (training.loop.tear_down),
+so the next one can start in the same interpreter. Between runs:
+- every rank flushes its output and meets the others at a barrier on torchrun's agent store, then
+  rank 0 prints `MARKER name` on stdout, so the spawn's output splits per run (launch_many reads
+  stdout and stderr as one stream);
+- each run rendezvouses on a store of its own: rank 0 hosts a fresh TCPStore on a free port it
+  publishes through the agent store. torch names a new default group's store keys from a counter
+  that destroy_process_group resets, so a second group on the agent store would read the first
+  one's keys (its ranks' old addresses).
+
+A run that fails ends the spawn with its exit code, after a `MARKER-FAILED name` line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MARKER = "@@multirun"
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((os.environ["MASTER_ADDR"], 0))
+        return s.getsockname()[1]
+
+
+def barrier(store, key: str, rank: int, world: int) -> None:
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{r}" for r in range(world)], TIMEOUT)
+
+
+def main() -> int:
+    from torch.distributed import TCPStore
+
+    runs = json.loads(Path(sys.argv[1]).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=TIMEOUT)
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt_moe
+    from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
+
+    for index, run in enumerate(runs):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        barrier(agent, f"multirun/{index}/done", rank, world)
+        if rank == 0:
+            if "tracker" in run:
+                directory, iteration = run["tracker"]
+                (Path(directory) / TRACKER_FILE).write_text(f"{iteration}\n")
+            agent.set(f"multirun/{index}/port", str(free_port()))
+            print(f"{MARKER} {run['name']}", flush=True)
+        barrier(agent, f"multirun/{index}/begin", rank, world)
+        os.environ["MASTER_PORT"] = agent.get(f"multirun/{index}/port").decode()
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        code = pretrain_gpt_moe.main(run["argv"])
+        if code != 0:
+            print(f"{MARKER}-FAILED {run['name']} (rank {rank}, exit {code})", flush=True)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    import gc
+
+    gc.freeze()  # as pretrain_gpt_moe.py does: skip the slow last collection over Megatron's objects
+    sys.exit(code)
