@@ -13,11 +13,12 @@ The issue's composition matrix, the cells built so far (8 gloo ranks each):
 fp32, dropless, dropout 0, so every mode computes the same model: losses and grad norms must
 equal ep's within 1e-5 relative (the order of floating-point sums differs; measured ~1e-7).
 
-One spawn per mode serves several checks: the EDP-2 fssdp run re-shards (t = m = 1, so the
-owners matter) and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then
-resumes on 4 ranks (one group) in replicate mode, and in fssdp with the saved layout and load
-history, on ep's losses. fssdp with the distributed optimizer (4 ranks) saves after a re-shard
-and resumes in fssdp bit for bit and in ep.
+One run serves several checks: the EDP-2 fssdp run re-shards (t = m = 1, so the owners matter)
+and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then resumes on 4 ranks
+(one group) in replicate mode, and in fssdp with the saved layout and load history, on ep's
+losses. fssdp with the distributed optimizer (4 ranks) saves after a re-shard and resumes in
+fssdp bit for bit and in ep. The runs share three spawns (support/multirun.py): 8 ranks (6 runs),
+4 ranks (5), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch
+from support.training import launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -56,8 +57,43 @@ def losses(run) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def ep(workdir):
-    return launch(8, COMMON, workdir, "ep_edp2")
+def eight(workdir):
+    """The 8-rank runs: EDP 2 (ep, fssdp re-sharding and saving, replicate) and combined (ep,
+    fssdp, replicate)."""
+    flags = {
+        "ep_edp2": COMMON,
+        "fssdp_edp2": [*COMMON, *FSSDP_RESHARDING, "--save", str(workdir / "ckpt_fssdp_edp2"), "--save-interval", str(SAVE_AT)],
+        "replicate_edp2": [*COMMON, "--moe-parallel-mode", "replicate"],
+        "ep_combined": COMBINED,
+        # fssdp: re-sharding would move optimizer state the distributed optimizer shards over the
+        # groups (refused, so off). replicate also overlaps DDP's dense gradient reduce and parameter
+        # gather (fssdp refuses those): overlap changes when the reduces run, not what they sum.
+        "fssdp_combined": [*COMBINED, "--moe-parallel-mode", "fssdp", "--fssdp-reshard-interval", "0"],
+        "replicate_combined": [*COMBINED, "--moe-parallel-mode", "replicate", "--overlap-grad-reduce", "--overlap-param-gather"],
+    }
+    return launch_many(8, flags, workdir)
+
+
+@pytest.fixture(scope="module")
+def four(workdir, eight):
+    """The 4-rank runs: the EDP-2 fssdp checkpoint resumed in one group (replicate, fssdp), and
+    fssdp with the distributed optimizer saving, resumed in fssdp and in ep."""
+    edp2, distopt = workdir / "ckpt_fssdp_edp2", workdir / "ckpt_fssdp_distopt"
+    flags = [*COMMON, "--use-distributed-optimizer"]
+    runs = {
+        "replicate_from_edp2": [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(edp2)],
+        "fssdp_from_edp2": [*COMMON, *FSSDP_RESHARDING, "--load", str(edp2)],
+        "fssdp_distopt": [*flags, *FSSDP_RESHARDING, "--save", str(distopt), "--save-interval", str(SAVE_AT)],
+        "fssdp_distopt_resumed": [*flags, *FSSDP_RESHARDING, "--load", str(distopt)],
+        "ep_distopt_from_fssdp": [*flags, "--load", str(distopt)],
+    }
+    # every resume from the save at SAVE_AT, not the one at the end
+    return launch_many(4, runs, workdir, trackers={"replicate_from_edp2": (edp2, SAVE_AT), "fssdp_distopt_resumed": (distopt, SAVE_AT)})
+
+
+@pytest.fixture(scope="module")
+def ep(eight):
+    return eight["ep_edp2"]
 
 
 def check_common(run, reference, mode: str, group: int = GROUP, token_copies: int | None = TOKEN_COPIES):
@@ -73,10 +109,8 @@ def check_common(run, reference, mode: str, group: int = GROUP, token_copies: in
             assert token_copies is None or sum(layer["device_tokens"]) == token_copies
 
 
-def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
-    ckpt = workdir / "ckpt_fssdp_edp2"
-    fssdp = launch(8, [*COMMON, *FSSDP_RESHARDING, "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir,
-                   "fssdp_edp2")
+def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, eight, four):
+    fssdp = eight["fssdp_edp2"]
     # Equal losses also say both groups re-sharded alike: DDP all-reduces position d's slots over
     # the groups, so a different owner in one group would mix two experts' gradients.
     check_common(fssdp, ep, "fssdp")
@@ -97,12 +131,11 @@ def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
 
     # saved at 8 ranks in fssdp (two groups, after a re-shard), resumed at 4 (one group): in
     # replicate, and in fssdp with the saved (re-sharded) layout and load history, which fit a group of 4
-    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
-    resumed = launch(4, [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(ckpt)], workdir, "replicate_from_edp2")
+    resumed = four["replicate_from_edp2"]
     assert resumed.records[0]["iteration"] == SAVE_AT + 1
     assert "holds no replicate placement" in resumed.output
     np.testing.assert_allclose(losses(resumed), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
-    again = launch(4, [*COMMON, *FSSDP_RESHARDING, "--load", str(ckpt)], workdir, "fssdp_from_edp2")
+    again = four["fssdp_from_edp2"]
     assert "fssdp: restored the shard layout" in again.output and f"{SAVE_AT} observed iterations of loads" in again.output
     straight = next(r for r in fssdp.records if r.get("iteration") == SAVE_AT + 1)["fssdp"]
     first = next(r for r in again.records if "loss" in r)["fssdp"]
@@ -110,8 +143,8 @@ def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, workdir):
     np.testing.assert_allclose(losses(again), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
 
 
-def test_replicate_two_expert_groups(ep, workdir):
-    replicate = launch(8, [*COMMON, "--moe-parallel-mode", "replicate"], workdir, "replicate_edp2")
+def test_replicate_two_expert_groups(ep, eight):
+    replicate = eight["replicate_edp2"]
     check_common(replicate, ep, "replicate")
     for record in (r for r in replicate.records if "loss" in r):
         info = record["replicate"]
@@ -121,19 +154,10 @@ def test_replicate_two_expert_groups(ep, workdir):
         assert info["survival"] == 1.0
 
 
-@pytest.fixture(scope="module")
-def ep_combined(workdir):
-    return launch(8, COMBINED, workdir, "ep_combined")
-
-
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
-def test_tp_sp_pp_edp_and_distributed_optimizer_together(ep_combined, workdir, mode):
-    # fssdp: re-sharding would move optimizer state the distributed optimizer shards over the groups
-    # (refused, so off). replicate also overlaps DDP's dense gradient reduce and parameter gather
-    # (fssdp refuses those): overlap changes when the reduces run, not what they sum.
-    extra = ["--fssdp-reshard-interval", "0"] if mode == "fssdp" else ["--overlap-grad-reduce", "--overlap-param-gather"]
-    run = launch(8, [*COMBINED, "--moe-parallel-mode", mode, *extra], workdir, f"{mode}_combined")
-    check_common(run, ep_combined, mode, group=2)
+def test_tp_sp_pp_edp_and_distributed_optimizer_together(eight, mode):
+    run = eight[f"{mode}_combined"]
+    check_common(run, eight["ep_combined"], mode, group=2)
     assert "world 8 = TP 2 x PP 2 x DP 2 | EP 2 x ETP 1" in run.output
 
 
@@ -143,27 +167,25 @@ BERT = ["--model-family", "bert", "--expert-model-parallel-size", "2", "--seq-le
 
 
 @pytest.fixture(scope="module")
-def ep_bert(workdir):
-    return launch(2, BERT, workdir, "ep_bert")
+def bert(workdir):
+    return launch_many(2, {f"{mode}_bert": [*BERT, "--moe-parallel-mode", mode] for mode in ("ep", "fssdp", "replicate")},
+                       workdir)
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
-def test_bert(ep_bert, workdir, mode):
-    run = launch(2, [*BERT, "--moe-parallel-mode", mode], workdir, f"{mode}_bert")
+def test_bert(bert, mode):
+    run = bert[f"{mode}_bert"]
     assert "BertWordPieceLowerCase" in run.output
-    check_common(run, ep_bert, mode, group=2, token_copies=None)
+    check_common(run, bert["ep_bert"], mode, group=2, token_copies=None)
 
 
-def test_fssdp_checkpoints_with_the_distributed_optimizer(workdir):
+def test_fssdp_checkpoints_with_the_distributed_optimizer(four):
     """fssdp with Megatron's distributed optimizer (one expert group of 4, so re-sharding moves
     whole optimizer states): re-sharding makes the owners heterogeneous per layer (balanced over
     the layers) and moves exactly moved x (weights + Adam's two moments); saved after a re-shard,
     it resumes in fssdp bit for bit, with the same owners, copies and re-shard decisions, and in
     ep (distributed optimizer too) on the same losses."""
-    flags = [*COMMON, "--use-distributed-optimizer"]
-    ckpt = workdir / "ckpt_fssdp_distopt"
-    straight = launch(4, [*flags, *FSSDP_RESHARDING, "--save", str(ckpt), "--save-interval", str(SAVE_AT)], workdir,
-                      "fssdp_distopt")
+    straight = four["fssdp_distopt"]
     records = [r for r in straight.records if "loss" in r]
     moved = [(r["iteration"], r["fssdp"]["reshard"]["moved"]) for r in records if (r["fssdp"]["reshard"] or {}).get("adopted")]
     assert moved and moved[0][0] <= SAVE_AT and all(n > 0 for _, n in moved), moved
@@ -178,8 +200,7 @@ def test_fssdp_checkpoints_with_the_distributed_optimizer(workdir):
         heterogeneous |= len(np.unique(owned_LD)) > 1
     assert heterogeneous, "no re-shard gave a rank more experts of one layer than of another"
 
-    (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
-    again = launch(4, [*flags, *FSSDP_RESHARDING, "--load", str(ckpt)], workdir, "fssdp_distopt_resumed")
+    again = four["fssdp_distopt_resumed"]
     assert "fssdp: restored the shard layout" in again.output and f"{SAVE_AT} observed iterations of loads" in again.output
     assert again.losses == straight.losses[SAVE_AT:] and again.grad_norms == straight.grad_norms[SAVE_AT:]
 
@@ -189,5 +210,5 @@ def test_fssdp_checkpoints_with_the_distributed_optimizer(workdir):
         return [layer["owned"] for layer in info["layers"]], [layer["copies"] for layer in info["layers"]], reshard
 
     assert [placement(r) for r in again.records if "loss" in r] == [placement(r) for r in records[SAVE_AT:]]
-    in_ep = launch(4, [*flags, "--load", str(ckpt)], workdir, "ep_distopt_from_fssdp")
+    in_ep = four["ep_distopt_from_fssdp"]
     np.testing.assert_allclose(losses(in_ep), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)

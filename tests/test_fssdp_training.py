@@ -3,8 +3,9 @@
 The reference is Megatron's own EP on the same data and seed: in fp32 without token dropping
 FSSDP computes the same model (copies hold the owners' weights, the gradients of the copies
 are summed into the owners), so the losses must agree within 1e-5 relative, while the
-materialized copies lower the imbalance. One module-scoped ep run serves every comparison;
-the LR schedule is pinned (--lr-decay-iters) so that runs of different lengths share it.
+materialized copies lower the imbalance. One ep run serves every comparison, and its save at
+iteration 10 is the checkpoint fssdp resumes; the LR schedule is pinned (--lr-decay-iters) so
+that runs of different lengths share it. The four runs share one spawn (support/multirun.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch, tensorboard_scalars
+from support.training import launch_many, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -28,9 +29,31 @@ EXPERT_BYTES = 16_576 * 4  # fc1 64x128 + 128, fc2 128x64 + 64, fp32
 LAYERS, EXPERTS = 2, 8
 
 
+HALF = ITERS // 3
+"""fssdp resumes ep's checkpoint of iteration HALF and trains to 2 x HALF."""
+
+
 @pytest.fixture(scope="module")
-def ep_run(workdir):
-    return launch(4, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep")
+def runs(workdir):
+    ckpt = workdir / "ckpt_ep"
+    flags = {
+        "ep": [*COMMON, "--train-iters", str(ITERS), "--save", str(ckpt), "--save-interval", str(HALF),
+               "--keep-last-checkpoints", "0"],
+        # the issue's reference run (auto t and m) and a memory-bound one with re-materialization
+        "fssdp": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp",
+                  "--tensorboard-dir", str(workdir / "tb_fssdp")],
+        "fssdp_remat": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-rematerialize",
+                        "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1"],
+        # calibrating after the gate (t = m = 2 leaves room for extra copies)
+        "load_fssdp_from_ep": [*COMMON, "--train-iters", str(2 * HALF), "--moe-parallel-mode", "fssdp", "--fssdp-calibrate",
+                               "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2", "--load", str(ckpt)],
+    }
+    return launch_many(4, flags, workdir, trackers={"load_fssdp_from_ep": (ckpt, HALF)})
+
+
+@pytest.fixture(scope="module")
+def ep_run(runs):
+    return runs["ep"]
 
 
 def assert_same_losses(run, reference, first: int = 0):
@@ -74,10 +97,9 @@ def check_fssdp_records(run, remat: bool):
     return np.mean(before), np.mean(after)
 
 
-def test_fssdp_matches_ep_and_balances(ep_run, workdir):
+def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
     """The issue's reference run (auto t and m) and a memory-bound one with re-materialization."""
-    auto = launch(4, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp",
-                      "--tensorboard-dir", str(workdir / "tb_fssdp")], workdir, "fssdp")
+    auto = runs["fssdp"]
     assert_same_losses(auto, ep_run)
     # the mode's TensorBoard scalars (FSSDPRuntime.tensorboard_scalars) carry the records' figures
     scalars = tensorboard_scalars(workdir / "tb_fssdp")
@@ -94,12 +116,7 @@ def test_fssdp_matches_ep_and_balances(ep_run, workdir):
     assert all(sum(layer["copies"]) == 0 for layer in auto.records[0]["fssdp"]["layers"])
     assert auto.records[-1]["fssdp"]["t"] > 0
 
-    bound = launch(
-        4,
-        [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-rematerialize",
-         "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1"],
-        workdir, "fssdp_remat",
-    )
+    bound = runs["fssdp_remat"]
     assert_same_losses(bound, ep_run)
     before, after = check_fssdp_records(bound, remat=True)
     assert after < before, (before, after)
@@ -109,7 +126,7 @@ def test_fssdp_matches_ep_and_balances(ep_run, workdir):
             assert all(max(layer["copies"]) <= 1 for layer in record["fssdp"]["layers"])
 
 
-def test_checkpoints_move_between_ep_and_fssdp(ep_run, workdir):
+def test_checkpoints_move_between_ep_and_fssdp(ep_run, runs):
     """Saved in ep, resumed in fssdp (calibrating after the gate): the continuation equals the
     uninterrupted ep run.
 
@@ -117,25 +134,11 @@ def test_checkpoints_move_between_ep_and_fssdp(ep_run, workdir):
     local experts), so the other mode loads them as they are. The other direction, fssdp saved
     and resumed in ep, is tests/test_fssdp_reshard.py's (saved after a re-shard, the harder case),
     and bf16 checkpoints cross every pair of modes in tests/test_precision_training.py."""
-    half = ITERS // 3
-    # The fssdp side may also calibrate after the gate (t = m = 2 leaves room for extra copies).
-    modes = {
-        "ep": ["--moe-parallel-mode", "ep"],
-        "fssdp": ["--moe-parallel-mode", "fssdp", "--fssdp-calibrate", "--fssdp-overlap-degree", "2",
-                  "--fssdp-memory-capacity", "2"],
-    }
-    for saver, loader in (("ep", "fssdp"),):
-        ckpt = workdir / f"ckpt_{saver}"
-        saved = launch(4, [*COMMON, "--train-iters", str(half), *modes[saver], "--save", str(ckpt),
-                           "--save-interval", str(half)], workdir, f"save_{saver}")
-        assert_same_losses(saved, ep_run)
-        resumed = launch(4, [*COMMON, "--train-iters", str(2 * half), *modes[loader], "--load", str(ckpt)],
-                         workdir, f"load_{loader}_from_{saver}")
-        assert resumed.records[0]["iteration"] == half + 1
-        assert_same_losses(resumed, ep_run, first=half)
-        fssdp_run = resumed if loader == "fssdp" else saved
-        # Calibration gathers only when the measured expert time says it pays off, so whether it
-        # happens depends on the machine's speed (a quiet CI box once saw none in 10 iterations):
-        # the records are checked either way (spag_calibrate bytes iff calibrations, sprs = spag +
-        # spag_calibrate), and the losses above must equal ep's with or without it.
-        check_fssdp_records(fssdp_run, remat=False)
+    resumed = runs["load_fssdp_from_ep"]
+    assert resumed.records[0]["iteration"] == HALF + 1
+    assert_same_losses(resumed, ep_run, first=HALF)
+    # Calibration gathers only when the measured expert time says it pays off, so whether it
+    # happens depends on the machine's speed (a quiet CI box once saw none in 10 iterations):
+    # the records are checked either way (spag_calibrate bytes iff calibrations, sprs = spag +
+    # spag_calibrate), and the losses above must equal ep's with or without it.
+    check_fssdp_records(resumed, remat=False)

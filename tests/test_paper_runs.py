@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from support.submit import REPO, expanded_argv, submit
-from support.training import launch, tensorboard_texts
+from support.training import launch_many, tensorboard_texts
 
 pytestmark = pytest.mark.e2e
 
@@ -121,24 +121,27 @@ def test_the_shrunk_commands_keep_the_runs_precision_and_checkpointing(commands)
 
 
 def test_every_paper_run_trains_three_iterations(commands, workdir):
+    flags_of, names_of = {}, {}
     for index, (argv, files) in enumerate(commands):
-        names = ", ".join(f.stem for f in files)
         run_dir, ckpt_dir = workdir / f"run{index}", workdir / f"run{index}_checkpoints"
         run_dir.mkdir()
         ckpt_dir.mkdir()  # empty: the first job of a run whose --save and --load are one directory
         flags = [str(run_dir) + t[len("RUN_DIR"):] if t.startswith("RUN_DIR") else str(ckpt_dir) if t == "CKPT_DIR" else t
                  for t in argv]
         log_json = flags.index("--log-json")
-        flags = flags[:log_json] + flags[log_json + 2:]  # launch writes its own
-        run = launch(RANKS, flags, run_dir, "metrics")
+        flags_of[f"run{index}"] = flags[:log_json] + flags[log_json + 2:]  # launch_many writes its own
+        names_of[f"run{index}"] = ", ".join(f.stem for f in files)
+    runs = launch_many(RANKS, flags_of, workdir)  # one spawn (support/multirun.py)
+    for index, (argv, files) in enumerate(commands):
+        run, names = runs[f"run{index}"], names_of[f"run{index}"]
+        run_dir, ckpt_dir = workdir / f"run{index}", workdir / f"run{index}_checkpoints"
         assert [r["iteration"] for r in run.records if "loss" in r] == list(range(1, ITERS + 1)), names
         assert all(math.isfinite(loss) for loss in run.losses), (names, run.losses)
         assert "summary: 3 iterations" in run.output, names
-        if "zebra" not in names:  # zebra's own loop: fp32, no precision line yet (the zebra issue)
-            line = next(x for x in run.output.splitlines() if x.startswith("precision: ")).removeprefix("precision: ")
-            assert tensorboard_texts(run_dir / "tensorboard")["run/precision"] == line, names
-            want = "float16" if "--fp16" in argv else "bfloat16" if "--bf16" in argv else "float32"
-            assert {r["dtypes"]["parameters"] for r in run.records if "loss" in r} == {want}, names
+        line = next(x for x in run.output.splitlines() if x.startswith("precision: ")).removeprefix("precision: ")
+        assert tensorboard_texts(run_dir / "tensorboard")["run/precision"] == line, names
+        want = "float16" if "--fp16" in argv else "bfloat16" if "--bf16" in argv else "float32"
+        assert {r["dtypes"]["parameters"] for r in run.records if "loss" in r} == {want}, names
         if "--save" in argv:
             assert "holds no checkpoint yet (it is the --save directory): starting from iteration 0" in run.output, names
             assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS), names

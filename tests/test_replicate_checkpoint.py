@@ -2,8 +2,8 @@
 
 Replicate mode saves every expert's current weights into the frozen Megatron local expert that
 EP's layout gives it and the experts' fp32 Adam moments under ep's expert-optimizer keys, with
-the placement (slots per layer, popularity history) as common state. One launch sequence
-(dropless, fp32, adaptive policy, so replicate computes ep's model):
+the placement (slots per layer, popularity history) as common state. One spawn runs, in turn
+(support/multirun.py; dropless, fp32, adaptive policy, so replicate computes ep's model):
 
     A  replicate, 2K iterations, saves at K
     B  replicate resumed from A at K            -> A's iterations K+1..2K, placements included
@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from support.mp import run_ranks
-from support.training import launch
+from support.training import launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -45,11 +45,6 @@ def train_records(run) -> dict[int, dict]:
     return {record["iteration"]: record for record in run.records if "loss" in record}
 
 
-def point_at(checkpoint, iteration: int) -> None:
-    """Make `iteration` the checkpoint a --load picks (the runs also save later ones)."""
-    (checkpoint / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
-
-
 def assert_same_losses(run: dict[int, dict], reference: dict[int, dict], iterations) -> None:
     iterations = list(iterations)
     assert sorted(run) == iterations
@@ -63,16 +58,13 @@ def assert_same_losses(run: dict[int, dict], reference: dict[int, dict], iterati
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("replicate_checkpoint")
     a_ckpt, c_ckpt = work / "a_ckpt", work / "c_ckpt"
-    a = launch(G, [*COMMON, *REPLICATE, "--train-iters", str(2 * K), "--save", str(a_ckpt), "--save-interval", str(K)], work, "a")
-    point_at(a_ckpt, K)
-    b = launch(G, [*COMMON, *REPLICATE, "--train-iters", str(2 * K), "--load", str(a_ckpt)], work, "b")
-    c = launch(
-        G, [*COMMON, "--train-iters", str(3 * K), "--load", str(a_ckpt), "--save", str(c_ckpt), "--save-interval", str(2 * K)],
-        work, "c",
-    )
-    point_at(c_ckpt, 2 * K)
-    d = launch(G, [*COMMON, *REPLICATE, "--train-iters", str(3 * K), "--load", str(c_ckpt)], work, "d")
-    return {"a": a, "b": b, "c": c, "d": d, "a_ckpt": a_ckpt, "c_ckpt": c_ckpt}
+    runs = launch_many(G, {
+        "a": [*COMMON, *REPLICATE, "--train-iters", str(2 * K), "--save", str(a_ckpt), "--save-interval", str(K)],
+        "b": [*COMMON, *REPLICATE, "--train-iters", str(2 * K), "--load", str(a_ckpt)],
+        "c": [*COMMON, "--train-iters", str(3 * K), "--load", str(a_ckpt), "--save", str(c_ckpt), "--save-interval", str(2 * K)],
+        "d": [*COMMON, *REPLICATE, "--train-iters", str(3 * K), "--load", str(c_ckpt)],
+    }, work, trackers={"b": (a_ckpt, K), "d": (c_ckpt, 2 * K)})  # the mid-run saves, not the last ones
+    return {**runs, "a_ckpt": a_ckpt, "c_ckpt": c_ckpt}
 
 
 def test_replicate_resumes_exactly_with_its_placement(runs):

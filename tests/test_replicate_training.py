@@ -9,6 +9,7 @@ Per iteration the measured bytes must equal DESIGN 4.6's formulas for the placem
 and never exceed static replication's. With a capacity factor, adaptive replication must keep
 clearly more tokens than the static baseline on the same data and seed; the FlexMoE-style
 baseline re-places only every k iterations and moves the optimizer state of its new replicas.
+The five runs share one spawn (support/multirun.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch, tensorboard_scalars
+from support.training import launch_many, tensorboard_scalars
 
 from megatron_patches.placement.replicate import assign_slots, slot_placement
 
@@ -33,9 +34,30 @@ SLICE_R = np.array([len(a) for a in np.array_split(np.arange(N), G)])
 TOKENS_PER_ITERATION = 16 * 128
 
 
+CAPACITY = [
+    *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
+    "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8",
+]
+EVERY = 4
+"""The periodic policy's re-balancing interval."""
+
+
 @pytest.fixture(scope="module")
-def ep_run(workdir):
-    return launch(G, [*COMMON, "--train-iters", str(ITERS)], workdir, "ep")
+def runs(workdir):
+    return launch_many(G, {
+        "ep": [*COMMON, "--train-iters", str(ITERS)],
+        "replicate": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "replicate",
+                      "--tensorboard-dir", str(workdir / "tb_replicate")],
+        # with a capacity factor: adaptive, static and periodic replication
+        "adaptive": [*CAPACITY, "--replicate-offload-optimizer"],
+        "static": [*CAPACITY, "--replicate-policy", "static", "--tensorboard-dir", str(workdir / "tb_static")],
+        "periodic": [*CAPACITY, "--replicate-policy", "periodic", "--replicate-rebalance-interval", str(EVERY)],
+    }, workdir)
+
+
+@pytest.fixture(scope="module")
+def ep_run(runs):
+    return runs["ep"]
 
 
 def train_records(run):
@@ -61,9 +83,8 @@ def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
     }
 
 
-def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, workdir):
-    run = launch(G, [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "replicate",
-                     "--tensorboard-dir", str(workdir / "tb_replicate")], workdir, "replicate")
+def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
+    run = runs["replicate"]
     records, reference = train_records(run), train_records(ep_run)
     # the mode's TensorBoard scalars (ReplicateRuntime.tensorboard_scalars) carry the records' figures
     scalars = tensorboard_scalars(workdir / "tb_replicate")
@@ -117,12 +138,8 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, workdir):
     assert changed >= ITERS and several_slots_one_class >= ITERS
 
 
-def capacity_run(workdir, name: str, *flags: str):
-    common = [
-        *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
-        "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8",
-    ]
-    records = train_records(launch(G, [*common, *flags], workdir, name))
+def capacity_records(run):
+    records = train_records(run)
     for record in records:
         for layer in record["replicate"]["layers"]:
             assert layer["routed"] == TOKENS_PER_ITERATION and layer["processed"] <= layer["routed"]
@@ -130,10 +147,8 @@ def capacity_run(workdir, name: str, *flags: str):
     return records
 
 
-def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_state(workdir):
-    adaptive = capacity_run(workdir, "adaptive", "--replicate-offload-optimizer")
-    static = capacity_run(workdir, "static", "--replicate-policy", "static",
-                          "--tensorboard-dir", str(workdir / "tb_static"))
+def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_state(runs, workdir):
+    adaptive, static = capacity_records(runs["adaptive"]), capacity_records(runs["static"])
     # TensorBoard's survival is the instances' (replicate's), not Megatron's router (which drops nothing here)
     survival_tb = tensorboard_scalars(workdir / "tb_static")["moe/survival_min_layer"]
     for record in static:
@@ -148,10 +163,9 @@ def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_s
     for record in static:
         assert all(layer["replicas"] == [2] * 16 for layer in record["replicate"]["layers"])
 
-    every = 4
-    periodic = capacity_run(workdir, "periodic", "--replicate-policy", "periodic", "--replicate-rebalance-interval", str(every))
+    periodic = capacity_records(runs["periodic"])
     for before, after in zip(periodic, periodic[1:]):
-        rebalanced = before["iteration"] % every == 0
+        rebalanced = before["iteration"] % EVERY == 0
         gained = 0
         for old, new in zip(before["replicate"]["layers"], after["replicate"]["layers"]):
             if not rebalanced:

@@ -2,8 +2,9 @@
 
 Each test launches the real entry point (real Megatron-Core modules, real collectives,
 real text where it matters) and asserts on its JSON-lines metrics, its expert-load trace
-and its checkpoints. Every launch pays 3-7 s of imports per rank, so each test is one or a
-few launches that check several things at once.
+and its checkpoints. Every spawn pays 3-7 s of imports per rank, so each test is one or a
+few launches that check several things at once, and runs of one rank count share a spawn
+(support/multirun.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from megatron_patches.placement.trace import read_trace
 from megatron_patches.training.metrics import read_records
-from support.training import MOCK, NO_DROPOUT, REPO, Run, check_moe_records, launch, tensorboard_scalars
+from support.training import MOCK, NO_DROPOUT, REPO, Run, check_moe_records, launch, launch_many, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -70,23 +71,31 @@ def test_the_main_job_trains_on_real_text_and_fills_its_run_folder(tmp_path):
         assert [layer["expert_tokens"] for layer in record["moe_layers"]] == loads_LE.tolist()
 
 
-@pytest.mark.parametrize(
-    "name,flags,dp",
-    [
-        ("tp2_sp_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2),
-        ("pp2_ep2", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
-        ("tp2_sp_etp2_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
-                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2),
-        ("ep2_capacity_allgather", ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
-                                    "--moe-token-dispatcher-type", "allgather"], 4),
-    ],
-)
-def test_model_parallel_layouts_train(tmp_path, name, flags, dp):
+LAYOUTS = [
+    ("tp2_sp_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                    "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], 2),
+    ("pp2_ep2", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
+    ("tp2_sp_etp2_ep2", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
+                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], 2),
+    ("ep2_capacity_allgather", ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
+                                "--moe-token-dispatcher-type", "allgather"], 4),
+]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("layouts")
+    return launch_many(4, {name: [*MOCK, "--train-iters", "8", "--tensorboard-dir", str(work / f"tb_{name}"), *flags]
+                           for name, flags, _ in LAYOUTS}, work), work
+
+
+@pytest.mark.parametrize("name,flags,dp", LAYOUTS, ids=[name for name, _, _ in LAYOUTS])
+def test_model_parallel_layouts_train(layout_runs, name, flags, dp):
     """TP2 x SP x EP2, PP2 x EP2 (several micro-batches), TP2 x SP x ETP2 x EP2 (uneven expert-TP
     gathers) and EP2 with a capacity factor and
     Megatron's allgather dispatcher, on 4 ranks: training runs, loss falls, metrics add up."""
-    run = launch(4, [*MOCK, "--train-iters", "8", "--tensorboard-dir", str(tmp_path / "tb"), *flags], tmp_path, name)
+    runs, work = layout_runs
+    run = runs[name]
     losses = run.losses
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]
@@ -96,7 +105,7 @@ def test_model_parallel_layouts_train(tmp_path, name, flags, dp):
     if capacity:
         # Capacity 1.0 with uneven routing drops some token copies.
         assert min(layer["survival"] for r in run.records for layer in r["moe_layers"]) < 1.0
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert list((work / f"tb_{name}").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 
 def test_bert_moe_on_real_text(tmp_path):
@@ -125,17 +134,17 @@ def test_layouts_are_equivalent_from_the_same_checkpoint(tmp_path):
     checkpoint resharding together.
     """
     common = [*MOCK, *NO_DROPOUT, "--lr-decay-iters", "4"]
-    launch(1, [*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"], tmp_path, "seed")
     resume = [*common, "--train-iters", "4", "--load", str(tmp_path / "ckpt"), "--no-load-optim"]
-    layouts = {
-        "world1": (1, []),
-        "ep2": (2, ["--expert-model-parallel-size", "2"]),
-        "tp2_sp_ep2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
-        "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
-    }
-    runs = {name: launch(n, [*resume, *flags], tmp_path, name) for name, (n, flags) in layouts.items()}
-    reference = runs.pop("world1")
+    reference = launch_many(1, {
+        "seed": [*common, "--train-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "1"],
+        "world1": resume,
+    }, tmp_path)["world1"]
+    runs = launch_many(2, {
+        "ep2": [*resume, "--expert-model-parallel-size", "2"],
+        "tp2_sp_ep2": [*resume, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+        "pp2": [*resume, "--pipeline-model-parallel-size", "2"],
+    }, tmp_path)
     assert len(reference.losses) == 3
     for name, run in runs.items():
         np.testing.assert_allclose(run.losses, reference.losses, rtol=2e-5, err_msg=name)
