@@ -47,6 +47,6 @@ def test_a_run_after_others_in_one_spawn_equals_a_fresh_one(tmp_path):
     assert len(records) == len(expected) > 0
     assert [without_clocks(r) for r in records] == [without_clocks(r) for r in expected]
     assert any(r["fssdp"]["reshard"] for r in records if "loss" in r)  # the dedicated groups were used
-    # the output splits per run: each run's own start-up lines
-    assert "mode zebra" in shared["zebra"].output and "mode fssdp" not in shared["zebra"].output
-    assert "mode fssdp" in shared["fssdp"].output and "mode replicate" not in shared["fssdp"].output
+    # the output splits per run: each run's own layout line
+    assert "| mode zebra |" in shared["zebra"].output and "| mode fssdp |" not in shared["zebra"].output
+    assert "| mode fssdp |" in shared["fssdp"].output and "| mode replicate |" not in shared["fssdp"].output

@@ -90,6 +90,8 @@ HALF = [
     ("fp16", "replicate", [*REPLICATE, *SELECTIVE]),
 ]
 BF16_MODES = {"ep": [], "fssdp": FSSDP, "replicate": REPLICATE, "zebra": ZEBRA}
+ZEBRA_BF16_SAVE = 15
+"""zebra's bf16 run saves here (and at ITERS); ep resumes it."""
 FP16_MODES = {"ep": [], "fssdp": FSSDP, "zebra": [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]}
 
 
@@ -98,10 +100,12 @@ def runs(workdir) -> dict[str, Run]:
     """Every 4-rank run of this file, in one spawn (support/multirun.py): the 30-iteration fp32
     and bf16 runs of every mode; 10 iterations in fp16 with a loss scale that starts low and grows
     every 2 iterations (zebra saves at 5); the recompute runs; half precision with recompute and
-    the distributed optimizer; ep resuming zebra's fp16 checkpoint from iteration 5."""
-    zebra_fp16 = workdir / "zebra_fp16_ckpt"
+    the distributed optimizer; ep resuming zebra's fp16 checkpoint from iteration 5 and its bf16
+    one from iteration ZEBRA_BF16_SAVE."""
+    zebra_fp16, zebra_bf16 = workdir / "zebra_fp16_ckpt", workdir / "zebra_bf16_ckpt"
     flags = {"ep_fp32": [*COMMON, "--train-iters", str(ITERS)]}
     flags |= {f"{name}_bf16": [*COMMON, "--train-iters", str(ITERS), "--bf16", *more] for name, more in BF16_MODES.items()}
+    flags["zebra_bf16"] += ["--save", str(zebra_bf16), "--save-interval", str(ZEBRA_BF16_SAVE)]
     flags |= {f"{name}_fp16": [*COMMON, "--train-iters", "10", *FP16, *more] for name, more in FP16_MODES.items()}
     flags["zebra_fp16"] += ["--save", str(zebra_fp16), "--save-interval", "5"]
     flags |= {name: [*COMMON, "--train-iters", str(SHORT), *more] for name, more in RECOMPUTE}
@@ -109,7 +113,9 @@ def runs(workdir) -> dict[str, Run]:
         *COMMON, "--train-iters", str(SHORT), *(["--bf16"] if precision == "bf16" else FP16), *more,
         "--use-distributed-optimizer"] for precision, mode, more in HALF}
     flags["ep_fp16_from_zebra"] = [*COMMON, "--train-iters", "10", *FP16, "--load", str(zebra_fp16)]
-    return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5)})
+    flags["ep_bf16_from_zebra"] = [*COMMON, "--train-iters", str(ITERS), "--bf16", "--load", str(zebra_bf16)]
+    return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5),
+                                                    "ep_bf16_from_zebra": (zebra_bf16, ZEBRA_BF16_SAVE)})
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +205,22 @@ def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, runs):
     assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=1e-6)
     assert relative(run, Run("", zebra)).max() < 1e-4
     assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in zebra]
+
+
+def test_zebra_bf16_checkpoint_resumes_in_ep(ep_fp32, bf16_runs, runs):
+    """zebra's bf16 checkpoint (bf16 weights, fp32 main weights and Adam moments) in ep-bf16: the
+    resumed losses follow zebra's within bf16's noise (the modes round their gradients
+    differently, as in test_bf16_in_every_mode_follows_ep_within_bf16_noise). Measured
+    (2026-11-26): the first resumed loss 3.5e-6 from zebra's, the rest up to 8.8e-5 (the noise:
+    2.5e-4). Not understood: the first is not bit-equal, although fresh zebra-bf16 and ep-bf16
+    runs are for their first 2 iterations (fp16 crossed at 4.7e-7)."""
+    run, k = runs["ep_bf16_from_zebra"], ZEBRA_BF16_SAVE
+    zebra = [r for r in bf16_runs["zebra"].records if "loss" in r][k:]
+    records = [r for r in run.records if "loss" in r]
+    assert [r["iteration"] for r in records] == list(range(k + 1, ITERS + 1))
+    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=1e-5)
+    noise = relative(bf16_runs["ep"], ep_fp32)
+    assert relative(run, Run("", zebra)).max() < 2 * noise.max()
 
 
 @pytest.mark.parametrize("name, flags", RECOMPUTE, ids=[name for name, _ in RECOMPUTE])

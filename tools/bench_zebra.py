@@ -20,6 +20,27 @@ tokens) three times with the zebra engine (megatron_patches.zebra.engine):
 Printed per mode: median iteration time (max over ranks) and the mean compute-stream bubble of
 attention and expert ranks over the last iteration's timeline (zebra.timeline.bubble_fractions).
 
+The baselines process zebra's global batch (micro batch x R x M sequences, the same tokens per
+iteration) through the training script in ep mode (`pretrain_gpt_moe.py`, Megatron's EP, mock
+tokens of the same vocabulary, one torchrun per measurement):
+
+- ep: EP over all M + N ranks;
+- EP-Ideal (HeterMoE's EP (Ideal), as the simulator's ep-ideal): EP on each rank type alone, M
+  ranks and N ranks, throughputs summed; the iteration time is zebra's tokens at that throughput.
+  The two EP runs run at the same time: on a CPU machine with fewer cores than ranks, one of them
+  alone would have every core, which a pool's GPU types never give each other (measured on 2
+  cores, M = N = 2: apart, EP-Ideal came out 2.5x ep).
+
+An ep time is the training loop's `iteration_time_s` (its batch read, forward, backward,
+optimizer step and the load count's all-reduce), zebra's the engine's train_step on batches
+built beforehand: the ep figures carry a little more work. The losses differ (other tokens).
+
+With --expert-slowdown F the N expert ranks stand for older GPUs, F times slower. Zebra's
+expert ranks sleep after each task; the ep runs cannot sleep (no training flag reaches an
+emulation), so their times are scaled (EMULATED): ep's measured time x F (lockstep EP waits for
+its slowest rank at every all-to-all; its communication is scaled too, so this is an upper
+bound), and the N-rank EP's time x F in EP-Ideal. Speedups are against ep.
+
 CPU ranks all run at the same speed. ``--expert-slowdown F`` (default 1: off) EMULATES older
 expert GPUs: after every expert task an expert rank sleeps (F - 1) x the task's time. It is an
 engine argument only this tool sets (emulated_expert_slowdown); no training flag reaches it.
@@ -41,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MODES = ("naive", "zebra", "zebra + Asym-EA")
+ENTRY = REPO / "pretrain_gpt_moe.py"
 
 
 def parse_args(argv=None):
@@ -63,6 +85,12 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.expert_slowdown < 1.0:
         parser.error(f"--expert-slowdown={args.expert_slowdown} is invalid; valid: >= 1 (1 = no emulation)")
+    sequences = args.attention_ranks * args.microbatches  # micro-batches of zebra's global batch
+    for ranks in (args.attention_ranks + args.expert_ranks, args.expert_ranks):
+        if sequences % ranks:
+            parser.error(f"--attention-ranks={args.attention_ranks} x --microbatches={args.microbatches} = {sequences} "
+                         f"micro-batches per iteration do not split over the {ranks} ranks of an ep baseline; valid: "
+                         f"M x R a multiple of M + N and of N")
     return args
 
 
@@ -76,6 +104,37 @@ def model_flags(opts) -> list[str]:
         "--micro-batch-size", str(opts.micro_batch_size), "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(opts.vocab_size), "--lr", "1e-4", "--lr-warmup-iters", "0",
     ]
+
+
+def ep_iteration_ms(opts, runs: dict[str, int]) -> dict[str, float]:
+    """Median iteration time (iterations after the first) of the training script in ep mode at
+    zebra's global batch, for each run name -> local rank count; the runs given together run at
+    the same time (sharing this machine's cores as the types of a pool would not share GPUs, but
+    as zebra's ranks share the cores)."""
+    import subprocess
+
+    from megatron_patches.training.metrics import read_records
+
+    global_batch = opts.micro_batch_size * opts.microbatches * opts.attention_ranks
+    procs = {}
+    for name, ranks in runs.items():
+        log = opts.out_dir / f"{name}.jsonl"
+        log.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(ENTRY),
+               "--cpu", *model_flags(opts), "--expert-model-parallel-size", str(ranks), "--global-batch-size",
+               str(global_batch), "--train-iters", str(opts.iters + 1), "--log-interval", "1", "--eval-iters", "0",
+               "--log-json", str(log)]
+        print(f"bench: {name}: ep on {ranks} ranks, global batch {global_batch} ...", flush=True)
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    times = {}
+    for name, proc in procs.items():
+        _, stderr = proc.communicate()
+        if proc.returncode != 0:
+            sys.exit(f"bench_zebra.py: error: the {name} baseline failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+        seconds = [r["iteration_time_s"] for r in read_records(str(opts.out_dir / f"{name}.jsonl")) if "loss" in r][1:]
+        times[name] = 1e3 * statistics.median(seconds)
+    return times
 
 
 def measured_plan(timeline: dict, shape, slowdown: float):
@@ -200,6 +259,13 @@ def main(argv=None) -> None:
         mp.start_processes(rank_main, args=(world, os.path.join(tmp, "store"), opts), nprocs=world,
                            start_method="spawn")
     results = json.loads((opts.out_dir / "results.json").read_text())
+    M, N, F = opts.attention_ranks, opts.expert_ranks, opts.expert_slowdown
+    ep_ms = ep_iteration_ms(opts, {"ep": M + N})["ep"] * F
+    # EP-Ideal: each type's EP alone on the same tokens, both at once; summed throughputs (1 / time)
+    alone = ep_iteration_ms(opts, {"ep_attention_type": M, "ep_expert_type": N})
+    ideal_ms = 1.0 / (1.0 / alone["ep_attention_type"] + 1.0 / (F * alone["ep_expert_type"]))
+    results["baselines"] = {"ep_iteration_ms": ep_ms, "ep_ideal_iteration_ms": ideal_ms, "scaled_by": F}
+    (opts.out_dir / "results.json").write_text(json.dumps(results, indent=1))
     emulation = (f"EMULATED expert slowdown x{opts.expert_slowdown:g} (sleep after each expert task)"
                  if opts.expert_slowdown != 1.0 else "no emulation (all ranks the same CPU)")
     print(f"zebra bench: M={opts.attention_ranks} N={opts.expert_ranks} R={opts.microbatches} L={opts.layers} "
@@ -207,12 +273,19 @@ def main(argv=None) -> None:
     profile = results["asym_ea_profile"]
     print(f"Asym-EA from the zebra run's timeline: T_gather {profile['t_gather_s'] * 1e3:.2f} ms, "
           f"T_squeeze {profile['t_squeeze_s'] * 1e3:.2f} ms -> chunks per layer {profile['offload_chunks']}")
-    print(f"| mode | iteration ms (median of {opts.iters}) | attention bubble | expert bubble | offload chunks |")
-    print("|---|---|---|---|---|")
+    tokens = opts.micro_batch_size * opts.microbatches * M * opts.seq_length
+    scaled = f" (EMULATED: measured x {F:g})" if F != 1.0 else ""
+    print(f"every row: {tokens} tokens per iteration ({opts.micro_batch_size} x {opts.microbatches} micro-batches x {M} "
+          f"attention ranks x {opts.seq_length}); speedup = ep's time / the row's")
+    print(f"| system | iteration ms (median of {opts.iters}) | speedup vs ep | attention bubble | expert bubble | offload chunks |")
+    print("|---|---|---|---|---|---|")
+    print(f"| ep, {M + N} ranks{scaled} | {ep_ms:.1f} | 1.00x | - | - | - |")
+    print(f"| EP-Ideal, {M} and {N} ranks apart{f' (the {N}: EMULATED x {F:g})' if F != 1.0 else ''} | {ideal_ms:.1f} | "
+          f"{ep_ms / ideal_ms:.2f}x | - | - | - |")
     for mode in MODES:
         r = results[mode]
-        print(f"| {mode} | {r['iteration_ms']:.1f} | {r['attention_bubble']:.1%} | {r['expert_bubble']:.1%} | "
-              f"{r['offload_chunks']} |")
+        print(f"| {mode} | {r['iteration_ms']:.1f} | {ep_ms / r['iteration_ms']:.2f}x | {r['attention_bubble']:.1%} | "
+              f"{r['expert_bubble']:.1%} | {r['offload_chunks']} |")
     # All three modes compute the same model on the same data: their losses must agree.
     reference = results["naive"]["losses"]
     for mode in MODES[1:]:
