@@ -21,6 +21,7 @@ A run that fails ends the spawn with its exit code, after a `MARKER-FAILED name`
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
@@ -75,7 +76,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     code = main()
-    import gc
-
     gc.freeze()  # as pretrain_gpt_moe.py does: skip the slow last collection over Megatron's objects
     sys.exit(code)
