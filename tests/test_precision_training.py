@@ -212,8 +212,11 @@ def test_zebra_bf16_checkpoint_resumes_in_ep(ep_fp32, bf16_runs, runs):
     resumed losses follow zebra's within bf16's noise (the modes round their gradients
     differently, as in test_bf16_in_every_mode_follows_ep_within_bf16_noise). Measured
     (2026-11-26): the first resumed loss 3.5e-6 from zebra's, the rest up to 8.8e-5 (the noise:
-    2.5e-4). Not understood: the first is not bit-equal, although fresh zebra-bf16 and ep-bf16
-    runs are for their first 2 iterations (fp16 crossed at 4.7e-7)."""
+    2.5e-4). The first is not bit-equal because the two modes' bf16 forwards round differently
+    on trained weights, not because of the checkpoint: by hand (6 iterations, save at 3) zebra ->
+    zebra and ep -> ep resume bit for bit, zebra -> ep and ep -> zebra both differ by ~4e-6 at
+    iteration 4. Fresh runs agree bitwise for 2 iterations only (presumably the untrained experts'
+    small outputs vanish into the residual whatever the summation order; fp16: 4.7e-7)."""
     run, k = runs["ep_bf16_from_zebra"], ZEBRA_BF16_SAVE
     zebra = [r for r in bf16_runs["zebra"].records if "loss" in r][k:]
     records = [r for r in run.records if "loss" in r]
