@@ -35,9 +35,9 @@ An ep time is the training loop's `iteration_time_s` (its batch read, forward, b
 optimizer step and the load count's all-reduce), zebra's the engine's train_step on batches
 built beforehand: the ep figures carry a little more work. The losses differ (other tokens).
 
-With --expert-slowdown F the N expert ranks stand for older GPUs, F times slower. Zebra's
-expert ranks sleep after each task; the ep runs cannot sleep (no training flag reaches an
-emulation), so their times are scaled (EMULATED): ep's measured time x F (lockstep EP waits for
+With --expert-slowdown F (below) the N expert ranks stand for older GPUs, F times slower. The
+ep runs cannot sleep as zebra's expert ranks do (no training flag reaches an emulation), so
+their times are scaled (EMULATED): ep's measured time x F (lockstep EP waits for
 its slowest rank at every all-to-all; its communication is scaled too, so this is an upper
 bound), and the N-rank EP's time x F in EP-Ideal. Speedups are against ep.
 

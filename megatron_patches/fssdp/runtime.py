@@ -755,16 +755,17 @@ def _check_same_node_layout(nodes: int, per_node: int, ranks: list[int]) -> None
 
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_GROUPS_WORLD: list = []
+_GROUPS_WORLD: dist.ProcessGroup | None = None
 """The default group `_GROUPS` were made under: groups die with it (destroy_process_group), and
 one process may train again under a new one (tests/support/multirun.py)."""
 
 
 def _dedicated_groups(own_ranks: list[int]) -> dist.ProcessGroup:
     """A new process group per EP group (created on every rank in the same order); returns ours."""
-    if _GROUPS_WORLD != [dist.group.WORLD]:
+    global _GROUPS_WORLD
+    if _GROUPS_WORLD is not dist.group.WORLD:
         _GROUPS.clear()
-        _GROUPS_WORLD[:] = [dist.group.WORLD]
+        _GROUPS_WORLD = dist.group.WORLD
     key = tuple(own_ranks)
     if key not in _GROUPS:
         everyone = [None] * dist.get_world_size()

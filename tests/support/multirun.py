@@ -52,7 +52,7 @@ def main() -> int:
     agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=TIMEOUT)
     sys.path.insert(0, str(REPO))
     import pretrain_gpt_moe
-    from megatron_patches.training.checkpoint_dirs import TRACKER_FILE
+    from megatron_patches.training.checkpoint_dirs import write_tracker
 
     for index, run in enumerate(runs):
         sys.stdout.flush()
@@ -61,7 +61,7 @@ def main() -> int:
         if rank == 0:
             if "tracker" in run:
                 directory, iteration = run["tracker"]
-                (Path(directory) / TRACKER_FILE).write_text(f"{iteration}\n")
+                write_tracker(Path(directory), iteration)
             agent.set(f"multirun/{index}/port", str(free_port()))
             print(f"{MARKER} {run['name']}", flush=True)
         barrier(agent, f"multirun/{index}/begin", rank, world)
