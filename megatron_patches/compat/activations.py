@@ -37,6 +37,12 @@ def persistent(tensors) -> None:
     _persistent.update(t.untyped_storage().data_ptr() for t in tensors)
 
 
+def released(tensors) -> None:
+    """The tensors' storages are about to be freed (a zebra expert moved to another rank): their
+    addresses may come back as activations."""
+    _persistent.difference_update(t.untyped_storage().data_ptr() for t in tensors)
+
+
 def forget() -> None:
     """At a run's end: its persistent storages are freed with it, and their addresses may come
     back as another run's activations in the same process (tests/support/multirun.py)."""

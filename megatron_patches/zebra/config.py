@@ -70,6 +70,11 @@ class ZebraConfig:
     timeline: str | None = None
     """--zebra-timeline: JSON file that receives every task's start and end per rank and stream
     (tools/plot_timeline.py draws it); None records nothing."""
+    replan_interval: int = 0
+    """--zebra-replan-interval K: every K iterations, re-plan Asym-EA from the routed loads measured
+    over those K iterations and the profile (placement/zebra/replan.py), and move the experts whose
+    owner changes when the predicted gain over the next K iterations exceeds the move's time;
+    0 never re-plans (the plan of --zebra-asym-ea holds for the run)."""
     cluster: str | None = None
     """--zebra-cluster: the cluster config (name under configs/clusters or a YAML path) whose
     node groups are the pools (attention GPU type first); None = this machine, one pool of
@@ -83,6 +88,14 @@ class ZebraConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ZebraConfigError(f"{flag}={value!r} is invalid; expected an integer >= 1")
+        if isinstance(self.replan_interval, bool) or not isinstance(self.replan_interval, int) or self.replan_interval < 0:
+            raise ZebraConfigError(f"--zebra-replan-interval={self.replan_interval!r} is invalid; expected an integer >= 0 "
+                                   "(0: never re-plan)")
+        if self.replan_interval and self.profile is None:
+            raise ZebraConfigError(
+                f"--zebra-replan-interval={self.replan_interval} needs --zebra-profile FILE (tools/profile_moe.py writes "
+                "it): the re-plan prices each expert's measured load with the profiled per-expert times"
+            )
         object.__setattr__(self, "asym_ea", parse_asym_ea(self.asym_ea))
         if self.asym_ea == "auto" and self.profile is None:
             raise ZebraConfigError(
@@ -110,6 +123,7 @@ class ZebraConfig:
             asym_ea=args.zebra_asym_ea,
             profile=args.zebra_profile,
             timeline=args.zebra_timeline,
+            replan_interval=args.zebra_replan_interval,
             cluster=args.zebra_cluster,
         )
 
@@ -142,6 +156,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--zebra-profile", type=str, default=None,
         help="Profile file of tools/profile_moe.py (one entry per GPU type); needed by "
         "--zebra-asym-ea auto, checked against the memory bounds otherwise. New flag.",
+    )
+    group.add_argument(
+        "--zebra-replan-interval", type=int, default=0,
+        help="Re-plan Asym-EA every K iterations from the routed loads measured over them and "
+        "--zebra-profile: the hot experts move to the attention ranks when the predicted gain over "
+        "the next K iterations exceeds the time to move their weights and Adam state. 0: never. "
+        "Needs --zebra-profile and M | N or N | M. New flag.",
     )
     group.add_argument(
         "--zebra-cluster", type=str, default=None,
@@ -217,7 +238,8 @@ def validate(args: argparse.Namespace) -> None:
         config = ZebraConfig.from_args(args)
         layout = zebra_layout(pool_cluster(config.cluster, args.world_size), config.attention_ranks,
                               config.expert_ranks, args.world_size, num_layers=args.num_layers,
-                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile)
+                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile,
+                              replan=config.replan_interval > 0)
     except (ZebraConfigError, PoolError) as err:
         raise ArgumentError(str(err)) from None
     # Only attention ranks read data: one global batch = micro batch x R x attention ranks.

@@ -80,7 +80,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_patches.comm.streams import CommStream
 from megatron_patches.compat import activations, mcore, moe
-from megatron_patches.placement.zebra import Task, expert_owners, task_order
+from megatron_patches.placement.zebra import AsymEAPlan, Task, expert_owners, task_order
 from megatron_patches.zebra.config import ZebraConfig, recompute_refusals
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
@@ -284,7 +284,6 @@ class ZebraEngine:
         self.num_layers = len(self.layers)
         self.num_experts = model.config.num_moe_experts
         self.hidden = model.config.hidden_size
-        self.plan = layout.asym_ea
         self.device = next(model.parameters()).device
         cfg = model.config
         full = cfg.recompute_granularity == "full"
@@ -301,56 +300,39 @@ class ZebraEngine:
         self.dispatch_group = self._dispatch_groups[self.zp_group]
         self.combine_group = self._combine_groups[self.zp_group]
 
-        # Expert ownership per layer (ZP-group-local ranks), and this rank's experts.
-        self.owners_LE = [expert_owners(self.plan, layer) for layer in range(self.num_layers)]
-        self.owner_order_LE = [torch.from_numpy(np.argsort(o, kind="stable")).to(self.device) for o in self.owners_LE]
-        self.my_experts_L = [[int(e) for e in np.flatnonzero(o == self.group_rank)] for o in self.owners_LE]
-        self.has_experts_L = [bool(e) for e in self.my_experts_L]
-
-        # Keep what this rank owns, release the rest.
+        # Keep what this rank owns, release the rest (Asym-EA re-plans move experts: adopt_plan).
         every_expert_param = [p for layer in self.layers for expert in layer.mlp.experts.local_experts
                               for p in expert.parameters()]
-        expert_params = {id(p) for p in every_expert_param}
-        owned_expert_params = {
-            id(p)
-            for layer, mine in zip(self.layers, self.my_experts_L)
-            for e in mine
-            for p in layer.mlp.experts.local_experts[e].parameters()
-        }
+        self._expert_shapes = {id(p): p.shape for p in every_expert_param}
+        """Every expert parameter's shape (a released parameter has none; a moved-in one gets it back)."""
         # ep's parameter groups (taken while every parameter still has its shape): the optimizer
         # steps them with ep's hyper-parameters and the checkpoints keep ep's form.
-        groups = moe.ep_param_groups(model, adam.lr, adam.min_lr, every_expert_param)
+        self._groups = moe.ep_param_groups(model, adam.lr, adam.min_lr, every_expert_param)
         sharded = model.sharded_state_dict()
         self.dtype = next(model.parameters()).dtype
         """The parameters' (and the exchanged tokens') dtype: fp32, or bf16/fp16 after Megatron's Float16Module cast."""
-        self.dense_params: list[torch.nn.Parameter] = []
+        self.dense_params: list[torch.nn.Parameter] = [
+            p for p in model.parameters() if id(p) not in self._expert_shapes and self.role == "attention"]
         self.expert_params: list[torch.nn.Parameter] = []
+        """The experts' parameters this rank owns under the current plan, in the model's order."""
+        self.main: dict[int, torch.Tensor] = {}
+        """Per owned parameter (by id): the fp32 weight Adam steps (the parameter itself in fp32)."""
+        self._hooked: set[int] = set()
+        self._schedule = schedule
+        self._set_plan(layout.asym_ea)
+        owned = {id(p) for p in self.dense_params + self._owned_expert_params()}
         for p in model.parameters():
-            if id(p) in owned_expert_params:
-                self.expert_params.append(p)
-            elif id(p) not in expert_params and self.role == "attention":
-                self.dense_params.append(p)
-            else:
-                p.requires_grad_(False)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        owned = {id(p) for p in self.dense_params + self.expert_params}
-        self.owned_sharded_state: dict[str, tuple[object, bool]] = {}
-        """Megatron's sharded state dict of the model (taken while every parameter had its shape)
-        restricted to what this rank owns, key -> (entry, whether an expert's): the checkpoints'
-        template (zebra/checkpoint.py)."""
+            if id(p) not in owned:
+                self._release(p)
+        self._sharded_entries: list[tuple[str, object, bool, frozenset[int]]] = []
+        """Megatron's sharded state dict of the model, taken while every parameter had its shape: (key,
+        entry, whether an expert's, the ids of the parameters it holds; empty: an attention rank's)."""
         for key, value in sharded.items():
             if isinstance(value, ShardedTensor):
-                mine, expert = id(value.data) in owned, id(value.data) in expert_params
+                ids = frozenset({id(value.data)})
             else:  # a module's `_extra_state` object: its module's
-                module_params = list(model.get_submodule(key.rsplit(".", 1)[0]).parameters())
-                mine = any(id(p) in owned for p in module_params) if module_params else self.role == "attention"
-                expert = any(id(p) in expert_params for p in module_params)
-            if mine:
-                self.owned_sharded_state[key] = (value, expert)
-        self.param_groups = [(fields, [p for p in params if id(p) in owned]) for fields, params in groups]
-        """ep's parameter groups in Megatron's order (`is_expert_parallel` tells which of ep's two
-        optimizers holds a group), each with this rank's parameters of it (possibly none):
-        (Megatron's group fields, parameters)."""
+                ids = frozenset(id(p) for p in model.get_submodule(key.rsplit(".", 1)[0]).parameters())
+            self._sharded_entries.append((key, value, bool(ids & self._expert_shapes.keys()), ids))
         # Gradient reduction groups: dense over all attention ranks; experts over the same
         # group-local rank of every ZP group (they hold the same experts).
         self._dense_dp = attention_dp if self.role == "attention" else None
@@ -368,11 +350,9 @@ class ZebraEngine:
         # main weights (`self.main`), copied back into the parameters after each step.
         self.precision = precision
         self.half = self.dtype != torch.float32
-        self.main: dict[int, torch.Tensor] = {}
-        for p in self.dense_params + self.expert_params:
-            p.main_grad = torch.zeros_like(p, dtype=precision.grad_dtype)
-            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-            self.main[id(p)] = p.detach().float().clone() if self.half else p
+        for p in self.dense_params + self._owned_expert_params():
+            self._own(p, p.detach().float().clone() if self.half else p)
+        self._update_param_lists()
         self.adam = adam
         self.optimizer = torch.optim.AdamW(
             [dict(params=[self.main[id(p)] for p in params], **fields) for fields, params in self.param_groups],
@@ -386,11 +366,6 @@ class ZebraEngine:
 
         self._streams = {"dispatch": CommStream(self.device), "combine": CommStream(self.device)}
         self._use_cuda = self.device.type == "cuda"
-        self.order = (task_order if schedule == "zebra" else naive_order)(
-            self.num_layers, config.microbatches, self.role,
-            [layer for layer, o in enumerate(self.plan.offload_chunks_L) if o > 0],
-        )
-        """The planned task order of this rank's role: {"compute" | "dispatch" | "combine": [Task]}."""
         self.timeline: RankTimeline | None = None
         """The last recorded iteration's executed tasks (when ``record_timeline`` is on)."""
         self.record_timeline = config.timeline is not None
@@ -454,6 +429,138 @@ class ZebraEngine:
                 f"the layout was made for {layout.asym_ea.shape.num_layers} layers x "
                 f"{layout.asym_ea.shape.num_experts} experts, the model has {len(layers)} x {cfg.num_moe_experts}"
             )
+
+    # ------------------------------------------------------------------------------------------
+    # Ownership: which experts this rank holds under the current Asym-EA plan
+    # ------------------------------------------------------------------------------------------
+
+    def _set_plan(self, plan: AsymEAPlan) -> None:
+        """The owners of every layer's experts (ZP-group-local ranks), this rank's experts and its
+        role's task order under ``plan``."""
+        self.plan = plan
+        self.owners_LE = [expert_owners(plan, layer) for layer in range(self.num_layers)]
+        self.owner_order_LE = [torch.from_numpy(np.argsort(o, kind="stable")).to(self.device) for o in self.owners_LE]
+        self.my_experts_L = [[int(e) for e in np.flatnonzero(o == self.group_rank)] for o in self.owners_LE]
+        self.has_experts_L = [bool(e) for e in self.my_experts_L]
+        self.order = (task_order if self._schedule == "zebra" else naive_order)(
+            self.num_layers, self.config.microbatches, self.role,
+            [layer for layer, o in enumerate(plan.offload_chunks_L) if o > 0],
+        )
+        """The planned task order of this rank's role: {"compute" | "dispatch" | "combine": [Task]}."""
+
+    def _owned_expert_params(self) -> list[torch.nn.Parameter]:
+        return [p for layer, mine in zip(self.layers, self.my_experts_L) for e in mine
+                for p in layer.mlp.experts.local_experts[e].parameters()]
+
+    def _own(self, param: torch.nn.Parameter, main: torch.Tensor) -> None:
+        """Train ``param`` here: a gradient buffer, the hook that fills it, its fp32 main weight
+        (``param`` itself in fp32)."""
+        param.requires_grad_(True)
+        param.main_grad = torch.zeros_like(param, dtype=self.precision.grad_dtype)
+        if id(param) not in self._hooked:  # hooks stay registered while a parameter is away
+            param.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            self._hooked.add(id(param))
+        self.main[id(param)] = main
+
+    def _release(self, param: torch.nn.Parameter) -> None:
+        """Another rank owns ``param``: drop its storage, gradient buffer, main weight and Adam state."""
+        main = self.main.pop(id(param), None)
+        if main is not None:
+            self.optimizer.state.pop(main, None)
+            activations.released([param, main])
+            del param.main_grad
+        param.requires_grad_(False)
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _update_param_lists(self) -> None:
+        """expert_params and param_groups from the current ownership (and the optimizer's groups,
+        once it exists): both in the model's order, so ranks that hold the same experts reduce
+        their gradients in one order."""
+        owned = {id(p) for p in self._owned_expert_params()}
+        self.expert_params = [p for p in self.model.parameters() if id(p) in owned]
+        owned.update(id(p) for p in self.dense_params)
+        self.param_groups = [(fields, [p for p in params if id(p) in owned]) for fields, params in self._groups]
+        """ep's parameter groups in Megatron's order (`is_expert_parallel` tells which of ep's two
+        optimizers holds a group), each with this rank's parameters of it (possibly none):
+        (Megatron's group fields, parameters)."""
+        if hasattr(self, "optimizer"):
+            for (_, params), group in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+                group["params"] = [self.main[id(p)] for p in params]
+
+    @property
+    def owned_sharded_state(self) -> dict[str, tuple[object, bool]]:
+        """Megatron's sharded state dict of the model restricted to what this rank owns now, key ->
+        (entry, whether an expert's): the checkpoints' template (zebra/checkpoint.py)."""
+        owned = {id(p) for p in self.dense_params + self.expert_params}
+        return {key: (value, expert) for key, value, expert, ids in self._sharded_entries
+                if (ids & owned if ids else self.role == "attention")}
+
+    def _moved_state(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """What moves with an expert's parameter, in order: [the parameter (bf16/fp16 only),] the
+        fp32 main weight, Adam's exp_avg and exp_avg_sq."""
+        state = self.adam_state(param)
+        return ([param] if self.half else []) + [self.main[id(param)], state["exp_avg"], state["exp_avg_sq"]]
+
+    def move_bytes_per_expert(self) -> int:
+        """Bytes that move with one expert (fp32 values: _moved_state's tensors)."""
+        per_value = 4 * (4 if self.half else 3)
+        expert = self.layers[0].mlp.experts.local_experts[0]
+        return per_value * sum(self._expert_shapes[id(p)].numel() for p in expert.parameters())
+
+    @torch.no_grad()
+    def adopt_plan(self, plan: AsymEAPlan) -> tuple[int, int]:
+        """Move experts to the owners of ``plan`` (Asym-EA re-planned from the loads), between
+        iterations. Collective over the world: every rank passes the same plan (checked first).
+
+        Inside every ZP group, each expert whose owner changes goes from its old owner to its new
+        one by point-to-point (one message per expert: its parameters' _moved_state as fp32);
+        the receiver takes the weights, the fp32 main weights and Adam's moments with the shared
+        step count, so training goes on as if the expert had always lived there. Returns the
+        bytes this rank (sent, received)."""
+        owners_LE = [expert_owners(plan, layer) for layer in range(self.num_layers)]
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, [o.tolist() for o in owners_LE])
+        if any(other != seen[0] for other in seen):
+            differ = next(r for r, other in enumerate(seen) if other != seen[0])
+            raise ZebraEngineError(f"ranks 0 and {differ} re-planned different expert owners; no expert moved")
+        group = self.layout.zp_groups[self.zp_group]
+        values = 4 if self.half else 3
+        ops, arriving, leaving = [], [], []
+        sent = received = 0
+        for layer, (old_E, new_E) in enumerate(zip(self.owners_LE, owners_LE)):
+            for e in np.flatnonzero(old_E != new_E):
+                params = list(self.layers[layer].mlp.experts.local_experts[e].parameters())
+                if old_E[e] == self.group_rank:
+                    payload = torch.cat([t.reshape(-1).float() for p in params for t in self._moved_state(p)])
+                    ops.append(dist.P2POp(dist.isend, payload, group[new_E[e]]))
+                    leaving += params
+                    sent += payload.numel() * 4
+                elif new_E[e] == self.group_rank:
+                    size = values * sum(self._expert_shapes[id(p)].numel() for p in params)
+                    buffer = torch.empty(size, dtype=torch.float32, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, group[old_E[e]]))
+                    arriving.append((params, buffer))
+                    received += size * 4
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for param in leaving:
+            self._release(param)
+        for params, buffer in arriving:
+            offset = 0
+            for p in params:
+                shape = self._expert_shapes[id(p)]
+                moved = buffer[offset : offset + values * shape.numel()].view(values, *shape)
+                offset += values * shape.numel()
+                p.data = moved[0].to(self.dtype).clone()
+                main = moved[1].clone() if self.half else p
+                self._own(p, main)
+                self.optimizer.state[main] = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
+                                              "exp_avg": moved[-2].clone(), "exp_avg_sq": moved[-1].clone()}
+                activations.persistent([p, main])
+        self._set_plan(plan)
+        self._update_param_lists()
+        return sent, received
 
     # ------------------------------------------------------------------------------------------
     # One iteration

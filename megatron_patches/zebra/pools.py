@@ -27,7 +27,8 @@ from typing import Sequence
 from megatron_patches.config.clusters import ClusterConfig, load_cluster_config
 from megatron_patches.placement.zebra import AsymEAPlan, ZebraProfile, ZebraShape, load_zebra_profile, resolve_asym_ea
 
-__all__ = ["PoolError", "ZebraLayout", "local_pool", "pool_cluster", "rank_device_types", "zebra_layout"]
+__all__ = ["PoolError", "ZebraLayout", "local_pool", "move_link_bytes_per_s", "pool_cluster", "rank_device_types",
+           "zebra_layout"]
 
 
 class PoolError(ValueError):
@@ -59,7 +60,12 @@ class ZebraLayout:
     """Per attention-rank index i < M: the i-th attention rank of every ZP group, which hold the
     same Asym-EA-offloaded experts."""
     asym_ea: AsymEAPlan
-    """The per-layer offload plan (all zeros when Asym-EA is off)."""
+    """The per-layer offload plan at the start (all zeros when Asym-EA is off)."""
+    profile: ZebraProfile | None = None
+    """The profile of the pool's attention and expert GPU types (--zebra-profile), if given."""
+    link_bytes_per_s: float = 0.0
+    """The slowest link between two devices of the pool in bytes/s (``move_link_bytes_per_s``):
+    what a re-plan prices moving an expert with."""
 
     @property
     def num_groups(self) -> int:
@@ -99,6 +105,16 @@ def pool_cluster(name_or_path: str | None, world_size: int) -> ClusterConfig:
         return load_cluster_config(name_or_path)
     except (OSError, ValueError) as err:
         raise PoolError(f"--zebra-cluster {name_or_path}: {err}") from None
+
+
+def move_link_bytes_per_s(cluster: ClusterConfig) -> float:
+    """Bytes/s of the slowest link between two devices of ``cluster``: the intra-node link on one
+    node, else the slower of it and the NIC (a hetjob's attention and expert ranks sit on other
+    nodes)."""
+    intra = min(g.intra_node_bw_gb_s for g in cluster.nodes) * 1e9
+    if cluster.num_nodes == 1:
+        return intra
+    return min(intra, min(g.inter_node_gbps for g in cluster.nodes) * 1e9 / 8)
 
 
 def _check_positive(name: str, value) -> None:
@@ -164,13 +180,14 @@ def zebra_layout(
     num_experts: int,
     asym_ea: str | Sequence[int] = "off",
     profile: ZebraProfile | str | os.PathLike | None = None,
+    replan: bool = False,
 ) -> ZebraLayout:
     """Validate a zebra pool and lay out its ranks.
 
     ``asym_ea`` is the value of --zebra-asym-ea (auto, off, or chunks per layer); ``profile`` a
     ZebraProfile or the path of a profile file, read for the pool's attention and expert GPU
-    types. Checks, in order: positive sizes; world divisible by M + N; experts divisible by N;
-    M | N or N | M when Asym-EA is on; the devices exist; attention ranks on the faster GPUs; and
+    types; ``replan`` whether --zebra-replan-interval is on. Checks, in order: positive sizes; world
+    divisible by M + N; experts divisible by N; M | N or N | M when Asym-EA or re-planning is on; the devices exist; attention ranks on the faster GPUs; and
     with a profile (or with auto, which needs one) the memory bounds (placement.zebra.resolve_asym_ea).
     """
     for name, value in (("--zebra-attention-ranks", attention_ranks), ("--zebra-expert-ranks", expert_ranks),
@@ -189,10 +206,12 @@ def zebra_layout(
             f"rank must hold the same number; valid: {divisors}"
         )
     asym_on = not (isinstance(asym_ea, str) and asym_ea.strip() == "off")
-    if asym_on and attention_ranks % expert_ranks and expert_ranks % attention_ranks:
+    if (asym_on or replan) and attention_ranks % expert_ranks and expert_ranks % attention_ranks:
+        what = f"--zebra-asym-ea {asym_ea!r}" if asym_on else "--zebra-replan-interval"
         raise PoolError(
-            f"--zebra-asym-ea {asym_ea!r} needs M to divide N or N to divide M, got --zebra-attention-ranks="
-            f"{attention_ranks} and --zebra-expert-ranks={expert_ranks}; use --zebra-asym-ea off or change M or N"
+            f"{what} needs M to divide N or N to divide M, got --zebra-attention-ranks="
+            f"{attention_ranks} and --zebra-expert-ranks={expert_ranks}; use --zebra-asym-ea off without re-planning "
+            "or change M or N"
         )
     types = rank_device_types(cluster, attention_ranks, expert_ranks, world_size)
     groups = tuple(tuple(range(g * per_group, (g + 1) * per_group)) for g in range(world_size // per_group))
@@ -222,4 +241,6 @@ def zebra_layout(
         expert_dp_groups=tuple(tuple(g[attention_ranks + j] for g in groups) for j in range(expert_ranks)),
         offloaded_expert_dp_groups=tuple(tuple(g[i] for g in groups) for i in range(attention_ranks)),
         asym_ea=plan,
+        profile=profile,
+        link_bytes_per_s=move_link_bytes_per_s(cluster),
     )

@@ -7,7 +7,9 @@ each iteration to the ZebraEngine.
     data_parallel    only attention ranks read data (R micro-batches each per iteration)
     forward_backward the zig-zag schedule over this rank's R micro-batches (or its F tasks only)
     end_iteration    the engine's measured all-to-all rows and bytes; the timeline of the last
-                     iteration (--zebra-timeline)
+                     iteration (--zebra-timeline); every --zebra-replan-interval iterations an
+                     Asym-EA re-plan from the loads measured since the last one
+                     (placement/zebra/replan.py), the experts moved when it pays
     save/load        checkpoints in ep's form (zebra/checkpoint.py)
 
 Everything else (logging, evaluation, the non-finite stop, the stall watchdog, metrics, the load
@@ -17,6 +19,7 @@ trace) is the shared loop's.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -26,6 +29,7 @@ from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.zebra import expert_owners
+from megatron_patches.placement.zebra.replan import replan
 from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
@@ -73,13 +77,16 @@ class ZebraRuntime(ModeRuntime):
         self.rank = dist.get_rank()
         self.attention = layout.roles[self.rank] == "attention"
         self.engine: ZebraEngine | None = None
+        self._loads_LE = np.zeros((layout.asym_ea.shape.num_layers, layout.asym_ea.shape.num_experts), dtype=np.int64)
+        """Routed token copies per layer and expert since the last re-plan (--zebra-replan-interval)."""
 
     @classmethod
     def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ZebraRuntime":
         config = ZebraConfig.from_args(args)
         layout = zebra_layout(pool_cluster(config.cluster, dist.get_world_size()), config.attention_ranks,
                               config.expert_ranks, dist.get_world_size(), num_layers=args.num_layers,
-                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile)
+                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile,
+                              replan=config.replan_interval > 0)
         return cls(config, layout, AdamSettings.from_args(args), args.train_iters)
 
     # ---- building ----------------------------------------------------------------------------
@@ -100,6 +107,8 @@ class ZebraRuntime(ModeRuntime):
             f"zebra: {layout.num_groups} ZP group(s) of M={layout.attention_ranks} attention + N={layout.expert_ranks} "
             f"expert ranks ({layout.attention_device_type} / {layout.expert_device_type}); R={self.config.microbatches} "
             f"micro-batches per attention rank; Asym-EA offload chunks per layer {list(layout.asym_ea.offload_chunks_L)}"
+            + (f"; re-planned from the loads every {self.config.replan_interval} iterations"
+               if self.config.replan_interval else "")
         )
         return model, ZebraOptimizer(self.engine)
 
@@ -131,21 +140,53 @@ class ZebraRuntime(ModeRuntime):
             self._log.append(f"zebra: wrote the timeline of iteration {step.iteration} to {self.config.timeline} "
                              "(tools/plot_timeline.py draws it)")
         layout = self.layout
-        return {
+        record = {
             "attention_ranks": layout.attention_ranks,
             "expert_ranks": layout.expert_ranks,
             "zp_groups": layout.num_groups,
             "microbatches": self.config.microbatches,
-            "offload_chunks": list(layout.asym_ea.offload_chunks_L),
+            "offload_chunks": list(self.engine.plan.offload_chunks_L),
             "bytes": {f"a2a_{stream}": value for stream, value in sent.items()},
         }
+        interval = self.config.replan_interval
+        if interval:
+            self._loads_LE += step.routed_LE
+            if step.iteration % interval == 0:
+                record["replan"] = self._replan(step.iteration)
+        return record
+
+    def _replan(self, iteration: int) -> dict:
+        """Re-plan Asym-EA from the loads since the last re-plan; move the experts when it pays
+        (collective: every rank decides alike from the world's loads)."""
+        engine = self.engine
+        started = time.perf_counter()
+        decision = replan(self.layout.profile, engine.plan, self._loads_LE, self.config.microbatches,
+                          horizon=self.config.replan_interval, bytes_per_expert=engine.move_bytes_per_expert(),
+                          link_bytes_per_s=self.layout.link_bytes_per_s)
+        entry = {"adopted": decision.adopted, "predicted_s": [decision.current_s, decision.best_s],
+                 "moved_experts": decision.moved_experts, "predicted_move_bytes": decision.move_bytes,
+                 "predicted_move_s": decision.move_s, "plan_s": time.perf_counter() - started}
+        self._loads_LE[:] = 0
+        line = f"zebra: re-plan at iteration {iteration}: {decision.summary()}"
+        if decision.adopted:
+            started = time.perf_counter()
+            sent, received = engine.adopt_plan(decision.plan)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            busiest = torch.tensor([max(sent, received)], dtype=torch.int64, device=engine.device)
+            dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+            entry.update(move_bytes=int(busiest[0]), move_s=time.perf_counter() - started,
+                         offload_chunks=list(decision.plan.offload_chunks_L))
+            line += f"; moved in {entry['move_s'] * 1e3:.1f} ms, {entry['move_bytes']} B on the busiest rank"
+        self._log.append(line)
+        return entry
 
     # ---- metrics -----------------------------------------------------------------------------
 
     def owner_positions_LE(self, num_layers: int, num_experts: int, ep_size: int) -> np.ndarray:
         """Positions 0..M-1 are the attention ranks (owners of Asym-EA's offloaded experts),
         M..M+N-1 the expert ranks."""
-        return np.stack([expert_owners(self.layout.asym_ea, layer) for layer in range(num_layers)])
+        return np.stack([expert_owners(self.engine.plan, layer) for layer in range(num_layers)])
 
     def a2a_remote_copies(self, loads) -> int:
         """Token rows the forward dispatch sent to another rank (all ranks, layers, micro-batches):

@@ -84,6 +84,31 @@ class AsymEAPlan:
     """Memory cap factor alpha of DESIGN 4.8 (auto plans with T_gather > 0 only)."""
     beta: float | None = None
     """Memory floor factor beta of DESIGN 4.8 (auto plans with T_gather > 0 only)."""
+    owners_LE: tuple[tuple[int, ...], ...] | None = None
+    """Explicit owners of every layer's experts (ZP-group-local ranks), for plans that choose which
+    experts move (``replan``: by load); None: the contiguous choice of ``expert_owners``. Each
+    expert stays on its home expert rank or moves to an attention rank; every expert rank gives
+    o*n2 experts of a layer with o chunks and every attention rank takes o*n1."""
+
+    def __post_init__(self) -> None:
+        if self.owners_LE is None:
+            return
+        shape = self.shape
+        owners_LE = np.asarray(self.owners_LE, dtype=np.int64)
+        if owners_LE.shape != (shape.num_layers, shape.num_experts):
+            raise ValueError(f"owners_LE has shape {owners_LE.shape}, expected ({shape.num_layers}, {shape.num_experts})")
+        m, per_rank = shape.attention_ranks, shape.experts_per_expert_rank
+        home_E = m + np.arange(shape.num_experts) // per_rank
+        for layer, (owners_E, chunks) in enumerate(zip(owners_LE, self.offload_chunks_L)):
+            moved_E = owners_E != home_E
+            given_N = np.bincount(home_E[moved_E] - m, minlength=shape.expert_ranks)
+            taken_A = np.bincount(owners_E[moved_E], minlength=m)
+            if (owners_E[moved_E] >= m).any() or (given_N != chunks * self.n2).any() or (taken_A != chunks * self.n1).any():
+                raise ValueError(
+                    f"owners of layer {layer} {owners_E.tolist()} do not offload {chunks} chunks: each expert stays on "
+                    f"its home expert rank {home_E.tolist()} or moves to an attention rank 0..{m - 1}, every expert rank "
+                    f"gives {chunks * self.n2} and every attention rank takes {chunks * self.n1}"
+                )
 
     @property
     def experts_per_attention_rank_L(self) -> tuple[int, ...]:
@@ -227,11 +252,14 @@ def expert_owners(plan: AsymEAPlan, layer: int) -> np.ndarray:
 
     Expert rank r (group rank M+r) owns the contiguous block [r*n/N, (r+1)*n/N); under Asym-EA it
     gives away the last o*n2 experts of its block. The given-away experts, in expert-rank order,
-    go to attention ranks in consecutive runs of o*n1. Deterministic on every rank.
+    go to attention ranks in consecutive runs of o*n1. A plan with explicit owners (a re-plan by
+    load) gives those instead. Deterministic on every rank.
     """
     shape = plan.shape
     if not 0 <= layer < shape.num_layers:
         raise ValueError(f"layer {layer} out of range 0..{shape.num_layers - 1}")
+    if plan.owners_LE is not None:
+        return np.array(plan.owners_LE[layer], dtype=np.int64)
     m, per_rank = shape.attention_ranks, shape.experts_per_expert_rank
     owners_E = m + np.arange(shape.num_experts, dtype=np.int64) // per_rank
     moved = plan.offload_chunks_L[layer] * plan.n2
