@@ -18,7 +18,17 @@ iteration on, a loss depends on Adam's moments crossing the checkpoint):
     zebra                      from ep     -> iteration 10 is ep's loss bit for bit, then within 1e-6
 Measured (2026-11-26, K = 3 of 6): 0 / 1e-9 / 8e-8 (grad norms) / 3e-8 relative.
 
-Two spawns of 4 ranks (the two runs, then the four resumes: support/multirun.py).
+Asym-EA re-planned from the loads (--zebra-replan-interval, placement/zebra/replan.py), with a
+profile that makes the expert ranks 4x slower than attention per layer, so a re-plan pays:
+    zebra, re-plan every 3 iterations  -> zebra's losses bit for bit, grad norms to rounding (an expert computes
+                                          the same rows in the same order wherever it lives; its
+                                          weights and Adam state move exactly), bytes moved = planned
+    ep from its checkpoint at K         -> ep_from_zebra's losses bit for bit (the moved experts are saved
+                                          by their new owners)
+    2 ZP groups, re-plan every iteration
+    from zebra's checkpoint             -> the resume without re-planning, bit for bit
+
+Two spawns of 4 ranks (the three runs, then the six resumes: support/multirun.py).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from support.training import REPO, launch_many
 
 from megatron_patches.placement.trace import read_trace
+from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.zebra.timeline import read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -51,13 +62,25 @@ EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro 
 LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 
 
+def write_profile(path, attention_ranks: int, expert_ranks: int) -> list[str]:
+    """A profile of this machine's device type in which one layer's attention takes 1 ms and an
+    expert 1 ms (so an expert rank's E task is n/N ms), every expert fitting everywhere: whatever
+    the loads, moving experts to the attention ranks pays; the flags that use it."""
+    per_rank = EXPERTS // expert_ranks
+    save_device_profile(path, ZebraShape(LAYERS, EXPERTS, attention_ranks, expert_ranks),
+                        DeviceProfile("cpu-rank", 1e-3, per_rank * 1e-3, LAYERS * EXPERTS, LAYERS * per_rank))
+    return ["--zebra-profile", str(path)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zebra_training")
     timeline = work / "timeline.json"
     zebra = [*ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz")]
+    replan = [*ZEBRA, *write_profile(work / "profile.json", M, N), "--zebra-replan-interval", "3"]
     runs = launch_many(4, {"ep": [*COMMON, *EP, *saving(work / "ep_ckpt")],
-                           "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")]}, work)
+                           "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")],
+                           "zebra_replan": [*COMMON, *replan, *saving(work / "replan_ckpt")]}, work)
     return {**runs, "timeline": timeline, "work": work}
 
 
@@ -77,8 +100,12 @@ def resumed(runs):
         "zebra_groups": [*groups, *zebra_ckpt],
         "ep_from_zebra": [*EP, *zebra_ckpt],
         "zebra_from_ep": [*ZEBRA, *ep_ckpt],
+        "ep_from_replan": [*EP, "--load", str(work / "replan_ckpt")],
+        "zebra_groups_replan": [*groups, *write_profile(work / "profile_1_1.json", 1, 1), "--zebra-replan-interval", "1",
+                                *zebra_ckpt],
     }
-    trackers = {"zebra_asym": (work / "zebra_ckpt", K), "zebra_from_ep": (work / "ep_ckpt", K)}
+    trackers = {"zebra_asym": (work / "zebra_ckpt", K), "zebra_from_ep": (work / "ep_ckpt", K),
+                "ep_from_replan": (work / "replan_ckpt", K)}
     return launch_many(4, {name: [*COMMON, *more] for name, more in flags.items()}, work, trackers)
 
 
@@ -161,6 +188,33 @@ def test_checkpoints_resume_in_zebra_layouts_and_in_ep(runs, resumed):
         assert losses == pytest.approx(saver[K:], rel=1e-6), name
     # the resumed runs train on, with Adam's moments and the LR schedule carried over
     assert _series(resumed["ep_from_zebra"], "lr") == pytest.approx(_series(runs["zebra"], "lr")[K:], rel=1e-12)
+
+
+def test_replanning_moves_experts_and_keeps_every_loss(runs, resumed):
+    run = runs["zebra_replan"]
+    assert _series(run, "loss") == _series(runs["zebra"], "loss")
+    # the norm's squares are summed per rank, and the experts now sit on other ranks: rounding only
+    assert _series(run, "grad_norm") == pytest.approx(_series(runs["zebra"], "grad_norm"), rel=1e-12)
+    records = [r for r in run.records if "moe_layers" in r]
+    replans = {r["iteration"]: r["zebra"]["replan"] for r in records if "replan" in r["zebra"]}
+    assert sorted(replans) == [3, 6, 9, 12]
+    adopted = [i for i, entry in replans.items() if entry["adopted"]]
+    assert 3 in adopted, replans[3]  # from "off", with expert ranks 4x slower than attention
+    for i in adopted:
+        entry = replans[i]
+        assert entry["move_bytes"] == entry["predicted_move_bytes"] > 0  # the busiest rank's bytes, as planned
+        assert entry["predicted_s"][1] < entry["predicted_s"][0]
+        assert f"zebra: re-plan at iteration {i}: " in run.output
+        after = records[i]  # iteration i + 1 runs the new plan: the attention positions process tokens
+        assert after["zebra"]["offload_chunks"] == entry["offload_chunks"]
+        for layer, chunks in zip(after["moe_layers"], entry["offload_chunks"]):
+            assert (sum(layer["device_tokens"][:M]) > 0) == (chunks > 0)
+    # a checkpoint saved after re-plans is the same model: ep resumes it as it resumes zebra's
+    assert _series(resumed["ep_from_replan"], "loss") == _series(resumed["ep_from_zebra"], "loss")
+    # 2 ZP groups re-planning every iteration: each group moves alike, the expert groups stay aligned
+    groups = resumed["zebra_groups_replan"]
+    assert _series(groups, "loss") == _series(resumed["zebra_groups"], "loss")
+    assert any(r["zebra"].get("replan", {}).get("adopted") for r in groups.records if "zebra" in r)
 
 
 def test_zebra_checkpoint_has_eps_keys_and_shapes(runs):
