@@ -741,6 +741,11 @@ def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
     (("--zebra-attention-ranks", "3", "--zebra-asym-ea", "auto"), 5, ("--zebra-asym-ea=auto needs --zebra-profile",)),
     (("--zebra-attention-ranks", "3", "--zebra-asym-ea", "1,1,1,1"), 5, ("needs M to divide N or N to divide M",)),
     (("--zebra-asym-ea", "1,x"), 4, ("--zebra-asym-ea='1,x' is invalid",)),
+    (("--zebra-replan-interval", "5"), 4, ("--zebra-replan-interval=5 needs --zebra-profile FILE",)),
+    (("--zebra-replan-interval", "-1"), 4, ("--zebra-replan-interval=-1 is invalid", "integer >= 0")),
+    # any existing file passes the flag's check; M = 3 with N = 2 fails before the profile is read
+    (("--zebra-attention-ranks", "3", "--zebra-replan-interval", "2", "--zebra-profile", __file__), 5,
+     ("--zebra-replan-interval needs M to divide N or N to divide M", "--zebra-attention-ranks=3")),
     (("--global-batch-size", "16"), 4, ("--global-batch-size=16", "valid: 32 (or leave it unset)")),
     (("--expert-model-parallel-size", "2"), 4, ("--expert-model-parallel-size=2", "--zebra-expert-ranks", "valid: 1")),
     (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"), 4,

@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import MOCK, Run, launch_many
+from support.training import MOCK, Run, launch_many, zebra_replan_flags
 
 pytestmark = pytest.mark.e2e
 
@@ -114,6 +114,9 @@ def runs(workdir) -> dict[str, Run]:
         "--use-distributed-optimizer"] for precision, mode, more in HALF}
     flags["ep_fp16_from_zebra"] = [*COMMON, "--train-iters", "10", *FP16, "--load", str(zebra_fp16)]
     flags["ep_bf16_from_zebra"] = [*COMMON, "--train-iters", str(ITERS), "--bf16", "--load", str(zebra_bf16)]
+    replan = zebra_replan_flags(workdir / "zebra_profile.json", LAYERS, EXPERTS, 2, 2, interval=2)
+    flags["zebra_bf16_replan"] = [*COMMON, "--train-iters", "10", "--bf16", *ZEBRA, *replan]
+    flags["zebra_fp16_replan"] = [*COMMON, "--train-iters", "10", *FP16, *FP16_MODES["zebra"], *replan]
     return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5),
                                                     "ep_bf16_from_zebra": (zebra_bf16, ZEBRA_BF16_SAVE)})
 
@@ -191,6 +194,22 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, n
     assert records[-1]["skipped_iterations"] == sum(not r["update_successful"] for r in records)
     assert run.losses[-1] < run.losses[0]
     assert "dynamic loss scale from 1024" in run.output and "loss scale" in run.output.split("iter      2/10")[1]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zebra_replanning_in_half_precision_keeps_the_losses(runs, precision):
+    """Asym-EA re-planned every 2 iterations (fp16: from "1,2", with full recompute and the loss
+    scaler) against the same zebra run without re-planning: the same losses and loss scales bit for
+    bit over 10 iterations (the half-precision weights, fp32 main weights and Adam moments move
+    exactly)."""
+    run, reference = runs[f"zebra_{precision}_replan"], runs[f"zebra_{precision}"]
+    records = [r for r in run.records if "loss" in r]
+    assert run.losses == reference.losses[: len(run.losses)] and len(run.losses) == 10
+    assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in reference.records if "loss" in r][:10]
+    adopted = [r["zebra"]["replan"] for r in records if r["zebra"].get("replan", {}).get("adopted")]
+    assert adopted and all(entry["move_bytes"] == entry["predicted_move_bytes"] for entry in adopted)
+    # what moves per expert: (bf16/fp16 weights as fp32,) fp32 main weights, exp_avg, exp_avg_sq
+    assert all(entry["move_bytes"] % (N * 16) == 0 for entry in adopted)
 
 
 def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, runs):

@@ -39,10 +39,9 @@ import sys
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from support.training import REPO, launch_many
+from support.training import REPO, launch_many, zebra_replan_flags
 
 from megatron_patches.placement.trace import read_trace
-from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.zebra.timeline import read_timeline
 
 pytestmark = pytest.mark.e2e
@@ -62,22 +61,12 @@ EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro 
 LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 
 
-def write_profile(path, attention_ranks: int, expert_ranks: int) -> list[str]:
-    """A profile of this machine's device type in which one layer's attention takes 1 ms and an
-    expert 1 ms (so an expert rank's E task is n/N ms), every expert fitting everywhere: whatever
-    the loads, moving experts to the attention ranks pays; the flags that use it."""
-    per_rank = EXPERTS // expert_ranks
-    save_device_profile(path, ZebraShape(LAYERS, EXPERTS, attention_ranks, expert_ranks),
-                        DeviceProfile("cpu-rank", 1e-3, per_rank * 1e-3, LAYERS * EXPERTS, LAYERS * per_rank))
-    return ["--zebra-profile", str(path)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zebra_training")
     timeline = work / "timeline.json"
     zebra = [*ZEBRA, "--zebra-timeline", str(timeline), "--moe-log-loads", str(work / "loads.npz")]
-    replan = [*ZEBRA, *write_profile(work / "profile.json", M, N), "--zebra-replan-interval", "3"]
+    replan = [*ZEBRA, *zebra_replan_flags(work / "profile.json", LAYERS, EXPERTS, M, N, interval=3)]
     runs = launch_many(4, {"ep": [*COMMON, *EP, *saving(work / "ep_ckpt")],
                            "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")],
                            "zebra_replan": [*COMMON, *replan, *saving(work / "replan_ckpt")]}, work)
@@ -101,7 +90,7 @@ def resumed(runs):
         "ep_from_zebra": [*EP, *zebra_ckpt],
         "zebra_from_ep": [*ZEBRA, *ep_ckpt],
         "ep_from_replan": [*EP, "--load", str(work / "replan_ckpt")],
-        "zebra_groups_replan": [*groups, *write_profile(work / "profile_1_1.json", 1, 1), "--zebra-replan-interval", "1",
+        "zebra_groups_replan": [*groups, *zebra_replan_flags(work / "profile_1_1.json", LAYERS, EXPERTS, 1, 1, interval=1),
                                 *zebra_ckpt],
     }
     trackers = {"zebra_asym": (work / "zebra_ckpt", K), "zebra_from_ep": (work / "ep_ckpt", K),

@@ -510,7 +510,8 @@ class ZebraEngine:
     @torch.no_grad()
     def adopt_plan(self, plan: AsymEAPlan) -> tuple[int, int]:
         """Move experts to the owners of ``plan`` (Asym-EA re-planned from the loads), between
-        iterations. Collective over the world: every rank passes the same plan (checked first).
+        iterations. Collective over the world: every rank passes the same plan (the runtime checks
+        that they agree before any rank calls this).
 
         Inside every ZP group, each expert whose owner changes goes from its old owner to its new
         one by point-to-point (one message per expert: its parameters' _moved_state as fp32);
@@ -518,11 +519,6 @@ class ZebraEngine:
         step count, so training goes on as if the expert had always lived there. Returns the
         bytes this rank (sent, received)."""
         owners_LE = [expert_owners(plan, layer) for layer in range(self.num_layers)]
-        seen = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, [o.tolist() for o in owners_LE])
-        if any(other != seen[0] for other in seen):
-            differ = next(r for r, other in enumerate(seen) if other != seen[0])
-            raise ZebraEngineError(f"ranks 0 and {differ} re-planned different expert owners; no expert moved")
         group = self.layout.zp_groups[self.zp_group]
         values = 4 if self.half else 3
         ops, arriving, leaving = [], [], []

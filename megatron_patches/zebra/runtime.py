@@ -32,7 +32,7 @@ from megatron_patches.placement.zebra import expert_owners
 from megatron_patches.placement.zebra.replan import replan
 from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
-from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
+from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine, ZebraEngineError
 from megatron_patches.zebra.pools import ZebraLayout, pool_cluster, zebra_layout
 
 
@@ -167,6 +167,14 @@ class ZebraRuntime(ModeRuntime):
                  "moved_experts": decision.moved_experts, "predicted_move_bytes": decision.move_bytes,
                  "predicted_move_s": decision.move_s, "plan_s": time.perf_counter() - started}
         self._loads_LE[:] = 0
+        # every rank decides from the same loads with the same arithmetic; checked, since ranks that
+        # disagreed would wait on each other's transfers forever
+        decided = [None] * dist.get_world_size()
+        dist.all_gather_object(decided, decision.plan.owners_LE if decision.adopted else None)
+        if any(other != decided[0] for other in decided):
+            differ = next(r for r, other in enumerate(decided) if other != decided[0])
+            raise ZebraEngineError(f"re-plan at iteration {iteration}: ranks 0 and {differ} decided differently "
+                                   f"({decided[0]} vs {decided[differ]}); no expert moved")
         line = f"zebra: re-plan at iteration {iteration}: {decision.summary()}"
         if decision.adopted:
             started = time.perf_counter()

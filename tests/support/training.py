@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.multirun import MARKER
 
+from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
 from megatron_patches.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +86,18 @@ def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers:
             outputs[name] += line
     assert list(outputs) == list(runs), (list(outputs), proc.stdout[-6000:])
     return {name: Run(outputs[name], read_records(str(logs[name])) if logs[name].exists() else []) for name in runs}
+
+
+def zebra_replan_flags(path: Path, layers: int, experts: int, attention_ranks: int, expert_ranks: int,
+                       interval: int) -> list[str]:
+    """Flags that re-plan Asym-EA every ``interval`` iterations, with a profile (written to ``path``)
+    of this machine's device type in which one layer's attention takes 1 ms and one expert 1 ms (an
+    expert rank's E task is n/N ms), every expert fitting everywhere: moving experts to the attention
+    ranks pays whatever the loads."""
+    per_rank = experts // expert_ranks
+    save_device_profile(path, ZebraShape(layers, experts, attention_ranks, expert_ranks),
+                        DeviceProfile("cpu-rank", 1e-3, per_rank * 1e-3, layers * experts, layers * per_rank))
+    return ["--zebra-profile", str(path), "--zebra-replan-interval", str(interval)]
 
 
 def check_moe_records(run: Run, tokens_per_iteration: int, topk: int, num_layers: int, ep: int, dropless: bool = True) -> None:
