@@ -90,6 +90,8 @@ HALF = [
     ("fp16", "replicate", [*REPLICATE, *SELECTIVE]),
 ]
 BF16_MODES = {"ep": [], "fssdp": FSSDP, "replicate": REPLICATE, "zebra": ZEBRA}
+AUX = ["--moe-aux-loss-coeff", "1.0"]
+"""A strong auxiliary loss: it moves the fp16 runs well beyond fp16's noise."""
 ZEBRA_BF16_SAVE = 15
 """zebra's bf16 run saves here (and at ITERS); ep resumes it."""
 FP16_MODES = {"ep": [], "fssdp": FSSDP, "zebra": [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]}
@@ -117,6 +119,8 @@ def runs(workdir) -> dict[str, Run]:
     replan = zebra_replan_flags(workdir / "zebra_profile.json", LAYERS, EXPERTS, 2, 2, interval=2)
     flags["zebra_bf16_replan"] = [*COMMON, "--train-iters", "10", "--bf16", *ZEBRA, *replan]
     flags["zebra_fp16_replan"] = [*COMMON, "--train-iters", "10", *FP16, *FP16_MODES["zebra"], *replan]
+    flags |= {f"{name}_fp16_aux": [*COMMON, "--train-iters", "10", *FP16, *FP16_MODES[name], *AUX]
+              for name in ("ep", "zebra")}
     return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5),
                                                     "ep_bf16_from_zebra": (zebra_bf16, ZEBRA_BF16_SAVE)})
 
@@ -210,6 +214,20 @@ def test_zebra_replanning_in_half_precision_keeps_the_losses(runs, precision):
     assert adopted and all(entry["move_bytes"] == entry["predicted_move_bytes"] for entry in adopted)
     # what moves per expert: (bf16/fp16 weights as fp32,) fp32 main weights, exp_avg, exp_avg_sq
     assert all(entry["move_bytes"] % (N * 16) == 0 for entry in adopted)
+
+
+def test_zebra_fp16_auxiliary_loss_follows_ep(fp16_runs, runs):
+    """The auxiliary loss's backward carries the fp16 loss scale in zebra as in ep (without it the
+    aux gradient would be unscaled away): zebra-fp16 follows ep-fp16 with the same loss, within
+    fp16's noise, while the loss moves ep far beyond that noise. Measured (2026-11-26, 10
+    iterations, coefficient 1.0): noise (ep-fp16 vs ep-fp32) 7.1e-5, the loss's effect on ep-fp16
+    7.3e-4, zebra against ep 4.4e-5."""
+    zebra, ep = runs["zebra_fp16_aux"], runs["ep_fp16_aux"]
+    noise = relative(fp16_runs["ep"], runs["ep_fp32"])
+    effect = relative(ep, fp16_runs["ep"])
+    assert effect.max() > 5 * noise.max(), (effect, noise)
+    assert relative(zebra, ep).max() < noise.max(), relative(zebra, ep)
+    assert [r["loss_scale"] for r in zebra.records if "loss" in r] == [r["loss_scale"] for r in ep.records if "loss" in r]
 
 
 def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, runs):

@@ -57,6 +57,7 @@ COMMON = [
 ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", str(M), "--zebra-expert-ranks", str(N),
          "--zebra-microbatches", str(R)]
 EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro x R x M = 32 sequences
+AUX = ["--moe-aux-loss-coeff", "0.1"]
 # tiny.yaml: 2 layers, hidden 64, 8 experts, top-2, sequence 128.
 LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 
@@ -69,7 +70,10 @@ def runs(tmp_path_factory):
     replan = [*ZEBRA, *zebra_replan_flags(work / "profile.json", LAYERS, EXPERTS, M, N, interval=3)]
     runs = launch_many(4, {"ep": [*COMMON, *EP, *saving(work / "ep_ckpt")],
                            "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")],
-                           "zebra_replan": [*COMMON, *replan, *saving(work / "replan_ckpt")]}, work)
+                           "zebra_replan": [*COMMON, *replan, *saving(work / "replan_ckpt")],
+                           **{f"{mode}_{kind}": [*COMMON, *flags, *AUX, "--moe-router-load-balancing-type", kind]
+                              for kind in ("aux_loss", "seq_aux_loss") for mode, flags in (("ep", EP), ("zebra", ZEBRA))}},
+                      work)
     return {**runs, "timeline": timeline, "work": work}
 
 
@@ -110,6 +114,18 @@ def test_losses_and_grad_norms_match_ep(runs, variant):
     assert loss[-1] < loss[0] - 0.5  # it trains
     assert _series(runs[variant], "grad_norm") == pytest.approx(_series(runs["ep"], "grad_norm"), rel=1e-4)
     assert _series(runs[variant], "lr") == pytest.approx(_series(runs["ep"], "lr"), rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_the_auxiliary_loss_trains_as_in_ep(runs, kind):
+    """Megatron's routers attach the loss on the attention ranks, on each micro-batch's own tokens as
+    in ep (the same micro-batches); zebra scales its backward as the head's loss. Measured
+    (2026-11-26, coefficient 0.1): 2.3e-8 (aux_loss) and 1.2e-8 (seq_aux_loss) from ep, while the
+    loss moves the run 3.7e-4 away from the one without it (a wrong scale of its backward fails)."""
+    zebra, ep = _series(runs[f"zebra_{kind}"], "loss"), _series(runs[f"ep_{kind}"], "loss")
+    assert zebra == pytest.approx(ep, rel=1e-6)
+    plain = _series(runs["zebra"], "loss")
+    assert max(abs(a - b) / b for a, b in zip(zebra, plain)) > 1e-4  # the loss takes effect
 
 
 def test_records_count_routed_tokens_and_exact_all_to_all_bytes(runs):

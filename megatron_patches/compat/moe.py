@@ -43,7 +43,7 @@ from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
@@ -194,6 +194,12 @@ class InstanceMoELayer(MoELayer):
         """One expert MLP (Megatron's own module and ops) on the weights packed in `row_N`."""
         output, _ = functional_call(self.experts.local_experts[0], self.expert_layout.views(row_N), (tokens_nD, probs_n))
         return output
+
+
+def set_aux_loss_scale(scale: torch.Tensor) -> None:
+    """The factor the routers' auxiliary-loss gradient gets in the next backward (Megatron's
+    schedule sets it per micro-batch; zebra runs its own schedule)."""
+    MoEAuxLossAutoScaler.set_loss_scale(scale)
 
 
 def with_moe_layer(layer_spec, moe_class: type, **params):

@@ -178,6 +178,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+GLOBAL_AUX_LOSS = ("with global_aux_loss Megatron-Core 0.16.1 all-reduces the token counts over its data-parallel group (router.py _apply_global_aux_loss: tp_dp_cp), which in zebra holds the expert ranks, and they run no router: the all-reduce would never complete; valid: aux_loss or seq_aux_loss")
+"""Why zebra refuses the global auxiliary loss (the flags' validation and the engine's check)."""
+
+
 def recompute_refusals(granularity: str | None, method: str | None, num_layers: int | None,
                        modules: list[str]) -> tuple[tuple[str, object, bool, str], ...]:
     """(flag, value, refused, why) of the recompute settings zebra cannot honour, for the flags'
@@ -219,8 +223,8 @@ def validate(args: argparse.Namespace) -> None:
          "zebra needs every layer to be MoE (expert ranks hold the experts of every layer); valid: 1"),
         ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, args.moe_expert_capacity_factor is not None,
          "zebra mode is dropless; leave it unset"),
-        ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, args.moe_aux_loss_coeff != 0,
-         "the auxiliary loss needs the token statistics of all attention ranks, not implemented in zebra; valid: 0"),
+        ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type,
+         args.moe_aux_loss_coeff != 0 and args.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          "zebra runs its own bipartite all-to-all between attention and expert ranks; valid: alltoall (the default)"),

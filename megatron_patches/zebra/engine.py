@@ -81,7 +81,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron_patches.comm.streams import CommStream
 from megatron_patches.compat import activations, mcore, moe
 from megatron_patches.placement.zebra import AsymEAPlan, Task, expert_owners, task_order
-from megatron_patches.zebra.config import ZebraConfig, recompute_refusals
+from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, ZebraConfig, recompute_refusals
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
 
@@ -404,8 +404,8 @@ class ZebraEngine:
             ("--num-experts", cfg.num_moe_experts, not cfg.num_moe_experts, "zebra needs an MoE model"),
             ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
              "zebra mode is dropless; valid: None"),
-            ("--moe-aux-loss-coeff", cfg.moe_aux_loss_coeff, bool(cfg.moe_aux_loss_coeff),
-             "the auxiliary loss needs token statistics of all attention ranks, not implemented; valid: 0"),
+            ("--moe-router-load-balancing-type", cfg.moe_router_load_balancing_type,
+             bool(cfg.moe_aux_loss_coeff) and cfg.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
             ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
              cfg.moe_shared_expert_intermediate_size is not None, "shared experts are not supported in zebra mode"),
             ("--moe-grouped-gemm", cfg.moe_grouped_gemm, cfg.moe_grouped_gemm,
@@ -588,6 +588,13 @@ class ZebraEngine:
         """Run the schedule and sum the gradients over the data-parallel groups; the mean loss.
         Gradients accumulate into ``.grad`` (``zero_grad`` first); same arguments as ``train_step``."""
         self._take_batches(microbatches)
+        if self.model.config.moe_aux_loss_coeff:
+            # the routers' auxiliary loss backward is scaled as the head's loss (`_head_backward`), as
+            # Megatron's schedule scales it for ep (1 / micro-batches there; DDP then averages over DP)
+            scale = torch.ones(1, device=self.device) / (len(self.layout.attention_dp_group) * self.config.microbatches)
+            if self.precision.grad_scaler is not None:
+                scale = scale * self.precision.grad_scaler.scale.to(self.device)
+            moe.set_aux_loss_scale(scale)
         self._run_schedule(self.order)
         self._reduce_gradients()
         self.last_loss = self._mean_loss()
