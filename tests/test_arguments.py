@@ -750,7 +750,6 @@ def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
     (("--expert-model-parallel-size", "2"), 4, ("--expert-model-parallel-size=2", "--zebra-expert-ranks", "valid: 1")),
     (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"), 4,
      ("--tensor-model-parallel-size=2", "valid: 1")),
-    (("--moe-expert-capacity-factor", "1.0"), 4, ("--moe-expert-capacity-factor=1.0", "dropless")),
     (("--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "global_aux_loss"), 4,
      ("--moe-router-load-balancing-type=global_aux_loss", "expert ranks", "valid: aux_loss or seq_aux_loss")),
     (("--use-distributed-optimizer",), 4, ("--use-distributed-optimizer=True", "zebra has its own optimizer")),

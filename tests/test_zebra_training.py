@@ -58,6 +58,8 @@ ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", str(M), "--z
          "--zebra-microbatches", str(R)]
 EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro x R x M = 32 sequences
 AUX = ["--moe-aux-loss-coeff", "0.1"]
+CAPACITY = {"capacity": ["--moe-expert-capacity-factor", "1.0"],
+            "capacity_pad": ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]}
 # tiny.yaml: 2 layers, hidden 64, 8 experts, top-2, sequence 128.
 LAYERS, HIDDEN, EXPERTS, TOPK, SEQ = 2, 64, 8, 2, 128
 
@@ -72,7 +74,9 @@ def runs(tmp_path_factory):
                            "zebra": [*COMMON, *zebra, *saving(work / "zebra_ckpt")],
                            "zebra_replan": [*COMMON, *replan, *saving(work / "replan_ckpt")],
                            **{f"{mode}_{kind}": [*COMMON, *flags, *AUX, "--moe-router-load-balancing-type", kind]
-                              for kind in ("aux_loss", "seq_aux_loss") for mode, flags in (("ep", EP), ("zebra", ZEBRA))}},
+                              for kind in ("aux_loss", "seq_aux_loss") for mode, flags in (("ep", EP), ("zebra", ZEBRA))},
+                           **{f"{mode}_{name}": [*COMMON, "--train-iters", "6", *flags, *more]
+                              for name, more in CAPACITY.items() for mode, flags in (("ep", EP), ("zebra", ZEBRA))}},
                       work)
     return {**runs, "timeline": timeline, "work": work}
 
@@ -126,6 +130,18 @@ def test_the_auxiliary_loss_trains_as_in_ep(runs, kind):
     assert zebra == pytest.approx(ep, rel=1e-6)
     plain = _series(runs["zebra"], "loss")
     assert max(abs(a - b) / b for a, b in zip(zebra, plain)) > 1e-4  # the loss takes effect
+
+
+@pytest.mark.parametrize("name", CAPACITY)
+def test_token_dropping_drops_what_ep_drops(runs, name):
+    """A capacity factor: Megatron's routers on the attention ranks drop (and with padding add) the
+    same token copies as ep's on the same micro-batches; the expert ranks run what is left."""
+    zebra, ep = runs[f"zebra_{name}"], runs[f"ep_{name}"]
+    assert _series(zebra, "loss") == pytest.approx(_series(ep, "loss"), rel=1e-6)
+    for z, e in zip(*[[r for r in run.records if "moe_layers" in r] for run in (zebra, ep)], strict=True):
+        assert [layer["survival"] for layer in z["moe_layers"]] == [layer["survival"] for layer in e["moe_layers"]]
+    if name == "capacity":
+        assert all(layer["survival"] < 1.0 for r in zebra.records if "moe_layers" in r for layer in r["moe_layers"])
 
 
 def test_records_count_routed_tokens_and_exact_all_to_all_bytes(runs):

@@ -221,8 +221,6 @@ def validate(args: argparse.Namespace) -> None:
          why_whole_model),
         ("--moe-layer-freq", args.moe_layer_freq, args.moe_layer_freq != 1,
          "zebra needs every layer to be MoE (expert ranks hold the experts of every layer); valid: 1"),
-        ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, args.moe_expert_capacity_factor is not None,
-         "zebra mode is dropless; leave it unset"),
         ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type,
          args.moe_aux_loss_coeff != 0 and args.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),

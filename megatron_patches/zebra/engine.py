@@ -14,7 +14,7 @@ forward/backward schedule over its modules, not a new model:
   only what it owns: the other parameters are released right after construction (their storage
   is replaced by an empty tensor), so the weights of an offloaded expert "move" by construction
   (every rank built the same model from the same seeds) and its Adam state is created where it
-  lives. The plan is fixed for the run.
+  lives.
 
 One iteration runs R micro-batches per attention rank through the Theorem-1 task order of
 ``placement.zebra.task_order`` (per role: one compute queue, one dispatch queue, one combine
@@ -59,7 +59,13 @@ weight decay for biases and 1-D parameters; the keys OptimizerParamScheduler set
 global-norm clipping over all parameters, each counted once.
 
 Equivalence with ep mode holds without dropout (the schedule draws dropout masks in another
-order) and, as in ep mode, without token dropping.
+order); with a capacity factor too (Megatron's routers on the attention ranks drop, and pad,
+what ep's drop on the same micro-batches), and with the routers' auxiliary loss (aux_loss,
+seq_aux_loss), whose backward is scaled as the head's loss.
+
+Asym-EA can be re-planned during the run (``adopt_plan``: the runtime's --zebra-replan-interval):
+the experts whose owner changes move with their fp32 main weights and Adam state, and the
+ownership (parameter lists, optimizer groups, checkpoint template, task order) follows.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan, gather_timeline, write_timeline
 
 __all__ = ["SCHEDULES", "AdamSettings", "IterationResult", "Precision", "ZebraEngine", "ZebraEngineError", "masked_mean_loss",
-           "naive_order"]
+           "naive_order", "permute_routed"]
 
 SCHEDULES = ("zebra", "naive")
 """zebra: Theorem-1 order (placement.zebra.task_order); naive: one micro-batch at a time (its whole
@@ -229,6 +235,20 @@ class _Arrival:
 
     def wait(self) -> None:
         """Only called once is_completed() said so: nothing left to wait for."""
+
+
+def permute_routed(tokens_TH: torch.Tensor, routing_TE: torch.Tensor, probs_TE: torch.Tensor,
+                   rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's permute (moe_utils.permute, unfused, no padding) without reading device values:
+    the routed (token, expert) pairs grouped by expert, tokens in order within an expert, as
+    (tokens [rows, H], their probabilities [rows], their token indices [rows]). ``rows`` is the
+    routed count, a host value when nothing is dropped (tokens x top-k); Megatron's masked_select
+    finds it by copying it to the host, on a GPU a synchronisation per call. Here a stable sort of
+    the expert-major map puts the routed pairs first, in masked_select's order."""
+    unrouted_X = (~routing_TE.T.reshape(-1)).to(torch.int8)  # expert-major [E * T]: 0 = routed
+    picked_X = torch.argsort(unrouted_X, stable=True)[:rows]
+    sorted_indices_X = picked_X % routing_TE.shape[0]
+    return tokens_TH.index_select(0, sorted_indices_X), probs_TE.T.reshape(-1).index_select(0, picked_X), sorted_indices_X
 
 
 def naive_order(num_layers: int, num_microbatches: int, role: str, offloaded_layers: Sequence[int] = ()) -> dict[str, list[Task]]:
@@ -402,8 +422,6 @@ class ZebraEngine:
         cfg = model.config
         refusals = (
             ("--num-experts", cfg.num_moe_experts, not cfg.num_moe_experts, "zebra needs an MoE model"),
-            ("--moe-expert-capacity-factor", cfg.moe_expert_capacity_factor, cfg.moe_expert_capacity_factor is not None,
-             "zebra mode is dropless; valid: None"),
             ("--moe-router-load-balancing-type", cfg.moe_router_load_balancing_type,
              bool(cfg.moe_aux_loss_coeff) and cfg.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
             ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
@@ -961,11 +979,15 @@ class ZebraEngine:
             normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
             probs_TE, routing_TE = tl.mlp.router(normed_SBH)
             routing_ord_TE = routing_TE[:, order_E]
-            # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
-            sent_XH, sent_probs_X, sorted_indices = permute(
-                normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E],
-                num_out_tokens=routing_TE.shape[0] * self.model.config.moe_router_topk,
-            )
+            if self.model.config.moe_expert_capacity_factor is None:
+                # dropless: every token goes to top-k experts (a host value, so no read of routing_TE)
+                sent_XH, sent_probs_X, sorted_indices = permute_routed(
+                    normed_SBH.view(-1, self.hidden), routing_ord_TE, probs_TE[:, order_E],
+                    rows=routing_TE.shape[0] * self.model.config.moe_router_topk,
+                )
+            else:  # token dropping: the kept count is data-dependent; Megatron's permute reads it (masked_select)
+                sent_XH, sent_probs_X, sorted_indices = permute(
+                    normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E])
             routed.update(routing_TE=routing_TE, routing_ord_TE=routing_ord_TE, sorted_indices=sorted_indices)
             return mid_SBH, sent_XH, sent_probs_X
 

@@ -114,7 +114,9 @@ class HostReads:
     work queued before it, serialising the streams the schedule overlaps), by the calling
     function: {"file.py:function": calls}."""
 
-    METHODS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__")
+    METHODS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__",
+               # data-dependent output sizes: the size is copied to the host (masked_select, nonzero)
+               "masked_select", "nonzero")
 
     def __enter__(self) -> dict[str, int]:
         import sys
@@ -456,3 +458,34 @@ def test_naive_order_runs_one_micro_batch_at_a_time():
             microbatches = [t.microbatch for t in tasks]
             assert microbatches == sorted(microbatches) and set(microbatches) == {0, 1, 2}
             assert all(dep.endswith(f",{t.microbatch})") for t in tasks for dep in t.deps)
+
+
+def test_permute_routed_is_megatrons_permute_without_a_host_read():
+    """The dispatch permutation of the dropless path equals Megatron's permute (tokens, probabilities,
+    token indices, and the gradients through them) with no masked_select or nonzero, which copy the
+    routed count to the host."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from megatron_patches.zebra.engine import permute_routed
+
+    generator = torch.Generator().manual_seed(0)
+    for tokens, experts, topk in ((7, 4, 2), (32, 8, 2), (5, 6, 3), (16, 8, 1)):
+        scores_TE = torch.rand(tokens, experts, generator=generator)
+        routing_TE = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, scores_TE.topk(topk, dim=1).indices, True)
+        results = []
+        for fn in ("megatron", "routed"):
+            tokens_TH = torch.randn(tokens, 3, generator=torch.Generator().manual_seed(1)).requires_grad_()
+            probs_TE = scores_TE.clone().requires_grad_()
+            with HostReads() as reads:
+                if fn == "routed":
+                    out = permute_routed(tokens_TH, routing_TE, probs_TE, rows=tokens * topk)
+                else:
+                    out = permute(tokens_TH, routing_TE, probs=probs_TE)
+            weights = torch.arange(out[0].numel(), dtype=torch.float32).view_as(out[0])
+            ((out[0] * weights).sum() + (out[1] * torch.arange(out[1].numel())).sum()).backward()
+            results.append((out, tokens_TH.grad, probs_TE.grad, dict(reads)))
+        (expected, grad_tokens, grad_probs, megatron_reads), (got, got_tokens, got_probs, reads) = results
+        for e, g in zip(expected, got):
+            assert torch.equal(e, g)
+        assert torch.equal(grad_tokens, got_tokens) and torch.equal(grad_probs, got_probs)
+        assert megatron_reads and not reads, (megatron_reads, reads)  # the counter sees masked_select
