@@ -334,6 +334,9 @@ def test_a_stopped_rank_is_named_and_ends_the_job(tmp_path):
     stopped = None
     try:
         read_until(proc, r"^iter +10/", lines)
+        # the watchdog beats once a second (timeout / 10): let rank 1 report a step past 0 before it
+        # stops (ten iterations can take less than a beat on a fast machine)
+        time.sleep(2.5)
         stopped = rank_pids(proc.pid)[1]
         os.kill(stopped, signal.SIGSTOP)
         since = time.monotonic()
