@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
 from megatron_patches.mode.spec import ModeSpec
-from megatron_patches.zebra.pools import PoolError, pool_cluster, zebra_layout
+from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
 __all__ = ["ZebraConfig", "ZebraConfigError", "add_args", "validate", "MODE", "parse_asym_ea"]
 
@@ -113,6 +113,12 @@ class ZebraConfig:
     def group_size(self) -> int:
         """M + N: ranks per ZP group."""
         return self.attention_ranks + self.expert_ranks
+
+    def layout(self, world_size: int, num_layers: int, num_experts: int) -> ZebraLayout:
+        """The ZP layout of this pool for the model (zebra.pools.zebra_layout; raises PoolError)."""
+        return zebra_layout(pool_cluster(self.cluster, world_size), self.attention_ranks, self.expert_ranks, world_size,
+                            num_layers=num_layers, num_experts=num_experts, asym_ea=self.asym_ea, profile=self.profile,
+                            replan=self.replan_interval > 0)
 
     @classmethod
     def from_args(cls, args) -> "ZebraConfig":
@@ -238,10 +244,7 @@ def validate(args: argparse.Namespace) -> None:
             fail(flag, value, why)
     try:
         config = ZebraConfig.from_args(args)
-        layout = zebra_layout(pool_cluster(config.cluster, args.world_size), config.attention_ranks,
-                              config.expert_ranks, args.world_size, num_layers=args.num_layers,
-                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile,
-                              replan=config.replan_interval > 0)
+        layout = config.layout(args.world_size, args.num_layers, args.num_experts)
     except (ZebraConfigError, PoolError) as err:
         raise ArgumentError(str(err)) from None
     # Only attention ranks read data: one global batch = micro batch x R x attention ranks.

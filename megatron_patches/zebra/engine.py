@@ -491,9 +491,8 @@ class ZebraEngine:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def _update_param_lists(self) -> None:
-        """expert_params and param_groups from the current ownership (and the optimizer's groups,
-        once it exists): both in the model's order, so ranks that hold the same experts reduce
-        their gradients in one order."""
+        """expert_params and param_groups from the current ownership, both in the model's order, so
+        ranks that hold the same experts reduce their gradients in one order."""
         owned = {id(p) for p in self._owned_expert_params()}
         self.expert_params = [p for p in self.model.parameters() if id(p) in owned]
         owned.update(id(p) for p in self.dense_params)
@@ -501,9 +500,6 @@ class ZebraEngine:
         """ep's parameter groups in Megatron's order (`is_expert_parallel` tells which of ep's two
         optimizers holds a group), each with this rank's parameters of it (possibly none):
         (Megatron's group fields, parameters)."""
-        if hasattr(self, "optimizer"):
-            for (_, params), group in zip(self.param_groups, self.optimizer.param_groups, strict=True):
-                group["params"] = [self.main[id(p)] for p in params]
 
     @property
     def owned_sharded_state(self) -> dict[str, tuple[object, bool]]:
@@ -515,15 +511,19 @@ class ZebraEngine:
 
     def _moved_state(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """What moves with an expert's parameter, in order: [the parameter (bf16/fp16 only),] the
-        fp32 main weight, Adam's exp_avg and exp_avg_sq."""
+        fp32 main weight, Adam's exp_avg and exp_avg_sq (``_moved_values`` tensors)."""
         state = self.adam_state(param)
         return ([param] if self.half else []) + [self.main[id(param)], state["exp_avg"], state["exp_avg_sq"]]
 
+    @property
+    def _moved_values(self) -> int:
+        """fp32 values that move per element of an expert's parameter (``_moved_state``)."""
+        return 4 if self.half else 3
+
     def move_bytes_per_expert(self) -> int:
         """Bytes that move with one expert (fp32 values: _moved_state's tensors)."""
-        per_value = 4 * (4 if self.half else 3)
         expert = self.layers[0].mlp.experts.local_experts[0]
-        return per_value * sum(self._expert_shapes[id(p)].numel() for p in expert.parameters())
+        return 4 * self._moved_values * sum(self._expert_shapes[id(p)].numel() for p in expert.parameters())
 
     @torch.no_grad()
     def adopt_plan(self, plan: AsymEAPlan) -> tuple[int, int]:
@@ -538,7 +538,7 @@ class ZebraEngine:
         bytes this rank (sent, received)."""
         owners_LE = [expert_owners(plan, layer) for layer in range(self.num_layers)]
         group = self.layout.zp_groups[self.zp_group]
-        values = 4 if self.half else 3
+        values = self._moved_values
         ops, arriving, leaving = [], [], []
         sent = received = 0
         for layer, (old_E, new_E) in enumerate(zip(self.owners_LE, owners_LE)):
@@ -574,6 +574,8 @@ class ZebraEngine:
                 activations.persistent([p, main])
         self._set_plan(plan)
         self._update_param_lists()
+        for (_, params), group in zip(self.param_groups, self.optimizer.param_groups, strict=True):
+            group["params"] = [self.main[id(p)] for p in params]
         return sent, received
 
     # ------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from megatron_patches.placement.zebra.replan import replan
 from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine, ZebraEngineError
-from megatron_patches.zebra.pools import ZebraLayout, pool_cluster, zebra_layout
+from megatron_patches.zebra.pools import ZebraLayout
 
 
 class ZebraOptimizer:
@@ -83,10 +83,7 @@ class ZebraRuntime(ModeRuntime):
     @classmethod
     def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ZebraRuntime":
         config = ZebraConfig.from_args(args)
-        layout = zebra_layout(pool_cluster(config.cluster, dist.get_world_size()), config.attention_ranks,
-                              config.expert_ranks, dist.get_world_size(), num_layers=args.num_layers,
-                              num_experts=args.num_experts, asym_ea=config.asym_ea, profile=config.profile,
-                              replan=config.replan_interval > 0)
+        layout = config.layout(dist.get_world_size(), args.num_layers, args.num_experts)
         return cls(config, layout, AdamSettings.from_args(args), args.train_iters)
 
     # ---- building ----------------------------------------------------------------------------

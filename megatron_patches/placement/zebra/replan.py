@@ -89,23 +89,17 @@ def layer_owners(profile: ZebraProfile, chunks: int, weights_E: np.ndarray) -> n
     return owners_E
 
 
-def _role_times(profile: ZebraProfile, owners_LE: np.ndarray, weights_LE: np.ndarray) -> tuple[list[float], list[float]]:
-    """Per layer: the slowest expert rank's and the slowest attention rank's E task (s)."""
+def _layer_times(profile: ZebraProfile, owners_E: np.ndarray, weights_E: np.ndarray) -> tuple[float, float]:
+    """One layer's E task (s) on its slowest expert rank and on its slowest attention rank."""
     shape = profile.shape
     m, per_rank = shape.attention_ranks, shape.experts_per_expert_rank
-    tau_e, tau_a = profile.t_exp_E / per_rank, profile.t_exp_A / per_rank
-    group = m + shape.expert_ranks
-    expert_L, attention_L = [], []
-    for owners_E, weights_E in zip(owners_LE, weights_LE):
-        load_G = np.bincount(owners_E, weights=weights_E, minlength=group)
-        expert_L.append(float(load_G[m:].max()) * tau_e)
-        attention_L.append(float(load_G[:m].max()) * tau_a)
-    return expert_L, attention_L
+    load_G = np.bincount(owners_E, weights=weights_E, minlength=m + shape.expert_ranks)
+    return float(load_G[m:].max()) * profile.t_exp_E / per_rank, float(load_G[:m].max()) * profile.t_exp_A / per_rank
 
 
 def predicted_time(profile: ZebraProfile, owners_LE: np.ndarray, weights_LE: np.ndarray, num_microbatches: int) -> float:
     """Makespan in s of one iteration under an owner table [L, n] and relative loads [L, n]."""
-    expert_L, attention_L = _role_times(profile, owners_LE, weights_LE)
+    expert_L, attention_L = zip(*(_layer_times(profile, o, w) for o, w in zip(owners_LE, weights_LE)))
     offloads_L = [int((owners_E < profile.shape.attention_ranks).any()) for owners_E in owners_LE]
     return makespan(profile.shape.num_layers, num_microbatches, offloads_L,
                     role_durations(profile, expert_L, attention_L))
@@ -176,13 +170,14 @@ def replan(profile: ZebraProfile, current: AsymEAPlan, loads_LE: np.ndarray, num
     per_layer_cap = max_chunks_per_layer(shape)
     # a layer's owners and role times depend on its own count only: computed once per (layer, count)
     owners_LOE = [[layer_owners(profile, o, w) for o in range(per_layer_cap + 1)] for w in weights_LE]
-    times_LO = [[_role_times(profile, owners[None], w[None]) for owners in layer] for layer, w in zip(owners_LOE, weights_LE)]
+    # (expert-rank, attention-rank) E task of each layer at each count
+    times_LO = [[_layer_times(profile, owners, w) for owners in layer] for layer, w in zip(owners_LOE, weights_LE)]
     prices: dict[tuple[int, ...], float] = {}
 
     def price(chunks_L: tuple[int, ...]) -> float:
         if chunks_L not in prices:
-            expert_L = [times_LO[l][o][0][0] for l, o in enumerate(chunks_L)]
-            attention_L = [times_LO[l][o][1][0] for l, o in enumerate(chunks_L)]
+            expert_L = [times_LO[l][o][0] for l, o in enumerate(chunks_L)]
+            attention_L = [times_LO[l][o][1] for l, o in enumerate(chunks_L)]
             prices[chunks_L] = makespan(shape.num_layers, num_microbatches, chunks_L,
                                         role_durations(profile, expert_L, attention_L))
         return prices[chunks_L]
@@ -208,14 +203,14 @@ def replan(profile: ZebraProfile, current: AsymEAPlan, loads_LE: np.ndarray, num
         sum_l E_E,l per micro-batch. Add, one at a time, the chunk that lowers the larger of the two
         most (every one needed to reach n_min, then only while it helps)."""
         chunks_L = [0] * shape.num_layers
-        attention = sum(profile.t_attn_A + times_LO[l][0][1][0] for l in range(shape.num_layers))
-        expert = sum(times_LO[l][0][0][0] for l in range(shape.num_layers))
+        attention = sum(profile.t_attn_A + times_LO[l][0][1] for l in range(shape.num_layers))
+        expert = sum(times_LO[l][0][0] for l in range(shape.num_layers))
         while sum(chunks_L) < cap:
             options = []
             for l, o in enumerate(chunks_L):
                 if o < per_layer_cap:
-                    a = attention + times_LO[l][o + 1][1][0] - times_LO[l][o][1][0]
-                    e = expert + times_LO[l][o + 1][0][0] - times_LO[l][o][0][0]
+                    a = attention + times_LO[l][o + 1][1] - times_LO[l][o][1]
+                    e = expert + times_LO[l][o + 1][0] - times_LO[l][o][0]
                     options.append((max(a, e), l, a, e))
             if not options:
                 break
