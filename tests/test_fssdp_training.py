@@ -25,6 +25,10 @@ COMMON = [
     "--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]
 TOKENS_PER_ITERATION = 16 * 128  # 4 ranks x micro-batch 4 x 128 tokens, one micro-batch
+# The same 16 sequences per iteration as k micro-batches of 4 / k per rank (gradient accumulation).
+MICRO_BATCHES = {2: ["--micro-batch-size", "2", "--global-batch-size", "16"],
+                 4: ["--micro-batch-size", "1", "--global-batch-size", "16"]}
+FIXED = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2"]
 EXPERT_BYTES = 16_576 * 4  # fc1 64x128 + 128, fc2 128x64 + 64, fp32
 LAYERS, EXPERTS = 2, 8
 
@@ -42,11 +46,17 @@ def runs(workdir):
         # the issue's reference run (auto t and m) and a memory-bound one with re-materialization
         "fssdp": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp",
                   "--tensorboard-dir", str(workdir / "tb_fssdp")],
+        # (re-materialization gathers, re-gathers and reduces per micro-batch: 2 here)
         "fssdp_remat": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-rematerialize",
-                        "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1"],
-        # calibrating after the gate (t = m = 2 leaves room for extra copies)
-        "load_fssdp_from_ep": [*COMMON, "--train-iters", str(2 * HALF), "--moe-parallel-mode", "fssdp", "--fssdp-calibrate",
-                               "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2", "--load", str(ckpt)],
+                        "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1", *MICRO_BATCHES[2]],
+        # one gather and one reduce per iteration whatever the micro-batch count: fixed t and m,
+        # so that both runs plan the same copies from the same (integer, global) loads
+        "fssdp_k1": [*COMMON, "--train-iters", str(HALF), *FIXED],
+        "fssdp_k4": [*COMMON, "--train-iters", str(HALF), *FIXED, *MICRO_BATCHES[4]],
+        # calibrating after the gate (t = m = 2 leaves room for extra copies), on the first of 4
+        # micro-batches
+        "load_fssdp_from_ep": [*COMMON, "--train-iters", str(2 * HALF), *FIXED, "--fssdp-calibrate", *MICRO_BATCHES[4],
+                               "--load", str(ckpt)],
     }
     return launch_many(4, flags, workdir, trackers={"load_fssdp_from_ep": (ckpt, HALF)})
 
@@ -62,7 +72,7 @@ def assert_same_losses(run, reference, first: int = 0):
     np.testing.assert_allclose(losses, expected, rtol=1e-5, atol=0)
 
 
-def check_fssdp_records(run, remat: bool):
+def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
     before, after = [], []
     for record in run.records:
         if "loss" not in record:
@@ -70,15 +80,17 @@ def check_fssdp_records(run, remat: bool):
         fssdp = record["fssdp"]
         copies = sum(sum(layer["copies"]) for layer in fssdp["layers"])
         spag, sprs, calibrate = (fssdp["bytes"][k] for k in ("spag", "sprs", "spag_calibrate"))
-        # Byte formula (DESIGN 3): one message per copy, owner -> holder and back, one node;
-        # calibration's extra copies are gathered apart and reduced with the others.
-        assert spag == {"intra": copies * EXPERT_BYTES, "inter": 0}
+        # Byte formula (DESIGN 3): one message per copy, owner -> holder and back, one node, once
+        # per iteration (per micro-batch with re-materialization); calibration's extra copies are
+        # gathered apart and reduced with the others.
+        per = micro_batches if remat else 1
+        assert spag == {"intra": per * copies * EXPERT_BYTES, "inter": 0}
         assert sprs == {"intra": spag["intra"] + calibrate["intra"], "inter": 0}
         assert (calibrate["intra"] > 0) == (fssdp["calibrations"] > 0)
         remat_bytes = fssdp["bytes"]["spag_remat"]["intra"]
         if remat:
             # every layer but the stage's last is gathered again for its backward
-            assert remat_bytes == sum(fssdp["layers"][0]["copies"]) * EXPERT_BYTES
+            assert remat_bytes == per * sum(fssdp["layers"][0]["copies"]) * EXPERT_BYTES
         else:
             assert remat_bytes == 0
         # all-to-all: 4 transfers (dispatch, combine, forward and backward) of each remote copy
@@ -118,12 +130,29 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
 
     bound = runs["fssdp_remat"]
     assert_same_losses(bound, ep_run)
-    before, after = check_fssdp_records(bound, remat=True)
+    before, after = check_fssdp_records(bound, remat=True, micro_batches=2)
     assert after < before, (before, after)
     for record in bound.records:
         if "loss" in record:
             assert record["fssdp"]["t"] == 3 and record["fssdp"]["m"] == 1
             assert all(max(layer["copies"]) <= 1 for layer in record["fssdp"]["layers"])
+
+
+def test_copies_are_gathered_and_reduced_once_per_iteration(ep_run, runs):
+    """With 4 micro-batches per iteration (gradient accumulation) the copies of each layer are
+    gathered on the first, kept, and their summed gradient reduced once after the last backward:
+    spAG and spRS bytes per iteration equal the one-micro-batch run's, record for record (same
+    t, m and global loads, so the same plans), and both train like ep."""
+    one, four = runs["fssdp_k1"], runs["fssdp_k4"]
+    assert_same_losses(one, ep_run)
+    assert_same_losses(four, ep_run)
+    records = [[r["fssdp"] for r in run.records if "loss" in r] for run in (one, four)]
+    assert len(records[0]) == len(records[1]) == HALF
+    for first, second in zip(*records):
+        assert [layer["copies"] for layer in first["layers"]] == [layer["copies"] for layer in second["layers"]]
+        assert first["bytes"] == second["bytes"]
+    assert sum(r["bytes"]["spag"]["intra"] for r in records[1]) > 0
+    check_fssdp_records(four, remat=False, micro_batches=4)
 
 
 def test_checkpoints_move_between_ep_and_fssdp(ep_run, runs):

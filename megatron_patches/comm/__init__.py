@@ -1,12 +1,14 @@
 """Communication mechanisms over torch.distributed for the placement modes (DESIGN 2, 3).
 
-`groups` (the pre-registered contiguous rank groups of replicate mode), `sparse` (SparseAllGather / SparseReduceScatter with async handles), `transfers` (the pure,
+`groups` (the pre-registered contiguous rank groups of replicate mode), `sparse` (SparseAllGather / SparseReduceScatter with async handles), `relay` (their node-aware
+forms: one copy per node crosses the network), `transfers` (the pure,
 deterministic per-rank plan of who sends which rows and columns to whom), `streams` (the
 dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per rank,
 intra/inter-node). Imports `placement`; never `training` or the modes.
 """
 
 from megatron_patches.comm.groups import ContiguousGroups, node_layout, ring_allreduce_numel
+from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.streams import CommStream, comm_stream
 from megatron_patches.comm.traffic import LinkBytes, TrafficCounter, default_counter
@@ -20,6 +22,8 @@ __all__ = [
     "Ownership",
     "PeerTransfer",
     "RankTransfers",
+    "RelayAllGather",
+    "RelayReduceScatter",
     "SparseAllGather",
     "SparseReduceScatter",
     "TrafficCounter",

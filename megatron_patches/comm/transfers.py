@@ -42,7 +42,8 @@ from megatron_patches.placement.types import (
     check_int,
 )
 
-__all__ = ["Ownership", "PeerTransfer", "RankTransfers", "plan_rank_transfers"]
+__all__ = ["Ownership", "PeerTransfer", "RankTransfers", "RelayTransfers", "StageMessage", "plan_rank_transfers",
+           "plan_relay_transfers"]
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -331,3 +332,109 @@ def _check_postconditions(plan: RankTransfers, placement: InstancePlacement) -> 
             f"transfer plan bug: device {plan.rank} would sum {int(copies_O[o])} copies of chunk "
             f"{int(plan.owned_chunks[o])}, which has {int(expected_O[o])}"
         )
+
+
+# ---- node-aware (relayed) plans: whole-chunk ownership, two stages ---------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StageMessage:
+    """What one rank exchanges with one peer in one stage of a relayed gather (a reduce
+    reverses it). Both row lists follow ascending chunk order, the peer's packing order."""
+
+    peer: int
+    """The other device (group rank); never the rank itself."""
+    send_rows: np.ndarray
+    """Rows this rank sends in the gather: of its owned buffer in the first stage (it owns the
+    chunks), of its held buffer in the second (it relays copies it received). int64, read-only."""
+    recv_rows: np.ndarray
+    """Rows of this rank's held buffer the peer fills in the gather. int64, read-only."""
+
+
+@dataclass(frozen=True, eq=False)
+class RelayTransfers:
+    """One rank's part of a relayed SparseAllGather: stage 1, owners send to the holders on their
+    own node and to each other node's relay; stage 2, relays send to their node's other holders
+    (`placement.collectives`). SparseReduceScatter runs stage 2 reversed, then stage 1 reversed."""
+
+    rank: int
+    """The device (group rank) this plan is for."""
+    chunk_numel: int
+    """N, elements per chunk."""
+    owned_chunks: np.ndarray
+    """Chunk of each row of the owned buffer, ascending; int64 [O], read-only."""
+    held_chunks: np.ndarray
+    """Chunk of each row of the held buffer, ascending (owned chunks included); int64 [H], read-only."""
+    local_owned_rows: np.ndarray
+    """Owned-buffer rows (all of them: an owner holds its chunks)."""
+    local_held_rows: np.ndarray
+    """The held-buffer rows of the same chunks, in the same order."""
+    stages: tuple[tuple[StageMessage, ...], tuple[StageMessage, ...]]
+    """Stage 1's and stage 2's messages, ascending by peer (peers with something to exchange)."""
+
+    @property
+    def owned_shape(self) -> tuple[int, int]:
+        return (int(self.owned_chunks.size), self.chunk_numel)
+
+    @property
+    def held_shape(self) -> tuple[int, int]:
+        return (int(self.held_chunks.size), self.chunk_numel)
+
+    def gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(peer_P, send_numel_P, recv_numel_P) of the whole gather (both stages, one entry per
+        message), as `RankTransfers.gather_numel`; the reduce swaps sent and received."""
+        messages = [m for stage in self.stages for m in stage]
+        peer_P = np.array([m.peer for m in messages], dtype=np.int64)
+        send_P = np.array([m.send_rows.size for m in messages], dtype=np.int64) * self.chunk_numel
+        recv_P = np.array([m.recv_rows.size for m in messages], dtype=np.int64) * self.chunk_numel
+        return peer_P, send_P, recv_P
+
+
+def plan_relay_transfers(shard: ShardLayout, placement: InstancePlacement, source_ED: np.ndarray, chunk_numel: int,
+                         rank: int) -> RelayTransfers:
+    """Rank `rank`'s two-stage transfers for SparseAllGather(shard -> placement) where device d gets
+    chunk c from `source_ED[c, d]` (`placement.collectives.copy_sources_ED`).
+
+    A transfer is stage 1 when its source is the chunk's owner, stage 2 when it is a relay (which
+    received the chunk in stage 1). Checks that every held row is filled exactly once.
+    """
+    D = placement.num_devices
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < D:
+        raise PlacementError(f"rank {rank!r} is not a device of the placement, which has devices [0, {D})")
+    rank = int(rank)
+    owner_C = shard.owner_E
+    owned_chunks = np.flatnonzero(owner_C == rank).astype(np.int64)
+    held_chunks = np.flatnonzero(placement.holds_ED()[:, rank]).astype(np.int64)
+    owned_row_C = np.full(owner_C.size, -1, dtype=np.int64)
+    owned_row_C[owned_chunks] = np.arange(owned_chunks.size)
+    held_row_C = np.full(owner_C.size, -1, dtype=np.int64)
+    held_row_C[held_chunks] = np.arange(held_chunks.size)
+    from_owner_CD = source_ED == owner_C[:, None]
+    relayed_CD = (source_ED >= 0) & ~from_owner_CD
+    relay_sources = source_ED[relayed_CD]
+    if not np.all(from_owner_CD[np.nonzero(relayed_CD)[0], relay_sources]):
+        raise RuntimeError("transfer plan bug: a relay forwards a chunk it does not receive from the owner")
+    stages = []
+    for stage_CD, send_row_C in ((from_owner_CD, owned_row_C), (relayed_CD, held_row_C)):
+        sends_CP = stage_CD & (source_ED == rank)        # I send chunk c to p
+        recvs_CP = np.zeros_like(stage_CD)                # p sends chunk c to me
+        senders_C = np.where(stage_CD[:, rank], source_ED[:, rank], -1)
+        recvs_CP[np.flatnonzero(senders_C >= 0), senders_C[senders_C >= 0]] = True
+        messages = []
+        for p in np.flatnonzero(sends_CP.any(axis=0) | recvs_CP.any(axis=0)):
+            messages.append(StageMessage(int(p), _read_only(send_row_C[sends_CP[:, p]]), _read_only(held_row_C[recvs_CP[:, p]])))
+        stages.append(tuple(messages))
+    local = np.arange(owned_chunks.size, dtype=np.int64)
+    plan = RelayTransfers(rank, int(chunk_numel), _read_only(owned_chunks), _read_only(held_chunks), _read_only(local),
+                          _read_only(held_row_C[owned_chunks]), (stages[0], stages[1]))
+    filled_H = np.zeros(held_chunks.size, dtype=np.int64)
+    filled_H[plan.local_held_rows] += 1
+    for stage in plan.stages:
+        for message in stage:
+            filled_H[message.recv_rows] += 1
+    wrong = np.flatnonzero(filled_H != 1)
+    if wrong.size:
+        h = int(wrong[0])
+        raise RuntimeError(f"transfer plan bug: chunk {int(held_chunks[h])} on device {rank} would be filled "
+                           f"{int(filled_H[h])} times")
+    return plan

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from megatron_patches.config.flags import auto_or_int, fail
 from megatron_patches.mode.envelope import check_instance_mode
 from megatron_patches.mode.spec import ModeSpec
+from megatron_patches.placement.collectives import ALGORITHMS
 
 DEFAULT_LOAD_WINDOW = 5
 """--moe-load-window in fssdp mode: predict from the mean of the last 5 iterations (DESIGN 4.1)."""
@@ -48,6 +49,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--fssdp-rematerialize", action="store_true",
         help="Free each layer's expert copies right after its forward and gather them again for its "
         "backward (less memory, one more gather per layer). New flag.",
+    )
+    group.add_argument(
+        "--fssdp-collectives", choices=ALGORITHMS, default=ALGORITHMS[0],
+        help="How spAG and spRS move copies between nodes. hierarchical: each expert crosses into a "
+        "node at most once, to one relay there that forwards it to the node's other holders (spRS: "
+        "the relay sums its node's gradients and sends one sum to the owner). flat: every copy from "
+        "its owner, point to point (an expert held on k GPUs of a remote node crosses k times). "
+        "Identical on one node. New flag.",
     )
     group.add_argument(
         "--fssdp-calibrate", action="store_true",
@@ -108,6 +117,13 @@ class FSSDPConfig:
     """After the gate, re-plan with the actual loads; gather once more if it pays off."""
     load_window: int
     """Iterations averaged to predict the next iteration's expert loads (DESIGN 4.1)."""
+    collectives: str = ALGORITHMS[0]
+    """spAG/spRS algorithm: "hierarchical" (one copy per remote node, relayed inside it) or
+    "flat" (every copy from its owner); `placement.collectives`."""
+    micro_batches: int = 1
+    """k, the micro-batches of one iteration on this rank (`--global-batch-size` / (micro-batch x
+    data-parallel size)): each layer's copies are gathered on the first and reduced after the
+    k-th backward (without re-materialization)."""
     reduce_in_fp32: bool = False
     """spRS sends and sums the copies' gradients in fp32 (`--accumulate-allreduce-grads-in-fp32`,
     always on with --bf16), as Megatron's DDP reduces the dense gradients in fp32; otherwise in
@@ -125,6 +141,8 @@ class FSSDPConfig:
             rematerialize=args.fssdp_rematerialize,
             calibrate=args.fssdp_calibrate,
             load_window=args.moe_load_window,
+            collectives=args.fssdp_collectives,
+            micro_batches=args.num_micro_batches,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         )
 

@@ -1,8 +1,10 @@
 """The FSSDP MoE layer: Megatron's MoELayer computing on materialized expert copies.
 
-Forward of MoE layer l, one micro-batch (`LayerPass` holds its state):
+Forward of MoE layer l, one micro-batch (`LayerPass` holds its state, `LayerCopies` the
+copies it computes on):
 
-    TransformerLayer pre-hook  -> start_gather: spAG(l) launched (attention runs meanwhile)
+    TransformerLayer pre-hook  -> start_gather: spAG(l) launched (attention runs meanwhile);
+                                  later micro-batches of the iteration reuse the copies
     enter                      -> backward trigger on the MoE input
     route (Megatron's router)  -> route_to_instances: counts all-gathered, dispatch plan,
                                   virtual routing map (token copy -> holder of a copy)
@@ -11,11 +13,20 @@ Forward of MoE layer l, one micro-batch (`LayerPass` holds its state):
     combine (Megatron a2a)
 
 Backward of layer l: the experts' weight gradients accumulate into the held buffer's
-gradient (`_Materialize`); when the gradient reaches the MoE input (`_BackwardTrigger`,
-i.e. attention backward of l is about to start) the runtime completes the reduces still in
-flight, launches spRS(l) and, with re-materialization, the re-gather of layer l-1, so both
-run during attention backward. The points where collectives launch are fixed by the
-autograd graph, identical on every rank, so every rank launches them in the same order.
+gradient (`_Materialize`), summed over the iteration's micro-batches; when the gradient of
+the last micro-batch reaches the MoE input (`_BackwardTrigger`, i.e. attention backward of l
+is about to start) the runtime completes the reduces still in flight, launches spRS(l) and,
+with re-materialization, the re-gather of layer l-1, so both run during attention backward.
+The points where collectives launch are fixed by the autograd graph and the micro-batch
+count, identical on every rank, so every rank launches them in the same order.
+
+Once per iteration: spAG, calibration and spRS run once per layer and iteration, whatever
+the number of micro-batches k (gradient accumulation, pipeline schedules): the copies stay
+until the last micro-batch's backward. Only the count exchange and the dispatch plan are per
+micro-batch (each routes its own tokens, as Megatron's dispatcher exchanges counts per
+micro-batch). With re-materialization the copies are freed after every forward, so gather,
+re-gather and reduce run per micro-batch (what it saves is the copies and their gradients
+between micro-batches).
 
 Activation recompute (`--recompute-granularity full`): a checkpointed layer runs its forward
 twice, once without autograd and again inside the backward. The first run gathers and plans as
@@ -47,37 +58,41 @@ __all__ = ["FSSDPMoELayer", "LayerPass"]
 
 
 @dataclass
-class LayerPass:
-    """One forward (and its backward) of one MoE layer for one micro-batch."""
+class LayerCopies:
+    """One MoE layer's expert copies and their gradient, shared by the passes that use them.
+
+    By default every micro-batch of an iteration shares one LayerCopies: the first forward
+    gathers, later forwards reuse the copies, every backward adds its gradient into one buffer,
+    and the backward of the last micro-batch launches the one spRS (so spAG and spRS bytes per
+    iteration do not depend on the number of micro-batches). With re-materialization each pass
+    has its own (its copies are freed after its forward, so nothing is kept between passes).
+    """
 
     layer: "FSSDPMoELayer"
     plan: object
     """The runtime's LayerPlan of this iteration (shard, placement, collectives)."""
     owned_ON: torch.Tensor
     """This rank's owned experts, packed [O, N] (input of the gathers)."""
+    passes: int
+    """Backwards that add into `grad_HN` before the reduce launches (the micro-batches, or 1)."""
+    keeps_copies: bool = True
+    """False with re-materialization: the copies are freed after the forward."""
     gather: object = None
     """In-flight spAG handle, until waited."""
     held_HN: torch.Tensor | None = None
     """Materialized copies (owned included), rows = plan.gather.held_chunks."""
     grad_HN: torch.Tensor | None = None
-    """Gradient of the held copies, set by the backward of `_Materialize`."""
+    """Gradient of the held copies, summed over the backwards seen so far."""
+    grads: int = 0
+    """Backwards whose copies' gradient has arrived (`_Materialize`)."""
+    backwards: int = 0
+    """Backwards that reached the MoE input (`_BackwardTrigger`)."""
     regather: object = None
     """Re-materializing spAG handle (re-materialization), until waited."""
-    below: "LayerPass | None" = None
-    """The MoE layer below in the same forward pass (whose re-gather this layer launches)."""
-    keeps_copies: bool = True
-    """False with re-materialization: the copies are freed after the forward."""
-    anchor: torch.Tensor | None = None
-    """The MoE input; the copies are marked as computed from it so their gradient comes back."""
-    copies_HN: torch.Tensor | None = None
-    """The copies as the experts use them this forward (through `_Materialize` when training)."""
-
     calibration: tuple | None = None
     """(plan before calibration, extra SparseAllGather, its in-flight handle) when calibrated."""
-    tokens_ED: np.ndarray | None = None
-    """This rank's tokens per (expert, destination) of the dispatch plan (kept for a replay)."""
-    replaying: bool = False
-    """The recompute's second forward of this pass (activation recompute)."""
+    routed: bool = False
+    """A pass has routed on these copies: calibration (which changes the plan) is over."""
 
     def wait_gather(self) -> torch.Tensor:
         """The copies of `plan` (after calibration's extra gather, if any)."""
@@ -107,6 +122,39 @@ class LayerPass:
             self.regather = None
         return self.held_HN
 
+    def add_grad(self, grad_HN: torch.Tensor, dtype: torch.dtype) -> None:
+        """Adds one backward's gradient of the copies (in `dtype`, the reduce's)."""
+        if self.grad_HN is None:
+            # a private buffer when later backwards add into it
+            self.grad_HN = grad_HN.to(dtype=dtype, copy=self.passes > 1)
+        else:
+            self.grad_HN.add_(grad_HN.to(dtype))
+        self.grads += 1
+
+
+@dataclass
+class LayerPass:
+    """One forward (and its backward) of one MoE layer for one micro-batch."""
+
+    layer: "FSSDPMoELayer"
+    copies: LayerCopies
+    """The copies this pass computes on (shared with the iteration's other micro-batches)."""
+    below: "LayerPass | None" = None
+    """The MoE layer below in the same forward pass (whose re-gather this layer launches)."""
+    anchor: torch.Tensor | None = None
+    """The MoE input; the copies are marked as computed from it so their gradient comes back."""
+    copies_HN: torch.Tensor | None = None
+    """The copies as the experts use them this forward (through `_Materialize` when training)."""
+    tokens_ED: np.ndarray | None = None
+    """This rank's tokens per (expert, destination) of the dispatch plan (kept for a replay)."""
+    replaying: bool = False
+    """The recompute's second forward of this pass (activation recompute)."""
+
+    @property
+    def plan(self):
+        """The iteration's LayerPlan of the copies (calibrated, if calibration gathered)."""
+        return self.copies.plan
+
 
 class _Materialize(torch.autograd.Function):
     """Marks the held copies as produced from the MoE input, so that their gradient [H, N]
@@ -119,7 +167,8 @@ class _Materialize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_HN):
-        ctx.layer_pass.grad_HN = grad_HN
+        copies = ctx.layer_pass.copies
+        copies.add_grad(grad_HN, copies.layer.runtime.reduce_dtype(grad_HN.dtype))
         return None, None, None
 
 
@@ -178,8 +227,10 @@ class FSSDPMoELayer(InstanceMoELayer):
             return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)
         counts_E = routing_map_TE.sum(dim=0).to(torch.int64).cpu()
         counts_DE = self.runtime.all_gather_counts(counts_E)
-        if self.runtime.config.calibrate:
-            self.runtime.calibrate(layer_pass, counts_DE.sum(axis=0))
+        if self.runtime.config.calibrate and not layer_pass.copies.routed:
+            # the first micro-batch's loads decide: later micro-batches compute on the same copies
+            self.runtime.calibrate(layer_pass.copies, counts_DE.sum(axis=0))
+        layer_pass.copies.routed = True
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
             self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
@@ -196,7 +247,8 @@ class FSSDPMoELayer(InstanceMoELayer):
 
     def before_dispatch(self):
         layer_pass = self._pass
-        held_HN = layer_pass.rematerialized() if layer_pass.replaying else layer_pass.wait_gather()
+        copies = layer_pass.copies
+        held_HN = copies.rematerialized() if layer_pass.replaying else copies.wait_gather()
         if torch.is_grad_enabled():
             held_HN = _Materialize.apply(layer_pass.anchor, held_HN, layer_pass)
         layer_pass.copies_HN = held_HN
@@ -208,8 +260,8 @@ class FSSDPMoELayer(InstanceMoELayer):
         counts = tokens_per_expert_E.tolist()
         outputs = []
         # Re-materialization frees the copies after the forward; a replay's backward follows at once.
-        frees = not layer_pass.keeps_copies and not layer_pass.replaying
-        hooks = self._saved_copy_hooks(layer_pass) if frees and torch.is_grad_enabled() else contextlib.nullcontext()
+        frees = not layer_pass.copies.keeps_copies and not layer_pass.replaying
+        hooks = self._saved_copy_hooks(layer_pass.copies) if frees and torch.is_grad_enabled() else contextlib.nullcontext()
         counted = self.training and not layer_pass.replaying
         with hooks, self.runtime.timer.span("fssdp.experts" if counted else "fssdp.experts.untimed"):
             for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
@@ -233,7 +285,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         if counted:
             self.runtime.stats.expert_tokens += tokens_ND.shape[0]
         if frees:
-            layer_pass.held_HN = None  # freed: the backward (or the recompute) re-gathers
+            layer_pass.copies.held_HN = None  # freed: the backward (or the recompute) re-gathers
         if self.training and not torch.is_grad_enabled():
             self._replays.append(layer_pass)  # activation recompute runs this forward again
         self._pass = None
@@ -252,13 +304,13 @@ class FSSDPMoELayer(InstanceMoELayer):
         return state
 
     @staticmethod
-    def _saved_copy_hooks(layer_pass: LayerPass):
+    def _saved_copy_hooks(copies: LayerCopies):
         """Saved-tensor hooks that store views of the copies as markers (re-materialization)."""
-        storage = layer_pass.held_HN.untyped_storage().data_ptr()
+        storage = copies.held_HN.untyped_storage().data_ptr()
 
         def pack(tensor):
             if tensor.untyped_storage().data_ptr() == storage:
-                return ("fssdp-copy", layer_pass, tensor.size(), tensor.stride(), tensor.storage_offset())
+                return ("fssdp-copy", copies, tensor.size(), tensor.stride(), tensor.storage_offset())
             activations.note(tensor)  # these hooks hide the measuring ones (only the innermost apply)
             return tensor.detach()  # not the tensor itself: an op's saved output would reference its own grad_fn
 

@@ -24,10 +24,13 @@ layout with no load history, and says so.
 
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
-m)` and the SparseAllGather / SparseReduceScatter pair for it. Per micro-batch and layer the
-layer (`layer.FSSDPMoELayer`) gathers the copies, dispatches by `placement.fssdp.dispatch`
-and computes; the gradient of the copies is reduced into the owners' `main_grad` before
-Megatron's finalize_model_grads runs (`wrap_finalize`).
+m)` and the SparseAllGather / SparseReduceScatter pair for it (`--fssdp-collectives`:
+node-aware by default, `comm.relay`; flat, `comm.sparse`). Per layer the layer
+(`layer.FSSDPMoELayer`) gathers the copies on the iteration's first micro-batch and keeps
+them for the others (`forward_backward` scopes them; with re-materialization per micro-batch),
+dispatches every micro-batch by `placement.fssdp.dispatch` and computes; the copies'
+gradient, summed over the micro-batches, is reduced once into the owners' `main_grad` before
+Megatron's finalize_model_grads runs (`attach` wraps it).
 
 The sparse collectives run on a process group of their own (same ranks as the EP group), so
 their point-to-point traffic never interleaves with Megatron's all-to-alls on the EP group.
@@ -46,13 +49,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_patches.comm.groups import node_layout, sum_over_group
+from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
-from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerPass
+from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
 from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement import fssdp as planner
@@ -169,7 +173,10 @@ class FSSDPRuntime(ModeRuntime):
         """This stage's FSSDP MoE layers, in forward order."""
         self.plans: dict[int, LayerPlan] = {}
         self.pending: list = []
-        """(layer pass, spRS handle) launched in the backward, not yet added into main_grad."""
+        """(layer copies, spRS handle) launched in the backward, not yet added into main_grad."""
+        self.shared: dict[int, LayerCopies] = {}
+        """Each layer's copies during one forward_backward call (without re-materialization the
+        micro-batches share them: one gather and one reduce per iteration), by layer number."""
         self.topology: Topology | None = None
         self.expert_numel = 0
         self.element_size = 0
@@ -373,37 +380,39 @@ class FSSDPRuntime(ModeRuntime):
             held.append((module_prefix, self.slot_modules[slot], int(self.table.held_S2[slot, 1])))
         return held
 
+    def _gather(self, shard: ShardLayout, placement: InstancePlacement, kind: str):
+        """spAG(shard -> placement) of --fssdp-collectives, recording under `kind`."""
+        cls = RelayAllGather if self.config.collectives == "hierarchical" else SparseAllGather
+        return cls(shard, placement, self.group, self.expert_numel, kind=kind, topology=self.topology, traffic=self.traffic)
+
     def _layer_plan(self, index: int, shard: ShardLayout, placement: InstancePlacement) -> LayerPlan:
-        common = dict(topology=self.topology, traffic=self.traffic)
+        reduce = RelayReduceScatter if self.config.collectives == "hierarchical" else SparseReduceScatter
         return LayerPlan(
             index=index,
             shard=shard,
             placement=placement,
-            gather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag", **common),
-            reduce=SparseReduceScatter(placement, shard, self.group, self.expert_numel, kind="sprs", **common),
-            regather=SparseAllGather(shard, placement, self.group, self.expert_numel, kind="spag_remat", **common)
-            if self.config.rematerialize
-            else None,
+            gather=self._gather(shard, placement, "spag"),
+            reduce=reduce(placement, shard, self.group, self.expert_numel, kind="sprs", topology=self.topology,
+                          traffic=self.traffic),
+            regather=self._gather(shard, placement, "spag_remat") if self.config.rematerialize else None,
         )
 
-    def calibrate(self, layer_pass, actual_E: np.ndarray) -> None:
+    def calibrate(self, copies, actual_E: np.ndarray) -> None:
         """DESIGN 4.2 step 4 after the gate: with the actual loads and the memory left, add copies
         when the cost model says the extra (critical-path) gather pays off, and launch it."""
         if self.cost is None:
             return  # the first iteration measures the expert time the cost model needs
-        plan = layer_pass.plan
+        plan = copies.plan
         remaining_D = np.maximum((self.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
         placement, gathered = planner.calibrate(plan.placement, plan.shard, actual_E, remaining_D, self.topology, self.cost)
         if not gathered:
             return
         new_ED = (placement.counts_ED > 0) & (plan.placement.counts_ED == 0)
         delta = InstancePlacement((plan.shard.holds_ED() > 0) | new_ED)
-        extra = SparseAllGather(
-            plan.shard, delta, self.group, self.expert_numel, kind="spag_calibrate", topology=self.topology, traffic=self.traffic
-        )
-        layer_pass.calibration = (plan, extra, extra(layer_pass.owned_ON))
-        layer_pass.plan = self._layer_plan(plan.index, plan.shard, placement)
-        if layer_pass.layer.training:
+        extra = self._gather(plan.shard, delta, "spag_calibrate")
+        copies.calibration = (plan, extra, extra(copies.owned_ON))
+        copies.plan = self._layer_plan(plan.index, plan.shard, placement)
+        if copies.layer.training:
             self.stats.calibrations += 1
 
     def end_iteration(self, step: StepResult) -> dict:
@@ -501,20 +510,54 @@ class FSSDPRuntime(ModeRuntime):
 
     # ---- forward ---------------------------------------------------------------------------
 
+    def forward_backward(self, megatron_forward_backward, iterator, forward_only: bool) -> float:
+        """Megatron's schedule; the copies gathered in it serve all its micro-batches and are
+        released when it returns (the optimizer step changes the owners' weights)."""
+        self.shared = {}
+        try:
+            loss = megatron_forward_backward(iterator, forward_only)
+            unreduced = [c.layer.layer_number for c in self.shared.values() if c.backwards < c.passes]
+            if not forward_only and unreduced:
+                raise RuntimeError(
+                    f"fssdp: MoE layers {unreduced} saw fewer backwards than the {self.config.micro_batches} "
+                    "micro-batches of the iteration, so their copies' gradients were never reduced"
+                )
+            return loss
+        finally:
+            self.shared = {}
+
     def start_pass(self, layer):
-        """Launch spAG(l) for one forward of `layer`; returns its LayerPass."""
+        """One forward of `layer`: its LayerPass on the iteration's copies of the layer (the
+        first forward of the iteration launches spAG(l)), or, with re-materialization, on
+        copies of its own."""
+        if self.config.rematerialize:
+            copies = self._gather_copies(layer, passes=1, keeps=layer is self.layers[-1])
+        else:
+            copies = self.shared.get(layer.layer_number)
+            if copies is None:
+                copies = self._gather_copies(layer, passes=self.config.micro_batches, keeps=True)
+                self.shared[layer.layer_number] = copies
+        first = layer is self.layers[0]
+        layer_pass = LayerPass(layer, copies, below=None if first else self._last_pass)
+        self._last_pass = layer_pass
+        return layer_pass
+
+    def _gather_copies(self, layer, passes: int, keeps: bool) -> LayerCopies:
+        """Launch spAG(l) of this iteration's plan over this rank's owned experts of `layer`."""
         plan = self.plans[layer.layer_number]
         slots = self.table.slots_of(plan.index)
         owned_ON = torch.empty((0, self.expert_numel), dtype=layer.experts.local_experts[0].linear_fc1.weight.dtype, device=self.device)
         if slots.size:
             owned_ON = torch.stack([layer.expert_layout.flatten(self.slot_modules[slot]) for slot in slots])
-        first = layer is self.layers[0]
-        keeps = not self.config.rematerialize or layer is self.layers[-1]
-        layer_pass = LayerPass(layer, plan, owned_ON, keeps_copies=keeps, below=None if first else self._last_pass)
+        copies = LayerCopies(layer, plan, owned_ON, passes=passes, keeps_copies=keeps)
         with nvtx_range("fssdp.spag", self.device):
-            layer_pass.gather = plan.gather(owned_ON)
-        self._last_pass = layer_pass
-        return layer_pass
+            copies.gather = plan.gather(owned_ON)
+        return copies
+
+    def reduce_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the copies' gradients are summed and reduced in (fp32 with
+        --accumulate-allreduce-grads-in-fp32, as Megatron's DDP; else the gradients')."""
+        return torch.float32 if self.config.reduce_in_fp32 else grad_dtype
 
     def all_gather_counts(self, counts_E: torch.Tensor) -> np.ndarray:
         """Routed tokens per (source device, expert) of one layer; int64 [D, E]."""
@@ -525,36 +568,44 @@ class FSSDPRuntime(ModeRuntime):
     # ---- backward --------------------------------------------------------------------------
 
     def on_layer_backward(self, layer_pass) -> None:
-        """The gradient reached layer l's MoE input: finish the reduces in flight, launch
-        spRS(l) and (re-materialization) the re-gather of layer l-1."""
-        self.drain()
-        if layer_pass.grad_HN is None and layer_pass.plan.gather.held_chunks.size == 0:
-            layer_pass.grad_HN = torch.empty((0, self.expert_numel), dtype=layer_pass.owned_ON.dtype, device=self.device)
-        if layer_pass.grad_HN is None:
+        """The gradient reached layer l's MoE input. After the last backward on the copies
+        (the iteration's last micro-batch): finish the reduces in flight, launch spRS(l) and
+        (re-materialization) the re-gather of layer l-1."""
+        copies = layer_pass.copies
+        copies.backwards += 1
+        if copies.grads < copies.backwards and copies.plan.gather.held_chunks.size == 0:
+            copies.grads += 1  # no copy, so no gradient: nothing to add
+        if copies.grads < copies.backwards:
             raise RuntimeError(
-                f"fssdp: layer {layer_pass.layer.layer_number}'s copies got no gradient before its MoE input did"
+                f"fssdp: layer {copies.layer.layer_number}'s copies got no gradient before its MoE input did"
             )
-        grad_HN = layer_pass.grad_HN.to(torch.float32) if self.config.reduce_in_fp32 else layer_pass.grad_HN
+        if copies.backwards < copies.passes:
+            return
+        self.drain()
+        if copies.grad_HN is None:
+            copies.grad_HN = torch.empty((0, self.expert_numel), dtype=self.reduce_dtype(copies.owned_ON.dtype), device=self.device)
         with nvtx_range("fssdp.sprs", self.device):
-            handle = layer_pass.plan.reduce(grad_HN.contiguous())
-        self.pending.append((layer_pass, handle))
+            handle = copies.plan.reduce(copies.grad_HN.contiguous())
+        self.pending.append((copies, handle))
         below = layer_pass.below
-        if below is not None and not below.keeps_copies and below.regather is None and below.held_HN is None:
-            below.regather = self.launch_regather(below)
-        layer_pass.held_HN = None
+        if below is not None:
+            below = below.copies
+            if not below.keeps_copies and below.regather is None and below.held_HN is None:
+                below.regather = self.launch_regather(below)
+        copies.held_HN = None
 
-    def launch_regather(self, layer_pass):
-        return layer_pass.plan.regather(layer_pass.owned_ON)
+    def launch_regather(self, copies):
+        return copies.plan.regather(copies.owned_ON)
 
     def drain(self) -> None:
         """Wait for the reduces in flight and add the owners' gradients into main_grad."""
-        for layer_pass, handle in self.pending:
+        for copies, handle in self.pending:
             with self.timer.span("fssdp.wait.sprs"):
                 grads_ON = handle.wait()
-            layer = layer_pass.layer
-            for row, slot in enumerate(self.table.slots_of(layer_pass.plan.index)):
+            layer = copies.layer
+            for row, slot in enumerate(self.table.slots_of(copies.plan.index)):
                 layer.expert_layout.grads_into(self.slot_modules[slot], grads_ON[row])
-            layer_pass.grad_HN = None
+            copies.grad_HN = None
         self.pending = []
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement.collectives import copy_sources_ED
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -177,31 +178,35 @@ def _chunk_bytes_E(chunk_bytes, num_experts: int) -> np.ndarray:
     return arr
 
 
-def sparse_all_gather_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology) -> CommBytes:
+def sparse_all_gather_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
+                            algorithm: str = "flat") -> CommBytes:
     """Bytes of SparseAllGather(P0 = shard, P1 = placement) (DESIGN 3).
 
-    Every (expert, device) pair in P1 but not in P0 receives the expert's chunk from its
-    owner, point to point; nothing else moves. Multiplicity in P1 does not add bytes (one
-    copy per device serves all its slots).
+    Every (expert, device) pair in P1 but not in P0 receives the expert's chunk once, point to
+    point, from the device `placement.collectives.copy_sources_ED` names: the owner (flat), or
+    on another node than the owner's the node's relay for the expert (hierarchical: one copy
+    per node crosses the network). Nothing else moves. Multiplicity in P1 does not add bytes
+    (one copy per device serves all its slots).
 
     Args:
         shard: P0, a partition of the experts (one owner each).
         placement: P1 ⊇ P0.
         chunk_bytes: bytes of one chunk: a number, or one per expert [E].
         topology: the devices.
+        algorithm: "flat" or "hierarchical".
     """
-    placement.require_contains(shard)
-    if topology.num_devices != placement.num_devices:
-        raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
+    source_ED = copy_sources_ED(shard, placement, topology, algorithm)
     size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
-    e, d = np.nonzero(placement.holds_ED())
-    return CommBytes.from_transfers(shard.owner_E[e], d, size_E[e], topology)
+    e, d = np.nonzero(source_ED >= 0)
+    return CommBytes.from_transfers(source_ED[e, d], d, size_E[e], topology)
 
 
-def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout, chunk_bytes, topology: Topology) -> CommBytes:
-    """Bytes of SparseReduceScatter(P0 = placement, P1 = shard): every copy sends its gradient
-    chunk to the owner, so exactly the spAG transfers reversed."""
-    return sparse_all_gather_bytes(shard, placement, chunk_bytes, topology).reversed()
+def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout, chunk_bytes, topology: Topology,
+                                algorithm: str = "flat") -> CommBytes:
+    """Bytes of SparseReduceScatter(P0 = placement, P1 = shard): every copy's gradient goes back
+    the way the copy came (a relay sends one sum for its node), so exactly the spAG transfers
+    reversed."""
+    return sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm).reversed()
 
 
 def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:

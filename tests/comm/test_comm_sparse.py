@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from support.mp import run_forked, run_ranks, single_rank_group
 
-from megatron_patches.comm import SparseAllGather, SparseReduceScatter, TrafficCounter
+from megatron_patches.comm import RelayAllGather, RelayReduceScatter, SparseAllGather, SparseReduceScatter, TrafficCounter
 from megatron_patches.placement import (
     ElementShardLayout,
     InstancePlacement,
@@ -141,7 +141,17 @@ def run_case(case: dict, group, world_size: int) -> dict:
     for part in everyone:
         ordered += part
     assert torch.equal(out, ordered[owned_idx, columns]), f"{case['name']}: rank {rank} sum order differs"
-    return {"spag": gather_bytes.get("spag").as_dict(), "sprs": reduce_bytes.get("sprs").as_dict()}
+    counters = {"spag": gather_bytes.get("spag").as_dict(), "sprs": reduce_bytes.get("sprs").as_dict()}
+    if case["kind"] == "shard":
+        # node-aware: the same held copies and sums (each remote node's copies summed at its relay first)
+        relay_bytes = TrafficCounter()
+        relay_gather = RelayAllGather(owners, placement, group, N, topology=topo, traffic=relay_bytes, kind="relay_spag")
+        relay_reduce = RelayReduceScatter(placement, owners, group, N, topology=topo, traffic=relay_bytes, kind="relay_sprs")
+        assert np.array_equal(relay_gather.held_chunks, gather.held_chunks)
+        assert torch.equal(relay_gather(owned).wait(), held), f"{case['name']}: rank {rank} relayed copies differ"
+        torch.testing.assert_close(relay_reduce(grads).wait(), out, rtol=1e-6, atol=1e-6)
+        counters.update({kind: relay_bytes.get(kind).as_dict() for kind in ("relay_spag", "relay_sprs")})
+    return counters
 
 
 def check_in_flight(cases: list[dict], group, world_size: int) -> None:
@@ -156,6 +166,9 @@ def check_in_flight(cases: list[dict], group, world_size: int) -> None:
         gathers.append((SparseAllGather(owners, placement, group, case["N"], traffic=TrafficCounter()), case))
     owners, placement = build(c_case, world_size)
     reduce = SparseReduceScatter(placement, owners, group, c_case["N"], traffic=TrafficCounter())
+    # a node-aware gather too: its second stage is posted in wait() on gloo, after the others' launches
+    owners_d, placement_d = build(a_case, world_size)
+    gd = RelayAllGather(owners_d, placement_d, group, a_case["N"], topology=topology(world_size), traffic=TrafficCounter())
 
     (ga, a), (gb, b) = gathers
     Wa = chunk_data(a, len(a["counts_ED"]))
@@ -169,12 +182,14 @@ def check_in_flight(cases: list[dict], group, world_size: int) -> None:
     handle_b = gb(owned_part(gb, Wb))
     grads = torch.ones(reduce.plan.held_shape)
     handle_c = reduce(grads)
+    handle_d = gd(owned_part(gd, Wa))
     if rank == 0:
         # Launching returned without waiting for the late peers, and received rows are only
         # unpacked by wait(): the data is not valid before it.
         assert launch_s < SLOW_SENDER_S * 2 / 3, f"launch blocked for {launch_s:.2f} s"
         remote = np.setdiff1d(np.arange(ga.plan.held_shape[0]), ga.plan.local_held_rows)
         assert remote.size and torch.isnan(out_a[torch.from_numpy(remote)]).all()
+    assert torch.equal(handle_d.wait(), Wa[torch.from_numpy(gd.held_chunks.copy())])
     summed = handle_c.wait()
     replicas = torch.from_numpy(InstancePlacement(c_case["counts_ED"]).replicas_E()[reduce.owned_chunks]).float()
     assert torch.equal(summed, replicas[:, None].expand_as(summed)), "each owner sums one 1.0 per distinct holder"
@@ -214,7 +229,7 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
     assert all(len(counters) == len(cases) for counters in per_rank)
     topo = topology(world_size)
     keys = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
-    moved = 0
+    moved = relay_saved = 0
     for i, case in enumerate(cases):
         owners, placement = build(case, world_size)
         chunk_bytes = case["N"] * 4  # float32
@@ -228,6 +243,14 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
             assert sprs == as_lists(sparse_reduce_scatter_bytes(placement, owners, chunk_bytes, topo)), case["name"]
             total = sum(map(sum, spag[:2])) + sum(map(sum, sprs[:2]))
             assert total == allreduce_equivalent_bytes(placement, chunk_bytes), case["name"]
+            relay_spag, relay_sprs = measured("relay_spag"), measured("relay_sprs")
+            hierarchical = sparse_all_gather_bytes(owners, placement, chunk_bytes, topo, "hierarchical")
+            assert relay_spag == as_lists(hierarchical), case["name"]
+            assert relay_sprs == as_lists(hierarchical.reversed()), case["name"]
+            # the same copies, never more bytes in total, and no more across the node boundary
+            assert sum(map(sum, relay_spag[:2])) == sum(map(sum, spag[:2])), case["name"]
+            assert sum(relay_spag[1]) <= sum(spag[1]), case["name"]
+            relay_saved += sum(spag[1]) - sum(relay_spag[1])
         else:
             # Every holder of a chunk receives every other rank's slice of it, and the reduce returns them.
             size_D = owners.sizes_D() * 4
@@ -241,6 +264,8 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
             assert sprs == expected[[2, 3, 0, 1]].tolist(), case["name"]
         moved += sum(map(sum, spag[:2]))
     assert moved > 0
+    if world_size >= 4:  # two ranks per node: a chunk held on both of a remote node's ranks crosses once
+        assert relay_saved > 0
 
 
 def test_single_rank_world_and_argument_errors():

@@ -22,7 +22,8 @@ from megatron_patches.comm import (
     default_counter,
     plan_rank_transfers,
 )
-from megatron_patches.comm.transfers import _check_postconditions
+from megatron_patches.comm.transfers import _check_postconditions, plan_relay_transfers
+from megatron_patches.placement.collectives import copy_sources_ED
 from megatron_patches.placement import (
     ElementShardLayout,
     InstancePlacement,
@@ -276,3 +277,31 @@ def test_cpu_stream_is_a_no_op_and_shared_per_device():
     with stream.finish():
         x += 1
     assert x.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 4), (4, 2)])
+def test_relay_plans_agree_pairwise_and_relay_only_what_arrived(nodes, per_node):
+    """Node-aware plans: what rank r sends p in a stage is, chunk for chunk and in order, what p
+    expects from r in that stage; a relay's stage-2 rows are chunks it got from the owner in stage 1."""
+    rng = np.random.default_rng(nodes + per_node)
+    D = nodes * per_node
+    topology = Topology(nodes, per_node, 1e11, 1e10)
+    for _ in range(20):
+        E = int(rng.integers(1, 3 * D))
+        owner_E = rng.integers(0, D, E)
+        counts = (rng.random((E, D)) < 0.6).astype(np.int64)
+        counts[np.arange(E), owner_E] = 1
+        shard, placement = ShardLayout(owner_E, D), InstancePlacement(counts)
+        source = copy_sources_ED(shard, placement, topology, "hierarchical")
+        plans = [plan_relay_transfers(shard, placement, source, 7, r) for r in range(D)]
+        for stage in range(2):
+            for r, plan in enumerate(plans):
+                for message in plan.stages[stage]:
+                    rows = plan.owned_chunks if stage == 0 else plan.held_chunks
+                    sent = rows[message.send_rows]
+                    back = next((m for m in plans[message.peer].stages[stage] if m.peer == r), None)
+                    received = plans[message.peer].held_chunks[back.recv_rows] if back else np.array([], np.int64)
+                    assert np.array_equal(sent, received)
+                    if stage == 1:
+                        got_first = {int(c) for m in plan.stages[0] for c in plan.held_chunks[m.recv_rows]}
+                        assert set(sent.tolist()) <= got_first

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -59,11 +60,13 @@ def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int 
 
 
 def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers: dict[str, tuple[Path, int]] | None = None,
-                timeout: int = 1800) -> dict[str, Run]:
+                timeout: int = 1800, nodes: int = 1) -> dict[str, Run]:
     """Several runs in one spawn (support/multirun.py: the ranks' imports are paid once), in the
     order given; each Run as `launch` returns it, its output the spawn's lines between its marker
     and the next (stdout and stderr as one stream). `trackers`: run name -> (checkpoint directory,
-    iteration) its tracker is pointed at before that run starts."""
+    iteration) its tracker is pointed at before that run starts. `nodes` > 1 emulates that many
+    nodes of nproc / nodes ranks: one torchrun per node on this machine, each with its own
+    SLURMD_NODENAME (what `comm.groups.node_layout` reads); the output is node 0's."""
     trackers = trackers or {}
     spec = workdir / f"multirun_{next(iter(runs))}.json"
     logs = {name: workdir / f"{name}.jsonl" for name in runs}
@@ -71,21 +74,44 @@ def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers:
         {"name": name, "argv": [*flags, "--log-json", str(logs[name])],
          **({"tracker": [str(trackers[name][0]), trackers[name][1]]} if name in trackers else {})}
         for name, flags in runs.items()]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(REPO / "tests" / "support" / "multirun.py"), str(spec)]
+    script = [str(REPO / "tests" / "support" / "multirun.py"), str(spec)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{', '.join(runs)}: exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    if nodes == 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+        returncode, stdout = proc.returncode, proc.stdout
+    else:
+        port = str(free_port())
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={n}",
+             f"--nproc-per-node={nproc // nodes}", "--master-addr=127.0.0.1", f"--master-port={port}", *script],
+            cwd=REPO, env=dict(env, SLURMD_NODENAME=f"node{n}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True) for n in range(nodes)]
+        try:
+            outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        failed = [n for n, p in enumerate(procs) if p.returncode != 0]
+        returncode, stdout = (procs[failed[0]].returncode if failed else 0), outputs[failed[0] if failed else 0]
+    assert returncode == 0, f"{', '.join(runs)}: exit {returncode}\n{stdout[-6000:]}"
     outputs, name = {}, None
-    for line in proc.stdout.splitlines(keepends=True):
+    for line in stdout.splitlines(keepends=True):
         if line.startswith(MARKER + " "):
             name = line.split(" ", 1)[1].strip()
             outputs[name] = ""
         elif name is not None:
             outputs[name] += line
-    assert list(outputs) == list(runs), (list(outputs), proc.stdout[-6000:])
+    assert list(outputs) == list(runs), (list(outputs), stdout[-6000:])
     return {name: Run(outputs[name], read_records(str(logs[name])) if logs[name].exists() else []) for name in runs}
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def zebra_replan_flags(path: Path, layers: int, experts: int, attention_ranks: int, expert_ranks: int,

@@ -1,0 +1,194 @@
+"""Node-aware SparseAllGather and SparseReduceScatter: one copy per node crosses the network.
+
+The flat collectives (`comm.sparse`) send every copy from its owner, so an expert held by k
+devices of a remote node crosses that node's network link k times. These send it once per
+node, to the node's relay for it, which forwards it over the node's own links
+(`placement.collectives`: the relay choice, shared with the byte formulas and the simulator):
+
+    gather   stage 1: owner -> holders on its node, and -> each other node's relay
+             stage 2: relay -> the other holders on its node
+    reduce   stage 1: holders -> their node's relay (reverse of gather stage 2); the relay sums
+             stage 2: relays and the owner's node's holders -> owner (reverse of gather stage 1)
+
+Same interface, buffers and byte recording as the flat classes (`RelayAllGather(shard,
+placement, group, chunk_numel, topology=..., traffic=...)`; call -> handle -> wait), for
+whole-chunk ownership (FSSDP). Each stage is one batched point-to-point call in the one group.
+
+Asynchrony: stage 1 is posted when the collective is called. Stage 2 reads what stage 1
+received: on GPU it is posted at once, ordered after stage 1 on the communication stream
+(NCCL's waits are stream waits, so the host does not block); on CPU (gloo) a wait blocks the
+host, so stage 2 is posted in `wait()`. Every rank launches and waits its collectives at the
+same points of the program, so the stage-2 messages of every pair of ranks are posted in the
+same order on both sides.
+
+Reduction order: a relay sums its node's copies in ascending device order (its own at its
+place); the owner sums its node's copies and the relays' sums in ascending device order of the
+sender. Deterministic run to run, but not the flat collective's order (differences at rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter, _post
+from megatron_patches.comm.streams import comm_stream
+from megatron_patches.comm.transfers import RelayTransfers, plan_relay_transfers
+from megatron_patches.placement.collectives import copy_sources_ED
+from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout
+
+__all__ = ["RelayAllGather", "RelayReduceScatter"]
+
+
+def _relay_plan(collective, owners, placement: InstancePlacement) -> RelayTransfers:
+    """The rank's two-stage plan (the flat plan's validation has run in the base class)."""
+    if not isinstance(owners, ShardLayout):
+        raise PlacementError(
+            f"node-aware sparse collectives need whole-chunk owners (a ShardLayout), got {type(owners).__name__}"
+        )
+    source_ED = copy_sources_ED(owners, placement, collective.topology, "hierarchical")
+    return plan_relay_transfers(owners, placement, source_ED, collective.plan.chunk_numel, collective.rank)
+
+
+def _record(collective, element_size: int, reverse: bool) -> None:
+    peer_P, send_P, recv_P = collective.relay.gather_numel()
+    if reverse:
+        send_P, recv_P = recv_P, send_P
+    collective.traffic.record(collective.kind, collective.rank, collective.topology, peer_P, send_P * element_size,
+                              recv_P * element_size)
+
+
+class RelayAllGather(SparseAllGather):
+    """SparseAllGather(P0, P1) in two stages through one relay per (expert, remote node)."""
+
+    def __init__(self, owners: ShardLayout, placement: InstancePlacement, group: dist.ProcessGroup, chunk_numel: int,
+                 **kwargs):
+        super().__init__(owners, placement, group, chunk_numel, **kwargs)
+        self.relay = _relay_plan(self, owners, placement)
+        """This rank's two-stage transfers."""
+
+    def __call__(self, owned: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
+        relay = self.relay
+        self._check("owned", owned, relay.owned_shape, relay.owned_chunks)
+        if out is None:
+            out = owned.new_empty(relay.held_shape)
+        self._check("out (held buffer)", out, relay.held_shape, relay.held_chunks, like=owned)
+        device = owned.device
+        stream = comm_stream(device)
+        index = lambda rows: torch.from_numpy(rows).to(device)  # noqa: E731
+        first, second = relay.stages
+        posted: list = []
+
+        def post(stage, source) -> None:
+            ops, received = [], []
+            for message in stage:
+                if message.send_rows.size:
+                    send = source.index_select(0, index(message.send_rows))
+                    ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=message.peer))
+                if message.recv_rows.size:
+                    recv = owned.new_empty((message.recv_rows.size, relay.chunk_numel))
+                    ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=message.peer))
+                    received.append((index(message.recv_rows), recv))
+            posted.append((_post(ops, self.group, device), received))
+
+        def land() -> None:
+            works, received = posted.pop(0)
+            for work in works:
+                work.wait()
+            for rows, recv in received:
+                out.index_copy_(0, rows, recv)
+
+        with stream.launch(owned, out):
+            post(first, owned)
+            if relay.local_owned_rows.size:
+                out.index_copy_(0, index(relay.local_held_rows), owned.index_select(0, index(relay.local_owned_rows)))
+            eager = device.type == "cuda"
+            if eager:
+                land()
+                post(second, out)
+        _record(self, owned.element_size(), reverse=False)
+
+        def finish() -> torch.Tensor:
+            if not eager:
+                land()
+                post(second, out)
+            land()
+            return out
+
+        return CollectiveHandle(stream, finish)
+
+
+class RelayReduceScatter(SparseReduceScatter):
+    """SparseReduceScatter(P1, P0) in two stages: each remote node's copies summed at its relay."""
+
+    def __init__(self, placement: InstancePlacement, owners: ShardLayout, group: dist.ProcessGroup, chunk_numel: int,
+                 **kwargs):
+        super().__init__(placement, owners, group, chunk_numel, **kwargs)
+        self.relay = _relay_plan(self, owners, placement)
+        """This rank's two-stage transfers (the gather's direction)."""
+
+    def __call__(self, held: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
+        relay = self.relay
+        self._check("held", held, relay.held_shape, relay.held_chunks)
+        if out is None:
+            out = held.new_empty(relay.owned_shape)
+        self._check("out (owned buffer)", out, relay.owned_shape, relay.owned_chunks, like=held)
+        device = held.device
+        stream = comm_stream(device)
+        index = lambda rows: torch.from_numpy(rows).to(device)  # noqa: E731
+        first, second = relay.stages
+        posted: list = []
+        sums = {}
+
+        def post(stage, source) -> None:
+            """The gather's stage reversed: send what the gather received, receive what it sent."""
+            ops, received = [], []
+            for message in stage:
+                if message.recv_rows.size:
+                    send = source.index_select(0, index(message.recv_rows))
+                    ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=message.peer))
+                if message.send_rows.size:
+                    recv = held.new_empty((message.send_rows.size, relay.chunk_numel))
+                    ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=message.peer))
+                    received.append((message.peer, index(message.send_rows), recv))
+            posted.append((_post(ops, self.group, device), received))
+
+        def land(target: torch.Tensor, own_rows, own_values) -> torch.Tensor:
+            """Sum the received rows and this rank's own into `target` in ascending device order."""
+            works, received = posted.pop(0)
+            for work in works:
+                work.wait()
+            contributions = sorted([(self.rank, own_rows, own_values), *received], key=lambda entry: entry[0])
+            rows = torch.cat([c[1] for c in contributions]) if contributions else None
+            if rows is not None and rows.numel():
+                target.index_fill_(0, rows, 0)
+            # each contribution adds at most once per row: every row's additions run in device order
+            for _, rows, values in contributions:
+                target.index_add_(0, rows, values)
+            return target
+
+        def relay_sums() -> torch.Tensor:
+            """The held rows with this node's copies added in (relays), ready for the owners."""
+            relayed = torch.cat([index(m.send_rows) for m in second]) if second else index(relay.local_held_rows[:0])
+            partial_HN = held.clone() if relayed.numel() else held
+            return land(partial_HN, relayed.unique(), held.index_select(0, relayed.unique()))
+
+        def start_second() -> None:
+            sums["partial"] = relay_sums()
+            post(first, sums["partial"])
+
+        with stream.launch(held, out):
+            post(second, held)
+            eager = device.type == "cuda"
+            if eager:
+                start_second()
+        _record(self, held.element_size(), reverse=True)
+
+        def finish() -> torch.Tensor:
+            if not eager:
+                start_second()
+            partial_HN = sums.pop("partial")
+            out.zero_()
+            return land(out, index(relay.local_owned_rows), partial_HN.index_select(0, index(relay.local_held_rows)))
+
+        return CollectiveHandle(stream, finish)
