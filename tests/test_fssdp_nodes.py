@@ -8,14 +8,19 @@ one per layer on every rank (8 experts, one owner each), so the bytes have a clo
 to every rank of every other node, hierarchical to one relay per other node, which forwards it
 inside its node. fp32, dropless, dropout 0: losses equal ep's within 1e-5 relative (the sums'
 order differs). 2 micro-batches per iteration: one gather and one reduce per iteration.
+The benchmark's figures (`tools/bench_fssdp.py --nodes 2`) are computed from these runs' records.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from support.training import launch_many
+from support.training import REPO, launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +70,25 @@ def test_node_aware_collectives_cross_each_node_once_and_train_like_ep(layout):
             assert fssdp["bytes"]["sprs"] == expected, (name, record["iteration"])
     ratio = hierarchical.records[-1]["fssdp"]["bytes"]["spag"]["inter"] / flat.records[-1]["fssdp"]["bytes"]["spag"]["inter"]
     assert ratio == pytest.approx(1 / per_node)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_fssdp", REPO / "tools" / "bench_fssdp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_reports_the_inter_node_ratio_and_refuses_uneven_nodes(layout):
+    nodes, per_node, ep, hierarchical, flat = layout
+    bench = load_bench()
+    runs = {"fssdp": hierarchical.records, "fssdp_flat": flat.records}
+    figures = bench.figures(ep.records, runs)
+    assert figures["inter_node_bytes_hierarchical_over_flat"] == pytest.approx(1 / per_node)
+    assert figures["fssdp"]["spag_inter_bytes"] == np.mean([r["fssdp"]["bytes"]["spag"]["inter"] for r in hierarchical.records])
+    assert figures["fssdp"]["max_loss_difference"] < 1e-5
+    table = bench.summarize(ep.records, runs, figures)
+    assert f"hierarchical / flat: {1 / per_node:.3f}" in table and "note:" not in table
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_fssdp.py"), "--nproc", "6", "--nodes", "4"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--nodes=4: must divide --nproc=6" in done.stderr

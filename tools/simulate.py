@@ -60,6 +60,7 @@ from megatron_patches.sim import (
     write_json,
 )
 from megatron_patches.sim.systems import check_memory, ep_layout_problem, simulate_all
+from megatron_patches.sim.scenario import SPARSE_COLLECTIVES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,9 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="micro-batches of zebra / zebra-asym (default 4, or the run's)")
     parser.add_argument("--memory-reserve-gb", type=float, default=None,
                         help="per-GPU memory kept free for CUDA context and workspaces (default 1.5)")
-    parser.add_argument("--sparse-collectives", choices=("p2p", "ring"), default="p2p",
-                        help="price FSSDP's gather/reduce as point-to-point from owners (default, as the placement "
-                        "engine counts bytes) or as pipelined ring broadcasts/reduces over the holders")
+    parser.add_argument("--sparse-collectives", choices=SPARSE_COLLECTIVES, default=SPARSE_COLLECTIVES[0],
+                        help="price FSSDP's gather/reduce as the runtime's --fssdp-collectives runs them: hierarchical "
+                        "(default: one copy per remote node to a relay, then inside the node) or flat (point to "
+                        "point from the owner to every holder); or as pipelined ring broadcasts/reduces over the "
+                        "holders (ring, NCCL's algorithm, not run by the runtime)")
     parser.add_argument("--efficiency", action="append", default=[], metavar="KEY=VALUE",
                         help="override a kernel efficiency, e.g. expert_gemm=0.6 (repeatable; keys: "
                         + ", ".join(f.name for f in dataclasses.fields(KernelEfficiency)) + ")")

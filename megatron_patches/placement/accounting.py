@@ -36,6 +36,7 @@ __all__ = [
     "extra_memory_bytes",
     "imbalance",
     "rearrangement_bytes",
+    "relayed_gather_stage_bytes",
     "sparse_all_gather_bytes",
     "sparse_reduce_scatter_bytes",
     "survival",
@@ -207,6 +208,21 @@ def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout
     the way the copy came (a relay sends one sum for its node), so exactly the spAG transfers
     reversed."""
     return sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm).reversed()
+
+
+def relayed_gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes,
+                               topology: Topology) -> tuple[CommBytes, CommBytes]:
+    """The hierarchical spAG's two stages apart: (owners' sends, relays' sends inside their nodes).
+    They add up to `sparse_all_gather_bytes(..., "hierarchical")`; the runtime starts the second
+    after the first has landed (`comm.relay`), so a time model adds their times."""
+    source_ED = copy_sources_ED(shard, placement, topology, "hierarchical")
+    size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
+    from_owner_ED = source_ED == shard.owner_E[:, None]
+    stages = []
+    for mask_ED in (from_owner_ED, (source_ED >= 0) & ~from_owner_ED):
+        e, d = np.nonzero(mask_ED)
+        stages.append(CommBytes.from_transfers(source_ED[e, d], d, size_E[e], topology))
+    return stages[0], stages[1]
 
 
 def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:

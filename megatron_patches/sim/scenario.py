@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_patches.config import ClusterConfig, ModelConfig
+from megatron_patches.placement.collectives import ALGORITHMS
 from megatron_patches.placement.policies import even_source_loads
 from megatron_patches.placement.trace import Trace
 from megatron_patches.sim.costs import (
@@ -31,7 +32,10 @@ from megatron_patches.sim.costs import (
     Workload,
 )
 
-__all__ = ["SimOptions", "Scenario", "build_scenario", "scale_counts"]
+__all__ = ["SPARSE_COLLECTIVES", "SimOptions", "Scenario", "build_scenario", "scale_counts"]
+
+SPARSE_COLLECTIVES = (*ALGORITHMS, "ring")
+"""How FSSDP's sparse collectives are priced: the runtime's algorithms (the default first), or ring."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,12 @@ class SimOptions:
     """R, micro-batches of a zebra iteration (zebra and zebra-asym; zebra-naive uses 1)."""
     memory_reserve_gb: float | None = None
     """Per-device memory kept free for the CUDA context and workspaces; None: the model's default."""
-    sparse_collectives: str = "p2p"
-    """How FSSDP's gather / reduce are priced: "p2p" (owner to every holder, as the placement
-    engine's accounting counts) or "ring" (pipelined ring broadcast / reduce over the holders)."""
+    sparse_collectives: str = "hierarchical"
+    """How FSSDP's gather / reduce are priced: as the runtime's `--fssdp-collectives` runs them,
+    "hierarchical" (owner to one relay per node, then the relay to its node's holders, the two
+    stages one after the other) or "flat" (owner to every holder), with the placement engine's
+    byte accounting; or "ring" (pipelined ring broadcast / reduce over the holders, NCCL's
+    algorithm, which the runtime does not run)."""
 
     def __post_init__(self) -> None:
         for name in ("overlap_degree", "memory_capacity", "reserved_slots"):
@@ -69,8 +76,9 @@ class SimOptions:
                 raise SimError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.capacity_factor is not None and not (np.isfinite(self.capacity_factor) and self.capacity_factor > 0):
             raise SimError(f"--capacity-factor must be > 0, got {self.capacity_factor!r}")
-        if self.sparse_collectives not in ("p2p", "ring"):
-            raise SimError(f"--sparse-collectives must be p2p or ring, got {self.sparse_collectives!r}")
+        if self.sparse_collectives not in SPARSE_COLLECTIVES:
+            raise SimError(f"--sparse-collectives must be one of {', '.join(SPARSE_COLLECTIVES)}, "
+                           f"got {self.sparse_collectives!r}")
         if self.memory_reserve_gb is not None and not (
             np.isfinite(self.memory_reserve_gb) and self.memory_reserve_gb >= 0
         ):

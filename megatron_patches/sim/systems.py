@@ -18,10 +18,12 @@ Where each kind of traffic runs in the schedule:
   "shadow_reduce" as a ring reduce;
 - "spag" (FSSDP): "sparse" stream, launched when the layer's attention starts (hidden behind
   it when short enough); with re-materialization again in backward, launched after the
-  layer above's expert backward. Priced as the placement engine counts it (point-to-point
-  from each owner to every holder, SimOptions.sparse_collectives = "p2p") or as pipelined
-  ring broadcasts over the holders ("ring": the same bytes in total, but an owner's node
-  sends each copy across the network once instead of once per receiving device);
+  layer above's expert backward. Priced as the runtime moves it (SimOptions.sparse_collectives
+  = `--fssdp-collectives`): "hierarchical" (the default), the owner sends to its node's holders
+  and to one relay per other node, then each relay to its node's other holders, the stages one
+  after the other (two transfer times); "flat", point-to-point from each owner to every holder;
+  or as pipelined ring broadcasts over the holders ("ring", NCCL's algorithm: the same bytes
+  in total, each copy across a node boundary once, but not what the runtime runs);
 - "sprs", and every gradient synchronisation ("grad_allreduce", "shadow_reduce",
   "grad_fetch"): after the layer's expert backward, on "sparse" (sprs) or "grad";
 - dense (non-expert) gradients: a ring all-reduce per layer on "grad" after its attention
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_patches.placement import fssdp
-from megatron_patches.placement.accounting import CommBytes
+from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, make_policy
@@ -452,19 +454,24 @@ class _Bytes:
     def __init__(self, I: int, L: int, D: int) -> None:
         self.data = np.zeros((I, L, 4, D))
         self.steps = np.ones((I, L))
+        self.second = np.zeros((I, L, 4, D))
+        """A second stage that starts when the first has landed (the hierarchical spAG's relays)."""
 
-    def put(self, i: int, k: int, comm: CommBytes, steps: float = 1.0) -> None:
+    def put(self, i: int, k: int, comm: CommBytes, steps: float = 1.0, second: CommBytes | None = None) -> None:
         for j, name in enumerate(_BYTE_FIELDS):
             self.data[i, k, j] = getattr(comm, name)
+            self.second[i, k, j] = 0.0 if second is None else getattr(second, name)
         self.steps[i, k] = steps
 
     def times_IL(self, scn: Scenario) -> np.ndarray:
-        d = self.data
-        return scn.comm.transfer_time(d[:, :, 0], d[:, :, 1], d[:, :, 2], d[:, :, 3], self.steps)
+        d, s = self.data, self.second
+        first = scn.comm.transfer_time(d[:, :, 0], d[:, :, 1], d[:, :, 2], d[:, :, 3], self.steps)
+        return first + scn.comm.transfer_time(s[:, :, 0], s[:, :, 1], s[:, :, 2], s[:, :, 3])
 
     def totals(self) -> np.ndarray:
-        """Mean bytes per iteration over all layers: [intra, inter] (counted at the sender)."""
-        return np.array([self.data[:, :, 0].sum(axis=(1, 2)).mean(), self.data[:, :, 1].sum(axis=(1, 2)).mean()])
+        """Mean bytes per iteration over all layers and stages: [intra, inter] (counted at the sender)."""
+        both = self.data + self.second
+        return np.array([both[:, :, 0].sum(axis=(1, 2)).mean(), both[:, :, 1].sum(axis=(1, 2)).mean()])
 
 
 @dataclass
@@ -517,6 +524,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         planner_s=0.0,
     )
     ring_sparse = scn.options.sparse_collectives == "ring"
+    relayed = scn.options.sparse_collectives == "hierarchical"
     tracker = LoadTracker(L, E, policy.default_window)
     for i in range(I):
         start = time.perf_counter()
@@ -537,17 +545,22 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 holds_RD, root_R = _shadow_rings(ep_layout, lp.shadowed_E)
                 traffic["shadow_broadcast"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_weight_bytes, topo)
                 traffic["shadow_reduce"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_grad_bytes, topo).reversed()
+            second = {}
             if lp.shard is not None and ring_sparse:
                 holds_ED = lp.placement.holds_ED()
                 owner_E = lp.shard.owner_E
                 traffic["spag"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_weight_bytes, topo)
                 traffic["sprs"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_grad_bytes, topo).reversed()
+            elif lp.shard is not None and relayed:
+                traffic["spag"], second["spag"] = relayed_gather_stage_bytes(lp.shard, lp.placement, bm.expert_weight_bytes, topo)
+                grad_owners, grad_relays = relayed_gather_stage_bytes(lp.shard, lp.placement, bm.expert_grad_bytes, topo)
+                traffic["sprs"], second["sprs"] = grad_relays.reversed(), grad_owners.reversed()
             for kind, comm in traffic.items():
                 # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
                 steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
                 if kind not in out.kinds:
                     out.kinds[kind] = _Bytes(I, L, D)
-                out.kinds[kind].put(i, k, comm, max(steps, 1.0))
+                out.kinds[kind].put(i, k, comm, max(steps, 1.0), second.get(kind))
             held_D = lp.placement.counts_ED.sum(axis=0)
             if lp.shard is not None:
                 owned_D = lp.shard.counts_D()
