@@ -117,11 +117,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="micro-batches of zebra / zebra-asym (default 4, or the run's)")
     parser.add_argument("--memory-reserve-gb", type=float, default=None,
                         help="per-GPU memory kept free for CUDA context and workspaces (default 1.5)")
-    parser.add_argument("--sparse-collectives", choices=SPARSE_COLLECTIVES, default=SPARSE_COLLECTIVES[0],
+    parser.add_argument("--sparse-collectives", choices=SPARSE_COLLECTIVES, default=None,
                         help="price FSSDP's gather/reduce as the runtime's --fssdp-collectives runs them: hierarchical "
-                        "(default: one copy per remote node to a relay, then inside the node) or flat (point to "
-                        "point from the owner to every holder); or as pipelined ring broadcasts/reduces over the "
-                        "holders (ring, NCCL's algorithm, not run by the runtime)")
+                        "(default, or the run's: one copy per remote node to a relay, then inside the node) or flat "
+                        "(point to point from the owner to every holder); or as pipelined ring broadcasts/reduces "
+                        "over the holders (ring, NCCL's algorithm, not run by the runtime)")
+    parser.add_argument("--fssdp-calibrate", action="store_true", default=None,
+                        help="FSSDP calibrates after the gate (default off, or the run's --fssdp-calibrate): with the "
+                        "actual loads it gathers more copies when that saves more than the extra gather costs")
     parser.add_argument("--efficiency", action="append", default=[], metavar="KEY=VALUE",
                         help="override a kernel efficiency, e.g. expert_gemm=0.6 (repeatable; keys: "
                         + ", ".join(f.name for f in dataclasses.fields(KernelEfficiency)) + ")")
@@ -219,6 +222,8 @@ def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
             value = getattr(a, key)
             if value != "auto":
                 out[option] = (int(value), f"{where}: {key}")
+        out["fssdp_calibrate"] = (a.fssdp_calibrate, f"{where}: fssdp_calibrate")
+        out["sparse_collectives"] = (a.fssdp_collectives, f"{where}: fssdp_collectives")
     elif mode == "replicate":
         systems = [{"adaptive": "replicate", "static": "static",
                     "periodic": f"flexmoe-{a.replicate_rebalance_interval}"}[a.replicate_policy]]
@@ -256,10 +261,11 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
         out["model"] = (model_config_from_dict({**model.to_dict(), "num_experts": args.num_experts}, "--num-experts"),
                         f"{source}; --num-experts {args.num_experts}")
     defaults = {"micro_batch_size": 1, "seq_length": None, "precision": None, "recompute": "none",
-                "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None}
+                "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None,
+                "fssdp_calibrate": False, "sparse_collectives": SPARSE_COLLECTIVES[0]}
     for name in ("gpus", "micro_batch_size", "seq_length", "precision", "recompute", "systems",
                  "overlap_degree", "memory_capacity", "slots_per_rank", "capacity_factor", "reshard_interval",
-                 "zebra_microbatches"):
+                 "zebra_microbatches", "fssdp_calibrate", "sparse_collectives"):
         flag = getattr(args, name)
         if flag is not None:
             out[name] = (flag, f"--{name.replace('_', '-')}")
@@ -321,7 +327,8 @@ def main(argv=None) -> int:
             reshard_interval=value["reshard_interval"],
             zebra_microbatches=value["zebra_microbatches"],
             memory_reserve_gb=args.memory_reserve_gb,
-            sparse_collectives=args.sparse_collectives,
+            sparse_collectives=value["sparse_collectives"],
+            fssdp_calibrate=value["fssdp_calibrate"],
         )
         model, cluster = value["model"], value["cluster"]
         gpus = cluster.num_devices if value["gpus"] is None else value["gpus"]
@@ -425,7 +432,7 @@ def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) ->
     line("systems", ", ".join(s.name for s in specs), "systems")
     knobs = [f"{name.replace('_', ' ')} {settings[name][0]} [{settings[name][1]}]"
              for name in ("capacity_factor", "slots_per_rank", "reshard_interval", "overlap_degree", "memory_capacity",
-                          "zebra_microbatches") if settings[name][1] != "default"]
+                          "zebra_microbatches", "fssdp_calibrate", "sparse_collectives") if settings[name][1] != "default"]
     if knobs:
         print(f"  {'options':<10} " + "; ".join(knobs))
     print(f"  {'trace':<10} {trace_label}; routing scaled x{scn.trace_scale:.3g}, sources: {scn.source_note}")

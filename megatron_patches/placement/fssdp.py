@@ -24,6 +24,7 @@ All functions are pure and deterministic: every rank computes the same plan from
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -450,12 +451,34 @@ class CalibrationCost:
     """Bytes of one expert's parameters (what one extra copy moves)."""
     latency_s: float = 0.0
     """Fixed cost of launching one more sparse all-gather, seconds."""
+    gather_seconds: Callable[[ShardLayout, InstancePlacement], float] | None = None
+    """Time of spAG(shard -> placement) when given (the simulator passes its own link model and
+    collective algorithm, so that calibration decides on the times it is priced at); None: the
+    busiest device's transfers over the topology's point-to-point bandwidths, plus `latency_s`."""
+    reduce_ratio: float = 0.0
+    """Bytes of a copy's gradient over its weights' (spRS moves gradients back the way spAG moved
+    weights): the extra copies' reduce takes this many times their gather. 0: not priced."""
+    reduce_hidden_s: float = 0.0
+    """Backward time the extra copies' reduce hides behind (the layer's attention backward); only
+    what exceeds it is priced."""
+    dispatch_seconds: Callable[[DispatchPlan], float] | None = None
+    """All-to-all time of a dispatch plan (dispatch and combine, forward and backward), when given
+    with the per-source loads: copies near the tokens shorten it, so calibration counts it
+    (FasterMoE's cost model does); None: the MoE time is the expert compute alone."""
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_token", "expert_bytes", "latency_s"):
+        for name in ("seconds_per_token", "expert_bytes", "latency_s", "reduce_ratio", "reduce_hidden_s"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise PlacementError(f"CalibrationCost.{name} must be finite and >= 0, got {value!r}")
+
+    def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
+                             topology: Topology) -> float:
+        """Time of gathering the copies in `holds_ED` that `current` lacks (on the critical path)."""
+        new_ED = holds_ED & ~current.holds_ED()
+        if self.gather_seconds is not None:
+            return float(self.gather_seconds(shard, InstancePlacement((shard.holds_ED() > 0) | new_ED)))
+        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
 
 
 def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology, expert_bytes: float) -> float:
@@ -479,22 +502,31 @@ def calibrate(
     remaining_m,
     topology: Topology,
     cost: CalibrationCost,
+    source_loads_DE=None,
 ) -> tuple[InstancePlacement, bool]:
     """Calibration after the gate (DESIGN 4.2 step 4), as a pure function.
 
-    Reruns the materialization with the actual loads and the memory still free, only adding
-    copies to the current placement (copies already gathered cost nothing to keep). The
-    budgets target instances proportional to the actual loads: with R = current instances +
-    free slots, expert e should have goal_e = R * load_e / sum(load); the free slots are split
-    over the deficits max(goal_e - replicas_e, 0) by `proportional_copies` (each expert at most
-    on every device) and placed by the same load-aware rule as `materialize`
-    (`_place_copies`), heaviest expert first, starting from the load of the single-holder
-    experts that get no copy.
+    With the actual loads and the memory still free, considers adding copies to the current
+    placement (copies already gathered cost nothing to keep) and keeps the cheapest choice,
+    which may be adding none. Candidates:
 
-    Decision: MoE time = max device load * seconds_per_token, with device loads as `dispatch`
-    will make them (`balanced_quotas` of the actual loads), before and after the new copies.
-    The saving is (before - after) * seconds_per_token; the gather costs `_gather_seconds` +
-    latency. The extra gather is done only if the saving is strictly larger.
+    - load-proportional (DESIGN's step 4): with R = current instances + free slots, expert e
+      should have goal_e = R * load_e / sum(load); the free slots are split over the deficits
+      max(goal_e - replicas_e, 0) by `proportional_copies` (each expert at most on every device)
+      and placed by the same load-aware rule as `materialize` (`_place_copies`), heaviest expert
+      first, starting from the load of the single-holder experts that get no copy;
+    - FasterMoE's shadowing, for every k: the k experts with the most tokens copied to every
+      device that has a free slot (its policy space, so calibration can choose what it would).
+
+    Price of a candidate: MoE time = max device load * seconds_per_token, with device loads as
+    `dispatch` will make them (`balanced_quotas` of the actual loads), plus the extra gather's
+    time (`CalibrationCost.extra_gather_seconds`), which is on the critical path, and the part
+    of their gradients' reduction that the backward does not hide (`reduce_ratio`,
+    `reduce_hidden_s`). With the
+    per-source loads and `cost.dispatch_seconds`, the plan is `dispatch`'s itself and its
+    all-to-all time is added. The current placement costs its MoE time alone. A candidate is
+    taken only when strictly cheaper; ties go to the earlier candidate (proportional, then fewer
+    shadows).
 
     Args:
         current: placement materialized from the prediction (must contain `shard`).
@@ -503,6 +535,8 @@ def calibrate(
         remaining_m: extra copies that still fit per device, int or int [D], >= 0.
         topology: the devices.
         cost: the cost model.
+        source_loads_DE: tokens per (source device, expert), int [D, E] summing to actual_loads_E,
+            or None (then the all-to-all is not priced).
     Returns:
         (placement, do_extra_gather): the calibrated placement and True if it pays off, else
         (current, False).
@@ -525,9 +559,42 @@ def calibrate(
     total = int(tokens_E.sum())
     if total == 0 or free_D.sum() == 0:
         return current, False
-    holds_ED = current.holds_ED().copy()
+    held_ED = current.holds_ED()
+    with_a2a = source_loads_DE is not None and cost.dispatch_seconds is not None
+    if with_a2a:
+        source_loads_DE = check_loads(source_loads_DE, "source_loads_DE", 2)
+        if not np.array_equal(source_loads_DE.sum(axis=0), tokens_E):
+            raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
+
+    def moe_seconds(holds_ED: np.ndarray) -> float:
+        if not with_a2a:
+            return float(balanced_quotas(holds_ED, tokens_E).sum(axis=0).max()) * cost.seconds_per_token
+        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
+        return float(plan.device_loads_D().max()) * cost.seconds_per_token + float(cost.dispatch_seconds(plan))
+
+    best_s = moe_seconds(held_ED)
+    best = None
+    for holds_ED in (_proportional_candidate(held_ED, tokens_E, free_D, topology), *_shadow_candidates(held_ED, tokens_E, free_D)):
+        if not (holds_ED & ~held_ED).any():
+            continue
+        after = moe_seconds(holds_ED)
+        if after >= best_s:
+            continue  # cannot pay for any gather
+        gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
+        seconds = after + gather_s + max(0.0, cost.reduce_ratio * gather_s - cost.reduce_hidden_s)
+        if seconds < best_s:
+            best_s, best = seconds, holds_ED
+    if best is None:
+        return current, False
+    return InstancePlacement(current.counts_ED + (best & ~held_ED).astype(np.int64)), True
+
+
+def _proportional_candidate(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray, topology: Topology) -> np.ndarray:
+    """DESIGN 4.2 step 4's copies: instances towards proportional to the actual loads (`calibrate`)."""
+    D = held_ED.shape[1]
+    holds_ED = held_ED.copy()
     replicas_E = holds_ED.sum(axis=1)
-    goal_E = (replicas_E.sum() + free_D.sum()) * tokens_E / total
+    goal_E = (replicas_E.sum() + free_D.sum()) * tokens_E / tokens_E.sum()
     budgets_E = proportional_copies(np.maximum(goal_E - replicas_E, 0.0), int(free_D.sum()), D - replicas_E)
     fixed = (replicas_E == 1) & (budgets_E == 0)
     fixed_E = np.flatnonzero(fixed)
@@ -535,17 +602,27 @@ def calibrate(
     load_D = np.bincount(owner_F, weights=tokens_E[fixed_E], minlength=D).astype(np.float64)
     order = _descending(tokens_E.astype(np.float64))
     order = order[~fixed[order]]
-    _place_copies(holds_ED, free_D, load_D, order, budgets_E[order], tokens_E, topology)
-    new_ED = holds_ED & ~current.holds_ED()
-    if not new_ED.any():
-        return current, False
-    before = balanced_quotas(current.holds_ED(), tokens_E).sum(axis=0).max()
-    after = balanced_quotas(holds_ED, tokens_E).sum(axis=0).max()
-    saved_s = float(before - after) * cost.seconds_per_token
-    gather_s = _gather_seconds(new_ED, shard.owner_E, topology, cost.expert_bytes) + cost.latency_s
-    if saved_s > gather_s:
-        return InstancePlacement(current.counts_ED + new_ED.astype(np.int64)), True
-    return current, False
+    _place_copies(holds_ED, free_D.copy(), load_D, order, budgets_E[order], tokens_E, topology)
+    return holds_ED
+
+
+def _shadow_candidates(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray):
+    """FasterMoE's choices: the top-k experts by tokens on every device with a free slot, k = 1, 2, ...
+    (while some device still has a slot); yields bool [E, D] holdings. Only experts with more
+    tokens than a device's fair share (total / D) are shadowed: a lighter one cannot by itself make
+    a device the busiest, and pricing every prefix (E of them) costs a balanced split each."""
+    holds_ED = held_ED.copy()
+    free_D = free_D.copy()
+    share = tokens_E.sum() / held_ED.shape[1]
+    for e in _descending(tokens_E.astype(np.float64)):
+        if tokens_E[e] <= share or not free_D.any():
+            return
+        new_D = ~holds_ED[e] & (free_D > 0)
+        if not new_D.any():
+            continue
+        holds_ED[e] |= new_D
+        free_D -= new_D
+        yield holds_ED.copy()
 
 
 # ----------------------------------------------------------------------------------------

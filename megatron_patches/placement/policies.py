@@ -118,6 +118,17 @@ class ReplayConfig:
     """FlexMoE also adjusts a layer whose predicted imbalance exceeds this; None = interval only."""
     calibrate: bool = False
     """FSSDP: run the calibration step after the gate (DESIGN 4.2 step 4)."""
+    gather_seconds: Callable[[ShardLayout, InstancePlacement], float] | None = None
+    """FSSDP calibration's price of an extra gather (`fssdp.CalibrationCost.gather_seconds`; the
+    simulator passes its link model); None: the topology's point-to-point model."""
+    dispatch_seconds: Callable[[DispatchPlan], float] | None = None
+    """FSSDP calibration's price of a layer's all-to-alls (`fssdp.CalibrationCost.dispatch_seconds`);
+    None: calibration weighs expert compute only."""
+    reduce_hidden_s: float = 0.0
+    """FSSDP calibration: backward time a layer's extra copies' spRS hides behind (its attention
+    backward); `fssdp.CalibrationCost.reduce_hidden_s`."""
+    collectives: str = "flat"
+    """FSSDP's sparse-collective algorithm for the byte counts ("flat" or "hierarchical")."""
     device_flops: float = 100e12
     """Sustained FLOP/s of one device, for the cost models of FasterMoE and FSSDP calibration."""
 
@@ -153,6 +164,9 @@ class LayerPlan:
     """Tokens processed per (expert, device) after any capacity limit; int64 [E, D]."""
     shard: ShardLayout | None = None
     """FSSDP: the owners the copies were gathered from and reduce back to; None otherwise."""
+    materialized: InstancePlacement | None = None
+    """FSSDP with calibration: the copies gathered before the gate, when calibration gathered
+    more after it (`placement` then holds both); None otherwise."""
     shadowed_E: np.ndarray | None = None
     """FasterMoE: boolean [E], experts broadcast to every device of their EP group; None otherwise."""
 
@@ -198,6 +212,11 @@ def _total(comms: list[CommBytes], topology: Topology) -> CommBytes:
     for c in comms:
         out = out + c
     return out
+
+
+def calibration_delta(lp: LayerPlan) -> InstancePlacement:
+    """The owners plus the copies calibration added after the gate (what its extra spAG fills)."""
+    return InstancePlacement((lp.shard.holds_ED() > 0) | (lp.placement.holds_ED() & ~lp.materialized.holds_ED()))
 
 
 def even_source_loads(loads_LE, num_devices: int) -> np.ndarray:
@@ -301,6 +320,10 @@ class FSSDPPolicy(Policy):
         self._cost = fssdp.CalibrationCost(
             seconds_per_token=6.0 * self.bytes.params_per_expert / config.device_flops,
             expert_bytes=self.bytes.expert_weight_bytes,
+            gather_seconds=config.gather_seconds,
+            dispatch_seconds=config.dispatch_seconds,
+            reduce_ratio=self.bytes.expert_grad_bytes / self.bytes.expert_weight_bytes,
+            reduce_hidden_s=config.reduce_hidden_s,
         )
         self.calibrations = 0
         """Layer-iterations in which calibration did the extra gather."""
@@ -324,28 +347,35 @@ class FSSDPPolicy(Policy):
             placement = fssdp.materialize(
                 shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity, self.topology
             )
+            materialized = None
             if cfg.calibrate:
                 remaining_D = np.maximum(cfg.memory_capacity - placement.extra_copies_D(shard), 0)
-                placement, gathered = fssdp.calibrate(
-                    placement, shard, source_loads_LDE[l].sum(axis=0), remaining_D, self.topology, self._cost
+                calibrated, gathered = fssdp.calibrate(
+                    placement, shard, source_loads_LDE[l].sum(axis=0), remaining_D, self.topology, self._cost,
+                    source_loads_LDE[l],
                 )
+                if gathered:
+                    materialized, placement = placement, calibrated
                 self.calibrations += int(gathered)
-            layers.append(
-                self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology), shard=shard)
-            )
+            layers.append(self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology),
+                                         shard=shard, materialized=materialized))
         return PolicyStep(iteration, tuple(layers), tuple(moves))
 
     def traffic(self, step):
+        """spAG of the copies gathered before the gate, "spag_calibrate" of those gathered after it
+        (calibration), spRS of all (they reduce together), besides the all-to-all."""
         out = super().traffic(step)
-        gathers, reduces = [], []
+        algorithm, weight, grad = self.config.collectives, self.bytes.expert_weight_bytes, self.bytes.expert_grad_bytes
+        gathers, extras, reduces = [], [], []
         for lp in step.layers:
-            gathers.append(
-                sparse_all_gather_bytes(lp.shard, lp.placement, self.bytes.expert_weight_bytes, self.topology)
-            )
-            reduces.append(
-                sparse_reduce_scatter_bytes(lp.placement, lp.shard, self.bytes.expert_grad_bytes, self.topology)
-            )
+            before = lp.placement if lp.materialized is None else lp.materialized
+            gathers.append(sparse_all_gather_bytes(lp.shard, before, weight, self.topology, algorithm))
+            if lp.materialized is not None:
+                extras.append(sparse_all_gather_bytes(lp.shard, calibration_delta(lp), weight, self.topology, algorithm))
+            reduces.append(sparse_reduce_scatter_bytes(lp.placement, lp.shard, grad, self.topology, algorithm))
         out["spag"] = _total(gathers, self.topology)
+        if extras:
+            out["spag_calibrate"] = _total(extras, self.topology)
         out["sprs"] = _total(reduces, self.topology)
         return out
 

@@ -53,10 +53,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_patches.placement import fssdp
-from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes
+from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_bytes
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.loads import LoadTracker
-from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, make_policy
+from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
@@ -432,12 +432,28 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             flexmoe_capacity=scn.capacity_set,
             reshard_interval=int(interval),
             skew_threshold=None,
-            calibrate=False,
+            calibrate=spec.policy == "fssdp" and o.fssdp_calibrate and spec.fssdp_mode != "shard",
+            gather_seconds=lambda shard, placement: _sparse_gather_seconds(scn, shard, placement),
+            dispatch_seconds=lambda plan: 4.0 * float(scn.comm.transfer_time(
+                *all_to_all_bytes(plan.traffic_SD()[None], topo, bm.token_bytes)[0])),
+            reduce_hidden_s=float(np.max(compute.attention_bwd_D())),
+            collectives="flat" if o.sparse_collectives == "flat" else "hierarchical",
             device_flops=device_flops,
         )
     except PlacementError as err:
         raise SimError(f"{spec.name}: {err}") from None
     return config, knobs
+
+
+def _sparse_gather_seconds(scn: Scenario, shard, placement) -> float:
+    """Time of one spAG(shard -> placement) as the simulator prices it (SimOptions.sparse_collectives):
+    calibration decides on the same figures its gather is charged."""
+    bm, topo = scn.workload.byte_model, scn.hardware.topology
+    if scn.options.sparse_collectives == "ring":
+        return scn.comm.time(ring_broadcast_bytes(placement.holds_ED(), shard.owner_E, bm.expert_weight_bytes, topo))
+    if scn.options.sparse_collectives == "flat":
+        return scn.comm.time(sparse_all_gather_bytes(shard, placement, bm.expert_weight_bytes, topo, "flat"))
+    return sum(scn.comm.time(stage) for stage in relayed_gather_stage_bytes(shard, placement, bm.expert_weight_bytes, topo))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,15 +562,19 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 traffic["shadow_broadcast"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_weight_bytes, topo)
                 traffic["shadow_reduce"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_grad_bytes, topo).reversed()
             second = {}
-            if lp.shard is not None and ring_sparse:
-                holds_ED = lp.placement.holds_ED()
-                owner_E = lp.shard.owner_E
-                traffic["spag"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_weight_bytes, topo)
-                traffic["sprs"] = ring_broadcast_bytes(holds_ED, owner_E, bm.expert_grad_bytes, topo).reversed()
-            elif lp.shard is not None and relayed:
-                traffic["spag"], second["spag"] = relayed_gather_stage_bytes(lp.shard, lp.placement, bm.expert_weight_bytes, topo)
-                grad_owners, grad_relays = relayed_gather_stage_bytes(lp.shard, lp.placement, bm.expert_grad_bytes, topo)
-                traffic["sprs"], second["sprs"] = grad_relays.reversed(), grad_owners.reversed()
+            if lp.shard is not None and (ring_sparse or relayed):
+                before = lp.placement if lp.materialized is None else lp.materialized
+                gathers = {"spag": before}
+                if lp.materialized is not None:
+                    gathers["spag_calibrate"] = calibration_delta(lp)
+                for kind, placement in (*gathers.items(), ("sprs", lp.placement)):
+                    size = bm.expert_grad_bytes if kind == "sprs" else bm.expert_weight_bytes
+                    if ring_sparse:
+                        comm = ring_broadcast_bytes(placement.holds_ED(), lp.shard.owner_E, size, topo)
+                        traffic[kind] = comm.reversed() if kind == "sprs" else comm
+                    else:
+                        owners, relays = relayed_gather_stage_bytes(lp.shard, placement, size, topo)
+                        traffic[kind], second[kind] = (relays.reversed(), owners.reversed()) if kind == "sprs" else (owners, relays)
             for kind, comm in traffic.items():
                 # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
                 steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
@@ -607,7 +627,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
 # Schedule
 # ---------------------------------------------------------------------------------------------
 
-_BEFORE_DISPATCH = ("spag", "weight_scatter", "shadow_broadcast")
+_BEFORE_DISPATCH = ("spag", "spag_calibrate", "weight_scatter", "shadow_broadcast")
 """Kinds a layer's dispatch waits for; every other kind except "sprs" is gradient synchronisation."""
 _GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_fetch")
 
@@ -673,7 +693,13 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         if "shadow_broadcast" in kind_times:
             shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate],
                                    label="shadow_broadcast")
-        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[gate, shadow, gathers.get(k), scatters[k]])
+        extra = None
+        if "spag_calibrate" in kind_times:
+            # calibration's copies: gathered after the gate (they follow the actual loads), on the path
+            extra = tl.collective("sparse", "exposed_collectives", kind_times["spag_calibrate"][:, k],
+                                  after=[gate, gathers.get(k)], label="spag_calibrate")
+        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k],
+                                 after=[gate, shadow, gathers.get(k), extra, scatters[k]])
         experts = tl.compute("expert", expert_fwd[k], after=[dispatch])
         prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
         fwd_span[:, k] = span(att, prev)

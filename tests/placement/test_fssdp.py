@@ -313,6 +313,71 @@ def test_calibrate_invariants(case, t, m, free, spt):
         assert not extra  # nothing to save, never worth a gather
 
 
+def test_calibrate_prices_the_unhidden_part_of_the_reduce():
+    """The worked example's copies (3 ms gather, 5.25 ms saved) stop paying once their gradients'
+    reduce (2x the gather's bytes: 6 ms) is exposed beyond what the backward hides: 3 + 6 - 3.8 >
+    5.25 > 3 + 6 - 3.7 ms."""
+    topo = Topology(1, 4, 1e9, 1e9)
+    shard = ShardLayout([0, 1, 2, 3], 4)
+    current = InstancePlacement.from_shard(shard)
+    loads = [800, 100, 100, 100]
+    assert calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=2.0, reduce_hidden_s=3.8e-3))[1]
+    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=2.0, reduce_hidden_s=3.7e-3))[1]
+
+
+def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():
+    """2 nodes x 2 devices, every source routing its tokens to expert 0 (owned by device 0): a copy
+    on every device keeps all tokens where they are (FasterMoE's choice), which the all-to-all
+    price rewards; without it the proportional candidate's split is just as good on compute."""
+    topo = Topology(2, 2, 1e11, 1e9)
+    shard = ShardLayout([0, 1, 2, 3], 4)
+    current = InstancePlacement.from_shard(shard)
+    source_DE = np.array([[300, 10, 10, 10]] * 4)
+    remote = lambda plan: 1e-6 * float(plan.tokens_K[plan.source_K != plan.dest_K].sum())  # noqa: E731
+    cost = CalibrationCost(1e-5, 1e3, dispatch_seconds=remote)
+    placement, extra = calibrate(current, shard, source_DE.sum(axis=0), 1, topo, cost, source_DE)
+    assert extra and placement.holders(0).tolist() == [0, 1, 2, 3]
+    plan = dispatch(placement, source_DE, topo)
+    # the light experts' tokens still travel (30 from source 0, 20 from each other source) and the
+    # balanced split sends 30 of expert 0's tokens to device 0, which has no light expert
+    assert remote(plan) == pytest.approx(1e-6 * 120)
+    with pytest.raises(PlacementError, match="source_loads_DE must sum over sources to actual_loads_E"):
+        calibrate(current, shard, [1, 2, 3, 4], 1, topo, cost, source_DE)
+
+
+@FAST
+@given(case=layer_cases(), free=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_calibrate_is_never_priced_above_fastermoe_shadowing(case, free, seed):
+    """Whatever calibration picks costs, by its own price, no more than keeping the placement or
+    shadowing any top-k prefix on every device with a free slot (FasterMoE's policy space)."""
+    topo, shard, predicted = case
+    rng = np.random.default_rng(seed)
+    source_DE = rng.multinomial(int(predicted.sum()) + 1, rng.dirichlet(np.ones(shard.num_experts)),
+                                size=topo.num_devices)
+    actual = source_DE.sum(axis=0)
+    current = InstancePlacement.from_shard(shard)
+    remote = lambda plan: 1e-7 * float(plan.tokens_K[plan.source_K != plan.dest_K].sum())  # noqa: E731
+    cost = CalibrationCost(1e-6, 1e3, dispatch_seconds=remote)
+
+    def price(holds_ED):
+        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_DE, topo)
+        new_ED = holds_ED & ~current.holds_ED()
+        gather = cost.extra_gather_seconds(shard, current, holds_ED, topo) if new_ED.any() else 0.0
+        return float(plan.device_loads_D().max()) * cost.seconds_per_token + remote(plan) + gather
+
+    chosen, _ = calibrate(current, shard, actual, free, topo, cost, source_DE)
+    best = price(chosen.holds_ED())
+    assert best <= price(current.holds_ED()) + 1e-12
+    holds_ED, free_D = current.holds_ED().copy(), np.full(topo.num_devices, free)
+    for e in np.argsort(-actual, kind="stable"):
+        if actual[e] <= actual.sum() / topo.num_devices or not free_D.any():
+            break  # calibrate shadows only experts above a device's fair share
+        new_D = ~holds_ED[e] & (free_D > 0)
+        holds_ED[e] |= new_D
+        free_D -= new_D
+        assert best <= price(holds_ED) + 1e-12
+
+
 # ---------------------------------------------------------------------------- sharding
 
 
