@@ -58,6 +58,28 @@ def _record(collective, element_size: int, reverse: bool) -> None:
                               recv_P * element_size)
 
 
+def _index(rows, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rows).to(device)
+
+
+def _post_stage(stage, source: torch.Tensor, group, chunk_numel: int, reverse: bool) -> tuple[list, list]:
+    """Post one stage's messages: in the gather's direction, send `source`'s send rows and receive
+    the recv rows; reversed (the reduce), send the recv rows and receive for the send rows.
+    Returns (work objects, [(peer, rows of this rank's buffer, received tensor)])."""
+    device = source.device
+    ops, received = [], []
+    for message in stage:
+        outgoing, incoming = (message.recv_rows, message.send_rows) if reverse else (message.send_rows, message.recv_rows)
+        if outgoing.size:
+            ops.append(dist.P2POp(dist.isend, source.index_select(0, _index(outgoing, device)), group=group,
+                                  group_peer=message.peer))
+        if incoming.size:
+            recv = source.new_empty((incoming.size, chunk_numel))
+            ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=message.peer))
+            received.append((message.peer, _index(incoming, device), recv))
+    return _post(ops, group, device), received
+
+
 class RelayAllGather(SparseAllGather):
     """SparseAllGather(P0, P1) in two stages through one relay per (expert, remote node)."""
 
@@ -75,33 +97,24 @@ class RelayAllGather(SparseAllGather):
         self._check("out (held buffer)", out, relay.held_shape, relay.held_chunks, like=owned)
         device = owned.device
         stream = comm_stream(device)
-        index = lambda rows: torch.from_numpy(rows).to(device)  # noqa: E731
         first, second = relay.stages
         posted: list = []
 
         def post(stage, source) -> None:
-            ops, received = [], []
-            for message in stage:
-                if message.send_rows.size:
-                    send = source.index_select(0, index(message.send_rows))
-                    ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=message.peer))
-                if message.recv_rows.size:
-                    recv = owned.new_empty((message.recv_rows.size, relay.chunk_numel))
-                    ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=message.peer))
-                    received.append((index(message.recv_rows), recv))
-            posted.append((_post(ops, self.group, device), received))
+            posted.append(_post_stage(stage, source, self.group, relay.chunk_numel, reverse=False))
 
         def land() -> None:
             works, received = posted.pop(0)
             for work in works:
                 work.wait()
-            for rows, recv in received:
+            for _, rows, recv in received:
                 out.index_copy_(0, rows, recv)
 
         with stream.launch(owned, out):
             post(first, owned)
             if relay.local_owned_rows.size:
-                out.index_copy_(0, index(relay.local_held_rows), owned.index_select(0, index(relay.local_owned_rows)))
+                out.index_copy_(0, _index(relay.local_held_rows, device),
+                                owned.index_select(0, _index(relay.local_owned_rows, device)))
             eager = device.type == "cuda"
             if eager:
                 land()
@@ -135,23 +148,13 @@ class RelayReduceScatter(SparseReduceScatter):
         self._check("out (owned buffer)", out, relay.owned_shape, relay.owned_chunks, like=held)
         device = held.device
         stream = comm_stream(device)
-        index = lambda rows: torch.from_numpy(rows).to(device)  # noqa: E731
+        index = lambda rows: _index(rows, device)  # noqa: E731
         first, second = relay.stages
         posted: list = []
         sums = {}
 
         def post(stage, source) -> None:
-            """The gather's stage reversed: send what the gather received, receive what it sent."""
-            ops, received = [], []
-            for message in stage:
-                if message.recv_rows.size:
-                    send = source.index_select(0, index(message.recv_rows))
-                    ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=message.peer))
-                if message.send_rows.size:
-                    recv = held.new_empty((message.send_rows.size, relay.chunk_numel))
-                    ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=message.peer))
-                    received.append((message.peer, index(message.send_rows), recv))
-            posted.append((_post(ops, self.group, device), received))
+            posted.append(_post_stage(stage, source, self.group, relay.chunk_numel, reverse=True))
 
         def land(target: torch.Tensor, own_rows, own_values) -> torch.Tensor:
             """Sum the received rows and this rank's own into `target` in ascending device order."""

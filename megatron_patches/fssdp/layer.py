@@ -229,7 +229,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         counts_DE = self.runtime.all_gather_counts(counts_E)
         if self.runtime.config.calibrate and not layer_pass.copies.routed:
             # the first micro-batch's loads decide: later micro-batches compute on the same copies
-            self.runtime.calibrate(layer_pass.copies, counts_DE.sum(axis=0))
+            self.runtime.calibrate(layer_pass.copies, counts_DE)
         layer_pass.copies.routed = True
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:

@@ -60,7 +60,7 @@ from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
 from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement import fssdp as planner
-from megatron_patches.placement.accounting import imbalance
+from megatron_patches.placement.accounting import dispatch_bytes, imbalance, sparse_all_gather_seconds, transfer_seconds
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology
 
@@ -77,6 +77,8 @@ EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
 # Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
 # gathered by calibration serves both, so the cost model charges 3x the measured forward.
 FORWARD_BACKWARD_FACTOR = 3.0
+BACKWARD_FACTOR = 2.0
+"""A layer's backward takes about twice its forward: what hides the extra copies' reduce."""
 
 
 @dataclass
@@ -179,6 +181,8 @@ class FSSDPRuntime(ModeRuntime):
         micro-batches share them: one gather and one reduce per iteration), by layer number."""
         self.topology: Topology | None = None
         self.expert_numel = 0
+        self.hidden_size = 0
+        """The model's hidden size (bytes per dispatched token = hidden size x element size)."""
         self.element_size = 0
         self.t: int | None = config.overlap_degree
         self.m: int | None = config.memory_capacity
@@ -237,6 +241,7 @@ class FSSDPRuntime(ModeRuntime):
                     f"{layer.expert_layout}, layer {template.layer_number} {template.expert_layout}"
                 )
         self.expert_numel = template.expert_layout.numel
+        self.hidden_size = template.config.hidden_size
         self.element_size = template.experts.local_experts[0].linear_fc1.weight.element_size()
         self.slot_modules = [expert for layer in self.layers for expert in layer.experts.local_experts]
         self.layout = ModelShardLayout.even(len(self.layers), self.num_experts, self.num_devices)
@@ -397,14 +402,16 @@ class FSSDPRuntime(ModeRuntime):
             regather=self._gather(shard, placement, "spag_remat") if self.config.rematerialize else None,
         )
 
-    def calibrate(self, copies, actual_E: np.ndarray) -> None:
-        """DESIGN 4.2 step 4 after the gate: with the actual loads and the memory left, add copies
-        when the cost model says the extra (critical-path) gather pays off, and launch it."""
+    def calibrate(self, copies, counts_DE: np.ndarray) -> None:
+        """DESIGN 4.2 step 4 after the gate: with the actual loads (tokens per source rank and
+        expert) and the memory left, add copies when the cost model says the extra
+        (critical-path) gather pays off, and launch it."""
         if self.cost is None:
             return  # the first iteration measures the expert time the cost model needs
         plan = copies.plan
         remaining_D = np.maximum((self.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
-        placement, gathered = planner.calibrate(plan.placement, plan.shard, actual_E, remaining_D, self.topology, self.cost)
+        placement, gathered = planner.calibrate(plan.placement, plan.shard, counts_DE.sum(axis=0), remaining_D,
+                                                self.topology, self.cost, counts_DE)
         if not gathered:
             return
         new_ED = (placement.counts_ED > 0) & (plan.placement.counts_ED == 0)
@@ -443,20 +450,47 @@ class FSSDPRuntime(ModeRuntime):
         self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
 
     def _calibration_cost(self) -> planner.CalibrationCost:
+        """Calibration's prices from the first iteration's measurements, the same on every rank:
+        expert time per token (slowest rank), the gather and the all-to-all over the probed
+        bandwidth with this run's collective algorithm, and the extra copies' reduce beyond what
+        attention backward hides (estimated as twice the measured non-MoE forward time)."""
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         seconds = FORWARD_BACKWARD_FACTOR * float(local.item())
+        cost = self._cost_model(seconds, BACKWARD_FACTOR * self._min_non_moe_seconds())
         self._log.append(
             f"fssdp: calibration cost model: {seconds * 1e6:.2f} us per token copy (expert forward + backward, "
-            f"measured), {self.expert_bytes} bytes per extra copy"
+            f"measured), {self.expert_bytes} bytes per extra copy over {self.topology.intra_node_bw / 1e9:.2f} GB/s "
+            f"({self.config.collectives} collectives), its reduce {cost.reduce_ratio:g}x that beyond "
+            f"{cost.reduce_hidden_s * 1e3:.2f} ms of attention backward, the all-to-all at "
+            f"{self.hidden_size * self.element_size} bytes per token"
         )
-        return planner.CalibrationCost(seconds_per_token=seconds, expert_bytes=float(self.expert_bytes))
+        return cost
 
-    def _auto_overlap_degree(self) -> int:
+    def _cost_model(self, seconds_per_token: float, hidden_bwd: float) -> planner.CalibrationCost:
+        """Calibration's cost model from the two measured figures (kept in checkpoints)."""
+        reduce_ratio = (4 if self.config.reduce_in_fp32 else self.element_size) / self.element_size
+        topology, algorithm, expert_bytes = self.topology, self.config.collectives, float(self.expert_bytes)
+        token_bytes = self.hidden_size * self.element_size
+        return planner.CalibrationCost(
+            seconds_per_token=seconds_per_token,
+            expert_bytes=expert_bytes,
+            gather_seconds=lambda shard, placement: sparse_all_gather_seconds(shard, placement, expert_bytes, topology,
+                                                                              algorithm),
+            reduce_ratio=reduce_ratio,
+            reduce_hidden_s=hidden_bwd,
+            dispatch_seconds=lambda plan: 4.0 * transfer_seconds(dispatch_bytes(plan, topology, token_bytes), topology),
+        )
+
+    def _min_non_moe_seconds(self) -> float:
+        """The mean non-MoE time of a layer this iteration, the minimum over every rank of the job."""
         samples = self.stats.non_moe_s
         local = torch.tensor([float(np.mean(samples)) if samples else 0.0], dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
-        t_non_moe = float(local.item())
+        return float(local.item())
+
+    def _auto_overlap_degree(self) -> int:
+        t_non_moe = self._min_non_moe_seconds()
         bw = planner.gather_bandwidth(self.topology)
         t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         self._log.append(
@@ -647,6 +681,7 @@ class FSSDPRuntime(ModeRuntime):
             "history_loads": tracker["history_loads"].tolist(),
             "overlap_degree": self.t,
             "calibration_seconds_per_token": None if self.cost is None else self.cost.seconds_per_token,
+            "calibration_hidden_backward_s": None if self.cost is None else self.cost.reduce_hidden_s,
         }
 
     def load_placement_state_dict(self, state: dict | None) -> list[str]:
@@ -679,8 +714,8 @@ class FSSDPRuntime(ModeRuntime):
             notes.append(f"fssdp: overlap degree t = {self.t} from the checkpoint (auto t measured by the saving run)")
         seconds = state["calibration_seconds_per_token"]
         if self.config.calibrate and seconds is not None:
-            # the measured compute time; the copy's bytes are this run's (its dtype may differ)
-            self.cost = planner.CalibrationCost(seconds_per_token=float(seconds), expert_bytes=float(self.expert_bytes))
+            # the measured times; the copy's bytes are this run's (its dtype may differ)
+            self.cost = self._cost_model(float(seconds), float(state.get("calibration_hidden_backward_s") or 0.0))
         return notes
 
     # ---- metrics ---------------------------------------------------------------------------

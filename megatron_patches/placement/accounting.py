@@ -38,8 +38,10 @@ __all__ = [
     "rearrangement_bytes",
     "relayed_gather_stage_bytes",
     "sparse_all_gather_bytes",
+    "sparse_all_gather_seconds",
     "sparse_reduce_scatter_bytes",
     "survival",
+    "transfer_seconds",
 ]
 
 
@@ -223,6 +225,25 @@ def relayed_gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement,
         e, d = np.nonzero(mask_ED)
         stages.append(CommBytes.from_transfers(source_ED[e, d], d, size_E[e], topology))
     return stages[0], stages[1]
+
+
+def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
+    """Time of a set of point-to-point transfers on the topology's links: the busiest device's
+    intra-node bytes (sent or received) over the intra-node bandwidth, or its inter-node bytes over
+    the inter-node bandwidth, whichever is longer. No latency, no NIC sharing (the simulator's
+    `CommModel` adds both)."""
+    intra = np.maximum(comm.sent_intra_D, comm.recv_intra_D) / topology.intra_node_bw
+    inter = np.maximum(comm.sent_inter_D, comm.recv_inter_D) / topology.inter_node_bw
+    return float(np.maximum(intra, inter).max(initial=0.0))
+
+
+def sparse_all_gather_seconds(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
+                              algorithm: str) -> float:
+    """`transfer_seconds` of spAG(shard -> placement) as the runtime runs it: one stage (flat), or
+    the hierarchical one's two stages one after the other."""
+    if algorithm == "hierarchical":
+        return sum(transfer_seconds(stage, topology) for stage in relayed_gather_stage_bytes(shard, placement, chunk_bytes, topology))
+    return transfer_seconds(sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm), topology)
 
 
 def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:
