@@ -54,7 +54,7 @@ from megatron_patches.compat import activations, mcore
 from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
 from megatron_patches.placement import fssdp as planner
 
-__all__ = ["FSSDPMoELayer", "LayerPass"]
+__all__ = ["FSSDPMoELayer", "LayerCopies", "LayerPass"]
 
 
 @dataclass
