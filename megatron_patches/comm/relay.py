@@ -162,8 +162,8 @@ class RelayReduceScatter(SparseReduceScatter):
             for work in works:
                 work.wait()
             contributions = sorted([(self.rank, own_rows, own_values), *received], key=lambda entry: entry[0])
-            rows = torch.cat([c[1] for c in contributions]) if contributions else None
-            if rows is not None and rows.numel():
+            rows = torch.cat([c[1] for c in contributions])
+            if rows.numel():
                 target.index_fill_(0, rows, 0)
             # each contribution adds at most once per row: every row's additions run in device order
             for _, rows, values in contributions:
