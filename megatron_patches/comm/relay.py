@@ -50,14 +50,6 @@ def _relay_plan(collective, owners, placement: InstancePlacement) -> RelayTransf
     return plan_relay_transfers(owners, placement, source_ED, collective.plan.chunk_numel, collective.rank)
 
 
-def _record(collective, element_size: int, reverse: bool) -> None:
-    peer_P, send_P, recv_P = collective.relay.gather_numel()
-    if reverse:
-        send_P, recv_P = recv_P, send_P
-    collective.traffic.record(collective.kind, collective.rank, collective.topology, peer_P, send_P * element_size,
-                              recv_P * element_size)
-
-
 def _index(rows, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(rows).to(device)
 
@@ -87,14 +79,14 @@ class RelayAllGather(SparseAllGather):
                  **kwargs):
         super().__init__(owners, placement, group, chunk_numel, **kwargs)
         self.relay = _relay_plan(self, owners, placement)
-        """This rank's two-stage transfers."""
+        """This rank's two-stage transfers (same owned and held buffers as the flat plan's)."""
+
+    def _gather_numel(self):
+        return self.relay.gather_numel()
 
     def __call__(self, owned: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         relay = self.relay
-        self._check("owned", owned, relay.owned_shape, relay.owned_chunks)
-        if out is None:
-            out = owned.new_empty(relay.held_shape)
-        self._check("out (held buffer)", out, relay.held_shape, relay.held_chunks, like=owned)
+        out = self._buffers(owned, out)
         device = owned.device
         stream = comm_stream(device)
         first, second = relay.stages
@@ -119,7 +111,7 @@ class RelayAllGather(SparseAllGather):
             if eager:
                 land()
                 post(second, out)
-        _record(self, owned.element_size(), reverse=False)
+        self._record(owned.element_size(), reverse=False)
 
         def finish() -> torch.Tensor:
             if not eager:
@@ -138,14 +130,14 @@ class RelayReduceScatter(SparseReduceScatter):
                  **kwargs):
         super().__init__(placement, owners, group, chunk_numel, **kwargs)
         self.relay = _relay_plan(self, owners, placement)
-        """This rank's two-stage transfers (the gather's direction)."""
+        """This rank's two-stage transfers (the gather's direction; the flat plan's buffers)."""
+
+    def _gather_numel(self):
+        return self.relay.gather_numel()
 
     def __call__(self, held: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         relay = self.relay
-        self._check("held", held, relay.held_shape, relay.held_chunks)
-        if out is None:
-            out = held.new_empty(relay.owned_shape)
-        self._check("out (owned buffer)", out, relay.owned_shape, relay.owned_chunks, like=held)
+        out = self._buffers(held, out)
         device = held.device
         stream = comm_stream(device)
         index = lambda rows: _index(rows, device)  # noqa: E731
@@ -185,7 +177,7 @@ class RelayReduceScatter(SparseReduceScatter):
             eager = device.type == "cuda"
             if eager:
                 start_second()
-        _record(self, held.element_size(), reverse=True)
+        self._record(held.element_size(), reverse=True)
 
         def finish() -> torch.Tensor:
             if not eager:

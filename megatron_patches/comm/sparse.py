@@ -175,9 +175,13 @@ class _SparseCollective:
                 f"got {tensor.dtype} on {tensor.device}"
             )
 
+    def _gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(peer_P, send_numel_P, recv_numel_P) of this rank's messages in the gather's direction."""
+        return self.plan.gather_numel()
+
     def _record(self, element_size: int, reverse: bool) -> None:
         """Record this rank's bytes of one call: the gather's messages, or (reverse) the reduce's."""
-        peer_P, send_numel_P, recv_numel_P = self.plan.gather_numel()
+        peer_P, send_numel_P, recv_numel_P = self._gather_numel()
         if reverse:
             send_numel_P, recv_numel_P = recv_numel_P, send_numel_P
         sent_P, recv_P = send_numel_P * element_size, recv_numel_P * element_size
@@ -211,6 +215,15 @@ class SparseAllGather(_SparseCollective):
     ):
         super().__init__(owners, placement, group, chunk_numel, topology, traffic, kind)
 
+    def _buffers(self, owned: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Checks the owned buffer and the held buffer to fill (allocated if None); returns the latter."""
+        plan = self.plan
+        self._check("owned", owned, plan.owned_shape, plan.owned_chunks)
+        if out is None:
+            out = owned.new_empty(plan.held_shape)
+        self._check("out (held buffer)", out, plan.held_shape, plan.held_chunks, like=owned)
+        return out
+
     def __call__(self, owned: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         """Launch the gather.
 
@@ -222,10 +235,7 @@ class SparseAllGather(_SparseCollective):
             A handle whose `wait()` returns the filled held buffer.
         """
         plan = self.plan
-        self._check("owned", owned, plan.owned_shape, plan.owned_chunks)
-        if out is None:
-            out = owned.new_empty(plan.held_shape)
-        self._check("out (held buffer)", out, plan.held_shape, plan.held_chunks, like=owned)
+        out = self._buffers(owned, out)
         device = owned.device
         stream = comm_stream(device)
         ops: list[dist.P2POp] = []
@@ -276,6 +286,15 @@ class SparseReduceScatter(_SparseCollective):
     ):
         super().__init__(owners, placement, group, chunk_numel, topology, traffic, kind)
 
+    def _buffers(self, held: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Checks the held gradients and the owned buffer to fill (allocated if None); returns the latter."""
+        plan = self.plan
+        self._check("held", held, plan.held_shape, plan.held_chunks)
+        if out is None:
+            out = held.new_empty(plan.owned_shape)
+        self._check("out (owned buffer)", out, plan.owned_shape, plan.owned_chunks, like=held)
+        return out
+
     def __call__(self, held: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         """Launch the reduce.
 
@@ -288,10 +307,7 @@ class SparseReduceScatter(_SparseCollective):
             A handle whose `wait()` returns the summed owned buffer.
         """
         plan = self.plan
-        self._check("held", held, plan.held_shape, plan.held_chunks)
-        if out is None:
-            out = held.new_empty(plan.owned_shape)
-        self._check("out (owned buffer)", out, plan.owned_shape, plan.owned_chunks, like=held)
+        out = self._buffers(held, out)
         device = held.device
         stream = comm_stream(device)
         ops: list[dist.P2POp] = []

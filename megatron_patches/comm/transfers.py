@@ -246,6 +246,13 @@ class RankTransfers:
         return peer_P, send_numel_P, recv_numel_P
 
 
+def _check_rank(rank, num_devices: int) -> int:
+    """`rank` as an int, or PlacementError unless it is a device of the placement."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_devices:
+        raise PlacementError(f"rank {rank!r} is not a device of the placement, which has devices [0, {num_devices})")
+    return int(rank)
+
+
 def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank: int) -> RankTransfers:
     """Rank `rank`'s transfers for SparseAllGather(ownership -> placement).
 
@@ -254,10 +261,7 @@ def plan_rank_transfers(ownership: Ownership, placement: InstancePlacement, rank
     same chunks in the same order as p's message from r (tests/comm checks all pairs).
     """
     ownership.require_contained_in(placement)
-    D = ownership.num_devices
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < D:
-        raise PlacementError(f"rank {rank!r} is not a device of the placement, which has devices [0, {D})")
-    rank = int(rank)
+    rank = _check_rank(rank, ownership.num_devices)
     owns_CD = ownership.owns_CD
     holds_CD = placement.holds_ED()
     nonempty_D = ownership.width_D > 0
@@ -372,14 +376,6 @@ class RelayTransfers:
     stages: tuple[tuple[StageMessage, ...], tuple[StageMessage, ...]]
     """Stage 1's and stage 2's messages, ascending by peer (peers with something to exchange)."""
 
-    @property
-    def owned_shape(self) -> tuple[int, int]:
-        return (int(self.owned_chunks.size), self.chunk_numel)
-
-    @property
-    def held_shape(self) -> tuple[int, int]:
-        return (int(self.held_chunks.size), self.chunk_numel)
-
     def gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(peer_P, send_numel_P, recv_numel_P) of the whole gather (both stages, one entry per
         message), as `RankTransfers.gather_numel`; the reduce swaps sent and received."""
@@ -398,10 +394,7 @@ def plan_relay_transfers(shard: ShardLayout, placement: InstancePlacement, sourc
     A transfer is stage 1 when its source is the chunk's owner, stage 2 when it is a relay (which
     received the chunk in stage 1). Checks that every held row is filled exactly once.
     """
-    D = placement.num_devices
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < D:
-        raise PlacementError(f"rank {rank!r} is not a device of the placement, which has devices [0, {D})")
-    rank = int(rank)
+    rank = _check_rank(rank, placement.num_devices)
     owner_C = shard.owner_E
     owned_chunks = np.flatnonzero(owner_C == rank).astype(np.int64)
     held_chunks = np.flatnonzero(placement.holds_ED()[:, rank]).astype(np.int64)

@@ -414,8 +414,7 @@ class FSSDPRuntime(ModeRuntime):
                                                 self.topology, self.cost, counts_DE)
         if not gathered:
             return
-        new_ED = (placement.counts_ED > 0) & (plan.placement.counts_ED == 0)
-        delta = InstancePlacement((plan.shard.holds_ED() > 0) | new_ED)
+        delta = planner.calibration_gather(plan.shard, plan.placement, placement.holds_ED())
         extra = self._gather(plan.shard, delta, "spag_calibrate")
         copies.calibration = (plan, extra, extra(copies.owned_ON))
         copies.plan = self._layer_plan(plan.index, plan.shard, placement)

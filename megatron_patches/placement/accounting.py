@@ -13,6 +13,7 @@ a metric means the same thing everywhere:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -238,12 +239,15 @@ def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
 
 
 def sparse_all_gather_seconds(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
-                              algorithm: str) -> float:
-    """`transfer_seconds` of spAG(shard -> placement) as the runtime runs it: one stage (flat), or
-    the hierarchical one's two stages one after the other."""
+                              algorithm: str, seconds: Callable[[CommBytes], float] | None = None) -> float:
+    """Time of spAG(shard -> placement) as the runtime runs it: one stage (flat), or the
+    hierarchical one's two stages one after the other. `seconds` prices one stage's transfers
+    (the simulator passes its link model); None: `transfer_seconds` on the topology."""
+    if seconds is None:
+        seconds = lambda comm: transfer_seconds(comm, topology)  # noqa: E731
     if algorithm == "hierarchical":
-        return sum(transfer_seconds(stage, topology) for stage in relayed_gather_stage_bytes(shard, placement, chunk_bytes, topology))
-    return transfer_seconds(sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm), topology)
+        return sum(seconds(stage) for stage in relayed_gather_stage_bytes(shard, placement, chunk_bytes, topology))
+    return seconds(sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm))
 
 
 def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:

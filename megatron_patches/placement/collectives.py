@@ -55,14 +55,16 @@ def copy_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology: 
     source_ED = np.where(receives_ED, owner_E[:, None], -1).astype(np.int64)
     if algorithm == "flat" or topology.nodes == 1:
         return source_ED
-    per_node = topology.devices_per_node
-    node_D = np.arange(topology.num_devices) // per_node
-    owner_node_E = owner_E // per_node
-    for node in range(topology.nodes):
-        devices = np.flatnonzero(node_D == node)
-        for e in np.flatnonzero(receives_ED[:, devices].any(axis=1) & (owner_node_E != node)):
-            holders = devices[receives_ED[e, devices]]
-            relay = holders[e % holders.size]
-            source_ED[e, holders] = relay
-            source_ED[e, relay] = owner_E[e]
-    return source_ED
+    E, N, P = owner_E.size, topology.nodes, topology.devices_per_node
+    receives_ENP = receives_ED.reshape(E, N, P)
+    # (expert, node) pairs served by a relay: the node holds copies and is not the owner's
+    relayed_EN = receives_ENP.any(axis=2) & (owner_E[:, None] // P != np.arange(N)[None, :])
+    count_EN = np.maximum(receives_ENP.sum(axis=2), 1)
+    position_ENP = np.cumsum(receives_ENP, axis=2) - 1  # a holder's place among its node's holders
+    is_relay_ENP = receives_ENP & relayed_EN[:, :, None] & (position_ENP == (np.arange(E)[:, None] % count_EN)[:, :, None])
+    relay_EN = np.argmax(is_relay_ENP, axis=2) + np.arange(N)[None, :] * P
+    source_ENP = source_ED.reshape(E, N, P)
+    source_ENP[receives_ENP & relayed_EN[:, :, None]] = np.broadcast_to(relay_EN[:, :, None], (E, N, P))[
+        receives_ENP & relayed_EN[:, :, None]]
+    source_ENP[is_relay_ENP] = np.broadcast_to(owner_E[:, None, None], (E, N, P))[is_relay_ENP]
+    return source_ENP.reshape(E, N * P)

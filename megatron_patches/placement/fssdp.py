@@ -43,6 +43,7 @@ __all__ = [
     "CalibrationCost",
     "balanced_quotas",
     "calibrate",
+    "calibration_gather",
     "dispatch",
     "even_shard",
     "gather_bandwidth",
@@ -475,10 +476,16 @@ class CalibrationCost:
     def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
                              topology: Topology) -> float:
         """Time of gathering the copies in `holds_ED` that `current` lacks (on the critical path)."""
-        new_ED = holds_ED & ~current.holds_ED()
         if self.gather_seconds is not None:
-            return float(self.gather_seconds(shard, InstancePlacement((shard.holds_ED() > 0) | new_ED)))
+            return float(self.gather_seconds(shard, calibration_gather(shard, current, holds_ED)))
+        new_ED = holds_ED & ~current.holds_ED()
         return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+
+
+def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
+    """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
+    [E, D]) that `current` lacks."""
+    return InstancePlacement((shard.holds_ED() > 0) | ((np.asarray(holds_ED) > 0) & ~current.holds_ED()))
 
 
 def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology, expert_bytes: float) -> float:

@@ -216,7 +216,7 @@ def _total(comms: list[CommBytes], topology: Topology) -> CommBytes:
 
 def calibration_delta(lp: LayerPlan) -> InstancePlacement:
     """The owners plus the copies calibration added after the gate (what its extra spAG fills)."""
-    return InstancePlacement((lp.shard.holds_ED() > 0) | (lp.placement.holds_ED() & ~lp.materialized.holds_ED()))
+    return fssdp.calibration_gather(lp.shard, lp.materialized, lp.placement.holds_ED())
 
 
 def even_source_loads(loads_LE, num_devices: int) -> np.ndarray:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_patches.placement import fssdp
-from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_bytes
+from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
@@ -451,9 +451,8 @@ def _sparse_gather_seconds(scn: Scenario, shard, placement) -> float:
     bm, topo = scn.workload.byte_model, scn.hardware.topology
     if scn.options.sparse_collectives == "ring":
         return scn.comm.time(ring_broadcast_bytes(placement.holds_ED(), shard.owner_E, bm.expert_weight_bytes, topo))
-    if scn.options.sparse_collectives == "flat":
-        return scn.comm.time(sparse_all_gather_bytes(shard, placement, bm.expert_weight_bytes, topo, "flat"))
-    return sum(scn.comm.time(stage) for stage in relayed_gather_stage_bytes(shard, placement, bm.expert_weight_bytes, topo))
+    return sparse_all_gather_seconds(shard, placement, bm.expert_weight_bytes, topo, scn.options.sparse_collectives,
+                                     scn.comm.time)
 
 
 # ---------------------------------------------------------------------------------------------
