@@ -8,7 +8,7 @@ Example (a skewed synthetic trace on 4 nodes x 8 GPUs):
         --nodes 4 --gpus-per-node 8 --memory-capacity 4 --overlap-degree 8 --json plan.json
 
 Every policy is replayed iteration by iteration: it plans from loads predicted out of the
-previous iterations only (sliding window); the actual routed tokens of the iteration are used
+previous iterations only (sliding window, adaptive by default: --load-predictor); the actual routed tokens of the iteration are used
 for dispatch and for the decisions a system makes after the gate (FSSDP calibration with
 --calibrate, FasterMoE shadowing). Metrics follow DESIGN 5: imbalance = max / mean device
 load per layer and iteration, survival = processed / routed tokens.
@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from megatron_patches.placement.baselines import ByteModel, ep_group_size
+from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.placement.policies import POLICIES, ReplayConfig, ReplayResult, make_policy, replay
 from megatron_patches.placement.trace import read_trace
 from megatron_patches.placement.types import PlacementError, Topology
@@ -80,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=None,
         help="load-prediction window for every policy (default: 1 for replicate, 5 for the others)",
+    )
+    parser.add_argument(
+        "--load-predictor",
+        choices=LOAD_PREDICTORS,
+        default=LOAD_PREDICTORS[0],
+        help="adaptive: per layer the window among 1, 2, 4, ... up to --window that predicted the "
+        "recent iterations best (the runtimes' default); mean: the mean over the window (default adaptive)",
     )
     parser.add_argument(
         "--reshard-interval",
@@ -282,6 +290,7 @@ def main(argv=None) -> int:
         reshard_interval=args.reshard_interval,
         skew_threshold=args.skew_threshold or None,
         calibrate=args.calibrate,
+        load_predictor=args.load_predictor,
     )
     I, L, E = loads.shape
     names = [p.strip() for p in args.policy.split(",") if p.strip()]

@@ -60,8 +60,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--fssdp-calibrate", action="store_true",
-        help="After the gate, re-plan the copies with the actual loads and gather once more when the "
-        "cost model says it pays off. New flag.",
+        help="After the gate, add copies for the actual loads (relieving the busiest rank one copy at "
+        "a time, or FasterMoE-style shadowing) and gather them when the cost model says it pays off. "
+        "Before the gate, each layer then keeps ceil(m x the share of tokens the load predictor "
+        "recently misplaced) copy slots free for it. New flag.",
     )
 
 
@@ -117,6 +119,10 @@ class FSSDPConfig:
     """After the gate, re-plan with the actual loads; gather once more if it pays off."""
     load_window: int
     """Iterations averaged to predict the next iteration's expert loads (DESIGN 4.1)."""
+    load_predictor: str = "adaptive"
+    """How loads are predicted from the last `load_window` iterations: "adaptive" (per layer the
+    window among 1, 2, 4, ... that predicted the recent iterations best) or "mean" (all of them);
+    `placement.loads.LoadTracker`."""
     collectives: str = ALGORITHMS[0]
     """spAG/spRS algorithm: "hierarchical" (one copy per remote node, relayed inside it) or
     "flat" (every copy from its owner); `placement.collectives`."""
@@ -141,6 +147,7 @@ class FSSDPConfig:
             rematerialize=args.fssdp_rematerialize,
             calibrate=args.fssdp_calibrate,
             load_window=args.moe_load_window,
+            load_predictor=args.moe_load_predictor,
             collectives=args.fssdp_collectives,
             micro_batches=args.num_micro_batches,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,

@@ -125,6 +125,9 @@ class IterationStats:
     """Token copies those seconds processed."""
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
+    reserved: dict = field(default_factory=dict)
+    """Per MoE layer number, the copy slots per device materialization left free for
+    calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""
     reshard: dict | None = None
     """The re-shard decision taken before this iteration (None when none was due)."""
     reshard_s: float = 0.0
@@ -170,7 +173,8 @@ class FSSDPRuntime(ModeRuntime):
         self.nodes, self.devices_per_node = node_layout(ranks)
         _check_same_node_layout(self.nodes, self.devices_per_node, ranks)
         self.traffic = TrafficCounter()
-        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window)
+        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window,
+                                   adaptive=config.load_predictor == "adaptive")
         self.layers: list = []
         """This stage's FSSDP MoE layers, in forward order."""
         self.plans: dict[int, LayerPlan] = {}
@@ -314,6 +318,8 @@ class FSSDPRuntime(ModeRuntime):
         m = 0 if self.m is None else self.m
         t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
         predicted_LE = self.tracker.predict()
+        # calibration (once its cost model exists) gets the slots the predictor would misplace
+        misprediction_L = self.tracker.misprediction() if self.config.calibrate and self.cost is not None else None
         self.traffic.reset()
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
@@ -322,7 +328,9 @@ class FSSDPRuntime(ModeRuntime):
         for index, layer in enumerate(self.layers):
             shard = self.layout.layer(index)
             row = self.moe_layer_numbers.index(layer.layer_number)
-            placement = planner.materialize(shard, predicted_LE[row], t, m, self.topology)
+            reserve = 0 if misprediction_L is None else planner.calibration_reserve(m, misprediction_L[row])
+            self.stats.reserved[layer.layer_number] = reserve
+            placement = planner.materialize(shard, predicted_LE[row], t, m - reserve, self.topology)
             self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
 
     def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
@@ -750,6 +758,7 @@ class FSSDPRuntime(ModeRuntime):
                     "replicas": plan.placement.replicas_E().tolist(),
                     "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
                     "owned": plan.shard.counts_D().tolist(),
+                    "calibration_reserve": self.stats.reserved[layer.layer_number],
                 }
             )
         copies_D = np.stack([np.asarray(r["copies"]) for r in layers])

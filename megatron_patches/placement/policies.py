@@ -50,7 +50,7 @@ from megatron_patches.placement.baselines import (
     split_evenly,
     static_replication,
 )
-from megatron_patches.placement.loads import LoadTracker
+from megatron_patches.placement.loads import LOAD_PREDICTORS, LoadTracker
 from megatron_patches.placement.replicate import (
     gradient_source_table,
     instance_capacity,
@@ -131,6 +131,10 @@ class ReplayConfig:
     """FSSDP's sparse-collective algorithm for the byte counts ("flat" or "hierarchical")."""
     device_flops: float = 100e12
     """Sustained FLOP/s of one device, for the cost models of FasterMoE and FSSDP calibration."""
+    load_predictor: str = LOAD_PREDICTORS[0]
+    """How every policy predicts loads from its window (`LoadTracker`): "adaptive" (per layer the
+    window among 1, 2, 4, ... up to the policy's that predicted the recent iterations best, as
+    the fssdp and replicate runtimes do by default) or "mean" (DESIGN 4.1's plain mean)."""
 
     def __post_init__(self) -> None:
         check_int(self.overlap_degree, "overlap_degree")
@@ -138,12 +142,18 @@ class ReplayConfig:
         if self.slots_per_rank is not None:
             check_int(self.slots_per_rank, "slots_per_rank", 1)
         check_int(self.reshard_interval, "reshard_interval", 1)
+        if self.load_predictor not in LOAD_PREDICTORS:
+            raise PlacementError(f"load_predictor must be one of {LOAD_PREDICTORS}, got {self.load_predictor!r}")
         if not np.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
             raise PlacementError(f"capacity_factor must be > 0, got {self.capacity_factor!r}")
         if self.skew_threshold is not None and not self.skew_threshold >= 1.0:
             raise PlacementError(
                 f"skew_threshold must be >= 1.0 (imbalance is max/mean) or None, got {self.skew_threshold!r}"
             )
+
+    def tracker(self, num_layers: int, num_experts: int, window: int) -> LoadTracker:
+        """The load predictor every policy plans from (`load_predictor`)."""
+        return LoadTracker(num_layers, num_experts, window, adaptive=self.load_predictor == "adaptive")
 
     def slots(self, num_experts: int) -> int:
         """s actually used for E experts."""
@@ -258,6 +268,10 @@ class Policy(ABC):
         self.num_experts = int(num_experts)
         self.topology = config.topology
         self.bytes = config.byte_model
+        self.misprediction_L = np.zeros(self.num_layers)
+        """Set by the driver (`replay`, the simulator) before each `plan`: the share of tokens per
+        layer its predictor recently misplaced (`LoadTracker.misprediction`). FSSDP with
+        calibration keeps that share of its copy slots free for after the gate."""
 
     @abstractmethod
     def plan(self, iteration: int, predicted_LE: np.ndarray, source_loads_LDE: np.ndarray) -> PolicyStep:
@@ -344,8 +358,9 @@ class FSSDPPolicy(Policy):
         layers = []
         for l in range(self.num_layers):
             shard = self.shard.layer(l)
+            reserve = fssdp.calibration_reserve(cfg.memory_capacity, self.misprediction_L[l]) if cfg.calibrate else 0
             placement = fssdp.materialize(
-                shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity, self.topology
+                shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity - reserve, self.topology
             )
             materialized = None
             if cfg.calibrate:
@@ -652,7 +667,7 @@ def replay(
         if source_loads_ILDE.shape != (I, L, D, E):
             raise PlacementError(f"source loads have shape {source_loads_ILDE.shape}, expected {(I, L, D, E)}")
     w = policy.default_window if window is None else int(window)
-    tracker = LoadTracker(L, E, w)
+    tracker = policy.config.tracker(L, E, w)
     result = ReplayResult(
         policy.name, w, np.ones((I, L)), np.ones((I, L)), np.ones((I, L)), np.zeros((I, L)), np.zeros(I)
     )
@@ -660,6 +675,7 @@ def replay(
     for i in range(I):
         src_LDE = even_source_loads(loads_ILE[i], D) if source_loads_ILDE is None else source_loads_ILDE[i]
         predicted_LE = tracker.predict()
+        policy.misprediction_L = tracker.misprediction()
         start = time.perf_counter()
         step = policy.plan(i, predicted_LE, src_LDE)
         result.planner_s_I[i] = time.perf_counter() - start

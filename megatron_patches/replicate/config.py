@@ -98,6 +98,10 @@ class ReplicateConfig:
     reduce_in_fp32: bool = False
     """Sum and send replica gradients in fp32 (`--accumulate-allreduce-grads-in-fp32`, always on
     with --bf16, as Megatron's DDP); otherwise in the slots' dtype."""
+    load_predictor: str = "adaptive"
+    """How popularity is predicted from the last `load_window` iterations: "adaptive" (per layer
+    the window among 1, 2, 4, ... that predicted the recent iterations best; with the default
+    window of 1 the last iteration) or "mean" (all of them); `placement.loads.LoadTracker`."""
 
     def __post_init__(self) -> None:
         values = (
@@ -125,6 +129,7 @@ class ReplicateConfig:
             policy=args.replicate_policy,
             rebalance_interval=args.replicate_rebalance_interval,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            load_predictor=args.moe_load_predictor,
         )
 
 

@@ -55,7 +55,6 @@ import numpy as np
 from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
-from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
@@ -540,9 +539,10 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     )
     ring_sparse = scn.options.sparse_collectives == "ring"
     relayed = scn.options.sparse_collectives == "hierarchical"
-    tracker = LoadTracker(L, E, policy.default_window)
+    tracker = policy.config.tracker(L, E, policy.default_window)
     for i in range(I):
         start = time.perf_counter()
+        policy.misprediction_L = tracker.misprediction()
         step = policy.plan(i, tracker.predict(), scn.source_ILDE[i])
         out.planner_s += time.perf_counter() - start
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])

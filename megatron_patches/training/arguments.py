@@ -27,6 +27,7 @@ from pathlib import Path
 import megatron_patches
 from megatron_patches.config.flags import ArgumentError, moe_layer_freq
 from megatron_patches.config.run import RUN_DEFAULTS
+from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training.modes import MODES, MOE_PARALLEL_MODES
 from megatron_patches.training.yaml_config import load_yaml
 
@@ -273,6 +274,14 @@ def _add_moe_args(parser):
         "--moe-load-window", type=int, default=None,
         help=f"Iterations averaged to predict the next iteration's expert loads (default {windows}; "
         "refused by the modes that place experts statically). New flag.",
+    )
+    group.add_argument(
+        "--moe-load-predictor", choices=LOAD_PREDICTORS, default=None,
+        help="How the next iteration's expert loads are predicted from the last --moe-load-window "
+        "ones. adaptive (default): per layer, the window among 1, 2, 4, ..., --moe-load-window whose "
+        "predictions of the recent iterations were closest (short windows follow drifting loads, "
+        "long ones smooth noise); mean: the mean of all --moe-load-window iterations (DESIGN 4.1). "
+        "Refused by the modes that place experts statically. New flag.",
     )
 
 

@@ -36,6 +36,7 @@ from megatron_patches.training.arguments import (
     TRANSFORMER_IMPLS,
     build_parser,
 )
+from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training.modes import MODES
 
 
@@ -321,14 +322,17 @@ def _resolve_mode_flags(args):
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
                      f"only applies with --moe-parallel-mode {other.name} (mode is {mode.name})")
     if mode.default_load_window is None:
-        if args.moe_load_window is not None:
-            adaptive = [spec.name for spec in MODES.values() if spec.default_load_window is not None]
-            fail("--moe-load-window", args.moe_load_window,
-                 f"only applies with --moe-parallel-mode {' or '.join(adaptive)} (mode is {mode.name}, "
-                 "which places experts statically)")
+        adaptive = [spec.name for spec in MODES.values() if spec.default_load_window is not None]
+        for flag, value in (("--moe-load-window", args.moe_load_window),
+                            ("--moe-load-predictor", args.moe_load_predictor)):
+            if value is not None:
+                fail(flag, value, f"only applies with --moe-parallel-mode {' or '.join(adaptive)} "
+                     f"(mode is {mode.name}, which places experts statically)")
     else:
         if args.moe_load_window is None:
             args.moe_load_window = mode.default_load_window
+        if args.moe_load_predictor is None:
+            args.moe_load_predictor = LOAD_PREDICTORS[0]
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
     mode.validate(args)

@@ -429,7 +429,8 @@ def test_every_policy_produces_consistent_plans(name, small_trace):
 
 def test_replay_moved_bytes_match_the_moves(small_trace):
     bm = ByteModel(params_per_expert=1000, token_bytes=8)
-    config = ReplayConfig(TWO_BY_TWO, bm, overlap_degree=2, memory_capacity=1, reshard_interval=4)
+    config = ReplayConfig(TWO_BY_TWO, bm, overlap_degree=2, memory_capacity=1, reshard_interval=4,
+                          load_predictor="mean")
     policy = make_policy("smartmoe", config, 2, 8)
     moves = []
     for i in range(small_trace.num_iterations):

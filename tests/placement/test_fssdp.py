@@ -26,7 +26,7 @@ from megatron_patches.placement import (
     shard_imbalance_bound,
     shard_slots_D,
 )
-from megatron_patches.placement.fssdp import memory_capacity_after_activations
+from megatron_patches.placement.fssdp import calibration_reserve, memory_capacity_after_activations
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -274,26 +274,51 @@ def test_materialize_rejects_mismatched_inputs():
 
 def test_calibrate_worked_example():
     # 1 node x 4 devices, expert e on device e, no copies yet; expert 0 turns out to get 800
-    # tokens, the others 100: max device load 800. With one free slot per device the budgets
-    # go to expert 0 (R = 4 + 4 = 8 instances, goal 5.8, deficit 4.8, capped at 3 copies);
-    # placed on devices 1-3 (busiest holder 800 -> 500 -> 367 -> 300 with 0..3 copies). The
-    # balanced split then gives device 0 275 tokens and the others 175 (1100 / 4 = 275 with
-    # 100 already on each of them): a saving of 525 tokens.
+    # tokens, the others 100: max device load 800 (8 ms at 10 us per token). Each copy of expert
+    # 0 is 1 MB sent by device 0 at 1 GB/s, 1 ms, so n copies gather in n ms. The relief chain
+    # copies expert 0 to devices 1, 2, 3 in turn (equal loads and links: the lowest id), and the
+    # balanced split gives the busiest device 450, 334, 275 tokens: 4.5 + 1, 3.34 + 2 and
+    # 2.75 + 3 ms. Two copies are cheapest (5.34 ms), and cheaper than FasterMoE's shadow of
+    # expert 0 on every device (the third price).
     topo = Topology(1, 4, 1e9, 1e9)
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)
     loads = [800, 100, 100, 100]
-    # gather: device 0 sends 3 copies of 1 MB at 1 GB/s = 3 ms; saving 525 tokens * 10 us = 5.25 ms
     placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6))
     assert extra
-    assert placement.holders(0).tolist() == [0, 1, 2, 3]
+    assert placement.holders(0).tolist() == [0, 1, 2]
     assert placement.replicas_E()[1:].tolist() == [1, 1, 1]
-    # 5 us per token: saving 2.625 ms < 3 ms gather -> keep the current placement
+    # 5 us per token: 4 ms now, 2.25 + 1 with one copy, 1.67 + 2 with two: one copy
     placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(5e-6, 1e6))
+    assert extra and placement.holders(0).tolist() == [0, 1]
+    # 1 us per token: 0.8 ms now, 0.45 + 1 with one copy: keep the current placement
+    placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-6, 1e6))
     assert not extra and placement == current
-    # the latency tips it: 5.25 ms > 3 + 2.2 ms, but not > 3 + 2.3 ms
-    assert calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.2e-3))[1]
-    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.3e-3))[1]
+    # the latency tips it: 8 ms > 5.34 + 2.6 ms, but not > 5.34 + 2.7 ms
+    assert calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.6e-3))[1]
+    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.7e-3))[1]
+
+
+def test_calibration_reserve_keeps_the_misplaced_share_of_the_slots():
+    # ceil(m x share): any misplaced share keeps a slot, a quarter of 4 slots one, more two
+    assert [calibration_reserve(4, x) for x in (0.0, 0.01, 0.25, 0.26, 0.5, 1.0)] == [0, 1, 1, 2, 2, 4]
+    assert calibration_reserve(0, 0.7) == 0
+    with pytest.raises(PlacementError, match=r"misprediction must be a share of tokens in \[0, 1\], got 1.5"):
+        calibration_reserve(4, 1.5)
+
+
+def test_calibrate_relieves_a_spike_with_a_copy_beside_its_owner():
+    """2 nodes x 2 devices; expert 1 (owned by device 1) was cold and now gets 3000 of 3600
+    tokens. One copy on device 0, its node's other device, halves it for a 0.1 ms gather; the
+    remote devices are as lightly loaded, but a copy there crosses the 1 GB/s link (10 ms)."""
+    topo = Topology(2, 2, 1e11, 1e9)
+    shard = ShardLayout([0, 1, 2, 3], 4)
+    current = InstancePlacement.from_shard(shard)
+    cost = CalibrationCost(1e-5, 1e7)
+    placement, extra = calibrate(current, shard, [200, 3000, 200, 200], 1, topo, cost)
+    assert extra
+    assert placement.holders(1).tolist() == [0, 1]
+    assert placement.replicas_E()[[0, 2, 3]].tolist() == [1, 1, 1]
 
 
 @FAST
@@ -314,21 +339,24 @@ def test_calibrate_invariants(case, t, m, free, spt):
 
 
 def test_calibrate_prices_the_unhidden_part_of_the_reduce():
-    """The worked example's copies (3 ms gather, 5.25 ms saved) stop paying once their gradients'
-    reduce (2x the gather's bytes: 6 ms) is exposed beyond what the backward hides: 3 + 6 - 3.8 >
-    5.25 > 3 + 6 - 3.7 ms."""
+    """The worked example's copies stop paying once their gradients' reduce (3x the gather's
+    bytes) is exposed beyond what the backward hides (H): n copies cost the busiest device's
+    load + n + max(0, 3n - H) ms against 8 ms now, i.e. 5.5 + max(0, 3 - H), 5.34 + max(0, 6 - H),
+    5.75 + max(0, 9 - H): only the first can pay, when H > 0.5 ms."""
     topo = Topology(1, 4, 1e9, 1e9)
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)
     loads = [800, 100, 100, 100]
-    assert calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=2.0, reduce_hidden_s=3.8e-3))[1]
-    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=2.0, reduce_hidden_s=3.7e-3))[1]
+    placement, extra = calibrate(current, shard, loads, 1, topo,
+                                 CalibrationCost(1e-5, 1e6, reduce_ratio=3.0, reduce_hidden_s=0.6e-3))
+    assert extra and placement.holders(0).tolist() == [0, 1]
+    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=3.0, reduce_hidden_s=0.4e-3))[1]
 
 
 def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():
     """2 nodes x 2 devices, every source routing its tokens to expert 0 (owned by device 0): a copy
     on every device keeps all tokens where they are (FasterMoE's choice), which the all-to-all
-    price rewards; without it the proportional candidate's split is just as good on compute."""
+    price rewards; on compute alone fewer copies would do as well."""
     topo = Topology(2, 2, 1e11, 1e9)
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)

@@ -250,3 +250,57 @@ def test_load_tracker_window_one_mimics_previous_iteration_and_validates():
         tracker.observe([[-1, 0]])
     with pytest.raises(PlacementError, match="LoadTracker window must be an integer >= 1, got 0"):
         LoadTracker(1, 2, window=0)
+
+
+def test_adaptive_load_tracker_worked_example():
+    """Loads alternating between [1, 0] and [0, 1] (window 5, candidates 1, 2, 4, 5): the last
+    iteration predicts the other one (misplacing every token), two or four average to [.5, .5]
+    (half), five to [.6, .4] or [.4, .6]; 2 and 4 tie and the larger wins. A steady ramp is
+    followed by the shortest window."""
+    tracker = LoadTracker(1, 2, window=5, adaptive=True)
+    assert tracker.candidate_windows() == [1, 2, 4, 5]
+    assert tracker.misprediction().tolist() == [0.0]  # nothing to back-test yet
+    for i in range(12):
+        tracker.observe([[1 - i % 2, i % 2]])
+    assert tracker.chosen_windows().tolist() == [4]
+    assert tracker.misprediction() == pytest.approx([0.5])
+    assert tracker.predict().tolist() == [[0.5, 0.5]]
+    ramp = LoadTracker(1, 2, window=4, adaptive=True)
+    for i in range(8):
+        ramp.observe([[10 * i, 100 - 10 * i]])
+    assert ramp.chosen_windows().tolist() == [1]
+    assert ramp.predict().tolist() == [[70.0, 30.0]]
+    fixed = LoadTracker(1, 2, window=5)
+    for i in range(12):
+        fixed.observe([[1 - i % 2, i % 2]])
+    assert fixed.chosen_windows().tolist() == [5]
+    assert fixed.misprediction() == pytest.approx([0.6])  # five alternating: 3 to 2 the wrong way
+
+
+@FAST
+@given(
+    window=st.integers(1, 6),
+    history=st.lists(st.lists(st.integers(0, 1000), min_size=4, max_size=4), min_size=0, max_size=14),
+)
+def test_adaptive_load_tracker_invariants(window, history):
+    """Each layer predicts the mean of its chosen window's last iterations; window 1 is the plain
+    mean; the misprediction is a share; a checkpoint round trip predicts the same."""
+    adaptive = LoadTracker(num_layers=2, num_experts=2, window=window, adaptive=True)
+    plain = LoadTracker(num_layers=2, num_experts=2, window=window)
+    for row in history:
+        adaptive.observe(np.array(row).reshape(2, 2))
+        plain.observe(np.array(row).reshape(2, 2))
+    chosen = adaptive.chosen_windows()
+    assert set(chosen.tolist()) <= set(adaptive.candidate_windows())
+    if history:
+        loads = np.array(history).reshape(-1, 2, 2)
+        expected = np.stack([loads[-w:, l].mean(axis=0) for l, w in enumerate(chosen.tolist())])
+        assert np.allclose(adaptive.predict(), expected)
+        assert np.allclose(plain.predict(), loads[-window:].mean(axis=0))  # 2 x window kept, window used
+    if window == 1:
+        assert np.allclose(adaptive.predict(), plain.predict())
+    assert np.all((adaptive.misprediction() >= 0) & (adaptive.misprediction() <= 1 + 1e-12))
+    restored = LoadTracker(num_layers=2, num_experts=2, window=window, adaptive=True)
+    restored.load_state_dict(adaptive.state_dict())
+    assert np.allclose(restored.predict(), adaptive.predict())
+    assert np.allclose(restored.misprediction(), adaptive.misprediction())

@@ -16,7 +16,6 @@ from sim_builders import balanced_trace, make_cluster, make_model, make_pool, sk
 
 from megatron_patches.config import load_cluster_config, load_model_config
 from megatron_patches.placement.accounting import allreduce_equivalent_bytes, sparse_all_gather_bytes
-from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.policies import make_policy
 from megatron_patches.placement.trace import Trace, read_trace
 from megatron_patches.sim import (
@@ -183,7 +182,7 @@ def test_sparse_collective_bytes_equal_the_placement_accounting(pricing):
     config, _ = replay_config(scn, spec)
     policy = make_policy("fssdp", config, 2, 8)
     bm = scn.workload.byte_model
-    tracker = LoadTracker(2, 8, policy.default_window)
+    tracker = config.tracker(2, 8, policy.default_window)
     gather = np.zeros(2)
     equivalent = 0
     for i in range(scn.num_iterations):
