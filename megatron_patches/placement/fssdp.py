@@ -602,11 +602,12 @@ def calibrate(
         plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
         return float(plan.device_loads_D().max()) * cost.seconds_per_token + float(cost.dispatch_seconds(plan))
 
-    best_s = moe_seconds(held_ED)
+    quota_ED = balanced_quotas(held_ED, tokens_E)
+    best_s = moe_seconds(held_ED) if with_a2a else float(quota_ED.sum(axis=0).max()) * cost.seconds_per_token
     best = None
     floor_s = np.ceil(total / D) * cost.seconds_per_token  # no placement computes faster
     candidates = (
-        _relief_candidate(held_ED, shard.owner_E, tokens_E, free_D, topology, cost),
+        _relief_candidate(held_ED, quota_ED, shard.owner_E, tokens_E, free_D, topology, cost),
         *_shadow_candidates(held_ED, tokens_E, free_D),
     )
     for holds_ED in candidates:
@@ -624,14 +625,14 @@ def calibrate(
     return InstancePlacement(current.counts_ED + (best & ~held_ED).astype(np.int64)), True
 
 
-def _relief_candidate(held_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray,
-                      topology: Topology, cost: CalibrationCost) -> np.ndarray:
+def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.ndarray,
+                      free_D: np.ndarray, topology: Topology, cost: CalibrationCost) -> np.ndarray:
     """Copies that relieve the busiest device one at a time, as few as pay (`calibrate`).
 
     A load spike the prediction missed (an expert that was cold last iteration) overloads its
-    few holders; what fixes it is a copy or two of that expert, near its owner, not a
-    re-balancing of every expert (the proportional candidate) or a copy on every device (the
-    shadow candidates), whose gathers cost more than the spike. Greedy: take the busiest
+    few holders; what fixes it is a copy or two of that expert, near its owner, not a re-split
+    of every expert's copies in proportion to the loads (DESIGN's step 4) or a copy on every
+    device (the shadow candidates), whose gathers cost more than the spike. Greedy: take the busiest
     device (device loads as `balanced_quotas` makes them), its expert with the largest quota
     that can still get a copy, and copy it to the device where its transfer time from the owner
     plus that device's load is least (a same-node device first when loads are alike); refill that
@@ -643,16 +644,18 @@ def _relief_candidate(held_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.nda
     E, D = held_ED.shape
     holds_ED = held_ED.copy()
     free_D = free_D.copy()
-    quota_ED = balanced_quotas(holds_ED, tokens_E)
+    has_free_D = free_D > 0
+    quota_ED = quota_ED.copy()  # `balanced_quotas(held_ED, tokens_E)`, refilled expert by expert below
     load_D = quota_ED.sum(axis=0)
     floor = -(-int(tokens_E.sum()) // D)  # no placement gets the peak below this
     spt = cost.seconds_per_token
     copy_s_DD = cost.expert_bytes / np.where(topology.same_node_DD(), topology.intra_node_bw, topology.inter_node_bw)
     send_D = np.zeros(D)
     recv_D = np.zeros(D)
-    best_s, best_n, chain = float(load_D.max()) * spt, 0, []
-    while free_D.any():
-        d = int(load_D.argmax())
+    gather_s = 0.0  # busiest sender or receiver so far
+    d = int(load_D.argmax())
+    best_s, best_n, chain = float(load_D[d]) * spt, 0, []
+    while has_free_D.any():
         peak = int(load_D[d])
         if peak <= floor:
             break
@@ -660,7 +663,7 @@ def _relief_candidate(held_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.nda
         for e in np.argsort(-quota_ED[:, d], kind="stable").tolist():
             if quota_ED[e, d] == 0:
                 break
-            targets = np.flatnonzero(~holds_ED[e] & (free_D > 0) & (load_D < peak - 1))
+            targets = np.flatnonzero(~holds_ED[e] & has_free_D & (load_D < peak - 1))
             if targets.size:
                 src = int(owner_E[e])
                 price = load_D[targets] * spt + copy_s_DD[src, targets]
@@ -671,18 +674,21 @@ def _relief_candidate(held_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.nda
         e, target, src = picked
         holds_ED[e, target] = True
         free_D[target] -= 1
+        has_free_D[target] = free_D[target] > 0
         send_D[src] += copy_s_DD[src, target]
         recv_D[target] += copy_s_DD[src, target]
+        gather_s = max(gather_s, send_D[src], recv_D[target])
         holders = np.flatnonzero(holds_ED[e])
         load_D[holders] -= quota_ED[e, holders]
         quota_ED[e, holders] = _fill(load_D[holders].tolist(), int(tokens_E[e]))
         load_D[holders] += quota_ED[e, holders]
         chain.append((e, target))
-        gather_s = max(send_D.max(), recv_D.max()) + cost.latency_s
-        exposed_s = gather_s + max(0.0, cost.reduce_ratio * gather_s - cost.reduce_hidden_s)
+        exposed_s = gather_s + cost.latency_s
+        exposed_s += max(0.0, cost.reduce_ratio * exposed_s - cost.reduce_hidden_s)
         if floor * spt + exposed_s >= best_s:
             break  # the gather only grows along the chain: no longer prefix can be cheaper
-        seconds = float(load_D.max()) * spt + exposed_s
+        d = int(load_D.argmax())
+        seconds = float(load_D[d]) * spt + exposed_s
         if seconds < best_s:
             best_s, best_n = seconds, len(chain)
     out = held_ED.copy()
