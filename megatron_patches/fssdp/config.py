@@ -62,8 +62,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--fssdp-calibrate", action="store_true",
         help="After the gate, add copies for the actual loads (relieving the busiest rank one copy at "
         "a time, or FasterMoE-style shadowing) and gather them when the cost model says it pays off. "
-        "Before the gate, each layer then keeps ceil(m x the share of tokens the load predictor "
-        "recently misplaced) copy slots free for it. New flag.",
+        "Before the gate, each layer then keeps m x the share of tokens the load predictor "
+        "recently misplaced (rounded) copy slots free for it. New flag.",
     )
 
 

@@ -7,12 +7,12 @@ Traces vary the Zipf skew (1.0, 1.4), how fast popularity moves (0.05 and 0.2 po
 iteration: the hot spot moves every 20 and every 5 iterations; each move turns the coldest
 expert into a rising one) and one-iteration spikes (none, 5%). EP leaves them at a mean
 imbalance of 4-6.6 (p95 8-14). Measured (80 iterations, docs/benchmarks.md "Drift"): calibrated
-FSSDP 1.02-1.06 mean, p95 1.06-1.16; uncalibrated with the adaptive predictor 1.04-1.26 / 1.15-2.9,
+FSSDP 1.02-1.09 mean, p95 1.07-1.22; uncalibrated with the adaptive predictor 1.04-1.26 / 1.15-2.9,
 with DESIGN's plain 5-iteration mean 1.08-1.77 / 1.38-4.1.
 
 Faster drift (a whole position per iteration: the hottest expert was the coldest one iteration
 before) is not predictable from the loads; calibration then does the work: Zipf 1.2 with 5%
-spikes, seeds 0-5, 60 iterations: 1.33-1.77 mean, p95 1.71-2.25 (EP 6.3-12.1, FasterMoE's
+spikes, seeds 0-5, 60 iterations: 1.45-1.85 mean, p95 1.76-2.25 (EP 6.3-12.1, FasterMoE's
 shadowing 2.33-2.44 / 2.81-3.11). That misses the issue's 1.15 / 1.6 target; it is reported in
 the closing note and asserted only as the improvement it is.
 """
@@ -60,7 +60,7 @@ def test_fast_drift_is_left_to_calibration():
     """Popularity moving a position per iteration: the prediction is useless (FSSDP without
     calibration stays near EP); calibration with its reserved slots takes most of it back, and
     balances better than FasterMoE's shadowing (measured on seed 3: EP 8.99, uncalibrated 8.67,
-    calibrated 1.50, FasterMoE 2.44)."""
+    calibrated 1.60, FasterMoE 2.44)."""
     trace = drifting(1.2, 1.0, 0.05, seed=3)
     ep_mean, _ = imbalance(trace, "ep")
     uncalibrated, _ = imbalance(trace, "fssdp")

@@ -300,8 +300,8 @@ def test_calibrate_worked_example():
 
 
 def test_calibration_reserve_keeps_the_misplaced_share_of_the_slots():
-    # ceil(m x share): any misplaced share keeps a slot, a quarter of 4 slots one, more two
-    assert [calibration_reserve(4, x) for x in (0.0, 0.01, 0.25, 0.26, 0.5, 1.0)] == [0, 1, 1, 2, 2, 4]
+    # m x share to the nearest slot, halves up: an eighth of 4 slots keeps one, three eighths two
+    assert [calibration_reserve(4, x) for x in (0.0, 0.1, 0.125, 0.3, 0.375, 1.0)] == [0, 0, 1, 1, 2, 4]
     assert calibration_reserve(0, 0.7) == 0
     with pytest.raises(PlacementError, match=r"misprediction must be a share of tokens in \[0, 1\], got 1.5"):
         calibration_reserve(4, 1.5)
