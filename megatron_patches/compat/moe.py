@@ -9,15 +9,16 @@ unchanged in its mechanics by giving it *virtual experts*:
 
 Every rank hosts E virtual experts (d = its EP rank), so Megatron's permutation, count
 exchange, all-to-all and sorting by local expert route each token copy to the rank the mode
-chose, and the tokens arrive grouped by expert id. A mode only builds the virtual routing map
-[T, D*E] (each routed (token, expert) pair set in exactly one column) and computes the
-experts on the weights it materialised.
+chose, and the tokens arrive grouped by expert id. A mode only routes each (token, expert)
+pair to one virtual expert (`comm.virtual.VirtualRouting`, kept sparse: O(T x top-k), where
+Megatron's dense routing map would be [T, D*E]; `InstanceTokenDispatcher.dispatch_preprocess`
+takes it in the map's place) and computes the experts on the weights it materialised.
 
 `InstanceMoELayer` keeps Megatron's stages (route, preprocess, dispatch, experts, combine,
 postprocess) and exposes four hooks for the mode:
 
 - `enter(hidden)`: at the MoE input (forward), may wrap it (backward triggers);
-- `route_to_instances(routing_map_TE, probs_TE)`: -> (routing_map_TV, probs_TV);
+- `route_to_instances(routing_map_TE, probs_TE)`: -> a `comm.virtual.VirtualRouting`;
 - `before_dispatch()`: right before the token all-to-all (wait for materialised weights);
 - `compute_instances(tokens_ND, tokens_per_expert_E, probs_N)`: the experts on the
   dispatched tokens, sorted by expert id.
@@ -83,6 +84,26 @@ class InstanceTokenDispatcher(MoEAlltoAllTokenDispatcher):
         chunk_idxs = torch.arange(self.num_experts * self.tp_size, device=self.permute_idx_device)
         self.sort_input_by_local_experts = chunk_idxs.reshape(-1, self.num_local_experts).T.ravel()
         self.restore_output_by_local_experts = chunk_idxs.reshape(self.num_local_experts, -1).T.ravel()
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map, probs: torch.Tensor):
+        """Megatron's dispatch_preprocess (token_dispatcher.py:592 in 0.16.1) on a sparse
+        `comm.virtual.VirtualRouting` instead of a dense [T, D*E] routing map (`probs` are its
+        per-copy `probs_K`; compat sits below comm, so the routing is recognised by its fields). Megatron's `preprocess` reads a routing map's size(0) and sum(dim=0) only, which
+        the routing provides; permutation 1 is the index_select Megatron's `permute` does with
+        the sorted indices it derives from the dense map, which the routing holds already
+        (`token_K`; tests/test_fssdp_routing.py checks the two agree). The combine's unpermute
+        uses those indices alone (it reads the map only to apply probs, which it is not given)."""
+        if not hasattr(routing_map, "token_K"):
+            raise TypeError(f"InstanceTokenDispatcher routes a comm.virtual.VirtualRouting, got {type(routing_map).__name__}")
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.reversed_local_input_permutation_mapping = routing_map.token_K
+        return hidden_states.index_select(0, routing_map.token_K), probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +184,8 @@ class InstanceMoELayer(MoELayer):
 
     @abstractmethod
     def route_to_instances(self, routing_map_TE: torch.Tensor, probs_TE: torch.Tensor):
-        """(routing_map_TV bool [T, D*E], probs_TV [T, D*E]): each routed (token, expert) in one column."""
+        """Each routed (token, expert) to one instance: a `comm.virtual.VirtualRouting`
+        (`comm.virtual.virtual_routing`)."""
 
     def before_dispatch(self) -> None:
         pass
@@ -178,8 +200,8 @@ class InstanceMoELayer(MoELayer):
         return super().forward(self.enter(hidden_states), intermediate_tensors, padding_mask)
 
     def preprocess(self, hidden_states, probs, routing_map):
-        routing_map_TV, probs_TV = self.route_to_instances(routing_map, probs)
-        return super().preprocess(hidden_states, probs_TV, routing_map_TV)
+        routing = self.route_to_instances(routing_map, probs)
+        return super().preprocess(hidden_states, routing.probs_K, routing)
 
     def dispatch(self, hidden_states, probs):
         self.before_dispatch()
