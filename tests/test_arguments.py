@@ -833,8 +833,7 @@ def test_instance_modes_accept_more_ranks_than_an_expert_group(parse, mode):
      ["--moe-token-dispatcher-type=allgather", "valid: alltoall"]),
     (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 4,
      ["--fssdp-reshard-interval=100", "expert-data-parallel size 2", "valid: 0"]),
-    (["--moe-parallel-mode", "fssdp", "--use-distributed-optimizer", "--overlap-grad-reduce"], 4,
-     ["--overlap-grad-reduce=True", "before those additions", "replicate mode supports it"]),
+    (["--moe-load-predictor", "mean"], 4, ["--moe-load-predictor=mean", "only applies", "places experts statically"]),
 ])
 def test_fssdp_refusals(parse, flags, world, fragments):
     expect_error(parse(*flags), world, *fragments)

@@ -69,7 +69,7 @@ MATRIX = (
         ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"), 8, {
         "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]",
-                         "--fssdp-reshard-interval", "0"),
+                         "--fssdp-reshard-interval", "0", "--overlap-grad-reduce", "--overlap-param-gather"),
         "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]",
                              "--overlap-grad-reduce", "--overlap-param-gather")}),
     Row("BERT", ("--model-family", "bert", "--expert-model-parallel-size", "2"), 2, {
@@ -99,9 +99,9 @@ MATRIX = (
     Row("grouped GEMM", ("--moe-grouped-gemm",), 4, {
         "fssdp": refusal("runs each expert instance with Megatron's MLP module"),
         "replicate": refusal("runs each expert instance with Megatron's MLP module")}),
-    Row("overlapped gradient reduce and parameter gather (dense parameters)",
+    Row("overlapped gradient reduce and parameter gather",
         ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"), 4, {
-        "fssdp": refusal("starts reducing (and scaling) an expert bucket as soon as its owners' own gradients are ready"),
+        "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]"),
         "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
     Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {

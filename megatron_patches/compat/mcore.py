@@ -324,6 +324,37 @@ def wrap_ddp(config: TransformerConfig, model, args):
     return ddp
 
 
+def packed_param_hooks(ddp) -> tuple[Callable[[torch.nn.Parameter], None] | None, Callable[[torch.nn.Parameter], None] | None]:
+    """DDP's per-parameter overlap hooks, for parameters a mode reads and writes outside autograd
+    and outside their module's forward (fssdp packs its owned experts into rows: spAG reads them
+    at the layer's start, spRS adds their gradient into main_grad after the backward). Returns
+    (param_sync, grad_ready), each None when its overlap is off:
+
+    - param_sync(param), with --overlap-param-gather: waits for the all-gather that brings the
+      distributed optimizer's update of `param`, as DDP's module forward pre-hook does
+      (distributed_data_parallel.py:384 in 0.16.1), which the packing would otherwise run ahead of
+      (measured: fssdp read the previous iteration's expert weights, losses 2.4e-3 off ep by
+      iteration 10 with EDP 2);
+    - grad_ready(param), with --overlap-grad-reduce: registers `param`'s gradient complete for its
+      bucket's reduce, as DDP's backward hook does (distributed_data_parallel.py:420,
+      param_and_grad_buffer.py:539). The packed parameters are in no autograd graph, so that hook
+      never fires for them: without this their buckets reduce only at the end of the backward.
+    """
+    param_sync = grad_ready = None
+    if ddp.use_forward_hook:
+        skip_next = ddp.ddp_config.align_param_gather or ddp.overlap_param_gather_with_optimizer_step
+
+        def param_sync(param: torch.nn.Parameter) -> None:
+            ddp.param_to_bucket_group[param].finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
+    if ddp.ddp_config.overlap_grad_reduce:
+
+        def grad_ready(param: torch.nn.Parameter) -> None:
+            ddp.param_to_bucket_group[param].register_grad_ready(param, ddp.force_all_reduce)
+
+    return param_sync, grad_ready
+
+
 def optimizer(args, model_chunks):
     opt = get_megatron_optimizer(
         OptimizerConfig(

@@ -73,15 +73,6 @@ def validate(args: argparse.Namespace) -> None:
         fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
     if not args.fssdp_memory_budget_mb > 0:
         fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
-    if args.overlap_grad_reduce:
-        fail("--overlap-grad-reduce", True,
-             "fssdp adds the copies' gradients (spRS) into the owners' gradient buffers after the backward, but "
-             "with an overlapped reduce Megatron's DDP starts reducing (and scaling) an expert bucket as soon as its "
-             "owners' own gradients are ready, before those additions: measured, losses 2.4e-3 off ep by iteration 8 "
-             "(grad norm 19%); drop --overlap-grad-reduce (replicate mode supports it: its experts are outside "
-             "DDP's buffers)")
-    if args.overlap_param_gather:
-        fail("--overlap-param-gather", True, "not supported in fssdp mode (it needs --overlap-grad-reduce)")
     if args.fssdp_reshard_interval and args.use_distributed_optimizer and args.expert_data_parallel_size > 1:
         fail("--fssdp-reshard-interval", args.fssdp_reshard_interval,
              f"re-sharding moves each expert's optimizer state between ranks, but --use-distributed-optimizer shards "

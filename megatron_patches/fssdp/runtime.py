@@ -180,6 +180,11 @@ class FSSDPRuntime(ModeRuntime):
         self.plans: dict[int, LayerPlan] = {}
         self.pending: list = []
         """(layer copies, spRS handle) launched in the backward, not yet added into main_grad."""
+        self.expert_param_sync = None
+        """With --overlap-param-gather: waits for an owned expert parameter's all-gather (`wrap`)."""
+        self.expert_grad_ready = None
+        """With --overlap-grad-reduce: registers an owned expert parameter ready for DDP's reduce
+        (`wrap`)."""
         self.shared: dict[int, LayerCopies] = {}
         """Each layer's copies during one forward_backward call (without re-materialization the
         micro-batches share them: one gather and one reduce per iteration), by layer number."""
@@ -220,6 +225,15 @@ class FSSDPRuntime(ModeRuntime):
     def register_layer(self, layer) -> None:
         self.layers.append(layer)
 
+    def wrap(self, model, config, args) -> tuple[object, object]:
+        """ep's DDP and optimizer, and DDP's overlap hooks for the owned experts, which fssdp packs
+        outside autograd (`mcore.packed_param_hooks`): `_gather_copies` waits for their
+        parameter all-gather, `drain` registers their gradients ready once spRS has added the
+        copies' (so each layer's expert buckets start reducing then, during the backward)."""
+        ddp, optimizer = super().wrap(model, config, args)
+        self.expert_param_sync, self.expert_grad_ready = mcore.packed_param_hooks(ddp)
+        return ddp, optimizer
+
     def attach(self, transformer_layers, config, optimizer) -> None:
         """Hooks the transformer layers holding FSSDP MoE layers; wraps finalize_model_grads;
         keeps Megatron's optimizer, whose expert state re-sharding moves with the weights.
@@ -259,6 +273,18 @@ class FSSDPRuntime(ModeRuntime):
             return original(*args, **kwargs)
 
         config.finalize_model_grads_func = finalize_model_grads
+        if config.grad_sync_func is not None:
+            # PP with an overlapped reduce: Megatron's schedule launches the stage's remaining
+            # reduces (grad_sync_func, every bucket) before finalize_model_grads; the copies'
+            # gradients go in first, without registering them ready (which would launch their
+            # buckets' reduce a second time)
+            grad_sync = config.grad_sync_func
+
+            def grad_sync_func(*args, **kwargs):
+                self.drain(register_ready=False)
+                return grad_sync(*args, **kwargs)
+
+            config.grad_sync_func = grad_sync_func
 
     @property
     def device(self) -> torch.device:
@@ -589,6 +615,10 @@ class FSSDPRuntime(ModeRuntime):
         slots = self.table.slots_of(plan.index)
         owned_ON = torch.empty((0, self.expert_numel), dtype=layer.experts.local_experts[0].linear_fc1.weight.dtype, device=self.device)
         if slots.size:
+            if self.expert_param_sync is not None:
+                for slot in slots:
+                    for param in self.slot_modules[slot].parameters():
+                        self.expert_param_sync(param)
             owned_ON = torch.stack([layer.expert_layout.flatten(self.slot_modules[slot]) for slot in slots])
         copies = LayerCopies(layer, plan, owned_ON, passes=passes, keeps_copies=keeps)
         with nvtx_range("fssdp.spag", self.device):
@@ -638,14 +668,18 @@ class FSSDPRuntime(ModeRuntime):
     def launch_regather(self, copies):
         return copies.plan.regather(copies.owned_ON)
 
-    def drain(self) -> None:
-        """Wait for the reduces in flight and add the owners' gradients into main_grad."""
+    def drain(self, register_ready: bool = True) -> None:
+        """Wait for the reduces in flight and add the owners' gradients into main_grad; with an
+        overlapped DDP reduce (and `register_ready`), the owners' parameters are then ready for it."""
         for copies, handle in self.pending:
             with self.timer.span("fssdp.wait.sprs"):
                 grads_ON = handle.wait()
             layer = copies.layer
             for row, slot in enumerate(self.table.slots_of(copies.plan.index)):
                 layer.expert_layout.grads_into(self.slot_modules[slot], grads_ON[row])
+                if self.expert_grad_ready is not None and register_ready:
+                    for param in self.slot_modules[slot].parameters():
+                        self.expert_grad_ready(param)
             copies.grad_HN = None
         self.pending = []
 
