@@ -28,6 +28,7 @@ sender. Deterministic run to run, but not the flat collective's order (differenc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -51,7 +52,8 @@ def _relay_plan(collective, owners, placement: InstancePlacement) -> RelayTransf
 
 
 def _index(rows, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(rows).to(device)
+    # the plans' row arrays are read-only views (torch.from_numpy warns on those)
+    return torch.as_tensor(np.array(rows, dtype=np.int64), device=device)
 
 
 def _post_stage(stage, source: torch.Tensor, group, chunk_numel: int, reverse: bool) -> tuple[list, list]:
