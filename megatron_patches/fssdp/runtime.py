@@ -524,7 +524,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def _auto_overlap_degree(self) -> int:
         t_non_moe = self._min_non_moe_seconds()
-        bw = planner.gather_bandwidth(self.topology)
+        bw = planner.gather_bandwidth(self.topology, self.config.collectives)
         t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         self._log.append(
             f"fssdp: auto overlap degree t = {t} (non-MoE time {t_non_moe * 1e3:.2f} ms per layer, "

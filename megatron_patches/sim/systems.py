@@ -388,7 +388,8 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     copy_bytes = bm.expert_weight_bytes + bm.expert_grad_bytes
     t = o.overlap_degree
     if t is None:
-        t = fssdp.overlap_degree(t_non_moe, fssdp.gather_bandwidth(topo), bm.expert_weight_bytes, E)
+        algorithm = "hierarchical" if o.sparse_collectives == "hierarchical" else "flat"
+        t = fssdp.overlap_degree(t_non_moe, fssdp.gather_bandwidth(topo, algorithm), bm.expert_weight_bytes, E)
     m = o.memory_capacity
     if m is None:
         m = min(fssdp.memory_capacity(free / (1 if spec.remat else L), copy_bytes), E)

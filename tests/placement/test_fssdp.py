@@ -84,6 +84,14 @@ def test_memory_capacity_and_bandwidth_choice():
         memory_capacity(1.0, 0)
     assert gather_bandwidth(Topology(1, 8, 300e9, 12.5e9)) == 300e9
     assert gather_bandwidth(Topology(4, 8, 300e9, 12.5e9)) == 12.5e9
+    # node-aware: 1/8 of the copies over the 12.5 GB/s link, 7/8 relayed at 300 GB/s, one after
+    # the other: 1 / (0.01 + 7 / 2400) s per GB
+    assert gather_bandwidth(Topology(4, 8, 300e9, 12.5e9), "hierarchical") == pytest.approx(1e9 / (0.01 + 7 / 2400))
+    assert gather_bandwidth(Topology(1, 8, 300e9, 12.5e9), "hierarchical") == 300e9
+    # one bandwidth for both link classes (the runtime's probe): the same t as flat
+    assert gather_bandwidth(Topology(2, 4, 5e9, 5e9), "hierarchical") == pytest.approx(5e9, rel=1e-15)
+    with pytest.raises(PlacementError, match="algorithm must be 'flat' or 'hierarchical', got 'ring'"):
+        gather_bandwidth(Topology(2, 4, 5e9, 5e9), "ring")
 
 
 # ---------------------------------------------------------------------------- proportional copies

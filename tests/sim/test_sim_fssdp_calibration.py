@@ -2,9 +2,9 @@
 never meaningfully slower than EP, which it contains (no copies), and it is priced the way the
 simulator charges its gather (`sim.systems._sparse_gather_seconds`) and all-to-all.
 
-Measured on the 30 cases below (2026-11-26): fssdp / ep worst 1.024, mean 0.864. Against
-FasterMoE, whose shadowing calibration considers too, FSSDP is not always faster: worst 1.12,
-slower on 12 of 30 (FasterMoE's broadcasts are priced as pipelined rings, which cross each node
+Measured on the 30 cases below (2026-11-27, relief calibration and node-aware t): fssdp / ep
+worst 1.028, mean 0.856 (2026-11-26: 1.024, 0.864). Against FasterMoE, whose shadowing
+calibration considers too, FSSDP is not always faster: worst 1.125, slower on 9 of 30 (was 12) (FasterMoE's broadcasts are priced as pipelined rings, which cross each node
 boundary once with no relay stage, and its reduce differently from spRS), so that is reported,
 not asserted.
 """
@@ -50,7 +50,7 @@ def test_calibrated_fssdp_is_never_meaningfully_slower_than_ep():
         faster += times["fssdp"] < times["fastermoe"]
     assert max(ratios) <= 1.05, (max(ratios), int(np.argmax(ratios)))
     assert np.mean(ratios) < 0.95  # and it does gain on these skewed traces
-    assert faster >= 15  # reported above: 18 of 30 when measured
+    assert faster >= 15  # reported above: 21 of 30 when measured
 
 
 @pytest.mark.parametrize("index", [1, 3])
