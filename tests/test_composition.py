@@ -20,8 +20,10 @@ One run serves several checks: the EDP-2 fssdp run re-shards (t = m = 1, so the 
 and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then resumes on 4 ranks
 (one group) in replicate mode, and in fssdp with the saved layout and load history, on ep's
 losses. fssdp with the distributed optimizer (4 ranks) saves after a re-shard and resumes in
-fssdp bit for bit and in ep. The runs share three spawns (support/multirun.py): 8 ranks (6 runs),
-4 ranks (5), 2 ranks (3).
+fssdp bit for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed
+optimizer also runs alone at 4 ranks for both modes against ep (`CELLS`). The runs share four
+spawns (support/multirun.py): 8 ranks (6 runs), 4 ranks (5), 4 ranks (the 9 single cells), 2
+ranks (3).
 """
 
 from __future__ import annotations
@@ -181,6 +183,33 @@ def test_bert(bert, mode):
     run = bert[f"{mode}_bert"]
     assert "BertWordPieceLowerCase" in run.output
     check_common(run, bert["ep_bert"], mode, group=2, token_copies=None)
+
+
+# One composition at a time (4 ranks, fp32): each mode against ep with the same flags.
+# tp2_sp: TP 2 x DP 2 with sequence parallelism, EP 2 (4 micro-batches per rank); pp2: PP 2 x DP 2,
+# EP 2, 4 micro-batches through 1F1B; distopt: Megatron's distributed optimizer, EP 4.
+CELLS = {
+    "tp2_sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                "--expert-tensor-parallel-size", "1"], 2),
+    "pp2": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 2),
+    "distopt": (["--use-distributed-optimizer", "--expert-model-parallel-size", "4"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def cells(workdir):
+    runs = {}
+    for cell, (flags, _) in CELLS.items():
+        runs[f"ep_{cell}"] = [*BASE, *flags]
+        for mode in ("fssdp", "replicate"):
+            runs[f"{mode}_{cell}"] = [*BASE, *flags, "--moe-parallel-mode", mode]
+    return launch_many(4, runs, workdir)
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_one_composition_at_a_time(cells, cell, mode):
+    check_common(cells[f"{mode}_{cell}"], cells[f"ep_{cell}"], mode, group=CELLS[cell][1])
 
 
 def test_fssdp_checkpoints_with_the_distributed_optimizer(four):

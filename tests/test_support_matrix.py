@@ -72,6 +72,16 @@ MATRIX = (
                          "--fssdp-reshard-interval", "0", "--overlap-grad-reduce", "--overlap-param-gather"),
         "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]",
                              "--overlap-grad-reduce", "--overlap-param-gather")}),
+    Row("TP 2 + sequence parallel", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), 4, {
+        "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[tp2_sp-fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[tp2_sp-replicate]")}),
+    Row("PP 2 (4 micro-batches)", ("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"), 4, {
+        "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-replicate]")}),
+    Row("distributed optimizer", ("--use-distributed-optimizer", "--expert-model-parallel-size", "4"), 4, {
+        "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-replicate]")}),
     Row("BERT", ("--model-family", "bert", "--expert-model-parallel-size", "2"), 2, {
         "fssdp": by_test(COMPOSITION + "test_bert[fssdp]"),
         "replicate": by_test(COMPOSITION + "test_bert[replicate]")}),

@@ -651,16 +651,16 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     A load spike the prediction missed (an expert that was cold last iteration) overloads its
     few holders; what fixes it is a copy or two of that expert, near its owner, not a re-split
     of every expert's copies in proportion to the loads (DESIGN's step 4) or a copy on every
-    device (the shadow candidates), whose gathers cost more than the spike. Greedy: take the busiest
-    device (device loads as `balanced_quotas` makes them), its expert with the largest quota
-    that can still get a copy, and copy it to the device where its transfer time from the owner
-    plus that device's load is least (a same-node device first when loads are alike); refill that
-    expert's tokens over its holders (`_fill`) and repeat while the peak falls. Each prefix of
-    the chain is priced like `calibrate` prices a candidate, with the point-to-point gather
-    model (busiest sender or receiver); the cheapest prefix is returned (possibly none of the
-    copies: then `held_ED` itself).
+    device (the shadow candidates), whose gathers cost more than the spike. Greedy: take the
+    busiest device (device loads as `balanced_quotas` makes them), its expert with the largest
+    quota that can still get a copy, and copy it to the device where its transfer time from the
+    owner plus that device's load is least (a same-node device first when loads are alike);
+    refill that expert's tokens over its holders (`_fill`) and repeat while the peak falls.
+    Each prefix of the chain is priced like `calibrate` prices a candidate, with the
+    point-to-point gather model (busiest sender or receiver); the cheapest prefix is returned
+    (possibly none of the copies: then `held_ED` itself).
     """
-    E, D = held_ED.shape
+    D = held_ED.shape[1]
     holds_ED = held_ED.copy()
     free_D = free_D.copy()
     has_free_D = free_D > 0

@@ -130,7 +130,7 @@ class LoadTracker:
             better = error_L < best_L - 1e-12
             best_L[better] = error_L[better]
             window_L[better] = w
-        return window_L, best_L / (2 * tested_J.size)
+        return window_L, np.minimum(best_L / (2 * tested_J.size), 1.0)  # a share, whatever the rounding
 
     def state_dict(self) -> dict:
         """Everything needed to resume prediction after a checkpoint (plain numpy / ints)."""
