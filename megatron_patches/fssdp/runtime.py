@@ -264,8 +264,12 @@ class FSSDPRuntime(ModeRuntime):
         self.slot_modules = [expert for layer in self.layers for expert in layer.experts.local_experts]
         self.layout = ModelShardLayout.even(len(self.layers), self.num_experts, self.num_devices)
         self.table = SlotTable.identity(len(self.layers), self.num_experts, self.num_devices, self.rank)
-        bandwidth = self._probe_bandwidth()
-        self.topology = Topology(self.nodes, self.devices_per_node, bandwidth, bandwidth)
+        intra, inter = self._probe_bandwidths()
+        self.topology = Topology(self.nodes, self.devices_per_node, intra, inter)
+        self._log.append(
+            f"fssdp: probed point-to-point bandwidth {intra / 1e9:.2f} GB/s inside a node, {inter / 1e9:.2f} GB/s "
+            f"between nodes ({self.nodes} node(s) x {self.devices_per_node} ranks; slowest rank of the job)"
+        )
         original = config.finalize_model_grads_func
 
         def finalize_model_grads(*args, **kwargs):
@@ -309,27 +313,43 @@ class FSSDPRuntime(ModeRuntime):
 
         return hook
 
-    def _probe_bandwidth(self) -> float:
-        """Point-to-point bytes/s in the group: a ring exchange of 8 experts' bytes, median of 5,
-        minimum over every rank of the job (every FSSDP group must derive the same t and plans)."""
+    def _probe_bandwidths(self) -> tuple[float, float]:
+        """(intra-node, inter-node) point-to-point bytes/s: a ring exchange of 8 experts' bytes
+        among the ranks of each node, then among the same-position ranks of every node; median
+        of 5 after a warm-up, minimum over every rank of the job (every FSSDP group must derive
+        the same t and plans). One node: both are the intra-node figure; one rank per node: both
+        the inter-node one. The two figures let t (`gather_bandwidth` with the node-aware
+        collectives) and calibration's gather price see that a copy within a node is cheaper."""
+        G, N = self.devices_per_node, self.nodes
+        node, local = divmod(self.rank, G)
+        rings = {}
+        if G > 1:
+            rings["intra"] = (node * G + (local + 1) % G, node * G + (local - 1) % G)
+        if N > 1:
+            rings["inter"] = (((node + 1) % N) * G + local, ((node - 1) % N) * G + local)
+        measured = {kind: self._ring_bandwidth(*peers) for kind, peers in rings.items()}
+        bw = torch.tensor([measured.get("intra", measured.get("inter")), measured.get("inter", measured.get("intra"))],
+                          dtype=torch.float64)
+        dist.all_reduce(bw, op=dist.ReduceOp.MIN)  # the world: every FSSDP group plans with the same topology
+        intra, inter = bw.tolist()
+        return intra, inter
+
+    def _ring_bandwidth(self, right: int, left: int) -> float:
+        """Bytes/s of sending 8 experts' bytes to group position `right` while receiving from `left`."""
         send = torch.ones(8 * self.expert_numel, dtype=torch.float32, device=self.device)
         recv = torch.empty_like(send)
         ranks = dist.get_process_group_ranks(self.group)
-        right, left = ranks[(self.rank + 1) % self.num_devices], ranks[(self.rank - 1) % self.num_devices]
         samples = []
         for _ in range(6):
             started = time.perf_counter()
-            works = dist.batch_isend_irecv(
-                [dist.P2POp(dist.isend, send, right, group=self.group), dist.P2POp(dist.irecv, recv, left, group=self.group)]
-            )
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, ranks[right], group=self.group),
+                                            dist.P2POp(dist.irecv, recv, ranks[left], group=self.group)])
             for work in works:
                 work.wait()
             if self.on_gpu:
                 torch.cuda.synchronize()
             samples.append(time.perf_counter() - started)
-        bw = torch.tensor([send.numel() * send.element_size() / float(np.median(samples[1:]))], dtype=torch.float64)
-        dist.all_reduce(bw, op=dist.ReduceOp.MIN)  # the world: every FSSDP group plans with the same topology
-        return float(bw.item())
+        return send.numel() * send.element_size() / float(np.median(samples[1:]))
 
     # ---- per iteration ---------------------------------------------------------------------
 
