@@ -198,18 +198,18 @@ CELLS = {
 
 @pytest.fixture(scope="module")
 def cells(workdir):
-    runs = {}
+    runs = {}  # names unlike the other fixtures' runs: every run logs to <name>.jsonl in one workdir
     for cell, (flags, _) in CELLS.items():
-        runs[f"ep_{cell}"] = [*BASE, *flags]
+        runs[f"ep_alone_{cell}"] = [*BASE, *flags]
         for mode in ("fssdp", "replicate"):
-            runs[f"{mode}_{cell}"] = [*BASE, *flags, "--moe-parallel-mode", mode]
+            runs[f"{mode}_alone_{cell}"] = [*BASE, *flags, "--moe-parallel-mode", mode]
     return launch_many(4, runs, workdir)
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_one_composition_at_a_time(cells, cell, mode):
-    check_common(cells[f"{mode}_{cell}"], cells[f"ep_{cell}"], mode, group=CELLS[cell][1])
+    check_common(cells[f"{mode}_alone_{cell}"], cells[f"ep_alone_{cell}"], mode, group=CELLS[cell][1])
 
 
 def test_fssdp_checkpoints_with_the_distributed_optimizer(four):

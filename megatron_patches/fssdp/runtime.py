@@ -8,7 +8,7 @@ optimizer, once per group. With more ranks than one group needs (expert-data-par
 EDP > 1) the stage has EDP FSSDP groups, HSDP-style: sharded inside a group, replicated
 across groups. Each group gathers and reduces its own copies; Megatron's DDP all-reduces the
 owners' gradients over the expert-data-parallel group (the same position in every group), as
-it does in ep. Every plan input (the loads, t, m, the bandwidth) is reduced over the whole job,
+it does in ep. Every plan input (the loads, t, m, the two probed bandwidths) is reduced over the whole job,
 so every group computes the same plans and the same re-shards, and position d holds the same
 experts in every group. At start the slots hold EP's contiguous layout (the even sharding of DESIGN 4.3);
 every `reshard_interval` iterations the heterogeneous sharding of the predicted loads is

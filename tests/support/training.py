@@ -70,6 +70,9 @@ def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers:
     trackers = trackers or {}
     spec = workdir / f"multirun_{next(iter(runs))}.json"
     logs = {name: workdir / f"{name}.jsonl" for name in runs}
+    reused = [str(path) for path in logs.values() if path.exists()]
+    if reused:  # the records would append to another run's and be read as one run
+        raise ValueError(f"run names already used in {workdir}: {reused}; give every run in a workdir its own name")
     spec.write_text(json.dumps([
         {"name": name, "argv": [*flags, "--log-json", str(logs[name])],
          **({"tracker": [str(trackers[name][0]), trackers[name][1]]} if name in trackers else {})}
