@@ -88,7 +88,7 @@ class RelayAllGather(SparseAllGather):
 
     def __call__(self, owned: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         relay = self.relay
-        out = self._buffers(owned, out)
+        out = self._buffers(owned, out, reverse=False)
         device = owned.device
         stream = comm_stream(device)
         first, second = relay.stages
@@ -139,7 +139,7 @@ class RelayReduceScatter(SparseReduceScatter):
 
     def __call__(self, held: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         relay = self.relay
-        out = self._buffers(held, out)
+        out = self._buffers(held, out, reverse=True)
         device = held.device
         stream = comm_stream(device)
         index = lambda rows: _index(rows, device)  # noqa: E731

@@ -175,6 +175,19 @@ class _SparseCollective:
                 f"got {tensor.dtype} on {tensor.device}"
             )
 
+    def _buffers(self, given: torch.Tensor, out: torch.Tensor | None, reverse: bool) -> torch.Tensor:
+        """Checks the input buffer and the output buffer to fill (allocated like the input if None);
+        returns the latter. The gather reads the owned buffer and fills the held one; the reduce
+        (reverse) reads the held gradients and fills the owned buffer."""
+        plan = self.plan
+        sides = [("owned", plan.owned_shape, plan.owned_chunks), ("held", plan.held_shape, plan.held_chunks)]
+        (source, source_shape, source_chunks), (target, target_shape, target_chunks) = sides[::-1] if reverse else sides
+        self._check(source, given, source_shape, source_chunks)
+        if out is None:
+            out = given.new_empty(target_shape)
+        self._check(f"out ({target} buffer)", out, target_shape, target_chunks, like=given)
+        return out
+
     def _gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(peer_P, send_numel_P, recv_numel_P) of this rank's messages in the gather's direction."""
         return self.plan.gather_numel()
@@ -215,15 +228,6 @@ class SparseAllGather(_SparseCollective):
     ):
         super().__init__(owners, placement, group, chunk_numel, topology, traffic, kind)
 
-    def _buffers(self, owned: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Checks the owned buffer and the held buffer to fill (allocated if None); returns the latter."""
-        plan = self.plan
-        self._check("owned", owned, plan.owned_shape, plan.owned_chunks)
-        if out is None:
-            out = owned.new_empty(plan.held_shape)
-        self._check("out (held buffer)", out, plan.held_shape, plan.held_chunks, like=owned)
-        return out
-
     def __call__(self, owned: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         """Launch the gather.
 
@@ -235,7 +239,7 @@ class SparseAllGather(_SparseCollective):
             A handle whose `wait()` returns the filled held buffer.
         """
         plan = self.plan
-        out = self._buffers(owned, out)
+        out = self._buffers(owned, out, reverse=False)
         device = owned.device
         stream = comm_stream(device)
         ops: list[dist.P2POp] = []
@@ -286,15 +290,6 @@ class SparseReduceScatter(_SparseCollective):
     ):
         super().__init__(owners, placement, group, chunk_numel, topology, traffic, kind)
 
-    def _buffers(self, held: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Checks the held gradients and the owned buffer to fill (allocated if None); returns the latter."""
-        plan = self.plan
-        self._check("held", held, plan.held_shape, plan.held_chunks)
-        if out is None:
-            out = held.new_empty(plan.owned_shape)
-        self._check("out (owned buffer)", out, plan.owned_shape, plan.owned_chunks, like=held)
-        return out
-
     def __call__(self, held: torch.Tensor, out: torch.Tensor | None = None) -> CollectiveHandle:
         """Launch the reduce.
 
@@ -307,7 +302,7 @@ class SparseReduceScatter(_SparseCollective):
             A handle whose `wait()` returns the summed owned buffer.
         """
         plan = self.plan
-        out = self._buffers(held, out)
+        out = self._buffers(held, out, reverse=True)
         device = held.device
         stream = comm_stream(device)
         ops: list[dist.P2POp] = []
