@@ -173,8 +173,8 @@ class FSSDPRuntime(ModeRuntime):
         self.nodes, self.devices_per_node = node_layout(ranks)
         _check_same_node_layout(self.nodes, self.devices_per_node, ranks)
         self.traffic = TrafficCounter()
-        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window,
-                                   adaptive=config.load_predictor == "adaptive")
+        self.tracker = LoadTracker.for_predictor(len(self.moe_layer_numbers), num_experts, config.load_window,
+                                                  config.load_predictor)
         self.layers: list = []
         """This stage's FSSDP MoE layers, in forward order."""
         self.plans: dict[int, LayerPlan] = {}

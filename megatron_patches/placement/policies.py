@@ -153,7 +153,7 @@ class ReplayConfig:
 
     def tracker(self, num_layers: int, num_experts: int, window: int) -> LoadTracker:
         """The load predictor every policy plans from (`load_predictor`)."""
-        return LoadTracker(num_layers, num_experts, window, adaptive=self.load_predictor == "adaptive")
+        return LoadTracker.for_predictor(num_layers, num_experts, window, self.load_predictor)
 
     def slots(self, num_experts: int) -> int:
         """s actually used for E experts."""

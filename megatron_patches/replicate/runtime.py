@@ -131,8 +131,8 @@ class ReplicateRuntime(ModeRuntime):
                 f"{config.slots_per_rank} slots = {self.num_devices * config.slots_per_rank}"
             )
         self.traffic = TrafficCounter()
-        self.tracker = LoadTracker(len(self.moe_layer_numbers), num_experts, config.load_window,
-                                   adaptive=config.load_predictor == "adaptive")
+        self.tracker = LoadTracker.for_predictor(len(self.moe_layer_numbers), num_experts, config.load_window,
+                                                  config.load_predictor)
         self.layers: list = []
         """This stage's replicate MoE layers, in forward order."""
         self.experts: dict[int, ReplicatedExperts] = {}
