@@ -88,8 +88,9 @@ class InstanceTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map, probs: torch.Tensor):
         """Megatron's dispatch_preprocess (token_dispatcher.py:592 in 0.16.1) on a sparse
         `comm.virtual.VirtualRouting` instead of a dense [T, D*E] routing map (`probs` are its
-        per-copy `probs_K`; compat sits below comm, so the routing is recognised by its fields). Megatron's `preprocess` reads a routing map's size(0) and sum(dim=0) only, which
-        the routing provides; permutation 1 is the index_select Megatron's `permute` does with
+        per-copy `probs_K`; compat sits below comm, so the routing is recognised by its fields).
+        Megatron's `preprocess` reads a routing map's size(0) and sum(dim=0) only, which the
+        routing provides; permutation 1 is the index_select Megatron's `permute` does with
         the sorted indices it derives from the dense map, which the routing holds already
         (`token_K`; tests/test_fssdp_routing.py checks the two agree). The combine's unpermute
         uses those indices alone (it reads the map only to apply probs, which it is not given)."""
