@@ -793,8 +793,8 @@ def test_replicate_defaults_and_refusals(parse):
                  "--replicate-policy=best", "valid: adaptive, static, periodic")
     expect_error(parse("--moe-parallel-mode", "replicate", "--replicate-rebalance-interval", "50"), 4,
                  "--replicate-rebalance-interval=50", "only applies with --replicate-policy periodic")
-    expect_error(parse("--moe-parallel-mode", "replicate", "--use-distributed-optimizer", "--save", "/tmp/x",
-                       "--save-interval", "5"), 4, "--save=/tmp/x", "not --use-distributed-optimizer's")
+    args = parse("--moe-parallel-mode", "replicate", "--use-distributed-optimizer", "--save", "/tmp/x", "--save-interval", "5")
+    assert validate_args(args, 4).use_distributed_optimizer
     assert validate_args(parse("--moe-parallel-mode", "replicate", "--save", "/tmp/x", "--save-interval", "5"), 4).save == "/tmp/x"
     expect_error(parse("--replicate-slots-per-rank", "2"), 4,
                  "--replicate-slots-per-rank=2", "only applies with --moe-parallel-mode replicate (mode is ep)")

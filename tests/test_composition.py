@@ -52,6 +52,7 @@ COMBINED = [*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "
 FSSDP_RESHARDING = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp-memory-capacity", "1",
                     "--fssdp-reshard-interval", str(RESHARD_EVERY)]
 LAYERS, EXPERTS, TOPK, GROUP = 2, 8, 2, 4
+FEW_EXPERTS = 4  # the more-ranks-than-experts cell: 8 ranks for 4 experts
 TOKEN_COPIES = 8 * 128 * TOPK  # per layer and iteration, over the world
 EXPERT_NUMEL = 16_576  # fc1 64x128 + 128, fc2 128x64 + 64
 EXPERT_BYTES = EXPERT_NUMEL * 4  # fp32
@@ -68,7 +69,11 @@ def eight(workdir):
     flags = {
         "ep_edp2": COMMON,
         "fssdp_edp2": [*COMMON, *FSSDP_RESHARDING, "--save", str(workdir / "ckpt_fssdp_edp2"), "--save-interval", str(SAVE_AT)],
-        "replicate_edp2": [*COMMON, "--moe-parallel-mode", "replicate"],
+        "replicate_edp2": [*COMMON, "--moe-parallel-mode", "replicate", "--save", str(workdir / "ckpt_replicate_edp2"),
+                           "--save-interval", str(SAVE_AT)],
+        # more ranks than experts: 4 experts on 8 ranks (EP 4, so two expert groups of 4 ranks)
+        **{f"{mode}_d_gt_e": [*COMMON, "--num-experts", str(FEW_EXPERTS), *more] for mode, more in (
+            ("ep", []), ("fssdp", ["--moe-parallel-mode", "fssdp"]), ("replicate", ["--moe-parallel-mode", "replicate"]))},
         "ep_combined": COMBINED,
         # fssdp: re-sharding would move optimizer state the distributed optimizer shards over the
         # groups (refused, so off). Both overlap DDP's gradient reduce and parameter gather: overlap
@@ -82,9 +87,12 @@ def eight(workdir):
 
 @pytest.fixture(scope="module")
 def four(workdir, eight):
-    """The 4-rank runs: the EDP-2 fssdp checkpoint resumed in one group (replicate, fssdp), and
-    fssdp with the distributed optimizer saving, resumed in fssdp and in ep."""
+    """The 4-rank runs: the EDP-2 fssdp checkpoint resumed in one group (replicate, fssdp), the
+    EDP-2 replicate checkpoint in fssdp; fssdp with the distributed optimizer saving, resumed in
+    fssdp, ep and replicate; replicate with the distributed optimizer saving, resumed in replicate
+    and ep."""
     edp2, distopt = workdir / "ckpt_fssdp_edp2", workdir / "ckpt_fssdp_distopt"
+    replicate_edp2, replicate_distopt = workdir / "ckpt_replicate_edp2", workdir / "ckpt_replicate_distopt"
     flags = [*COMMON, "--use-distributed-optimizer"]
     runs = {
         "replicate_from_edp2": [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(edp2)],
@@ -92,9 +100,17 @@ def four(workdir, eight):
         "fssdp_distopt": [*flags, *FSSDP_RESHARDING, "--save", str(distopt), "--save-interval", str(SAVE_AT)],
         "fssdp_distopt_resumed": [*flags, *FSSDP_RESHARDING, "--load", str(distopt)],
         "ep_distopt_from_fssdp": [*flags, "--load", str(distopt)],
+        "replicate_distopt_from_fssdp": [*flags, "--moe-parallel-mode", "replicate", "--load", str(distopt)],
+        "replicate_distopt": [*flags, "--moe-parallel-mode", "replicate", "--save", str(replicate_distopt),
+                              "--save-interval", str(SAVE_AT)],
+        "replicate_distopt_resumed": [*flags, "--moe-parallel-mode", "replicate", "--load", str(replicate_distopt)],
+        "ep_distopt_from_replicate": [*flags, "--load", str(replicate_distopt)],
+        "fssdp_from_replicate_edp2": [*COMMON, *FSSDP_RESHARDING, "--load", str(replicate_edp2)],
     }
     # every resume from the save at SAVE_AT, not the one at the end
-    return launch_many(4, runs, workdir, trackers={"replicate_from_edp2": (edp2, SAVE_AT), "fssdp_distopt_resumed": (distopt, SAVE_AT)})
+    return launch_many(4, runs, workdir, trackers={
+        "replicate_from_edp2": (edp2, SAVE_AT), "fssdp_distopt_resumed": (distopt, SAVE_AT),
+        "replicate_distopt_resumed": (replicate_distopt, SAVE_AT), "fssdp_from_replicate_edp2": (replicate_edp2, SAVE_AT)})
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +174,31 @@ def test_replicate_two_expert_groups(ep, eight):
         # of two: each member sends its whole [E, n_r] slice once), so one group sends E x N per layer
         assert info["bytes"]["rep_grad_edp"] == {"intra": LAYERS * EXPERTS * EXPERT_BYTES, "inter": 0}
         assert info["survival"] == 1.0
+
+
+def test_replicate_saved_in_two_groups_resumes_in_one_in_fssdp(ep, four):
+    # saved at 8 ranks in replicate (two groups), resumed at 4 (one group) in fssdp: its experts
+    # and Adam moments in ep's form, on ep's losses
+    resumed = four["fssdp_from_replicate_edp2"]
+    assert resumed.records[0]["iteration"] == SAVE_AT + 1
+    assert "fssdp: the checkpoint holds no fssdp placement" in resumed.output
+    np.testing.assert_allclose(losses(resumed), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(resumed.grad_norms, ep.grad_norms[SAVE_AT:], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_more_ranks_than_experts(eight, mode):
+    """4 experts on 8 ranks: EP 4 x EDP 2, one expert owned per rank and group (fssdp with the
+    default t and m then gathers every expert onto every rank: 3 copies each, measured), every
+    token copy processed once, on ep's losses."""
+    run, reference = eight[f"{mode}_d_gt_e"], eight["ep_d_gt_e"]
+    assert f"{FEW_EXPERTS} experts" in run.output
+    check_common(run, reference, mode)
+    if mode == "fssdp":
+        for record in (r for r in run.records if "loss" in r):
+            info = record["fssdp"]
+            assert [sum(layer["owned"]) for layer in info["layers"]] == [FEW_EXPERTS] * LAYERS
+            assert sum(info["memory"]["shard_bytes"]) == LAYERS * FEW_EXPERTS * EXPERT_BYTES
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
@@ -245,3 +286,26 @@ def test_fssdp_checkpoints_with_the_distributed_optimizer(four):
     assert [placement(r) for r in again.records if "loss" in r] == [placement(r) for r in records[SAVE_AT:]]
     in_ep = four["ep_distopt_from_fssdp"]
     np.testing.assert_allclose(losses(in_ep), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)
+    in_replicate = four["replicate_distopt_from_fssdp"]
+    assert "replicate: experts' master weights and Adam moments loaded (step 5)" in in_replicate.output
+    np.testing.assert_allclose(losses(in_replicate), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(in_replicate.grad_norms, straight.grad_norms[SAVE_AT:], rtol=1e-5, atol=0)
+
+
+def test_replicate_checkpoints_with_the_distributed_optimizer(four):
+    """replicate with Megatron's distributed optimizer writes ep's distributed-optimizer form (the
+    experts' fp32 master weights and Adam moments from its slices, under the expert optimizer's
+    keys): it resumes in replicate bit for bit with its placement, and in ep on its losses (Adam
+    restarted without the moments would differ from the second resumed iteration on)."""
+    straight = four["replicate_distopt"]
+    again = four["replicate_distopt_resumed"]
+    assert again.records[0]["iteration"] == SAVE_AT + 1
+    assert "replicate: experts' master weights and Adam moments loaded (step 5)" in again.output
+    assert again.losses == straight.losses[SAVE_AT:] and again.grad_norms == straight.grad_norms[SAVE_AT:]
+    def replicas(run):
+        return [[layer["replicas"] for layer in r["replicate"]["layers"]] for r in run.records if "loss" in r]
+
+    assert replicas(again) == replicas(straight)[SAVE_AT:]
+    in_ep = four["ep_distopt_from_replicate"]
+    np.testing.assert_allclose(losses(in_ep), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(in_ep.grad_norms, straight.grad_norms[SAVE_AT:], rtol=1e-5, atol=0)

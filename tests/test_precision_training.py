@@ -330,15 +330,19 @@ def test_half_precision_with_recompute_and_distributed_optimizer(bf16_runs, fp16
 
 
 def test_bf16_resumes_exactly_and_in_the_other_modes(workdir):
-    """2 ranks (EP 2, two micro-batches per rank): save at K, resume to 2K."""
+    """2 ranks (EP 2, two micro-batches per rank): save at K, resume to 2K; ep and replicate also
+    with the distributed optimizer (replicate writes ep's distributed form for its experts)."""
     k = 4
     two = ["--expert-model-parallel-size", "2", "--train-iters", str(2 * k), "--bf16"]
-    modes = {"ep": [], "fssdp": FSSDP, "replicate": [*REPLICATE, "--replicate-slots-per-rank", "6"]}
+    replicate = [*REPLICATE, "--replicate-slots-per-rank", "6"]
+    distopt = ["--use-distributed-optimizer"]
+    modes = {"ep": [], "fssdp": FSSDP, "replicate": replicate, "ep_distopt": distopt, "replicate_distopt": [*replicate, *distopt]}
     flags = {f"{name}_bf16_saved": [*COMMON, *two, *more, "--save", str(workdir / f"bf16_ckpt_{name}"), "--save-interval", str(k)]
              for name, more in modes.items()}
     flags |= {f"{name}_bf16_resumed": [*COMMON, *two, *more, "--load", str(workdir / f"bf16_ckpt_{name}")]
               for name, more in modes.items()}
-    crossings = (("fssdp", "ep"), ("replicate", "fssdp"), ("ep", "replicate"))
+    crossings = (("fssdp", "ep"), ("replicate", "fssdp"), ("ep", "replicate"),
+                 ("replicate_distopt", "ep_distopt"), ("ep_distopt", "replicate_distopt"))
     flags |= {f"{saver}_to_{loader}_bf16": [*COMMON, *two, *modes[loader], "--load", str(workdir / f"bf16_ckpt_{saver}")]
               for saver, loader in crossings}
     # every resume from the mid-run save (the savers' trackers point at 2k)

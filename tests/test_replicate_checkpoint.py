@@ -23,6 +23,7 @@ and in its whole nested structure (common values included).
 
 from __future__ import annotations
 
+import re
 import numpy as np
 import pytest
 import torch
@@ -127,7 +128,7 @@ def _describe(sharded_state_dict) -> dict[str, str]:
     return out
 
 
-def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
+def _ep_and_frozen_forms(bf16: bool, distributed: bool) -> list[dict[str, str]]:
     """On each of 2 ranks (EP 2): ep's optimizer sharded state dict for a tiny MoE GPT, and the one built for the same model
     with frozen experts by `compat.moe.ep_optimizer_sharded_state_dict` (loading templates)."""
     from megatron.core import parallel_state
@@ -139,7 +140,7 @@ def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_patches.compat import moe, prepare_megatron
+    from megatron_patches.compat import mcore, moe, prepare_megatron
 
     prepare_megatron(False)
     # EP = 2: with EP = 1 Megatron counts experts as dense parameters (their allreduce attribute).
@@ -159,16 +160,19 @@ def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
         experts = [p for name, p in model.named_parameters() if ".experts." in name]
         for p in experts if frozen else []:
             p.requires_grad_(False)
-        ddp = DistributedDataParallel(
-            config=config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=bf16), module=model
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=bf16, use_distributed_optimizer=distributed)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=dtype, use_distributed_optimizer=distributed), [ddp]
         )
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=bf16, params_dtype=dtype), [ddp])
         return ddp, optimizer, experts
 
     metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     ddp, optimizer, _ = build(frozen=False)
+    mcore.prepare_optimizer_state(optimizer, is_loading=True)  # as the loop's loading does
     ep_form = optimizer.sharded_state_dict(ddp.sharded_state_dict(), is_loading=True, metadata=metadata)
     ddp, optimizer, experts = build(frozen=True)
+    mcore.prepare_optimizer_state(optimizer, is_loading=True)
     model_sd = ddp.sharded_state_dict()
     groups = moe.frozen_expert_param_groups([ddp], optimizer, experts)
     buffers = {p: {name: torch.zeros(p.shape) for name in ("exp_avg", "exp_avg_sq", "fp32_param")} for p in experts}
@@ -176,11 +180,26 @@ def _ep_and_frozen_forms(bf16: bool) -> list[dict[str, str]]:
     return [_describe(ep_form), _describe(frozen_form)]
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distopt"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_frozen_expert_optimizer_form_is_eps(bf16):
+def test_frozen_expert_optimizer_form_is_eps(bf16, distributed):
     # Fresh processes, not forks: by this point in a full run the pytest process has thread pools,
     # and a forked child that inherits them can hang (it did in CI, past the 300 s timeout).
-    for ep_form, frozen_form in run_ranks(2, __file__, "_ep_and_frozen_forms", timeout=300, args=(bf16,)):
+    for ep_form, frozen_form in run_ranks(2, __file__, "_ep_and_frozen_forms", timeout=300, args=(bf16, distributed)):
         assert any("chained_1.optimizer.state.exp_avg." in v for v in ep_form.values())
-        assert any("fp32_param" in v for v in ep_form.values()) == bf16
-        assert frozen_form == ep_form
+        # the fp32 master weights: Float16OptimizerWithFloat16Params' fp32_param, every
+        # DistributedOptimizer's param (fp32 training too)
+        assert any(".state.fp32_param." in v for v in ep_form.values()) == (bf16 and not distributed)
+        assert any("chained_1.optimizer.state.param." in v for v in ep_form.values()) == distributed
+        assert _by_tensor_key(frozen_form) == _by_tensor_key(ep_form)
+
+
+def _by_tensor_key(form: dict[str, str]) -> dict[str, str]:
+    """A DistributedOptimizer's param_state is a dict by parameter index in its gradient buffer's
+    order, which never reaches the files (tensors are stored by key and offset): its entries are
+    named by their tensor's key, shape, offset and dtype instead."""
+    out = {}
+    for path, value in form.items():
+        match = re.fullmatch(r"(.*/param_state)/\d+/(\w+)", path)
+        out[f"{match[1]}/{value}/{match[2]}" if match else path] = value
+    return out

@@ -97,11 +97,15 @@ MATRIX = (
         "replicate": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[replicate_full]")}),
     Row("save at 8 ranks (2 expert groups), resume at 4 (1 group)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
-        "replicate": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere")}),
+        "replicate": by_test(COMPOSITION + "test_replicate_saved_in_two_groups_resumes_in_one_in_fssdp")}),
+    Row("more ranks than experts (4 experts on 8 ranks: EP 4 x EDP 2)",
+        ("--num-experts", "4", "--expert-model-parallel-size", "4"), 8, {
+        "fssdp": by_test(COMPOSITION + "test_more_ranks_than_experts[fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_more_ranks_than_experts[replicate]")}),
     Row("checkpoints with the distributed optimizer", ("--use-distributed-optimizer", "--save", "ckpt",
                                                        "--save-interval", "5"), 4, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_checkpoints_with_the_distributed_optimizer"),
-        "replicate": refusal("replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer")}),
+        "replicate": by_test(COMPOSITION + "test_replicate_checkpoints_with_the_distributed_optimizer")}),
     Row("re-sharding with the distributed optimizer over several expert groups",
         ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), 4, {
         "fssdp": refusal("shards that state over the 2 expert groups"),

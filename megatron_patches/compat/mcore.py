@@ -651,13 +651,7 @@ def saved_tensor_keys(directory: str) -> set[str]:
 def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> None:
     state = {"model": model_chunks[0].sharded_state_dict()}
     if opt is not None:
-        # An optimizer that never stepped (fp16: every iteration so far skipped for overflow)
-        # has no Adam state, and the checkpoint would lack the moments every load asks for
-        # (KeyError on resume: seen on CPU and on an H200). Its state is zeros at step 0. Only
-        # an optimizer without any state: Megatron refuses to save different steps per parameter.
-        for sub in getattr(opt, "chained_optimizers", [opt]):
-            if not any(sub.optimizer.state.values()):
-                _materialize_optimizer_state(sub)
+        prepare_optimizer_state(opt, is_loading=False)
         state["optimizer"] = opt.sharded_state_dict(
             state["model"], metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
@@ -675,7 +669,7 @@ def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> 
     model_sd = model_chunks[0].sharded_state_dict()
     state = {"model": model_sd}
     if opt is not None:
-        _materialize_optimizer_state(opt)
+        prepare_optimizer_state(opt, is_loading=True)
         state["optimizer"] = opt.sharded_state_dict(
             model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
@@ -707,6 +701,21 @@ def _restore_step_zero(state) -> None:
             per_param["common_step"] = torch.zeros((), dtype=torch.float32)
     for value in state.values():
         _restore_step_zero(value)
+
+
+def prepare_optimizer_state(opt, is_loading: bool) -> None:
+    """Give Megatron's optimizer the Adam state its sharded state dict describes.
+
+    Loading: every parameter without state gets zeros at step 0 (the template to load into;
+    a DistributedOptimizer without Apex / TE cannot even describe itself without a step).
+    Saving: an optimizer that never stepped (fp16: every iteration so far skipped for overflow)
+    has no Adam state, and the checkpoint would lack the moments every load asks for (KeyError
+    on resume: seen on CPU and on an H200); its state is zeros at step 0. Only a sub-optimizer
+    without any state: Megatron refuses to save different steps per parameter.
+    """
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        if is_loading or not any(sub.optimizer.state.values()):
+            _materialize_optimizer_state(sub)
 
 
 def _materialize_optimizer_state(opt) -> None:

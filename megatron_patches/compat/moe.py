@@ -57,6 +57,7 @@ __all__ = [
     "InstanceTokenDispatcher",
     "chained_sharded_state_dict",
     "dense_optimizer",
+    "distributed_optimizer_sharded_state_dict",
     "ep_optimizer_sharded_state_dict",
     "ep_param_groups",
     "expert_checkpoint_keys",
@@ -65,6 +66,7 @@ __all__ = [
     "held_experts_sharded_state_dict",
     "load_ep_optimizer_state",
     "optimizer_sharded_state_dict",
+    "read_distributed_optimizer_state",
     "read_optimizer_state",
     "sharded_tensors",
     "with_moe_layer",
@@ -406,6 +408,46 @@ def optimizer_sharded_state_dict(groups, model_sd, param_state, step, fp32_main:
     return out
 
 
+DISTRIBUTED_STATE_NAMES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+"""A DistributedOptimizer's checkpoint names of a parameter's state -> the names this module's
+callers use (`optimizer_sharded_state_dict`'s)."""
+
+
+def distributed_optimizer_sharded_state_dict(groups, model_sd, param_state, step, grad_scaler_state,
+                                             is_loading: bool) -> dict:
+    """A DistributedOptimizer in its `fully_reshardable` checkpoint form, for parameters held
+    outside Megatron's optimizer (replicate's experts with --use-distributed-optimizer).
+
+    Megatron's form (distrib_optimizer.py in 0.16.1: `state_dict` and
+    `sharded_param_state_fully_reshardable`): the inner optimizer's param groups without "params"
+    and with the common "step", the loss scaler's state (fp16), and per parameter its whole fp32
+    master weights and Adam moments in model space under `optimizer.state.{param, exp_avg,
+    exp_avg_sq}.<model param key>`, with the model parameter's replica id. The master weights are
+    written in fp32 training too (Megatron's `param`). Which index a parameter has in
+    `param_state` does not reach the files (tensors are stored by key); the order here is the
+    parameters' order in `groups`.
+
+    Args: as `optimizer_sharded_state_dict`; `param_state` names the master weights "fp32_param"
+    (the plain optimizers' name), written as Megatron's "param".
+    """
+    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
+    param_groups, by_index = [], {}
+    for values, params in groups:
+        param_groups.append({**values} if is_loading else {**values, "step": step})
+        for param in params:
+            if id(param) not in sharded_of:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in the model's sharded state dict")
+            tensors = param_state[param]
+            by_index[len(by_index)] = {
+                name: make_sharded_optimizer_tensor(sharded_of[id(param)], tensors[source], prefix=f"optimizer.state.{name}")
+                for name, source in DISTRIBUTED_STATE_NAMES.items()
+            }
+    out = {"optimizer": {"param_groups": param_groups}}
+    if grad_scaler_state is not None:
+        out["grad_scaler"] = grad_scaler_state
+    return {**out, "param_state": by_index, "param_state_sharding_type": "fully_reshardable"}
+
+
 def read_optimizer_state(loaded: dict, groups, fp32_main: bool) -> tuple[dict, float | None, list[dict]]:
     """The parts of a loaded `optimizer_sharded_state_dict` (template `groups`, `fp32_main` as
     built): (parameter -> {name: loaded tensor}, the step (None: the checkpoint has none, i.e. it
@@ -421,6 +463,22 @@ def read_optimizer_state(loaded: dict, groups, fp32_main: bool) -> tuple[dict, f
     step = inner["state"].get("common_step")
     values = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
     return out, None if step is None else float(step), values
+
+
+def read_distributed_optimizer_state(loaded: dict, groups) -> tuple[dict, float | None]:
+    """The parts of a loaded `distributed_optimizer_sharded_state_dict` (template `groups`):
+    (parameter -> {"fp32_param", "exp_avg", "exp_avg_sq": loaded tensor}, the step, None when the
+    checkpoint has none)."""
+    out, index = {}, 0
+    for _, params in groups:
+        for param in params:
+            tensors = loaded["param_state"][index]
+            out[param] = {source: tensors[name] for name, source in DISTRIBUTED_STATE_NAMES.items()}
+            index += 1
+    steps = {group["step"] for group in loaded["optimizer"]["param_groups"] if "step" in group}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's expert optimizer groups disagree on Adam's step: {sorted(steps)}")
+    return out, float(steps.pop()) if steps else None
 
 
 def ep_param_groups(model, lr: float, min_lr: float, expert_params) -> list[tuple[dict, list]]:
@@ -450,9 +508,9 @@ def ep_param_groups(model, lr: float, min_lr: float, expert_params) -> list[tupl
 def dense_optimizer(optimizer):
     """The single sub-optimizer of Megatron's optimizer for a model whose experts are frozen.
 
-    Supported: FP32Optimizer (fp32 training) and Float16OptimizerWithFloat16Params (bf16 / fp16
-    without --use-distributed-optimizer); their per-parameter checkpoint forms are what
-    `ep_optimizer_sharded_state_dict` reproduces for the experts.
+    Supported: FP32Optimizer (fp32 training), Float16OptimizerWithFloat16Params (bf16 / fp16) and
+    DistributedOptimizer (--use-distributed-optimizer, any precision); their checkpoint forms
+    are what `ep_optimizer_sharded_state_dict` reproduces for the experts.
     """
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     if len(subs) != 1:
@@ -461,10 +519,10 @@ def dense_optimizer(optimizer):
             f"{[type(s).__name__ for s in subs]}"
         )
     sub = subs[0]
-    if type(sub) not in (FP32Optimizer, Float16OptimizerWithFloat16Params):
+    if type(sub) not in (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer):
         raise ValueError(
-            f"checkpoints of frozen-expert modes support FP32Optimizer and Float16OptimizerWithFloat16Params, "
-            f"got {type(sub).__name__} (drop --use-distributed-optimizer)"
+            f"checkpoints of frozen-expert modes support FP32Optimizer, Float16OptimizerWithFloat16Params and "
+            f"DistributedOptimizer, got {type(sub).__name__}"
         )
     return sub
 
@@ -511,7 +569,8 @@ def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_s
     """ep mode's optimizer sharded state dict, for a model whose experts the optimizer does not hold.
 
     {0: the dense optimizer's own sharded state dict, 1: the expert optimizer's, built as
-    Megatron builds it for ep (`optimizer_sharded_state_dict`, the dense groups' Adam values)},
+    Megatron builds it for ep (`optimizer_sharded_state_dict`, or with a DistributedOptimizer
+    `distributed_optimizer_sharded_state_dict`; the dense groups' Adam values)},
     each under ep's chained_<index>. prefix: the same keys, offsets and common structure as an ep
     checkpoint, so ep loads it and it loads from ep's.
 
@@ -521,8 +580,9 @@ def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_s
             keys and offsets (ep's: Megatron's for each global expert id).
         expert_groups: `frozen_expert_param_groups`.
         expert_state: expert parameter -> {name: tensor of the parameter's shape} for
-            `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param" (the
-            fp32 master weights). Saving: the values; loading: buffers of the right dtype.
+            `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params or
+            DistributedOptimizer, "fp32_param" (the fp32 master weights). Saving: the values;
+            loading: buffers of the right dtype.
         step: the experts' Adam step count (saving only; a loaded one comes from the checkpoint).
         is_loading: a template to load into (the dense optimizer creates its state for it).
     """
@@ -538,9 +598,12 @@ def ep_optimizer_sharded_state_dict(optimizer, model_sd, expert_groups, expert_s
             )
         values = {k: v for k, v in hyper[_group_key(fields)].items() if k != "params"}
         groups.append(({**values, **fields}, params))
-    fp32_main = isinstance(dense, Float16OptimizerWithFloat16Params)
-    scaler = dense.grad_scaler.state_dict() if fp32_main and dense.grad_scaler else None
-    expert_sd = optimizer_sharded_state_dict(groups, model_sd, expert_state, step, fp32_main, scaler, is_loading)
+    scaler = dense.grad_scaler.state_dict() if getattr(dense, "grad_scaler", None) else None
+    if isinstance(dense, DistributedOptimizer):
+        expert_sd = distributed_optimizer_sharded_state_dict(groups, model_sd, expert_state, step, scaler, is_loading)
+    else:
+        fp32_main = isinstance(dense, Float16OptimizerWithFloat16Params)
+        expert_sd = optimizer_sharded_state_dict(groups, model_sd, expert_state, step, fp32_main, scaler, is_loading)
     return chained_sharded_state_dict([dense_sd, expert_sd])
 
 
@@ -554,15 +617,20 @@ def chained_sharded_state_dict(parts: list[dict]) -> dict:
 
 def expert_checkpoint_keys(optimizer, model_sd, expert_groups) -> dict[str, list[str]]:
     """The checkpoint keys of the experts' optimizer tensors in ep's form: {name: [key, ...]} for
-    `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params, "fp32_param"."""
+    `ADAM_STATE_NAMES` and, with Float16OptimizerWithFloat16Params or DistributedOptimizer,
+    "fp32_param" (the names are the callers'; a DistributedOptimizer's keys say "param")."""
     dense = dense_optimizer(optimizer)
-    names = ADAM_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
+    if isinstance(dense, DistributedOptimizer):
+        stored = {source: name for name, source in DISTRIBUTED_STATE_NAMES.items()}
+    else:
+        names = ADAM_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
+        stored = {name: name for name in names}
     sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
-    keys = {name: [] for name in names}
+    keys = {name: [] for name in stored}
     for _, params in expert_groups:
         for param in params:
-            for name in names:
-                keys[name].append(f"chained_{EXPERT_INDEX}.optimizer.state.{name}.{sharded_of[id(param)].key}")
+            for name, key_name in stored.items():
+                keys[name].append(f"chained_{EXPERT_INDEX}.optimizer.state.{key_name}.{sharded_of[id(param)].key}")
     return {name: sorted(set(k)) for name, k in keys.items()}
 
 
@@ -576,6 +644,8 @@ def load_ep_optimizer_state(optimizer, loaded: dict, expert_groups, with_experts
     dense.load_state_dict(loaded[DENSE_INDEX])
     if not with_experts:
         return {}, None
+    if isinstance(dense, DistributedOptimizer):
+        return read_distributed_optimizer_state(loaded[EXPERT_INDEX], expert_groups)
     out, step, _ = read_optimizer_state(loaded[EXPERT_INDEX], expert_groups,
                                         isinstance(dense, Float16OptimizerWithFloat16Params))
     return out, step

@@ -4,7 +4,8 @@ load_checkpoint call these).
 Before saving, every expert's current weights go into the frozen Megatron local expert that EP's
 layout gives it (so the model's own sharded state dict writes them under ep's keys) and its fp32
 master weights and Adam moments go under ep's expert-optimizer keys
-(`compat.moe.ep_optimizer_sharded_state_dict`). An ep, fssdp or replicate checkpoint therefore
+(`compat.moe.ep_optimizer_sharded_state_dict`: Megatron's plain optimizers' form, or with
+--use-distributed-optimizer its DistributedOptimizer's). An ep, fssdp or replicate checkpoint therefore
 loads in any of the three modes. Loading in replicate mode fills the slices and the slots from
 the loaded experts; expert moments absent from the checkpoint start at zero (logged). The
 replicate placement (slots per layer, popularity history) is common state under "replicate".
@@ -22,6 +23,7 @@ def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> No
     expert_state, step = replicate.export_experts()
     groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
     model_sd = model_chunks[0].sharded_state_dict()
+    mcore.prepare_optimizer_state(optimizer, is_loading=False)
     state = {
         "model": model_sd,
         "optimizer": moe.ep_optimizer_sharded_state_dict(optimizer, model_sd, groups, expert_state, step, is_loading=False),
@@ -37,6 +39,7 @@ def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bo
     state = {"model": model_sd, **template}
     groups, with_experts = None, False
     if load_optim:
+        mcore.prepare_optimizer_state(optimizer, is_loading=True)
         groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
         wanted = moe.expert_checkpoint_keys(optimizer, model_sd, groups)
         available = mcore.saved_tensor_keys(directory)

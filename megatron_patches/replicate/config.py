@@ -71,10 +71,6 @@ def validate(args: argparse.Namespace) -> None:
     if args.replicate_policy != "periodic" and args.replicate_rebalance_interval != DEFAULT_REBALANCE_INTERVAL:
         fail("--replicate-rebalance-interval", args.replicate_rebalance_interval,
              f"only applies with --replicate-policy periodic (policy is {args.replicate_policy})")
-    for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value is not None and args.use_distributed_optimizer:
-            fail(flag, value, "replicate mode writes and reads checkpoints in ep's form for Megatron's plain optimizer "
-                 "(fp32 or bf16/fp16 master weights), not --use-distributed-optimizer's; drop one of the two")
 
 
 @dataclass(frozen=True)
