@@ -3,7 +3,9 @@
 The issue's composition matrix, the cells built so far (8 gloo ranks each):
 - **EDP 2**, more ranks than one expert group needs: EP 4, so two expert groups of 4 ranks
   (expert-data-parallel size 2), each sharding (fssdp) or slicing (replicate) every expert
-  once, HSDP-style;
+  once, HSDP-style; also with **more ranks than experts** (4 experts on the 8 ranks) and, for
+  fssdp, re-sharding with the **distributed optimizer over the two groups** (each group keeps
+  half of every expert's Adam state) and both DDP overlaps;
 - **combined**: TP 2 with sequence parallelism, PP 2 (4 micro-batches per iteration), EP 2,
   so EDP 2 inside each stage, and Megatron's distributed optimizer; fssdp and replicate also
   with DDP's overlapped gradient reduce and parameter gather (against ep without them: measured
@@ -19,11 +21,13 @@ equal ep's within 1e-5 relative (the order of floating-point sums differs; measu
 One run serves several checks: the EDP-2 fssdp run re-shards (t = m = 1, so the owners matter)
 and saves after a re-shard; that checkpoint (8 ranks, fssdp, two groups) then resumes on 4 ranks
 (one group) in replicate mode, and in fssdp with the saved layout and load history, on ep's
-losses. fssdp with the distributed optimizer (4 ranks) saves after a re-shard and resumes in
-fssdp bit for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed
-optimizer also runs alone at 4 ranks for both modes against ep (`CELLS`). The runs share four
-spawns (support/multirun.py): 8 ranks (6 runs), 4 ranks (5), 4 ranks (the 9 single cells), 2
-ranks (3).
+losses; so do the EDP-2 replicate checkpoint (in fssdp) and the EDP-2 fssdp checkpoint with the
+distributed optimizer (in fssdp with the distributed optimizer over one group). fssdp with the
+distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit for bit, in ep
+and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
+for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
+runs alone at 4 ranks for both modes against ep (`CELLS`). The runs share four spawns
+(support/multirun.py): 8 ranks (11 runs), 4 ranks (11), 4 ranks (the 9 single cells), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ def eight(workdir):
         "fssdp_edp2": [*COMMON, *FSSDP_RESHARDING, "--save", str(workdir / "ckpt_fssdp_edp2"), "--save-interval", str(SAVE_AT)],
         "replicate_edp2": [*COMMON, "--moe-parallel-mode", "replicate", "--save", str(workdir / "ckpt_replicate_edp2"),
                            "--save-interval", str(SAVE_AT)],
+        # re-sharding with the distributed optimizer over the two expert groups (each keeps half of
+        # every expert's Adam state), with both DDP overlaps
+        "ep_edp2_distopt": [*COMMON, "--use-distributed-optimizer"],
+        "fssdp_edp2_distopt": [*COMMON, *FSSDP_RESHARDING, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                               "--overlap-param-gather", "--save", str(workdir / "ckpt_fssdp_edp2_distopt"),
+                               "--save-interval", str(SAVE_AT)],
         # more ranks than experts: 4 experts on 8 ranks (EP 4, so two expert groups of 4 ranks)
         **{f"{mode}_d_gt_e": [*COMMON, "--num-experts", str(FEW_EXPERTS), *more] for mode, more in (
             ("ep", []), ("fssdp", ["--moe-parallel-mode", "fssdp"]), ("replicate", ["--moe-parallel-mode", "replicate"]))},
@@ -93,6 +103,7 @@ def four(workdir, eight):
     and ep."""
     edp2, distopt = workdir / "ckpt_fssdp_edp2", workdir / "ckpt_fssdp_distopt"
     replicate_edp2, replicate_distopt = workdir / "ckpt_replicate_edp2", workdir / "ckpt_replicate_distopt"
+    edp2_distopt = workdir / "ckpt_fssdp_edp2_distopt"
     flags = [*COMMON, "--use-distributed-optimizer"]
     runs = {
         "replicate_from_edp2": [*COMMON, "--moe-parallel-mode", "replicate", "--load", str(edp2)],
@@ -106,11 +117,13 @@ def four(workdir, eight):
         "replicate_distopt_resumed": [*flags, "--moe-parallel-mode", "replicate", "--load", str(replicate_distopt)],
         "ep_distopt_from_replicate": [*flags, "--load", str(replicate_distopt)],
         "fssdp_from_replicate_edp2": [*COMMON, *FSSDP_RESHARDING, "--load", str(replicate_edp2)],
+        "fssdp_distopt_from_edp2_distopt": [*flags, *FSSDP_RESHARDING, "--load", str(edp2_distopt)],
     }
     # every resume from the save at SAVE_AT, not the one at the end
     return launch_many(4, runs, workdir, trackers={
         "replicate_from_edp2": (edp2, SAVE_AT), "fssdp_distopt_resumed": (distopt, SAVE_AT),
-        "replicate_distopt_resumed": (replicate_distopt, SAVE_AT), "fssdp_from_replicate_edp2": (replicate_edp2, SAVE_AT)})
+        "replicate_distopt_resumed": (replicate_distopt, SAVE_AT), "fssdp_from_replicate_edp2": (replicate_edp2, SAVE_AT),
+        "fssdp_distopt_from_edp2_distopt": (edp2_distopt, SAVE_AT)})
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +176,42 @@ def test_fssdp_two_expert_groups_reshard_and_resume_elsewhere(ep, eight, four):
     first = next(r for r in again.records if "loss" in r)["fssdp"]
     assert [layer["owned"] for layer in first["layers"]] == [layer["owned"] for layer in straight["layers"]]
     np.testing.assert_allclose(losses(again), losses(ep)[SAVE_AT:], rtol=1e-5, atol=0)
+
+
+def test_fssdp_reshards_with_the_distributed_optimizer_over_two_expert_groups(eight, four):
+    """Each expert group keeps half of every expert's optimizer state (Megatron's distributed
+    optimizer over the expert-data-parallel group), so a moved expert's state is made whole over
+    that group first (`reshard_edp`: one ring all-reduce of the departing experts' two moments),
+    travels whole inside each group and is cut to the receiving slot's range."""
+    run = eight["fssdp_edp2_distopt"]
+    check_common(run, eight["ep_edp2_distopt"], "fssdp")
+    moved_at = []
+    for record in (r for r in run.records if "loss" in r):
+        info = record["fssdp"]
+        moved = info["reshard"]["moved"] if info["reshard"] and info["reshard"]["adopted"] else 0
+        moved_at += [record["iteration"]] if moved else []
+        # fp32: the main weights are the parameters' own memory, so weights + 2 moments travel
+        assert info["bytes"]["reshard"] == {"intra": moved * 3 * EXPERT_BYTES, "inter": 0}
+        # a ring of two: each member sends its whole buffer of departing moments once
+        assert info["bytes"]["reshard_edp"] == {"intra": moved * 2 * EXPERT_BYTES, "inter": 0}
+        # half of every expert's two moments per group (each rank's range of its gradient buffer)
+        unsharded = 2 * LAYERS * EXPERTS * EXPERT_BYTES
+        assert 0.4 * unsharded < sum(info["memory"]["optimizer_state_bytes"]) < 0.6 * unsharded
+    assert moved_at and moved_at[0] <= SAVE_AT, moved_at
+
+    # saved at 8 ranks after a re-shard (each group half of every expert's state), resumed at 4
+    # ranks in one group (the distributed optimizer over one group: whole states) with the
+    # re-sharded layout
+    resumed = four["fssdp_distopt_from_edp2_distopt"]
+    assert "fssdp: restored the shard layout" in resumed.output
+    straight = next(r for r in run.records if r.get("iteration") == SAVE_AT + 1)["fssdp"]
+    first = next(r for r in resumed.records if "loss" in r)["fssdp"]
+    assert [layer["owned"] for layer in first["layers"]] == [layer["owned"] for layer in straight["layers"]]
+    np.testing.assert_allclose(losses(resumed), losses(run)[SAVE_AT:], rtol=1e-5, atol=0)
+    # Megatron's distributed optimizer reports other grad norms at 4 ranks than at 8 while the
+    # losses agree (ep itself: up to 1.2e-4 apart by iteration 9, losses 3e-8; measured), so the
+    # norms are held to the 4-rank run of the same flags trained without a resume
+    np.testing.assert_allclose(resumed.grad_norms, four["fssdp_distopt"].grad_norms[SAVE_AT:], rtol=1e-5, atol=0)
 
 
 def test_replicate_two_expert_groups(ep, eight):

@@ -107,8 +107,8 @@ MATRIX = (
         "fssdp": by_test(COMPOSITION + "test_fssdp_checkpoints_with_the_distributed_optimizer"),
         "replicate": by_test(COMPOSITION + "test_replicate_checkpoints_with_the_distributed_optimizer")}),
     Row("re-sharding with the distributed optimizer over several expert groups",
-        ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"), 4, {
-        "fssdp": refusal("shards that state over the 2 expert groups"),
+        ("--expert-model-parallel-size", "4", "--use-distributed-optimizer"), 8, {
+        "fssdp": by_test(COMPOSITION + "test_fssdp_reshards_with_the_distributed_optimizer_over_two_expert_groups"),
         "replicate": Cell("n/a", "replicate never re-shards: its optimizer slices never move")}),
     Row("grouped GEMM", ("--moe-grouped-gemm",), 4, {
         "fssdp": refusal("runs each expert instance with Megatron's MLP module"),

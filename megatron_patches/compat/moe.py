@@ -55,13 +55,14 @@ __all__ = [
     "ExpertLayout",
     "InstanceMoELayer",
     "InstanceTokenDispatcher",
+    "OptimizerShard",
     "chained_sharded_state_dict",
     "dense_optimizer",
     "distributed_optimizer_sharded_state_dict",
     "ep_optimizer_sharded_state_dict",
     "ep_param_groups",
     "expert_checkpoint_keys",
-    "expert_optimizer_tensors",
+    "expert_optimizer_shard",
     "frozen_expert_param_groups",
     "held_experts_sharded_state_dict",
     "load_ep_optimizer_state",
@@ -69,6 +70,7 @@ __all__ = [
     "read_distributed_optimizer_state",
     "read_optimizer_state",
     "sharded_tensors",
+    "shards_over_data_parallel",
     "with_moe_layer",
 ]
 
@@ -284,33 +286,46 @@ def held_experts_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple
     return sharded
 
 
-def expert_optimizer_tensors(optimizer, param: torch.nn.Parameter) -> list[torch.Tensor]:
-    """The tensors Megatron's optimizer keeps for `param`, element for element, besides `param`.
+@dataclasses.dataclass(frozen=True)
+class OptimizerShard:
+    """The elements of one parameter that this rank's optimizer keeps, and its tensors for them."""
 
-    That is the fp32 main copy when it has its own memory (mixed precision; with the
-    distributed optimizer over an expert-data-parallel group of 1, the whole parameter) and
-    every per-element optimizer state (Adam's exp_avg and exp_avg_sq), each flattened, in a
-    fixed order. Not the step count (a scalar, equal for all parameters). Version-sensitive:
-    Float16OptimizerWithFloat16Params keys the state by `param.main_param` (optimizer.py:683),
-    FP32Optimizer by the parameter, DistributedOptimizer via `_get_main_param_and_optimizer_states`
-    (distrib_optimizer.py:883).
+    start: int
+    """First element of the (flattened) parameter covered; 0 unless a distributed optimizer
+    shards it over the data-parallel (for experts: expert-data-parallel) ranks."""
+    tensors: tuple[torch.Tensor, ...]
+    """The fp32 main copy when it has its own memory (mixed precision), then every per-element
+    optimizer state (Adam's exp_avg, exp_avg_sq) by name; each flattened, all of one length,
+    covering elements [start, start + length)."""
+
+
+def expert_optimizer_shard(optimizer, param: torch.nn.Parameter) -> OptimizerShard | None:
+    """What Megatron's optimizer keeps for `param` on this rank, element for element, besides
+    `param` itself; None when a distributed optimizer keeps none of its elements here (its shard
+    of the parameter's buffer ends before or starts after it). Not the step count (a scalar,
+    equal for all parameters). Version-sensitive: Float16OptimizerWithFloat16Params keys the
+    state by `param.main_param` (optimizer.py:683), FP32Optimizer by the parameter,
+    DistributedOptimizer via `_get_main_param_and_optimizer_states` and its range map
+    (distrib_optimizer.py:610, :883; a parameter absent from `model_param_gbuf_map` has no element
+    in this rank's shard).
 
     Raises ValueError if no sub-optimizer holds `param`, or its state does not exist yet
-    (before the first step) or covers only part of it.
+    (before the first step).
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(sub, DistributedOptimizer):
-            if param not in sub.model_param_group_index_map:
+            if param not in sub.model_param_gbuf_map:
+                if any(param in buffer.param_index_map for buffer in sub.buffers):
+                    return None
                 continue
             tensors = dict(sub._get_main_param_and_optimizer_states(param))
             main = tensors.pop("param")
-            state = tensors
+            state, start = tensors, sub._get_model_param_range_map(param)["param"].start
         else:
             key = getattr(param, "main_param", param)
             if not any(p is key for group in sub.optimizer.param_groups for p in group["params"]):
                 continue
-            main = key
-            state = sub.optimizer.state.get(key, {})
+            main, state, start = key, sub.optimizer.state.get(key, {}), 0
         per_element = {name: value for name, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
         if not per_element:
             raise ValueError(
@@ -319,14 +334,17 @@ def expert_optimizer_tensors(optimizer, param: torch.nn.Parameter) -> list[torch
             )
         own_memory = main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
         out = ([main] if own_memory else []) + [per_element[name] for name in sorted(per_element)]
-        for tensor in out:
-            if tensor.numel() != param.numel():
-                raise ValueError(
-                    f"the optimizer keeps {tensor.numel()} elements for an expert parameter of {param.numel()} "
-                    "(sharded state); moving experts needs whole parameters"
-                )
-        return [tensor.view(-1) for tensor in out]
+        return OptimizerShard(start, tuple(tensor.view(-1) for tensor in out))
     raise ValueError(f"no optimizer holds the expert parameter of shape {tuple(param.shape)}")
+
+
+def shards_over_data_parallel(optimizer, param: torch.nn.Parameter) -> bool:
+    """Whether a distributed optimizer over more than one rank holds `param`'s state (each rank
+    then keeps a range of its elements; see `expert_optimizer_shard`)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer) and any(param in buffer.param_index_map for buffer in sub.buffers):
+            return sub.data_parallel_group.size() > 1
+    return False
 
 
 # ----------------------------------------------------------------------------------------

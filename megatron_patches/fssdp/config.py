@@ -73,13 +73,6 @@ def validate(args: argparse.Namespace) -> None:
         fail("--fssdp-reshard-interval", args.fssdp_reshard_interval, "must be >= 0 (0 = never re-shard)")
     if not args.fssdp_memory_budget_mb > 0:
         fail("--fssdp-memory-budget-mb", args.fssdp_memory_budget_mb, "must be positive")
-    if args.fssdp_reshard_interval and args.use_distributed_optimizer and args.expert_data_parallel_size > 1:
-        fail("--fssdp-reshard-interval", args.fssdp_reshard_interval,
-             f"re-sharding moves each expert's optimizer state between ranks, but --use-distributed-optimizer shards "
-             f"that state over the {args.expert_data_parallel_size} expert groups (expert-data-parallel size "
-             f"{args.expert_data_parallel_size}) by buffer position, so a moved expert's state would have to change "
-             "group as well; valid: 0 (keep EP's owners), or drop --use-distributed-optimizer, or one expert group "
-             "(--expert-model-parallel-size = world size / (pipeline x expert tensor parallel size))")
     if not 0 <= args.fssdp_memory_margin <= 10:
         fail("--fssdp-memory-margin", args.fssdp_memory_margin,
              "must be a fraction of the activation peak in [0, 10] (0.25 reserves a quarter more)")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.placement.types import ModelShardLayout, Topology
 
-__all__ = ["ReshardMoves", "SlotTable", "exchange_slots", "plan_reshard"]
+__all__ = ["ReshardMoves", "ShardedSlotState", "SlotTable", "exchange_slots", "plan_reshard"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,97 @@ def exchange_slots(
     sent = [slots.size * row_bytes for _, slots in moves.send] + [0] * len(moves.recv)
     recv = [0] * len(moves.send) + [slots.size * row_bytes for _, slots in moves.recv]
     traffic.record(kind, dist.get_rank(group), topology, peers, sent, recv)
+
+
+class ShardedSlotState:
+    """Whole-expert rows for `exchange_slots` when a distributed optimizer shards the experts'
+    optimizer state over the expert-data-parallel group (EDP > 1).
+
+    Every FSSDP group re-shards alike, so position d of every group sends the same slots to
+    position d' of its own group; but each of them keeps only a range of every slot's optimizer
+    state (its shard of position d's gradient buffer), and the range it must keep of the arriving
+    expert is its shard of the *receiving* slot. So the moving experts' state is made whole
+    first: each rank writes its ranges into zero tensors of the whole parameters' size, and one
+    all-reduce (sum) over the expert-data-parallel group completes them (every element is held by
+    exactly one member, so the sum adds zeros only: exact). The rows then travel whole inside
+    each group, and each receiver keeps its own range. The weights are whole on every rank
+    already (the distributed optimizer all-gathers them after its step) and travel in place.
+
+    Args (callables so that this module stays free of Megatron):
+        slot_params: slot -> its parameters, in a fixed order.
+        num_slots: this rank's expert slots (all of them: a rank may keep no element of some).
+        shard_of: parameter -> (first element, tensors of the range) this rank's optimizer
+            keeps, or None when it keeps no element of it (`compat.moe.expert_optimizer_shard`).
+        edp_group: the expert-data-parallel group (position d of every FSSDP group).
+    """
+
+    def __init__(self, slot_params: Callable[[int], list[torch.nn.Parameter]], num_slots: int, shard_of,
+                 edp_group: dist.ProcessGroup):
+        self.slot_params, self.num_slots, self.shard_of, self.edp_group = slot_params, num_slots, shard_of, edp_group
+        self.staged: dict[int, list[torch.Tensor]] = {}
+        self.state_count: int | None = None
+        """Optimizer tensors per parameter (Adam's two moments, and the fp32 main weights in
+        mixed precision); found from a parameter this rank keeps a range of."""
+
+    def _count(self) -> int:
+        if self.state_count is None:
+            for param in (p for slot in range(self.num_slots) for p in self.slot_params(slot)):
+                shard = self.shard_of(param)
+                if shard is not None:
+                    self.state_count = len(shard.tensors)
+                    break
+            else:
+                raise RuntimeError(
+                    "fssdp re-shard: this rank's distributed optimizer keeps no element of any expert slot, so the "
+                    "number of optimizer tensors per parameter is unknown here (fewer expert elements than "
+                    "expert-data-parallel ranks?)"
+                )
+        return self.state_count
+
+    def tensors(self, slot: int) -> list[torch.Tensor]:
+        """The slot's row content: per parameter, the parameter itself, then its optimizer
+        tensors whole (staged: zeros until `gather`)."""
+        if slot not in self.staged:
+            count = self._count()
+            row = []
+            for param in self.slot_params(slot):
+                row.append(param.data.view(-1))
+                row.extend(torch.zeros(param.numel(), dtype=torch.float32, device=param.device) for _ in range(count))
+            self.staged[slot] = row
+        return self.staged[slot]
+
+    def _ranges(self, slot: int):
+        """(staged whole tensor, first element, this rank's tensor of its range) of the slot."""
+        staged = iter(self.tensors(slot))
+        for param in self.slot_params(slot):
+            next(staged)  # the parameter itself
+            whole = [next(staged) for _ in range(self._count())]
+            shard = self.shard_of(param)
+            for full, part in zip(whole, () if shard is None else shard.tensors):
+                if part.dtype != full.dtype:
+                    raise RuntimeError(f"fssdp re-shard: optimizer state in {part.dtype}, staged in {full.dtype}")
+                yield full, shard.start, part
+
+    def gather(self, slots: list[int]) -> torch.Tensor | None:
+        """Makes the optimizer state of `slots` (this rank's departing experts) whole on every
+        member of the expert-data-parallel group; returns the all-reduced buffer (for its bytes),
+        None without slots (then no member of the group has any: they re-shard alike)."""
+        if not slots:
+            return None
+        for slot in slots:
+            for full, start, part in self._ranges(slot):
+                full[start:start + part.numel()].copy_(part)
+        state = [t for slot in slots for i, t in enumerate(self.tensors(slot)) if i % (self._count() + 1)]
+        flat = torch.cat(state)
+        dist.all_reduce(flat, group=self.edp_group)
+        offset = 0
+        for tensor in state:
+            tensor.copy_(flat[offset:offset + tensor.numel()])
+            offset += tensor.numel()
+        return flat
+
+    def scatter(self, slots: list[int]) -> None:
+        """Keeps this rank's range of the arriving experts' optimizer state."""
+        for slot in slots:
+            for full, start, part in self._ranges(slot):
+                part.copy_(full[start:start + part.numel()])

@@ -48,16 +48,16 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import node_layout, sum_over_group
+from megatron_patches.comm.groups import node_layout, record_ring_allreduce, sum_over_group
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
-from megatron_patches.compat.moe import expert_optimizer_tensors, with_moe_layer
+from megatron_patches.compat.moe import expert_optimizer_shard, shards_over_data_parallel, with_moe_layer
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
-from megatron_patches.fssdp.reshard import SlotTable, exchange_slots, plan_reshard
+from megatron_patches.fssdp.reshard import ReshardMoves, ShardedSlotState, SlotTable, exchange_slots, plan_reshard
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import dispatch_bytes, imbalance, sparse_all_gather_seconds, transfer_seconds
@@ -66,11 +66,12 @@ from megatron_patches.placement.types import InstancePlacement, ModelShardLayout
 
 __all__ = ["FSSDPRuntime", "LayerPlan"]
 
-TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard")
+TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "reshard_edp")
 """spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
 the backward with re-materialization; spag_calibrate: calibration's extra copies; reshard:
-experts (weights and optimizer state) moved to new owners. Counted apart so that
-spag + spag_calibrate = sprs holds."""
+experts (weights and optimizer state) moved to new owners; reshard_edp: with the distributed
+optimizer over several expert groups, the departing experts' optimizer state made whole over
+the expert-data-parallel group first. Counted apart so that spag + spag_calibrate = sprs holds."""
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 
@@ -405,7 +406,7 @@ class FSSDPRuntime(ModeRuntime):
             )
         with self.timer.span("fssdp.reshard"):
             moves = plan_reshard(self.table, current, proposed, self.rank)
-            exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
+            self._exchange(moves)
         self.layout, self.table = proposed, moves.table
         self._log.append(
             f"fssdp: re-shard at iteration {iteration}: moved {moved} experts (weights and optimizer state), "
@@ -413,13 +414,45 @@ class FSSDPRuntime(ModeRuntime):
             f"{proposed.counts_LD().tolist()}"
         )
 
+    def _exchange(self, moves: ReshardMoves) -> None:
+        """Moves the slots' weights and optimizer state per `moves`. With the distributed
+        optimizer over several expert groups each rank keeps a range of every expert's state:
+        the departing experts' state is made whole over the expert-data-parallel group first
+        (`ShardedSlotState`; its bytes are `reshard_edp`)."""
+        sending = [int(s) for _, slots in moves.send for s in slots]
+        receiving = [int(s) for _, slots in moves.recv for s in slots]
+        if self.expert_param_sync is not None:
+            # --overlap-param-gather: the last step's all-gather must land before the weights are
+            # read (departing) or overwritten (arriving; a later wait would write the old ones back)
+            for slot in sending + receiving:
+                for param in self.slot_modules[slot].parameters():
+                    self.expert_param_sync(param)
+        first = next(self.slot_modules[0].parameters())
+        if not shards_over_data_parallel(self.optimizer, first):
+            exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
+            return
+        staged = ShardedSlotState(lambda slot: list(self.slot_modules[slot].parameters()), len(self.slot_modules),
+                                  lambda param: expert_optimizer_shard(self.optimizer, param), self.edp_group)
+        flat = staged.gather(sending)
+        if flat is not None:
+            edp_ranks = dist.get_process_group_ranks(self.edp_group)
+            record_ring_allreduce(self.traffic, "reshard_edp", flat, dist.get_rank(self.edp_group), len(edp_ranks),
+                                  Topology(*node_layout(edp_ranks), 1.0, 1.0))
+        exchange_slots(moves, staged.tensors, self.group, self.topology, self.traffic)
+        staged.scatter(receiving)
+
     def _slot_tensors(self, slot: int) -> list[torch.Tensor]:
-        """A slot's content: each parameter, then the optimizer's tensors for it."""
+        """A slot's content: each parameter, then the optimizer's tensors for it (whole: an
+        optimizer that is not sharded over expert groups keeps every element)."""
         expert = self.slot_modules[slot]
         tensors = []
         for param in expert.parameters():
             tensors.append(param.data.view(-1))
-            tensors.extend(expert_optimizer_tensors(self.optimizer, param))
+            shard = expert_optimizer_shard(self.optimizer, param)
+            if shard is None or shard.start or shard.tensors[0].numel() != param.numel():
+                raise RuntimeError(f"fssdp re-shard: the optimizer keeps part of an expert parameter of shape "
+                                   f"{tuple(param.shape)} on this rank, but its state was taken as whole")
+            tensors.extend(shard.tensors)
         return tensors
 
     def held_experts(self, layer, prefix: str) -> list[tuple[str, torch.nn.Module, int]]:
@@ -866,7 +899,9 @@ class FSSDPRuntime(ModeRuntime):
         and their optimizer state (Adam's moments, and in mixed precision the fp32 main weights)."""
         shards = [p for layer in self.layers for p in layer.experts.parameters()]
         owned = sum(p.numel() * p.element_size() for p in shards)
-        model_params = {id(p) for p in shards}
+        # a main weight sharing the model parameter's memory (fp32 with the distributed
+        # optimizer: a view of the parameter's range) is not counted twice
+        model_storage = {p.untyped_storage().data_ptr() for p in shards}
         state = 0
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
@@ -874,7 +909,7 @@ class FSSDPRuntime(ModeRuntime):
                 if not group.get("is_expert_parallel", False):
                     continue
                 for p in group["params"]:
-                    if id(p) not in model_params:  # a mixed-precision optimizer's fp32 main weight
+                    if p.untyped_storage().data_ptr() not in model_storage:  # mixed precision's fp32 main weight
                         state += p.numel() * p.element_size()
                     for value in inner.state.get(p, {}).values():
                         if torch.is_tensor(value) and value.dim() > 0:

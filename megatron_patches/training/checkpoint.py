@@ -80,6 +80,7 @@ def save(root: str, iteration: int, model_chunks, optimizer, scheduler, loop_sta
             checkpoint_dirs.start_partial(root, iteration)
         dist.barrier()
         common = {"loop_state": dict(loop_state, iteration=iteration), "scheduler": scheduler.state_dict()}
+        mcore.finish_param_gather(model_chunks)
         mode.save_checkpoint(str(partial), model_chunks, optimizer, common)
         rng_dir = partial / "rng"
         rng_dir.mkdir(exist_ok=True)
