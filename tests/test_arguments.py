@@ -831,8 +831,6 @@ def test_instance_modes_accept_more_ranks_than_an_expert_group(parse, mode):
      ["--expert-model-parallel-size=1", "at least 2", "use --moe-parallel-mode ep"]),
     (["--moe-parallel-mode", "fssdp", "--moe-token-dispatcher-type", "allgather"], 4,
      ["--moe-token-dispatcher-type=allgather", "valid: alltoall"]),
-    (["--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"], 4,
-     ["--fssdp-reshard-interval=100", "expert-data-parallel size 2", "valid: 0"]),
     (["--moe-load-predictor", "mean"], 4, ["--moe-load-predictor=mean", "only applies", "places experts statically"]),
 ])
 def test_fssdp_refusals(parse, flags, world, fragments):

@@ -26,8 +26,9 @@ distributed optimizer (in fssdp with the distributed optimizer over one group). 
 distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit for bit, in ep
 and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
 for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
-runs alone at 4 ranks for both modes against ep (`CELLS`). The runs share four spawns
-(support/multirun.py): 8 ranks (11 runs), 4 ranks (11), 4 ranks (the 9 single cells), 2 ranks (3).
+runs alone at 4 ranks for both modes against ep (`CELLS`), and so does expert tensor parallelism
+(with checkpoints across ETP). The runs share five spawns (support/multirun.py): 8 ranks (11
+runs), 4 ranks (11), 4 ranks (the 9 single cells), 4 ranks (the 6 ETP runs), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -300,6 +301,65 @@ def cells(workdir):
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_one_composition_at_a_time(cells, cell, mode):
     check_common(cells[f"{mode}_alone_{cell}"], cells[f"ep_alone_{cell}"], mode, group=CELLS[cell][1])
+
+
+# Expert tensor parallelism (4 ranks): TP 2 + SP with ETP 2, so each expert's FFN is split over
+# the TP pair and Megatron's EP groups (of 2) hold one ETP rank each: each group gathers, reduces,
+# re-shards (fssdp) or replicates its own half of every expert; biases off (Megatron-Core supports
+# MoE biases only with ETP 1). fssdp re-shards (t = m = 1) and saves; its checkpoint resumes at ETP 2
+# in fssdp and at ETP 1 (TP 2 x EP 2 x EDP 2) in ep, replicate's at ETP 1 in fssdp.
+ETP = [*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+       "--disable-bias-linear"]
+EXPERT_HALF_BYTES = (64 * 128 + 128 * 64) * 4 // 2  # fc1 + fc2 without biases, fp32, one ETP rank's half
+
+
+@pytest.fixture(scope="module")
+def etp(workdir):
+    fssdp_ckpt, replicate_ckpt = workdir / "ckpt_fssdp_etp2", workdir / "ckpt_replicate_etp2"
+    two, one = [*ETP, "--expert-tensor-parallel-size", "2"], [*ETP, "--expert-tensor-parallel-size", "1"]
+    runs = {
+        "ep_etp2": two,
+        "fssdp_etp2": [*two, *FSSDP_RESHARDING, "--save", str(fssdp_ckpt), "--save-interval", str(SAVE_AT)],
+        "replicate_etp2": [*two, "--moe-parallel-mode", "replicate", "--save", str(replicate_ckpt),
+                           "--save-interval", str(SAVE_AT)],
+        "fssdp_etp2_resumed": [*two, *FSSDP_RESHARDING, "--load", str(fssdp_ckpt)],
+        "ep_etp1_from_fssdp_etp2": [*one, "--load", str(fssdp_ckpt)],
+        "fssdp_etp1_from_replicate_etp2": [*one, "--moe-parallel-mode", "fssdp", "--load", str(replicate_ckpt)],
+    }
+    return launch_many(4, runs, workdir, trackers={
+        "fssdp_etp2_resumed": (fssdp_ckpt, SAVE_AT), "ep_etp1_from_fssdp_etp2": (fssdp_ckpt, SAVE_AT),
+        "fssdp_etp1_from_replicate_etp2": (replicate_ckpt, SAVE_AT)})
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_expert_tensor_parallelism(etp, mode):
+    run = etp[f"{mode}_etp2"]
+    assert "world 4 = TP 2 x PP 1 x DP 2 | EP 2 x ETP 2" in run.output
+    # tokens per device position summed over the ETP ranks (each routes its own sequence half)
+    check_common(run, etp["ep_etp2"], mode, group=2)
+    if mode == "fssdp":
+        moved = 0
+        for record in (r for r in run.records if "loss" in r):
+            info = record["fssdp"]
+            copies = sum(sum(layer["copies"]) for layer in info["layers"])
+            # copies and moved experts are ETP shards: half an expert each
+            assert info["bytes"]["spag"] == info["bytes"]["sprs"] == {"intra": copies * EXPERT_HALF_BYTES, "inter": 0}
+            count = info["reshard"]["moved"] if info["reshard"] and info["reshard"]["adopted"] else 0
+            assert info["bytes"]["reshard"] == {"intra": count * 3 * EXPERT_HALF_BYTES, "inter": 0}
+            assert sum(info["memory"]["shard_bytes"]) == LAYERS * EXPERTS * EXPERT_HALF_BYTES
+            moved += count
+        assert moved, "no re-shard was adopted"
+
+
+def test_expert_tensor_parallel_checkpoints_resume_at_other_etp(etp):
+    saved = etp["fssdp_etp2"]
+    again = etp["fssdp_etp2_resumed"]
+    assert again.losses == saved.losses[SAVE_AT:] and again.grad_norms == saved.grad_norms[SAVE_AT:]
+    for name, saver in (("ep_etp1_from_fssdp_etp2", saved), ("fssdp_etp1_from_replicate_etp2", etp["replicate_etp2"])):
+        resumed = etp[name]
+        assert "EP 2 x ETP 1" in resumed.output
+        np.testing.assert_allclose(losses(resumed), losses(saver)[SAVE_AT:], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(resumed.grad_norms, saver.grad_norms[SAVE_AT:], rtol=1e-5, atol=0)
 
 
 def test_fssdp_checkpoints_with_the_distributed_optimizer(four):

@@ -119,8 +119,8 @@ MATRIX = (
         "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
     Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {
-        "fssdp": refusal("copies whole experts"),
-        "replicate": refusal("copies whole experts")}),
+        "fssdp": by_test(COMPOSITION + "test_expert_tensor_parallelism[fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_expert_tensor_parallelism[replicate]")}),
     Row("MoE-only recompute", ("--recompute-granularity", "selective", "--recompute-modules", "moe"), 4, {
         "fssdp": refusal("plans its collectives once per forward"),
         "replicate": refusal("plans its collectives once per forward")}),

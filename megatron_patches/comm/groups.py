@@ -34,7 +34,7 @@ from megatron_patches.comm.traffic import TrafficCounter, default_counter
 from megatron_patches.placement.replicate import contiguous_rank_groups
 from megatron_patches.placement.types import ElementShardLayout, Topology
 
-__all__ = ["ContiguousGroups", "node_layout", "record_ring_allreduce", "ring_allreduce_numel", "sum_over_group"]
+__all__ = ["ContiguousGroups", "node_layout", "record_ring_allreduce", "ring_allreduce_numel", "sum_over_groups"]
 
 
 def ring_allreduce_numel(numel: int, members: int) -> np.ndarray:
@@ -205,14 +205,16 @@ def record_ring_allreduce(counter: TrafficCounter, kind: str, tensor: torch.Tens
                    np.array([0, sent_M[position - 1]]))
 
 
-def sum_over_group(group: dist.ProcessGroup, *arrays_I: np.ndarray) -> list[np.ndarray]:
-    """Integer counters (numpy arrays of any shape) summed over `group`, with one all-reduce of
-    their concatenation (host tensors: gloo); a group of one returns them as they are."""
-    if dist.get_world_size(group) == 1:
-        return [np.asarray(a) for a in arrays_I]
+def sum_over_groups(groups, *arrays_I: np.ndarray) -> list[np.ndarray]:
+    """Integer counters (numpy arrays of any shape) summed over each of `groups` in turn (e.g. the
+    expert-data-parallel then the expert-tensor-parallel group: every rank at one expert-parallel
+    position of a stage), with one all-reduce of their concatenation per group (host tensors:
+    gloo); groups of one are skipped."""
     flat = [np.asarray(a, dtype=np.int64) for a in arrays_I]
     total = torch.from_numpy(np.concatenate([a.ravel() for a in flat]))
-    dist.all_reduce(total, group=group)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
     parts = np.split(total.numpy(), np.cumsum([a.size for a in flat])[:-1])
     return [part.reshape(a.shape) for part, a in zip(parts, flat)]
 

@@ -156,8 +156,11 @@ class InstanceMoELayer(MoELayer):
     Subclasses implement the two abstract hooks (and may override `enter` and
     `before_dispatch`, which do nothing here); MoELayer's base class is an ABC, so a subclass
     missing one cannot be built. Refused at construction (the virtual-expert dispatch and the
-    whole-expert copies need them off): dispatchers other than alltoall, expert tensor
-    parallelism, padding to capacity, shared experts, latent projections, MoE recompute.
+    instance copies need them off): dispatchers other than alltoall, padding to capacity,
+    shared experts, latent projections, MoE recompute. Expert tensor parallelism works
+    unchanged: an instance's weights are this rank's ETP shard of the expert (the local
+    modules' shapes), Megatron's EP group holds one ETP rank, and the dispatcher's all-gather /
+    reduce-scatter over the ETP group runs around the instances as around ep's experts.
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
@@ -166,7 +169,6 @@ class InstanceMoELayer(MoELayer):
         super().__init__(config, submodules, layer_number, pg_collection)
         unsupported = {
             f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} (needs 'alltoall')": config.moe_token_dispatcher_type != "alltoall",
-            f"expert_tensor_parallel_size={pg_collection.expt_tp.size()} (needs 1)": pg_collection.expt_tp.size() != 1,
             "moe_pad_expert_input_to_capacity": config.moe_pad_expert_input_to_capacity,
             "shared experts": self.use_shared_expert,
             "moe_latent_size": bool(config.moe_latent_size),

@@ -1,7 +1,9 @@
 """The FSSDP runtime: plans, collectives and gradient flow for all MoE layers of a stage.
 
-Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group
-(expert-tensor-parallel size 1). Every expert of every MoE layer is owned by exactly one rank
+Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group. With
+expert tensor parallelism (ETP > 1) Megatron's EP groups hold one ETP rank each, so each
+gathers, reduces and re-shards its own shard of every expert (copies and bytes in the records
+are one group's: ETP-shard sized), and all plan alike from the world's loads. Every expert of every MoE layer is owned by exactly one rank
 of the group and held in one of that rank's *slots*, Megatron's local expert modules
 (`reshard`), with its gradient in Megatron's DDP buffer and its Adam state in Megatron's
 optimizer, once per group. With more ranks than one group needs (expert-data-parallel size
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import node_layout, record_ring_allreduce, sum_over_group
+from megatron_patches.comm.groups import node_layout, record_ring_allreduce, sum_over_groups
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
@@ -158,8 +160,6 @@ class FSSDPRuntime(ModeRuntime):
         """Times the stalls behind collectives, the expert compute and the non-MoE part of each
         layer on the compute stream (CUDA events on GPU, read once per iteration in
         `end_iteration`; the host clock on CPU)."""
-        if parallel_state.get_expert_tensor_parallel_world_size() != 1:
-            raise ValueError("fssdp mode needs --expert-tensor-parallel-size 1 (expert copies are whole experts)")
         if parallel_state.get_expert_model_parallel_world_size() < 2:
             raise ValueError("fssdp mode needs an expert-parallel group of at least 2 ranks (copies go to the other ranks)")
         self.ep_group = parallel_state.get_expert_model_parallel_group()
@@ -816,9 +816,13 @@ class FSSDPRuntime(ModeRuntime):
 
     def _metrics(self) -> dict:
         """The iteration's FSSDP figures: tokens per device position and remote copies summed over
-        the FSSDP groups (like the common record's ep figures); bytes, times and copies are this
-        group's (every group runs the same plans), identical on every rank of the group."""
-        self.stats.device_tokens_LD, remote = sum_over_group(self.edp_group, self.stats.device_tokens_LD, self.stats.remote_copies)
+        the FSSDP groups, those of other expert-data-parallel and expert-tensor-parallel ranks
+        (like the common record's ep figures; ETP ranks route their own tokens and process the
+        union); bytes, times and copies are this group's (every group runs the same plans),
+        identical on every rank of the group."""
+        self.stats.device_tokens_LD, remote = sum_over_groups(
+            (self.edp_group, parallel_state.get_expert_tensor_parallel_group()), self.stats.device_tokens_LD,
+            self.stats.remote_copies)
         self.stats.remote_copies = int(remote)
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")

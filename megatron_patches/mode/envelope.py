@@ -18,8 +18,6 @@ def check_instance_mode(args, mode: str) -> None:
          "--moe-parallel-mode ep"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          f"{mode} routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
-        ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
-         f"{mode} copies whole experts; valid: 1"),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm,
          f"{mode} runs each expert instance with Megatron's MLP module; drop --moe-grouped-gemm"),
         ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,

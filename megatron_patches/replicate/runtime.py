@@ -1,7 +1,9 @@
 """The replicate runtime: per-iteration expert replication for all MoE layers of a stage.
 
 DESIGN 4.6 inside Megatron-Core training. The replicate group is Megatron's expert-parallel
-group of G ranks (expert-tensor-parallel 1). With more ranks than one group needs (expert-data-
+group of G ranks. With expert tensor parallelism (ETP > 1) each ETP rank's EP group replicates
+its own shard of every expert (Megatron's EP groups hold one ETP rank each; all place alike
+from the world's loads), and the records' bytes are one such group's. With more ranks than one group needs (expert-data-
 parallel size EDP > 1) the stage has EDP replicate groups, HSDP-style: each routes its own
 tokens over its own slots; rank r of every group owns the same slice r, whose summed gradient
 is all-reduced over the expert-data-parallel group (the same position in every group) before
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce, sum_over_group
+from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce, sum_over_groups
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
@@ -101,8 +103,6 @@ class ReplicateRuntime(ModeRuntime):
         self.on_gpu = on_gpu
         self.adam = adam
         """The expert optimizer's hyper-parameters (Megatron's Adam settings)."""
-        if parallel_state.get_expert_tensor_parallel_world_size() != 1:
-            raise ValueError("replicate mode needs --expert-tensor-parallel-size 1 (slots hold whole experts)")
         ep_group = parallel_state.get_expert_model_parallel_group()
         own = tuple(dist.get_process_group_ranks(ep_group))
         everyone = [None] * dist.get_world_size()
@@ -511,10 +511,12 @@ class ReplicateRuntime(ModeRuntime):
 
     def _metrics(self) -> dict:
         """The iteration's replicate figures (identical on every rank): tokens summed over the
-        replicate groups; bytes and seconds are this group's."""
+        replicate groups of other expert-data-parallel and expert-tensor-parallel ranks; bytes and
+        seconds are this group's."""
         stats = self.stats
-        stats.routed_LE, stats.processed_LED, remote = sum_over_group(
-            self.edp_group, stats.routed_LE, stats.processed_LED, stats.remote_copies)
+        stats.routed_LE, stats.processed_LED, remote = sum_over_groups(
+            (self.edp_group, parallel_state.get_expert_tensor_parallel_group()), stats.routed_LE, stats.processed_LED,
+            stats.remote_copies)
         stats.remote_copies = int(remote)
         snapshot = self.traffic.snapshot()
         fields = ("sent_intra", "sent_inter")
