@@ -27,8 +27,9 @@ distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit 
 and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
 for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
 runs alone at 4 ranks for both modes against ep (`CELLS`), and so does expert tensor parallelism
-(with checkpoints across ETP). The runs share five spawns (support/multirun.py): 8 ranks (11
-runs), 4 ranks (11), 4 ranks (the 9 single cells), 4 ranks (the 6 ETP runs), 2 ranks (3).
+(with checkpoints across ETP). The 4-rank distributed-optimizer checkpoints also resume at 8
+ranks (two groups). The runs share six spawns (support/multirun.py): 8 ranks (11 runs), 4 ranks
+(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells), 4 ranks (the 6 ETP runs), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -125,6 +126,20 @@ def four(workdir, eight):
         "replicate_from_edp2": (edp2, SAVE_AT), "fssdp_distopt_resumed": (distopt, SAVE_AT),
         "replicate_distopt_resumed": (replicate_distopt, SAVE_AT), "fssdp_from_replicate_edp2": (replicate_edp2, SAVE_AT),
         "fssdp_distopt_from_edp2_distopt": (edp2_distopt, SAVE_AT)})
+
+
+@pytest.fixture(scope="module")
+def grown(workdir, four):
+    """8-rank resumes of the 4-rank distributed-optimizer checkpoints (one expert group -> two):
+    fssdp with its re-sharded layout, replicate with its placement."""
+    flags = [*COMMON, "--use-distributed-optimizer"]
+    distopt, replicate_distopt = workdir / "ckpt_fssdp_distopt", workdir / "ckpt_replicate_distopt"
+    runs = {
+        "fssdp_edp2_from_distopt": [*flags, *FSSDP_RESHARDING, "--load", str(distopt)],
+        "replicate_edp2_from_distopt": [*flags, "--moe-parallel-mode", "replicate", "--load", str(replicate_distopt)],
+    }
+    return launch_many(8, runs, workdir, trackers={"fssdp_edp2_from_distopt": (distopt, SAVE_AT),
+                                                   "replicate_edp2_from_distopt": (replicate_distopt, SAVE_AT)})
 
 
 @pytest.fixture(scope="module")
@@ -301,6 +316,26 @@ def cells(workdir):
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_one_composition_at_a_time(cells, cell, mode):
     check_common(cells[f"{mode}_alone_{cell}"], cells[f"ep_alone_{cell}"], mode, group=CELLS[cell][1])
+
+
+def test_checkpoints_at_4_ranks_resume_at_8(four, grown):
+    """The other direction of a resume across world sizes: one expert group's checkpoint (fssdp
+    after a re-shard, replicate; distributed optimizer) resumed by two groups, each adopting the
+    saved layout (fssdp) or placement (replicate), on the saving run's losses."""
+    for name, saver, mode in (("fssdp_edp2_from_distopt", "fssdp_distopt", "fssdp"),
+                              ("replicate_edp2_from_distopt", "replicate_distopt", "replicate")):
+        resumed, straight = grown[name], four[saver]
+        assert resumed.records[0]["iteration"] == SAVE_AT + 1
+        assert "| EP 4 x ETP 1" in resumed.output and "world 8" in resumed.output
+        np.testing.assert_allclose(losses(resumed), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)
+        if mode == "fssdp":
+            assert "fssdp: restored the shard layout" in resumed.output
+            first = next(r for r in resumed.records if "loss" in r)["fssdp"]
+            expected = next(r for r in straight.records if r.get("iteration") == SAVE_AT + 1)["fssdp"]
+            assert [layer["owned"] for layer in first["layers"]] == [layer["owned"] for layer in expected["layers"]]
+        else:
+            assert "replicate: experts' master weights and Adam moments loaded (step 5)" in resumed.output
+            assert "replicate: restored the placement and 5 observed iterations of popularity" in resumed.output
 
 
 # Expert tensor parallelism (4 ranks): TP 2 + SP with ETP 2, so each expert's FFN is split over

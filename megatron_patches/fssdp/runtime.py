@@ -3,9 +3,9 @@
 Ownership (the sharding phase): the FSSDP group is Megatron's expert-parallel group. With
 expert tensor parallelism (ETP > 1) Megatron's EP groups hold one ETP rank each, so each
 gathers, reduces and re-shards its own shard of every expert (copies and bytes in the records
-are one group's: ETP-shard sized), and all plan alike from the world's loads. Every expert of every MoE layer is owned by exactly one rank
-of the group and held in one of that rank's *slots*, Megatron's local expert modules
-(`reshard`), with its gradient in Megatron's DDP buffer and its Adam state in Megatron's
+are one group's: ETP-shard sized), and all plan alike from the world's loads. Every expert of
+every MoE layer is owned by exactly one rank of the group and held in one of that rank's
+*slots*, Megatron's local expert modules (`reshard`), with its gradient in Megatron's DDP buffer and its Adam state in Megatron's
 optimizer, once per group. With more ranks than one group needs (expert-data-parallel size
 EDP > 1) the stage has EDP FSSDP groups, HSDP-style: sharded inside a group, replicated
 across groups. Each group gathers and reduces its own copies; Megatron's DDP all-reduces the
