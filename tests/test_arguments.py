@@ -927,6 +927,16 @@ def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(par
     assert validate_args(parse("--load", str(ckpt), "--train-iters", "30", *zebra), 4).load_iteration == 20
     expect_error(parse("--load", str(ckpt), "--train-iters", "30", "--num-layers", "6"), 4, "--num-layers=6",
                  f"the checkpoint in {ckpt} (iteration 20) was saved with num_layers 4", "valid: 4, or no --load")
+    # the vocabulary pads to a multiple of --make-vocab-size-divisible-by x TP: another TP changes
+    # the padding (reported with the value that keeps it), the same padding by another split does not
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    padded = validate_args(parse("--load", str(ckpt), "--train-iters", "30", *tp2), 4).resume_changes
+    assert ("vocabulary padding: to a multiple of 256 (was 128; --make-vocab-size-divisible-by x TP): the rows both "
+            "have are loaded, the padding rows differ and move the losses slightly; --make-vocab-size-divisible-by 64 "
+            "keeps the checkpoint's padding") in padded
+    kept = validate_args(parse("--load", str(ckpt), "--train-iters", "30", *tp2, "--make-vocab-size-divisible-by", "64"),
+                         4).resume_changes
+    assert "--make-vocab-size-divisible-by 128 -> 64: applied" in kept and not any("padding" in line for line in kept)
     (ckpt / "iter_0000020" / resume.FLAGS_FILE).unlink()  # a checkpoint from before flags were kept
     assert validate_args(parse("--load", str(ckpt), "--train-iters", "30"), 4).resume_changes == [
         f"{ckpt / 'iter_0000020'} holds no flags.json: flags not compared"]

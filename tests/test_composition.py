@@ -302,6 +302,18 @@ CELLS = {
 }
 
 
+# Resumes in another model-parallel layout (4 ranks, EP 2, no TP / PP): fssdp and replicate
+# save in the PP 2 cell, fssdp in the TP 2 + SP cell. Megatron pads the vocabulary to a multiple
+# of 128 x TP, so at TP 1 the resume pads to 256 as the TP 2 run did (with the default 128 the
+# output layer has other rows and the first resumed loss is 2.4e-4 off, measured).
+RELAYOUT = {
+    "ep_pp1_from_fssdp_pp2": ("fssdp", "pp2", []),
+    "fssdp_pp1_from_replicate_pp2": ("replicate", "pp2", ["--moe-parallel-mode", "fssdp"]),
+    "replicate_tp1_from_fssdp_tp2": ("fssdp", "tp2_sp", ["--moe-parallel-mode", "replicate",
+                                                         "--make-vocab-size-divisible-by", "256"]),
+}
+
+
 @pytest.fixture(scope="module")
 def cells(workdir):
     runs = {}  # names unlike the other fixtures' runs: every run logs to <name>.jsonl in one workdir
@@ -309,7 +321,26 @@ def cells(workdir):
         runs[f"ep_alone_{cell}"] = [*BASE, *flags]
         for mode in ("fssdp", "replicate"):
             runs[f"{mode}_alone_{cell}"] = [*BASE, *flags, "--moe-parallel-mode", mode]
-    return launch_many(4, runs, workdir)
+    checkpoints = {}
+    for name, (saver, cell, more) in RELAYOUT.items():
+        checkpoints[name] = workdir / f"ckpt_{saver}_alone_{cell}"
+        runs[f"{saver}_alone_{cell}"] += ["--save", str(checkpoints[name]), "--save-interval", str(SAVE_AT)]
+        runs[name] = [*BASE, "--expert-model-parallel-size", "2", *more, "--load", str(checkpoints[name])]
+    return launch_many(4, runs, workdir, trackers={name: (path, SAVE_AT) for name, path in checkpoints.items()})
+
+
+@pytest.mark.parametrize("name", list(RELAYOUT))
+def test_resume_in_another_model_parallel_layout(cells, name):
+    saver, cell, _ = RELAYOUT[name]
+    resumed, straight = cells[name], cells[f"{saver}_alone_{cell}"]
+    assert resumed.records[0]["iteration"] == SAVE_AT + 1
+    assert "world 4 = TP 1 x PP 1 x DP 4 | EP 2 x ETP 1" in resumed.output
+    assert "vocabulary padding" not in resumed.output
+    np.testing.assert_allclose(losses(resumed), losses(straight)[SAVE_AT:], rtol=1e-5, atol=0)
+    # Megatron's grad norm at TP 2 and at TP 1 differ by up to 4.6e-4 while the losses agree to 2.3e-8
+    # (measured; Megatron's own layout test allows 2e-4 over 3 iterations): held to 1e-3 there
+    tolerance = 1e-3 if cell == "tp2_sp" else 1e-5
+    np.testing.assert_allclose(resumed.grad_norms, straight.grad_norms[SAVE_AT:], rtol=tolerance, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])

@@ -4,6 +4,9 @@ Every checkpoint holds the flag values it was saved with (`iter_N/flags.json`, w
 0). A resume compares them with its own before any process group starts (flag validation):
 
 - the model's shape cannot change (the weights would not fit): refused, naming both values;
+  except the vocabulary's padding (to a multiple of --make-vocab-size-divisible-by x TP, so a
+  new TP changes it): Megatron-Core loads the rows both paddings have, and the change is
+  reported with the flag value that would keep the saved padding;
 - nor can the optimizer's form (distributed or not; the experts' state apart from the dense
   parameters' or not, `experts_apart`) while its state is loaded: refused, naming --no-load-optim;
 - the learning-rate schedule is the checkpoint's (Megatron-Core's OptimizerParamScheduler keeps
@@ -25,7 +28,7 @@ MODEL_SHAPE = (
     "model_family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "swiglu",
     "normalization", "position_embedding_type", "max_position_embeddings", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by",
+    "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size",
 )
 OPTIMIZER_FORM = ("use_distributed_optimizer",)
 """The optimizer state's form: the distributed optimizer's and the plain one's do not load into
@@ -45,6 +48,25 @@ NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_di
 # unset at validation when the embedded corpus is used: the loop fills them at start-up
 # (training/loop.py resolve_default_corpus), so the checkpoint holds the corpus's values
 FILLED_AT_START = ("data_path", "tokenizer_type", "vocab_file", "merge_file")
+
+
+def vocab_padding_note(saved: dict, now: dict) -> str | None:
+    """A line when the vocabulary pads to another multiple than the checkpoint's (Megatron pads it
+    to --make-vocab-size-divisible-by x TP): the embedding and output layer then have other
+    padding rows. Megatron-Core loads the rows both have (its vocabulary tensors allow the shape
+    mismatch), but the output softmax also spans the padding rows, so the losses move a little
+    (measured: 2.4e-4 relative on the first resumed loss, TP 2 -> 1 at the default 128)."""
+    def multiple(flags: dict) -> int:
+        return (flags.get("make_vocab_size_divisible_by") or 128) * (flags.get("tensor_model_parallel_size") or 1)
+
+    before, after = multiple(saved), multiple(now)
+    if before == after:
+        return None
+    tp = now.get("tensor_model_parallel_size") or 1
+    keep = (f"--make-vocab-size-divisible-by {before // tp} keeps the checkpoint's padding" if before % tp == 0
+            else f"no --make-vocab-size-divisible-by keeps it at TP {tp}")
+    return (f"vocabulary padding: to a multiple of {after} (was {before}; --make-vocab-size-divisible-by x TP): the rows "
+            f"both have are loaded, the padding rows differ and move the losses slightly; {keep}")
 
 
 def saved_flags(args) -> dict:
@@ -92,6 +114,9 @@ def compare(args, saved: dict, compared: list[str]) -> tuple[list[tuple[str, obj
                          "(--override-opt_param-scheduler applies it)")
         else:
             notes.append(f"{flag} {before} -> {after}: applied")
+    padding = vocab_padding_note(saved, now)
+    if padding:
+        notes.append(padding)
     if not args.no_load_optim and experts_apart(saved) != experts_apart(now):
         apart = experts_apart(saved)
         refused.append(("expert_model_parallel_size", saved.get("expert_model_parallel_size"), now.get("expert_model_parallel_size"),
