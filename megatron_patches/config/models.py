@@ -32,6 +32,7 @@ __all__ = [
     "load_model_config",
     "model_config_from_dict",
     "padded_vocab_size",
+    "vocab_padding_multiple",
     "count_parameters",
     "expert_parameter_count",
 ]
@@ -295,9 +296,14 @@ def load_model_config(path_or_name: Union[str, Path]) -> ModelConfig:
     return model_config_from_dict(read_yaml_mapping(path), source=str(path))
 
 
+def vocab_padding_multiple(divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+    """What Megatron-LM pads the vocabulary to a multiple of: divisible_by x TP."""
+    return divisible_by * tensor_parallel_size
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
     """Megatron-LM's padded vocabulary: round up to a multiple of divisible_by x TP (50257 -> 50304)."""
-    multiple = divisible_by * tensor_parallel_size
+    multiple = vocab_padding_multiple(divisible_by, tensor_parallel_size)
     return -(-vocab_size // multiple) * multiple
 
 

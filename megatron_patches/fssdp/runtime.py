@@ -5,17 +5,18 @@ expert tensor parallelism (ETP > 1) Megatron's EP groups hold one ETP rank each,
 gathers, reduces and re-shards its own shard of every expert (copies and bytes in the records
 are one group's: ETP-shard sized), and all plan alike from the world's loads. Every expert of
 every MoE layer is owned by exactly one rank of the group and held in one of that rank's
-*slots*, Megatron's local expert modules (`reshard`), with its gradient in Megatron's DDP buffer and its Adam state in Megatron's
-optimizer, once per group. With more ranks than one group needs (expert-data-parallel size
-EDP > 1) the stage has EDP FSSDP groups, HSDP-style: sharded inside a group, replicated
-across groups. Each group gathers and reduces its own copies; Megatron's DDP all-reduces the
-owners' gradients over the expert-data-parallel group (the same position in every group), as
-it does in ep. Every plan input (the loads, t, m, the two probed bandwidths) is reduced over the whole job,
-so every group computes the same plans and the same re-shards, and position d holds the same
-experts in every group. At start the slots hold EP's contiguous layout (the even sharding of DESIGN 4.3);
-every `reshard_interval` iterations the heterogeneous sharding of the predicted loads is
-adopted when it lowers the mean imbalance bound, moving weights and optimizer state between
-ranks (`reshard.exchange_slots`). Non-expert parameters are untouched.
+*slots*, Megatron's local expert modules (`reshard`), with its gradient in Megatron's DDP
+buffer and its Adam state in Megatron's optimizer, once per group. With more ranks than one
+group needs (expert-data-parallel size EDP > 1) the stage has EDP FSSDP groups, HSDP-style:
+sharded inside a group, replicated across groups. Each group gathers and reduces its own
+copies; Megatron's DDP all-reduces the owners' gradients over the expert-data-parallel group
+(the same position in every group), as it does in ep. Every plan input (the loads, t, m, the
+two probed bandwidths) is reduced over the whole job, so every group computes the same plans
+and the same re-shards, and position d holds the same experts in every group. At start the
+slots hold EP's contiguous layout (the even sharding of DESIGN 4.3); every `reshard_interval`
+iterations the heterogeneous sharding of the predicted loads is adopted when it lowers the
+mean imbalance bound, moving weights and optimizer state between ranks
+(`reshard.exchange_slots`). Non-expert parameters are untouched.
 
 Checkpoints keep the experts under ep's per-expert keys (placement-independent), and the
 placement as common state under "fssdp": every rank's slot table, the load history, t and the

@@ -3,12 +3,12 @@
 DESIGN 4.6 inside Megatron-Core training. The replicate group is Megatron's expert-parallel
 group of G ranks. With expert tensor parallelism (ETP > 1) each ETP rank's EP group replicates
 its own shard of every expert (Megatron's EP groups hold one ETP rank each; all place alike
-from the world's loads), and the records' bytes are one such group's. With more ranks than one group needs (expert-data-
-parallel size EDP > 1) the stage has EDP replicate groups, HSDP-style: each routes its own
-tokens over its own slots; rank r of every group owns the same slice r, whose summed gradient
-is all-reduced over the expert-data-parallel group (the same position in every group) before
-Adam, so the slices stay identical across groups. Placements come from world-wide loads, so
-every group places alike. Per MoE layer and rank:
+from the world's loads), and the records' bytes are one such group's. With more ranks than one
+group needs (expert-data-parallel size EDP > 1) the stage has EDP replicate groups,
+HSDP-style: each routes its own tokens over its own slots; rank r of every group owns the same
+slice r, whose summed gradient is all-reduced over the expert-data-parallel group (the same
+position in every group) before Adam, so the slices stay identical across groups. Placements
+come from world-wide loads, so every group places alike. Per MoE layer and rank:
 
 - `ReplicatedExperts` (engine.py) holds the s slots (the instances this rank runs), slice r of
   every expert's fp32 master weights and Adam state (never moving), and moves the gradients

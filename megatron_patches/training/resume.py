@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_patches.config.models import ModelConfig, vocab_padding_multiple
+
 FLAGS_FILE = "flags.json"
 
 MODEL_SHAPE = (
@@ -57,7 +59,8 @@ def vocab_padding_note(saved: dict, now: dict) -> str | None:
     mismatch), but the output softmax also spans the padding rows, so the losses move a little
     (measured: 2.4e-4 relative on the first resumed loss, TP 2 -> 1 at the default 128)."""
     def multiple(flags: dict) -> int:
-        return (flags.get("make_vocab_size_divisible_by") or 128) * (flags.get("tensor_model_parallel_size") or 1)
+        return vocab_padding_multiple(flags.get("make_vocab_size_divisible_by") or ModelConfig.make_vocab_size_divisible_by,
+                                      flags.get("tensor_model_parallel_size") or 1)
 
     before, after = multiple(saved), multiple(now)
     if before == after:
