@@ -562,7 +562,22 @@ def test_recompute_flags_reach_transformer_config(parse):
 
 
 def test_grouped_gemm_needs_cuda_and_bf16(parse):
-    expect_error(parse("--moe-grouped-gemm", "--cpu"), 1, "--moe-grouped-gemm", "CUDA")
+    expect_error(parse("--moe-grouped-gemm", "--cpu"), 1, "--moe-grouped-gemm", "CUDA", "fssdp or replicate")
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_instance_modes_group_their_gemms_on_cpu_in_any_precision(parse, mode):
+    grouped = ("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", "--moe-grouped-gemm", "--cpu")
+    for precision in ([], ["--bf16"], ["--fp16"]):
+        args = validate_args(parse(*grouped, "--disable-bias-linear", *precision), 4)
+        assert args.moe_grouped_gemm
+    # Megatron's GroupedMLP has no biases, nor has the grouped GEMM of the instances
+    expect_error(parse(*grouped), 4, "--moe-grouped-gemm", "--disable-bias-linear")
+    # torch's grouped matmul needs 16-byte strides: a width of 36 bf16 elements has 72 bytes
+    expect_error(parse(*grouped, "--disable-bias-linear", "--bf16", "--moe-ffn-hidden-size", "36"), 4,
+                 "--moe-grouped-gemm", "--moe-ffn-hidden-size / --expert-tensor-parallel-size=36", "multiples of 8")
+    expect_error(parse(*grouped, "--disable-bias-linear", "--recompute-granularity", "selective",
+                       "--recompute-modules", "moe_act"), 4, "--recompute-modules", "moe_act", mode)
 
 
 def test_overlap_param_gather_needs_distributed_optimizer(parse):

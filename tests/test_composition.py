@@ -154,6 +154,8 @@ def check_common(run, reference, mode: str, group: int = GROUP, token_copies: in
         ep_layers = {layer["layer"]: layer for layer in ep_record["moe_layers"]}
         assert record[mode]["layers"]  # rank 0's stage's layers
         for layer in record[mode]["layers"]:
+            # replicate starts each layer's gradient reduce in the backward (after its k-th micro-batch)
+            assert mode != "replicate" or layer["reduce_started_in_backward"] is True
             # device positions of a group, summed over the groups (as the common record sums ep's)
             assert len(layer["device_tokens"]) == group
             assert sum(layer["device_tokens"]) == sum(ep_layers[layer["layer"]]["device_tokens"])
@@ -314,9 +316,24 @@ RELAYOUT = {
 }
 
 
+# Grouped GEMM (4 ranks, EP 4: two owned experts per rank and the copies / slots): fssdp and
+# replicate run each layer pass's instances as two grouped matmuls (--moe-grouped-gemm) against
+# ep's one MLP per expert (Megatron's GroupedMLP needs CUDA), without biases as Megatron's
+# GroupedMLP. fp32: 1e-5 as every cell; bf16: within bf16's own noise (ep bf16 against ep fp32),
+# and fssdp grouped against fssdp per instance in bf16.
+GROUPED = [*BASE, "--expert-model-parallel-size", "4", "--disable-bias-linear"]
+GROUPED_RUNS = {
+    f"{name}_{precision}": [*GROUPED, *(["--bf16"] if precision == "bf16" else []), *more]
+    for precision in ("fp32", "bf16")
+    for name, more in (("ep_grouped", []), ("fssdp_instances", ["--moe-parallel-mode", "fssdp"]),
+                       *((f"{mode}_grouped", ["--moe-parallel-mode", mode, "--moe-grouped-gemm"]) for mode in ("fssdp", "replicate")))
+    if (name, precision) != ("fssdp_instances", "fp32")
+}
+
+
 @pytest.fixture(scope="module")
 def cells(workdir):
-    runs = {}  # names unlike the other fixtures' runs: every run logs to <name>.jsonl in one workdir
+    runs = dict(GROUPED_RUNS)  # names unlike the other fixtures' runs: every run logs to <name>.jsonl in one workdir
     for cell, (flags, _) in CELLS.items():
         runs[f"ep_alone_{cell}"] = [*BASE, *flags]
         for mode in ("fssdp", "replicate"):
@@ -347,6 +364,24 @@ def test_resume_in_another_model_parallel_layout(cells, name):
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_one_composition_at_a_time(cells, cell, mode):
     check_common(cells[f"{mode}_alone_{cell}"], cells[f"ep_alone_{cell}"], mode, group=CELLS[cell][1])
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_grouped_gemm(cells, mode):
+    run = cells[f"{mode}_grouped_fp32"]
+    assert f"{mode}: grouped GEMM: each layer pass runs its" in run.output
+    assert "grouped GEMM" not in cells["fssdp_instances_bf16"].output
+    check_common(run, cells["ep_grouped_fp32"], mode)
+    ep_bf16 = cells["ep_grouped_bf16"]
+    noise = relative(ep_bf16, cells["ep_grouped_fp32"])
+    assert 1e-5 < noise.max() < 1e-2, noise
+    for reference in ("ep_grouped_bf16", "fssdp_instances_bf16"):
+        difference = relative(cells[f"{mode}_grouped_bf16"], cells[reference])
+        assert difference.max() < 2 * noise.max(), (reference, difference, noise)
+
+
+def relative(run, reference) -> np.ndarray:
+    return np.abs(losses(run) - losses(reference)) / np.abs(losses(reference))
 
 
 def test_checkpoints_at_4_ranks_resume_at_8(four, grown):

@@ -94,6 +94,8 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
         assert scalars["replicate/bytes_rep_weights_intra"][step] == pytest.approx(replicate["bytes"]["rep_weights"]["intra"])
         for layer in replicate["layers"]:
             assert scalars[f"replicate/max_replicas_layer{layer['layer']}"][step] == max(layer["replicas"])
+            # each layer's gradient reduce started inside the backward, once its slots' gradient was complete
+            assert layer["reduce_started_in_backward"] is True
     assert len(records) == len(reference) == ITERS
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference], rtol=1e-5, atol=0)
     np.testing.assert_allclose([r["grad_norm"] for r in records], [r["grad_norm"] for r in reference], rtol=1e-5)

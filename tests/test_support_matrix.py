@@ -110,9 +110,12 @@ MATRIX = (
         ("--expert-model-parallel-size", "4", "--use-distributed-optimizer"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_reshards_with_the_distributed_optimizer_over_two_expert_groups"),
         "replicate": Cell("n/a", "replicate never re-shards: its optimizer slices never move")}),
-    Row("grouped GEMM", ("--moe-grouped-gemm",), 4, {
-        "fssdp": refusal("runs each expert instance with Megatron's MLP module"),
-        "replicate": refusal("runs each expert instance with Megatron's MLP module")}),
+    Row("grouped GEMM (fp32 and bf16)", ("--moe-grouped-gemm", "--disable-bias-linear"), 4, {
+        "fssdp": by_test(COMPOSITION + "test_grouped_gemm[fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_grouped_gemm[replicate]")}),
+    Row("grouped GEMM with biases", ("--moe-grouped-gemm",), 4, {
+        "fssdp": refusal("runs the experts without biases, as Megatron's GroupedMLP"),
+        "replicate": refusal("runs the experts without biases, as Megatron's GroupedMLP")}),
     Row("overlapped gradient reduce and parameter gather",
         ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"), 4, {
         "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]"),

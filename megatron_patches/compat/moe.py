@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from abc import abstractmethod
 
+import numpy as np
 import torch
 from torch.func import functional_call
 
@@ -47,6 +48,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+from megatron_patches.compat import grouped
 
 __all__ = [
     "ADAM_STATE_NAMES",
@@ -143,6 +146,16 @@ class ExpertLayout:
             offset += shape.numel()
         return out
 
+    def stacked(self, rows_RN: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name` of every row of `rows_RN` [R, N] as one strided view [R, *shape]
+        (no copy: the grouped GEMM reads the rows where they are)."""
+        offset = 0
+        for own, shape in zip(self.names, self.shapes):
+            if own == name:
+                return rows_RN[:, offset : offset + shape.numel()].view(rows_RN.shape[0], *shape)
+            offset += shape.numel()
+        raise KeyError(f"no parameter {name!r} in an expert (has {', '.join(self.names)})")
+
     def grads_into(self, expert: torch.nn.Module, grad_N: torch.Tensor) -> None:
         """Adds a flat gradient row into the expert's `main_grad` (Megatron DDP's grad buffer)."""
         params = dict(expert.named_parameters())
@@ -163,7 +176,7 @@ class InstanceMoELayer(MoELayer):
     reduce-scatter over the ETP group runs around the instances as around ep's experts.
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, grouped_gemm: bool = False):
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection)
@@ -174,6 +187,10 @@ class InstanceMoELayer(MoELayer):
             "moe_latent_size": bool(config.moe_latent_size),
             "MoE recompute": self.moe_layer_recompute,
             "grouped GEMM experts (packed weights)": not hasattr(self.experts, "local_experts"),
+            "biases with grouped GEMM (as Megatron's GroupedMLP)": grouped_gemm and config.add_bias_linear,
+            "GLU clamp or offset with grouped GEMM": grouped_gemm and (
+                config.activation_func_clamp_value is not None or config.glu_linear_offset != 0
+            ),
         }
         refused = [name for name, on in unsupported.items() if on]
         if refused:
@@ -183,6 +200,8 @@ class InstanceMoELayer(MoELayer):
         self.token_dispatcher = InstanceTokenDispatcher(self.num_experts, config, pg_collection)
         self.expert_layout = ExpertLayout.of(self.experts.local_experts[0])
         """Packing of one expert's parameters into a row (same for every expert)."""
+        self.grouped_gemm = grouped_gemm
+        """Run a pass's instances as one grouped GEMM (`run_instances`), not one MLP each."""
 
     # ---- hooks for the mode -------------------------------------------------------------
 
@@ -223,6 +242,56 @@ class InstanceMoELayer(MoELayer):
         """One expert MLP (Megatron's own module and ops) on the weights packed in `row_N`."""
         output, _ = functional_call(self.experts.local_experts[0], self.expert_layout.views(row_N), (tokens_nD, probs_n))
         return output
+
+    def run_instances(self, rows_RN: torch.Tensor, row_G: np.ndarray, counts_G: np.ndarray,
+                      tokens_ND: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
+        """Expert outputs [N, D] of consecutive token groups: group g (counts_G[g] tokens) runs on
+        the weights packed in rows_RN[row_G[g]]; no two groups share a row.
+
+        Per instance: Megatron's MLP module once per group (`run_expert`). Grouped GEMM: two
+        grouped matmuls over every row of `rows_RN` (strided views, no weight copy; rows without
+        tokens get empty groups), with the groups' tokens first put in row order. A rank without
+        tokens still runs (an empty batch), so its backward joins the all-to-alls like the others'.
+        """
+        if not self.grouped_gemm:
+            outputs = [
+                self.run_expert(rows_RN[row], tokens_nD, probs_n)
+                for row, tokens_nD, probs_n in zip(row_G, torch.split(tokens_ND, counts_G.tolist()),
+                                                    torch.split(probs_N, counts_G.tolist()))
+                if tokens_nD.shape[0]
+            ]
+            return torch.cat(outputs) if outputs else self.run_expert(rows_RN[0], tokens_ND, probs_N)
+        order_G = np.argsort(row_G, kind="stable")
+        counts_R = np.zeros(rows_RN.shape[0], dtype=np.int64)
+        counts_R[row_G] = counts_G
+        ends_R = torch.as_tensor(np.cumsum(counts_R), dtype=torch.int32, device=tokens_ND.device)
+        if np.array_equal(order_G, np.arange(len(row_G))):
+            return self._grouped_mlp(rows_RN, tokens_ND, probs_N, ends_R)
+        # the groups' token ranges, taken in row order, and the way back
+        starts_G = np.cumsum(counts_G) - counts_G
+        to_rows_N = torch.as_tensor(
+            np.concatenate([np.arange(starts_G[g], starts_G[g] + counts_G[g]) for g in order_G]), device=tokens_ND.device
+        )
+        back_N = torch.empty_like(to_rows_N)
+        back_N[to_rows_N] = torch.arange(to_rows_N.numel(), device=tokens_ND.device)
+        output_ND = self._grouped_mlp(rows_RN, tokens_ND.index_select(0, to_rows_N), probs_N.index_select(0, to_rows_N), ends_R)
+        return output_ND.index_select(0, back_N)
+
+    def _grouped_mlp(self, rows_RN, tokens_ND, probs_N, ends_R) -> torch.Tensor:
+        """Megatron's expert MLP without biases (what its GroupedMLP computes) over all rows:
+        fc1, activation (GLU: act(first half) x second half) times the token's probability in the
+        activation's dtype, fc2."""
+        config = self.config
+        fc1_RFH = self.expert_layout.stacked(rows_RN, "linear_fc1.weight")
+        fc2_RHF = self.expert_layout.stacked(rows_RN, "linear_fc2.weight")
+        hidden_NF = grouped.grouped_mm(tokens_ND, fc1_RFH.transpose(1, 2), ends_R)
+        if config.gated_linear_unit:
+            gate_NF, linear_NF = torch.chunk(hidden_NF, 2, dim=-1)
+            hidden_NF = config.activation_func(gate_NF) * linear_NF
+        else:
+            hidden_NF = config.activation_func(hidden_NF)
+        hidden_NF = (hidden_NF * probs_N.unsqueeze(-1)).to(hidden_NF.dtype)
+        return grouped.grouped_mm(hidden_NF, fc2_RHF.transpose(1, 2), ends_R)
 
 
 def set_aux_loss_scale(scale: torch.Tensor) -> None:

@@ -119,6 +119,10 @@ class FSSDPConfig:
     always on with --bf16), as Megatron's DDP reduces the dense gradients in fp32; otherwise in
     the compute dtype (fp16 without the flag, half the spRS bytes). The copies themselves, and so
     spAG, stay in the compute dtype."""
+    grouped_gemm: bool = False
+    """Run the instances a rank computes in one MoE layer pass as one grouped GEMM over their
+    weight rows (`--moe-grouped-gemm`; `compat.moe.InstanceMoELayer.run_instances`); Megatron's
+    own experts stay SequentialMLP modules, the parameters this mode owns."""
 
     @classmethod
     def from_args(cls, args) -> "FSSDPConfig":
@@ -135,6 +139,7 @@ class FSSDPConfig:
             collectives=args.fssdp_collectives,
             micro_batches=args.num_micro_batches,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            grouped_gemm=args.moe_grouped_gemm,
         )
 
 
@@ -145,4 +150,5 @@ MODE = ModeSpec(
     add_args=add_args,
     validate=validate,
     default_load_window=DEFAULT_LOAD_WINDOW,
+    grouped_gemm_on_instances=True,
 )

@@ -191,9 +191,9 @@ class FSSDPMoELayer(InstanceMoELayer):
     """Megatron MoELayer whose experts run on copies materialized by the FSSDP runtime."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, runtime=None):
-        super().__init__(config, submodules, layer_number, pg_collection)
         if runtime is None:
             raise ValueError("FSSDPMoELayer needs the FSSDP runtime (pass it through the layer spec's params)")
+        super().__init__(config, submodules, layer_number, pg_collection, grouped_gemm=runtime.config.grouped_gemm)
         self.runtime = runtime
         self._pass: LayerPass | None = None
         self._replays: list[LayerPass] = []
@@ -257,31 +257,26 @@ class FSSDPMoELayer(InstanceMoELayer):
         layer_pass = self._pass
         held_HN, layer_pass.copies_HN, layer_pass.anchor = layer_pass.copies_HN, None, None
         row_E = layer_pass.plan.held_row_E
-        counts = tokens_per_expert_E.tolist()
-        outputs = []
+        counts_E = tokens_per_expert_E.cpu().numpy()
+        expert_G = np.flatnonzero(counts_E)
+        missing = expert_G[row_E[expert_G] < 0]
+        if missing.size:
+            raise RuntimeError(
+                f"rank {self.runtime.rank} received {counts_E[missing[0]]} tokens of expert {missing[0]} in layer "
+                f"{self.layer_number} but holds no copy of it (dispatch and placement disagree)"
+            )
         # Re-materialization frees the copies after the forward; a replay's backward follows at once.
         frees = not layer_pass.copies.keeps_copies and not layer_pass.replaying
         hooks = self._saved_copy_hooks(layer_pass.copies) if frees and torch.is_grad_enabled() else contextlib.nullcontext()
         counted = self.training and not layer_pass.replaying
         with hooks, self.runtime.timer.span("fssdp.experts" if counted else "fssdp.experts.untimed"):
-            for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
-                if counts[expert] == 0:
-                    continue
-                if row_E[expert] < 0:
-                    raise RuntimeError(
-                        f"rank {self.runtime.rank} received {counts[expert]} tokens of expert {expert} in layer "
-                        f"{self.layer_number} but holds no copy of it (dispatch and placement disagree)"
-                    )
-                outputs.append(self.run_expert(held_HN[row_E[expert]], tokens_nD, probs_n))
-            if not outputs and held_HN.shape[0]:
-                # No tokens here: still run one expert on the empty batch so that this rank's
-                # backward takes part in the all-to-alls and the reduce like every other rank.
-                outputs.append(self.run_expert(held_HN[0], tokens_ND, probs_N))
-            elif not outputs:
-                # No copy either (re-sharding left this rank none of the layer's experts and the
-                # plan gathers none): the empty output stays connected to the dispatched tokens
-                # so that the backward's all-to-all still runs here.
-                outputs.append(tokens_ND * probs_N.unsqueeze(-1).to(tokens_ND.dtype))
+            if held_HN.shape[0]:
+                output_ND = self.run_instances(held_HN, row_E[expert_G], counts_E[expert_G], tokens_ND, probs_N)
+            else:
+                # No copy (re-sharding left this rank none of the layer's experts and the plan
+                # gathers none): the empty output stays connected to the dispatched tokens so
+                # that the backward's all-to-all still runs here.
+                output_ND = tokens_ND * probs_N.unsqueeze(-1).to(tokens_ND.dtype)
         if counted:
             self.runtime.stats.expert_tokens += tokens_ND.shape[0]
         if frees:
@@ -289,7 +284,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         if self.training and not torch.is_grad_enabled():
             self._replays.append(layer_pass)  # activation recompute runs this forward again
         self._pass = None
-        return torch.cat(outputs, dim=0)
+        return output_ND
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Megatron's, with the experts this rank's slots hold for this layer (after re-sharding

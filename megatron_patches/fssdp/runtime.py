@@ -220,6 +220,12 @@ class FSSDPRuntime(ModeRuntime):
     def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "FSSDPRuntime":
         return cls(FSSDPConfig.from_args(args), args.num_experts, moe_layer_numbers, on_gpu)
 
+    def transformer_config(self, config):
+        """Megatron's grouped experts off: the experts stay SequentialMLP modules (the owned
+        parameters and the checkpoint form), and --moe-grouped-gemm groups the copies' compute."""
+        config.moe_grouped_gemm = False
+        return config
+
     def moe_spec(self, moe_layer_spec):
         """Megatron's MoE layer -> FSSDPMoELayer."""
         return with_moe_layer(moe_layer_spec, FSSDPMoELayer, runtime=self)
@@ -272,6 +278,8 @@ class FSSDPRuntime(ModeRuntime):
             f"fssdp: probed point-to-point bandwidth {intra / 1e9:.2f} GB/s inside a node, {inter / 1e9:.2f} GB/s "
             f"between nodes ({self.nodes} node(s) x {self.devices_per_node} ranks; slowest rank of the job)"
         )
+        if template.grouped_gemm:
+            self._log.append("fssdp: grouped GEMM: each layer pass runs its held copies as two grouped matmuls")
         original = config.finalize_model_grads_func
 
         def finalize_model_grads(*args, **kwargs):

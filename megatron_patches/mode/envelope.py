@@ -18,8 +18,12 @@ def check_instance_mode(args, mode: str) -> None:
          "--moe-parallel-mode ep"),
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, args.moe_token_dispatcher_type != "alltoall",
          f"{mode} routes token copies with (a subclass of) the alltoall dispatcher; valid: alltoall"),
-        ("--moe-grouped-gemm", True, args.moe_grouped_gemm,
-         f"{mode} runs each expert instance with Megatron's MLP module; drop --moe-grouped-gemm"),
+        ("--moe-grouped-gemm", True, args.moe_grouped_gemm and args.add_bias_linear,
+         f"{mode}'s grouped GEMM runs the experts without biases, as Megatron's GroupedMLP; add "
+         "--disable-bias-linear or drop --moe-grouped-gemm"),
+        ("--recompute-modules", "moe_act", "moe_act" in (args.recompute_modules or ()),
+         f"{mode} does not recompute the experts' activation alone; recompute the whole layer "
+         "(--recompute-granularity full) or drop moe_act from --recompute-modules"),
         ("--moe-pad-expert-input-to-capacity", True, args.moe_pad_expert_input_to_capacity,
          f"padding is per expert rank, instances make it per instance; not supported in {mode} mode"),
         ("--recompute-modules", "moe", "moe" in (args.recompute_modules or ()),
@@ -29,3 +33,19 @@ def check_instance_mode(args, mode: str) -> None:
     for flag, value, refused, why in refusals:
         if refused:
             fail(flag, value, why)
+    if args.moe_grouped_gemm:
+        _check_grouped_gemm(args, mode)
+
+
+def _check_grouped_gemm(args, mode: str) -> None:
+    """torch's grouped matmul must run the instances' GEMMs in the run's dtype and widths."""
+    import torch  # here, so that building the parser and the docs stays torch-free
+
+    from megatron_patches.compat.grouped import grouped_mm_problem
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    ffn = args.moe_ffn_hidden_size // args.expert_tensor_parallel_size
+    problem = grouped_mm_problem(dtype, {"--hidden-size": args.hidden_size,
+                                         "--moe-ffn-hidden-size / --expert-tensor-parallel-size": ffn})
+    if problem:
+        fail("--moe-grouped-gemm", True, f"{mode}: {problem}; or drop --moe-grouped-gemm")

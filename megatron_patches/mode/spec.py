@@ -48,6 +48,10 @@ class ModeSpec:
     default_load_window: int | None = None
     """--moe-load-window when not given (DESIGN 4.1); None: the mode places experts statically
     and refuses the flag."""
+    grouped_gemm_on_instances: bool = False
+    """--moe-grouped-gemm runs the mode's expert instances as grouped matmuls over their weight
+    rows (`compat.grouped`: CPU or GPU, any precision) instead of Megatron's GroupedMLP, so
+    Megatron-LM's CUDA and --bf16 rules for GroupedMLP do not apply; the mode checks its own."""
     default_expert_parallel_size: int | None = None
     """--expert-model-parallel-size when not given; None: the largest valid one (Megatron
     expert parallelism over as many ranks as the experts allow)."""

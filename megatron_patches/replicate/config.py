@@ -98,6 +98,13 @@ class ReplicateConfig:
     """How popularity is predicted from the last `load_window` iterations: "adaptive" (per layer
     the window among 1, 2, 4, ... that predicted the recent iterations best; with the default
     window of 1 the last iteration) or "mean" (all of them); `placement.loads.LoadTracker`."""
+    micro_batches: int = 1
+    """k, the micro-batches of one iteration on this rank: a layer's slot gradient is complete after
+    the k-th backward through it, when its gradient reduce starts."""
+    grouped_gemm: bool = False
+    """Run the instances a rank computes in one MoE layer pass as one grouped GEMM over their
+    weight rows (`--moe-grouped-gemm`; `compat.moe.InstanceMoELayer.run_instances`); Megatron's
+    own experts stay SequentialMLP modules, the parameters this mode owns."""
 
     def __post_init__(self) -> None:
         values = (
@@ -126,6 +133,8 @@ class ReplicateConfig:
             rebalance_interval=args.replicate_rebalance_interval,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             load_predictor=args.moe_load_predictor,
+            micro_batches=args.num_micro_batches,
+            grouped_gemm=args.moe_grouped_gemm,
         )
 
 
@@ -136,4 +145,5 @@ MODE = ModeSpec(
     add_args=add_args,
     validate=validate,
     default_load_window=DEFAULT_LOAD_WINDOW,
+    grouped_gemm_on_instances=True,
 )

@@ -5,7 +5,9 @@ rank = device of the placement). Per iteration, in this order on every rank:
 
     global_E = experts.popularity(local_counts_E)          # after the router: one small all-reduce
     ... forward and backward of the slot experts (experts.slots.slots_SN) ...
-    grad_En = experts.reduce_gradients(experts.slots.slots_SN.grad)   # (a), (b), (c)
+    grad_En = experts.reduce_gradients(experts.slots.slots_SN.grad)   # (a), (b), (c); or start_reduce
+                                                             # when the slots' gradient is complete,
+                                                             # finish_reduce after the backward
     experts.step(grad_En, lr)                                # (d): Adam on the owned slices
     experts.push(next_slot_expert_RS)                        # (e): into the next placement's slots
 
@@ -47,6 +49,8 @@ Every method is collective over the replicate group: all ranks call it in the sa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -59,11 +63,21 @@ from megatron_patches.placement.types import ElementShardLayout, InstancePlaceme
 from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
-__all__ = ["STATE_NAMES", "ReplicatedExperts"]
+__all__ = ["STATE_NAMES", "PendingReduce", "ReplicatedExperts"]
 
 STATE_NAMES = ("weights", "exp_avg", "exp_avg_sq")
 """The per-expert tensors of a placement-independent checkpoint, in packing order (fp32 master
 weights and Adam's two moments); the step count is one number for all experts."""
+
+
+@dataclass
+class PendingReduce:
+    """A layer's gradient reduce between `start_reduce` and `finish_reduce`."""
+
+    rep_HN: torch.Tensor
+    """One representative gradient row per held class (step (a)); summed in place by step (b)."""
+    works: list
+    """Step (b)'s asynchronous all-reduces, in ascending class order."""
 
 
 class ReplicatedExperts:
@@ -179,6 +193,12 @@ class ReplicatedExperts:
         Returns:
             [E, n_r]: row e = elements [start_r, stop_r) of the sum over all instances of e.
         """
+        return self.finish_reduce(self.start_reduce(grad_SN))
+
+    def start_reduce(self, grad_SN: torch.Tensor) -> "PendingReduce":
+        """Step (a) and the launch of step (b)'s all-reduces (asynchronous); `finish_reduce` waits
+        for them and runs (c). The runtime starts a layer's reduce as soon as its slots' gradient
+        is complete (during the backward of the layers below)."""
         slots = self.slots
         if not isinstance(grad_SN, torch.Tensor) or grad_SN.shape != slots.slots_SN.shape:
             got = tuple(grad_SN.shape) if isinstance(grad_SN, torch.Tensor) else type(grad_SN).__name__
@@ -211,11 +231,14 @@ class ReplicatedExperts:
             for h, e in enumerate(held_H)
             if range_E2[e, 1] - range_E2[e, 0] >= 2
         ]
-        for work in works:
-            work.wait()
+        return PendingReduce(rep_HN, works)
 
+    def finish_reduce(self, pending: "PendingReduce") -> torch.Tensor:
+        """Waits for step (b) of `pending` and runs step (c): [E, n_r], as `reduce_gradients`."""
+        for work in pending.works:
+            work.wait()
         # (c) slice r of every class from its source; messages packed in ascending class order.
-        return self._fetch(rep_HN)
+        return self._fetch(pending.rep_HN)
 
     def _fetch(self, rep_HN: torch.Tensor) -> torch.Tensor:
         """Step (c): slice r of every class's summed gradient, from source(e, r); [E, n_r]."""

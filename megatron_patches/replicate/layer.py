@@ -31,9 +31,9 @@ class ReplicateMoELayer(InstanceMoELayer):
     """Megatron MoELayer whose experts run on the slots the replicate runtime placed."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, runtime=None):
-        super().__init__(config, submodules, layer_number, pg_collection)
         if runtime is None:
             raise ValueError("ReplicateMoELayer needs the replicate runtime (pass it through the layer spec's params)")
+        super().__init__(config, submodules, layer_number, pg_collection, grouped_gemm=runtime.config.grouped_gemm)
         # Frozen before DDP wraps the model: no grad buffer, no optimizer state for them.
         self.experts.requires_grad_(False)
         self.runtime = runtime
@@ -50,28 +50,22 @@ class ReplicateMoELayer(InstanceMoELayer):
     def compute_instances(self, tokens_ND, tokens_per_expert_E, probs_N):
         slots = self.runtime.experts[self.layer_number].slots
         slot_expert_S = slots.slot_expert_S
-        counts = tokens_per_expert_E.tolist()
-        outputs = []
-        for expert, (tokens_nD, probs_n) in enumerate(zip(torch.split(tokens_ND, counts), torch.split(probs_N, counts))):
-            if counts[expert] == 0:
-                continue
+        counts_E = tokens_per_expert_E.cpu().numpy()
+        slot_G, count_G = [], []
+        for expert in np.flatnonzero(counts_E):
             slot_J = np.flatnonzero(slot_expert_S == expert)
             if slot_J.size == 0:
                 raise RuntimeError(
-                    f"rank {slots.rank} received {counts[expert]} tokens of expert {expert} in layer "
+                    f"rank {slots.rank} received {counts_E[expert]} tokens of expert {expert} in layer "
                     f"{self.layer_number} but none of its slots holds it (dispatch and placement disagree)"
                 )
             # The class's tokens split evenly over its slots here: each instance stays within its capacity.
-            sizes = np.full(slot_J.size, counts[expert] // slot_J.size)
-            sizes[: counts[expert] % slot_J.size] += 1
-            for slot, tokens_mD, probs_m in zip(slot_J, torch.split(tokens_nD, sizes.tolist()), torch.split(probs_n, sizes.tolist())):
-                if tokens_mD.shape[0]:
-                    outputs.append(self.run_expert(slots.slots_SN[slot], tokens_mD, probs_m))
-        if not outputs:
-            # No tokens here: still run one slot on the empty batch so that this rank's backward
-            # takes part in the all-to-alls like every other rank's.
-            outputs.append(self.run_expert(slots.slots_SN[0], tokens_ND, probs_N))
-        return torch.cat(outputs, dim=0)
+            sizes_J = np.full(slot_J.size, counts_E[expert] // slot_J.size)
+            sizes_J[: counts_E[expert] % slot_J.size] += 1
+            slot_G.extend(slot_J[sizes_J > 0])
+            count_G.extend(sizes_J[sizes_J > 0])
+        return self.run_instances(slots.slots_SN, np.asarray(slot_G, dtype=np.int64),
+                                  np.asarray(count_G, dtype=np.int64), tokens_ND, probs_N)
 
 
 def drop_routes(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, kept_E: np.ndarray):

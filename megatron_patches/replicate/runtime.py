@@ -20,7 +20,9 @@ Per iteration, on every rank in the same order:
 
     route (each micro-batch, each layer)   counts [G, E] all-reduced; tokens spread over the
                                            instances under the capacity; the overflow dropped
-    finalize_model_grads (wrapped)         slot gradients -> summed slices [E, n_r] (all-reduced
+    k-th backward through a layer's slots  its gradient reduce starts (steps (a), (b)
+                                           asynchronous), while the layers below run backward
+    finalize_model_grads (wrapped)         reduces completed: summed slices [E, n_r] (all-reduced
                                            over the groups when EDP > 1), x 1/DP like
                                            Megatron's DDP; their squared norm is added to
                                            Megatron's grad norm (clipping sees every parameter once)
@@ -54,7 +56,7 @@ from megatron_patches.placement.replicate import popularity_slots, slot_placemen
 from megatron_patches.placement.types import ShardLayout, Topology
 from megatron_patches.replicate import checkpoint
 from megatron_patches.replicate.config import ReplicateConfig
-from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
+from megatron_patches.replicate.engine import STATE_NAMES, PendingReduce, ReplicatedExperts
 from megatron_patches.replicate.layer import ReplicateMoELayer
 from megatron_patches.replicate.slices import AdamConfig
 
@@ -81,6 +83,8 @@ class IterationStats:
     """Token copies processed per layer, expert and rank."""
     replicas_LE: np.ndarray
     """Instances per layer and expert class of the placement the iteration ran with."""
+    backwards_L: np.ndarray
+    """Backward passes that reached each layer's slots so far (the reduce starts at k)."""
     remote_copies: int = 0
     """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
     seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
@@ -139,6 +143,8 @@ class ReplicateRuntime(ModeRuntime):
         """Layer number -> the layer's slots, slices and traffic engine."""
         self.grads: dict[int, torch.Tensor] = {}
         """Layer number -> this iteration's summed gradient slices [E, n_r] (after the backward)."""
+        self.pending: dict[int, PendingReduce] = {}
+        """Layer number -> its gradient reduce, started in the backward and not yet finished."""
         self.stats: IterationStats | None = None
         slots = self.num_devices * config.slots_per_rank
         if slots == num_experts:
@@ -158,8 +164,10 @@ class ReplicateRuntime(ModeRuntime):
 
     def transformer_config(self, config):
         """Megatron's per-expert capacity off: replicate applies the capacity per expert instance
-        itself (DESIGN 4.6)."""
+        itself (DESIGN 4.6). Megatron's grouped experts off: the experts stay SequentialMLP
+        modules (the checkpoint form), and --moe-grouped-gemm groups the slots' compute."""
         config.moe_expert_capacity_factor = None
+        config.moe_grouped_gemm = False
         return config
 
     def moe_spec(self, moe_layer_spec):
@@ -190,6 +198,8 @@ class ReplicateRuntime(ModeRuntime):
         if not moe:
             raise ValueError("replicate mode: this pipeline stage has no replicate MoE layer (the layer spec was not injected)")
         self.layers = moe
+        if moe[0].grouped_gemm:
+            self._log.append("replicate: grouped GEMM: each layer pass runs its slots as two grouped matmuls")
         slots = self.initial_slots()
         ep_group = parallel_state.get_expert_model_parallel_group()
         for layer in moe:
@@ -215,6 +225,9 @@ class ReplicateRuntime(ModeRuntime):
                 decay_mask_N=decay_N,
                 reduce_dtype=torch.float32 if self.config.reduce_in_fp32 else None,
             )
+        for index, layer in enumerate(moe):
+            self.experts[layer.layer_number].slots.slots_SN.register_post_accumulate_grad_hook(
+                self._start_reduce_hook(index, layer.layer_number))
         original = config.finalize_model_grads_func
 
         def finalize_model_grads(*args, **kwargs):
@@ -237,8 +250,9 @@ class ReplicateRuntime(ModeRuntime):
             np.zeros((L, self.num_experts), dtype=np.int64),
             np.zeros((L, self.num_experts, self.num_devices), dtype=np.int64),
             np.stack([self.experts[layer.layer_number].slots.placement.instances_E() for layer in self.layers]),
+            np.zeros(L, dtype=np.int64),
         )
-        self.grads = {}
+        self.grads, self.pending = {}, {}
         for experts in self.experts.values():
             experts.slots.slots_SN.grad = None
 
@@ -266,16 +280,34 @@ class ReplicateRuntime(ModeRuntime):
             self.stats.seconds["metadata"] += time.perf_counter() - started
         return tokens_ED
 
+    def _start_reduce_hook(self, index: int, layer_number: int):
+        """After autograd adds a backward's gradient to a layer's slots: at the iteration's k-th
+        (the gradient is complete), steps (a) and (b) of its reduce start, so its all-reduces run
+        during the backward of the layers below. Every rank of the group reaches the layers'
+        k-th backwards in the same order, so the collectives are issued alike."""
+
+        def hook(slots_SN: torch.Tensor) -> None:
+            self.stats.backwards_L[index] += 1
+            if self.stats.backwards_L[index] == self.config.micro_batches:
+                self.pending[layer_number] = self.experts[layer_number].start_reduce(slots_SN.grad)
+
+        return hook
+
     def reduce_gradients(self) -> None:
-        """After the backward: every layer's slot gradients -> summed slices, scaled as Megatron's DDP."""
+        """After the backward: every layer's reduce finished -> summed slices, scaled as Megatron's DDP."""
         # DDP divides every gradient by the data-parallel size (the loss is a per-replica mean).
         scale = 1.0 / parallel_state.get_data_parallel_world_size()
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             experts = self.experts[layer.layer_number]
-            grad_SN = experts.slots.slots_SN.grad
-            if grad_SN is None:
-                grad_SN = torch.zeros_like(experts.slots.slots_SN)
-            grad_En = experts.reduce_gradients(grad_SN)
+            backwards = self.stats.backwards_L[index]
+            if backwards not in (0, self.config.micro_batches):
+                raise RuntimeError(
+                    f"replicate: layer {layer.layer_number}'s slots received gradients from {backwards} backward passes "
+                    f"this iteration, expected {self.config.micro_batches} (one per micro-batch)"
+                )
+            if layer.layer_number not in self.pending:  # no backward reached the slots: zero gradients
+                self.pending[layer.layer_number] = experts.start_reduce(torch.zeros_like(experts.slots.slots_SN))
+            grad_En = experts.finish_reduce(self.pending.pop(layer.layer_number))
             if self.edp_size > 1:  # the other groups' tokens: same slice, same position
                 dist.all_reduce(grad_En, group=self.edp_group)
                 record_ring_allreduce(self.traffic, "rep_grad_edp", grad_En, self.edp_rank, self.edp_size, self.edp_topology)
@@ -545,6 +577,7 @@ class ReplicateRuntime(ModeRuntime):
                     "imbalance": imbalance(device_D),
                     "popularity": routed_E.tolist(),
                     "replicas": self.stats.replicas_LE[index].tolist(),
+                    "reduce_started_in_backward": bool(self.stats.backwards_L[index] == self.config.micro_batches),
                 }
             )
         return {

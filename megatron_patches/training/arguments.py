@@ -260,8 +260,10 @@ def _add_moe_args(parser):
                        "effective only after the --moe-expert-capacity-factor is set.")
     group.add_argument("--moe-grouped-gemm", action="store_true",
                        help="When there are multiple experts per rank, compute them with one "
-                       "grouped GEMM. Needs CUDA and --bf16 (as in Megatron-LM); on CPU the "
-                       "experts run one after another.")
+                       "grouped GEMM. ep: Megatron's GroupedMLP, needs CUDA and --bf16 (as in "
+                       "Megatron-LM). fssdp / replicate: the instances of a layer run as torch "
+                       "grouped matmuls over their weight rows, on CPU or GPU in any precision, "
+                       "without biases (--disable-bias-linear).")
     group.add_argument(
         "--moe-parallel-mode", type=str, default="ep",
         help="How expert parameters are placed and synchronised: "

@@ -391,14 +391,18 @@ def _resolve_device(args):
         fail("--transformer-impl", "transformer_engine",
              "needs CUDA and the transformer-engine package (pip install "
              "'megatron-patches[gpu]'); valid here: local")
-    if args.moe_grouped_gemm and not args.use_cuda:
+    if args.moe_grouped_gemm and not args.use_cuda and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
         fail("--moe-grouped-gemm", True,
-             "grouped GEMM kernels need CUDA; on CPU leave it off (experts then run one after "
-             "another)")
+             "Megatron's grouped GEMM kernels need CUDA; on CPU leave it off (experts then run one "
+             f"after another), or use --moe-parallel-mode {' or '.join(_instance_grouped_modes())}")
     if args.moe_token_dispatcher_type == "flex" and not args.use_cuda:
         fail("--moe-token-dispatcher-type", "flex",
              "the flex dispatcher needs CUDA (DeepEP/HybridEP kernels); valid on CPU: alltoall, "
              "allgather")
+
+
+def _instance_grouped_modes() -> list[str]:
+    return [spec.name for spec in MODES.values() if spec.grouped_gemm_on_instances]
 
 
 def _check_precision(args):
@@ -407,8 +411,9 @@ def _check_precision(args):
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one (or neither for "
                             "float32)")
-    if args.moe_grouped_gemm and not args.bf16:
-        fail("--moe-grouped-gemm", True, "needs --bf16 (as in Megatron-LM)")
+    if args.moe_grouped_gemm and not args.bf16 and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
+        fail("--moe-grouped-gemm", True, "needs --bf16 (as in Megatron-LM) with --moe-parallel-mode "
+             f"{args.moe_parallel_mode}; {' and '.join(_instance_grouped_modes())} group their GEMMs in any precision")
     half = args.fp16 or args.bf16
     if args.loss_scale is not None:
         if not half:
