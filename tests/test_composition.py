@@ -26,10 +26,11 @@ distributed optimizer (in fssdp with the distributed optimizer over one group). 
 distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit for bit, in ep
 and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
 for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
-runs alone at 4 ranks for both modes against ep (`CELLS`), and so does expert tensor parallelism
-(with checkpoints across ETP). The 4-rank distributed-optimizer checkpoints also resume at 8
+runs alone at 4 ranks for both modes against ep (`CELLS`), and so do expert tensor parallelism
+(with checkpoints across ETP) and grouped GEMM (fp32, bf16, and fp16 with full recompute and
+the distributed optimizer: `GROUPED_RUNS`). The 4-rank distributed-optimizer checkpoints also resume at 8
 ranks (two groups). The runs share six spawns (support/multirun.py): 8 ranks (11 runs), 4 ranks
-(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells), 4 ranks (the 7 ETP runs), 2 ranks (3).
+(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells, 3 resumes in other layouts, 10 grouped-GEMM runs), 4 ranks (the 7 ETP runs), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -320,14 +321,18 @@ RELAYOUT = {
 # replicate run each layer pass's instances as two grouped matmuls (--moe-grouped-gemm) against
 # ep's one MLP per expert (Megatron's GroupedMLP needs CUDA), without biases as Megatron's
 # GroupedMLP. fp32: 1e-5 as every cell; bf16: within bf16's own noise (ep bf16 against ep fp32),
-# and fssdp grouped against fssdp per instance in bf16.
+# and fssdp grouped against fssdp per instance in bf16; fp16 with full recompute and the
+# distributed optimizer: within 1e-4 of ep's fp16 (test_precision_training's fp16 bound).
 GROUPED = [*BASE, "--expert-model-parallel-size", "4", "--disable-bias-linear"]
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"],
+              "fp16": ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2", "--use-distributed-optimizer",
+                       "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]}
 GROUPED_RUNS = {
-    f"{name}_{precision}": [*GROUPED, *(["--bf16"] if precision == "bf16" else []), *more]
-    for precision in ("fp32", "bf16")
+    f"{name}_{precision}": [*GROUPED, *PRECISIONS[precision], *more]
+    for precision in PRECISIONS
     for name, more in (("ep_grouped", []), ("fssdp_instances", ["--moe-parallel-mode", "fssdp"]),
                        *((f"{mode}_grouped", ["--moe-parallel-mode", mode, "--moe-grouped-gemm"]) for mode in ("fssdp", "replicate")))
-    if (name, precision) != ("fssdp_instances", "fp32")
+    if name != "fssdp_instances" or precision == "bf16"
 }
 
 
@@ -378,6 +383,12 @@ def test_grouped_gemm(cells, mode):
     for reference in ("ep_grouped_bf16", "fssdp_instances_bf16"):
         difference = relative(cells[f"{mode}_grouped_bf16"], cells[reference])
         assert difference.max() < 2 * noise.max(), (reference, difference, noise)
+    fp16 = cells[f"{mode}_grouped_fp16"]
+    assert "| recompute " in next(line for line in fp16.output.splitlines() if "precision: " in line)
+    assert relative(fp16, cells["ep_grouped_fp16"]).max() < 1e-4
+    records = [r for r in fp16.records if "loss" in r]
+    assert len(records) == ITERS and records[-1]["skipped_iterations"] == 0
+    assert mode != "replicate" or all(layer["reduce_started_in_backward"] for r in records for layer in r[mode]["layers"])
 
 
 def relative(run, reference) -> np.ndarray:
