@@ -27,10 +27,10 @@ distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit 
 and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
 for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
 runs alone at 4 ranks for both modes against ep (`CELLS`), and so do expert tensor parallelism
-(with checkpoints across ETP) and grouped GEMM (fp32, bf16, and fp16 with full recompute and
+(with checkpoints across ETP, and grouped GEMM on ETP shards) and grouped GEMM (fp32, bf16, and fp16 with full recompute and
 the distributed optimizer: `GROUPED_RUNS`). The 4-rank distributed-optimizer checkpoints also resume at 8
 ranks (two groups). The runs share six spawns (support/multirun.py): 8 ranks (11 runs), 4 ranks
-(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells, 3 resumes in other layouts, 10 grouped-GEMM runs), 4 ranks (the 7 ETP runs), 2 ranks (3).
+(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells, 3 resumes in other layouts, 10 grouped-GEMM runs), 4 ranks (the 9 ETP runs), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -436,6 +436,8 @@ def etp(workdir):
                            "--save-interval", str(SAVE_AT)],
         "fssdp_etp2_resumed": [*two, *FSSDP_RESHARDING, "--load", str(fssdp_ckpt)],
         "replicate_etp2_resumed": [*two, "--moe-parallel-mode", "replicate", "--load", str(replicate_ckpt)],
+        # grouped GEMM on ETP shards: each rank groups its half-width instances
+        **{f"{mode}_etp2_grouped": [*two, "--moe-parallel-mode", mode, "--moe-grouped-gemm"] for mode in ("fssdp", "replicate")},
         "ep_etp1_from_fssdp_etp2": [*one, "--load", str(fssdp_ckpt)],
         "fssdp_etp1_from_replicate_etp2": [*one, "--moe-parallel-mode", "fssdp", "--load", str(replicate_ckpt)],
     }
@@ -451,6 +453,7 @@ def test_expert_tensor_parallelism(etp, mode):
     assert "world 4 = TP 2 x PP 1 x DP 2 | EP 2 x ETP 2" in run.output
     # tokens per device position summed over the ETP ranks (each routes its own sequence half)
     check_common(run, etp["ep_etp2"], mode, group=2)
+    check_common(etp[f"{mode}_etp2_grouped"], etp["ep_etp2"], mode, group=2)
     if mode == "fssdp":
         moved = 0
         for record in (r for r in run.records if "loss" in r):
