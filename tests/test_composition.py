@@ -27,10 +27,12 @@ distributed optimizer (4 ranks) saves after a re-shard and resumes in fssdp bit 
 and in replicate; replicate with the distributed optimizer saves and resumes in replicate bit
 for bit and in ep. Each of TP 2 + SP, PP 2 (4 micro-batches) and the distributed optimizer also
 runs alone at 4 ranks for both modes against ep (`CELLS`), and so do expert tensor parallelism
-(with checkpoints across ETP, and grouped GEMM on ETP shards) and grouped GEMM (fp32, bf16, and fp16 with full recompute and
-the distributed optimizer: `GROUPED_RUNS`). The 4-rank distributed-optimizer checkpoints also resume at 8
-ranks (two groups). The runs share six spawns (support/multirun.py): 8 ranks (11 runs), 4 ranks
-(11), 8 ranks (2 resumes), 4 ranks (the 9 single cells, 3 resumes in other layouts, 10 grouped-GEMM runs), 4 ranks (the 9 ETP runs), 2 ranks (3).
+(with checkpoints across ETP, and grouped GEMM on ETP shards) and grouped GEMM (fp32, bf16, fp16
+with full recompute and the distributed optimizer, and fssdp with re-materialization:
+`GROUPED_RUNS`). The 4-rank distributed-optimizer checkpoints also resume at 8 ranks (two
+groups). The runs share six spawns (support/multirun.py): 8 ranks (11 runs), 4 ranks (11), 8
+ranks (2 resumes), 4 ranks (the 9 single cells, 3 resumes in other layouts, 11 grouped-GEMM
+runs), 4 ranks (the 9 ETP runs), 2 ranks (3).
 """
 
 from __future__ import annotations
@@ -334,6 +336,10 @@ GROUPED_RUNS = {
                        *((f"{mode}_grouped", ["--moe-parallel-mode", mode, "--moe-grouped-gemm"]) for mode in ("fssdp", "replicate")))
     if name != "fssdp_instances" or precision == "bf16"
 }
+# with re-materialization the grouped matmuls' saved weight views are stored as markers and
+# re-gathered for the backward (fp32)
+GROUPED_RUNS["fssdp_grouped_remat_fp32"] = [*GROUPED, "--moe-parallel-mode", "fssdp", "--moe-grouped-gemm",
+                                            "--fssdp-rematerialize"]
 
 
 @pytest.fixture(scope="module")
@@ -377,6 +383,8 @@ def test_grouped_gemm(cells, mode):
     assert f"{mode}: grouped GEMM: each layer pass runs its" in run.output
     assert "grouped GEMM" not in cells["fssdp_instances_bf16"].output
     check_common(run, cells["ep_grouped_fp32"], mode)
+    if mode == "fssdp":
+        check_common(cells["fssdp_grouped_remat_fp32"], cells["ep_grouped_fp32"], mode)
     ep_bf16 = cells["ep_grouped_bf16"]
     noise = relative(ep_bf16, cells["ep_grouped_fp32"])
     assert 1e-5 < noise.max() < 1e-2, noise
