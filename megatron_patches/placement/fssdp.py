@@ -95,11 +95,16 @@ def gather_bandwidth(topology: Topology, algorithm: str = "flat") -> float:
     of its G devices (the relays take turns), and the relay forwards it inside the node. For t
     experts on every device of a node, a device receives t / G of them over its inter-node link
     and the other (G - 1) t / G from its node-mates, stage after stage:
-    bw = 1 / (1 / (G inter) + (G - 1) / (G intra)). With G = 8, 100 Gbps between nodes and
-    300 GB/s inside: 77 GB/s where the flat bound is 12.5, so t is 6x larger. (One bandwidth
-    for both classes, as the runtime's probe measures, gives that bandwidth: t is unchanged.)
-    In the simulator this lifted FSSDP / EP on the paper runs from 1.29-1.72x to 1.48-1.70x
-    (README, the simulated runs).
+    bw = 1 / (1 / (G inter) + (G - 1) / (G intra)).
+
+    `inter_node_bw` must be what a device gets while every device of its node uses the network
+    at once, as the runtime's probe measures it (`FSSDPRuntime._probe_bandwidths`): with one
+    100 Gbps NIC per node of G = 8 devices, 1.56 GB/s, so G x inter is the NIC's 12.5 GB/s and,
+    with 300 GB/s inside the node, bw = 12.1 GB/s (flat: 1.56, so t is 7.7x larger). Given the
+    NIC rate of one pair alone (12.5 GB/s), the formula would claim 77 GB/s through a 12.5 GB/s
+    NIC: the simulator passes the probe's figures (`sim.costs.Hardware.probed_topology`; it did
+    not before 2026-11-27, which overstated its t 6x on cluster A). One bandwidth for both
+    classes gives that bandwidth: t is unchanged.
     """
     if topology.nodes == 1:
         return topology.intra_node_bw

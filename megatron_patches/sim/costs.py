@@ -322,6 +322,19 @@ class Hardware:
         return int(self.peak_flops_D.size)
 
     @property
+    def probed_topology(self) -> Topology:
+        """The topology as the FSSDP runtime's bandwidth probe measures it, which sets its t
+        (`FSSDPRuntime._probe_bandwidths`): every rank exchanges with its node-mate and, at the
+        same time as every other position, with its same-position peer on the next node, so a
+        node's G devices share its NIC: inter-node = the slowest NIC / G (at most the slowest
+        intra-node link), intra-node = the slowest link. `topology` keeps the NIC rate a single
+        pair of devices gets, the right figure for one transfer alone."""
+        per_node = self.topology.devices_per_node
+        intra = float(self.intra_bw_D.min())
+        inter = min(float(self.nic_bw_N.min()) / per_node, intra) if self.topology.nodes > 1 else intra
+        return dataclasses.replace(self.topology, intra_node_bw=intra, inter_node_bw=inter)
+
+    @property
     def device_types(self) -> tuple[str, ...]:
         """GPU type name per device."""
         return self.cluster.device_types

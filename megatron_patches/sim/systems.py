@@ -389,7 +389,9 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     t = o.overlap_degree
     if t is None:
         algorithm = "hierarchical" if o.sparse_collectives == "hierarchical" else "flat"
-        t = fssdp.overlap_degree(t_non_moe, fssdp.gather_bandwidth(topo, algorithm), bm.expert_weight_bytes, E)
+        # from the figures the runtime's probe would measure, as the runtime chooses its t
+        bandwidth = fssdp.gather_bandwidth(scn.hardware.probed_topology, algorithm)
+        t = fssdp.overlap_degree(t_non_moe, bandwidth, bm.expert_weight_bytes, E)
     m = o.memory_capacity
     if m is None:
         m = min(fssdp.memory_capacity(free / (1 if spec.remat else L), copy_bytes), E)

@@ -22,7 +22,7 @@ from megatron_patches.sim import (
     select_devices,
 )
 from megatron_patches.placement.accounting import imbalance
-from megatron_patches.placement.fssdp import dispatch, materialize
+from megatron_patches.placement.fssdp import dispatch, gather_bandwidth, materialize
 from megatron_patches.placement.types import ShardLayout
 from megatron_patches.sim.costs import all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.report import imbalance_rows
@@ -246,3 +246,18 @@ def test_a_model_that_does_not_fit_fails_with_its_parts():
         check_memory(scn, ep)
     roomy = build_scenario(make_model(), make_cluster(1, 2), 2, balanced_trace(2, 2, 8, 2, 100))
     assert check_memory(roomy, ep) == []
+
+
+def test_probed_topology_shares_each_nic_among_its_node_as_the_runtimes_probe_measures():
+    """t comes from these figures (sim.systems), as the runtime's comes from its probe: all same-
+    position rings run at once, so a node's 8 devices share its 100 Gbps NIC."""
+    hw = hardware(4, 8, 300.0, 100.0)
+    assert hw.topology.inter_node_bw == 12.5e9  # one pair alone gets the NIC
+    probed = hw.probed_topology
+    assert (probed.nodes, probed.devices_per_node) == (4, 8)
+    assert probed.inter_node_bw == 12.5e9 / 8 and probed.intra_node_bw == 300e9
+    # node-aware gather: the node's NIC carries each expert once, relayed inside: ~12.1 GB/s, not 77
+    assert gather_bandwidth(probed, "hierarchical") == pytest.approx(1 / (1 / 12.5e9 + 7 / (8 * 300e9)))
+    assert gather_bandwidth(probed, "flat") == 12.5e9 / 8
+    # one node: no NIC in the way
+    assert hardware(1, 8, 300.0, 100.0).probed_topology.inter_node_bw == 300e9

@@ -2,23 +2,22 @@
 never meaningfully slower than EP, which it contains (no copies), and it is priced the way the
 simulator charges its gather (`sim.systems._sparse_gather_seconds`) and all-to-all.
 
-Measured on the 30 cases below (2026-11-27, relief calibration and node-aware t): fssdp / ep
-worst 1.028, mean 0.856 (2026-11-26: 1.024, 0.864). Against FasterMoE, whose shadowing
-calibration considers too, FSSDP is not always faster: worst 1.125, slower on 9 of 30 (cases 0,
-6, 8, 10, 14, 16, 20, 25, 26; four of them on one node), so that is reported, not asserted.
-Why, measured per case (2026-11-27): (1) for the same shadowed experts the node-aware spAG is
-priced 1.5-2.9x FasterMoE's pipelined ring broadcast (the owner sends every copy into its node
-and one per remote node; a ring has each holder forward once), and with FasterMoE's shadows,
-dispatch and no pre-gate copies FSSDP would still be 1.002-1.066x, reaching <= 1.0 only with
-ring pricing; (2) pre-gate copies: t from `gather_bandwidth` assumes the relays take turns on
-the node's NIC, while the owner's fan-out bounds small t (cases 0, 25, 26: without pre-gate
-copies 0.96-0.98x), and each extra instance pays a kernel launch and a GEMM overhead the
-planner's per-token compute model does not see (case 16); (3) dispatch spreads an expert's
-tokens over its holders even when every device holds it, where keeping them local avoids the
-all-to-all (cases 8, 20). The gradient reduce favours FSSDP (spRS is hidden; FasterMoE's
-reduce queues behind the dense all-reduce). Holding t to the per-device share of the NIC that
-the runtime's probe measures (all same-position rings at once) instead fixes cases 25 and 26
-but makes 11, 18 and 23 marginally slower (10 of 30, worst still 1.125): not adopted.
+Measured on the 30 cases below (2026-11-27, t from the bandwidths the runtime's probe would
+measure, `sim.costs.Hardware.probed_topology`): fssdp / ep worst 1.023, mean 0.856 (with t from
+a single pair's NIC rate, 6x too large on 8-GPU nodes: 1.028, 0.856). Against FasterMoE, whose
+shadowing calibration considers too, FSSDP is not always faster: slower on 10 of 30 (cases 0, 6,
+8, 10, 11, 14, 16, 18, 20, 23), worst 1.125 (case 16), so that is reported, not asserted. Why,
+measured per case with the earlier t (9 slower: 0, 6, 8, 10, 14, 16, 20, 25, 26; four of them on
+one node): (1) for the same shadowed experts the node-aware spAG is priced 1.5-2.9x FasterMoE's
+pipelined ring broadcast (the owner sends every copy into its node and one per remote node; a
+ring has each holder forward once), and with FasterMoE's shadows, dispatch and no pre-gate
+copies FSSDP would still be 1.002-1.066x, reaching <= 1.0 only with ring pricing; (2) pre-gate
+copies whose gather is not hidden (cases 0, 25, 26: without pre-gate copies 0.96-0.98x; the
+probe-based t fixes 25 and 26) and extra instances that each pay a kernel launch and a GEMM
+overhead the planner's per-token compute model does not see (case 16); (3) dispatch spreads an
+expert's tokens over its holders even when every device holds it, where keeping them local
+avoids the all-to-all (cases 8, 20). The gradient reduce favours FSSDP (spRS is hidden;
+FasterMoE's reduce queues behind the dense all-reduce).
 """
 
 import numpy as np
