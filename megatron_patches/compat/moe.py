@@ -170,7 +170,8 @@ class InstanceMoELayer(MoELayer):
     `before_dispatch`, which do nothing here); MoELayer's base class is an ABC, so a subclass
     missing one cannot be built. Refused at construction (the virtual-expert dispatch and the
     instance copies need them off): dispatchers other than alltoall, padding to capacity,
-    shared experts, latent projections, MoE recompute. Expert tensor parallelism works
+    shared experts, latent projections, MoE recompute; with grouped GEMM also biases and a GLU
+    clamp or offset (Megatron's GroupedMLP has neither). Expert tensor parallelism works
     unchanged: an instance's weights are this rank's ETP shard of the expert (the local
     modules' shapes), Megatron's EP group holds one ETP rank, and the dispatcher's all-gather /
     reduce-scatter over the ETP group runs around the instances as around ep's experts.

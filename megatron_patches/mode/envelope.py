@@ -1,6 +1,7 @@
 """Refusals shared by the modes that place expert instances over Megatron's expert-parallel
 group (fssdp, replicate): both route token copies with a subclass of Megatron's all-to-all
-dispatcher, copy whole experts, and take over the expert gradients after the backward."""
+dispatcher, copy whole experts (or their ETP shards), reduce the instances' gradients
+themselves, and run the instances as one MLP each or as grouped matmuls (`compat.grouped`)."""
 
 from __future__ import annotations
 
