@@ -34,19 +34,3 @@ def check_instance_mode(args, mode: str) -> None:
     for flag, value, refused, why in refusals:
         if refused:
             fail(flag, value, why)
-    if args.moe_grouped_gemm:
-        _check_grouped_gemm(args, mode)
-
-
-def _check_grouped_gemm(args, mode: str) -> None:
-    """torch's grouped matmul must run the instances' GEMMs in the run's dtype and widths."""
-    import torch  # here, so that building the parser and the docs stays torch-free
-
-    from megatron_patches.compat.grouped import grouped_mm_problem
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    ffn = args.moe_ffn_hidden_size // args.expert_tensor_parallel_size
-    problem = grouped_mm_problem(dtype, {"--hidden-size": args.hidden_size,
-                                         "--moe-ffn-hidden-size / --expert-tensor-parallel-size": ffn})
-    if problem:
-        fail("--moe-grouped-gemm", True, f"{mode}: {problem}; or drop --moe-grouped-gemm")

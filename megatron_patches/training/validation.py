@@ -408,6 +408,8 @@ def _instance_grouped_modes() -> list[str]:
 def _check_precision(args):
     import torch
 
+    from megatron_patches.compat.grouped import grouped_mm_problem
+
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are mutually exclusive; choose one (or neither for "
                             "float32)")
@@ -442,6 +444,13 @@ def _check_precision(args):
         fail("--accumulate-allreduce-grads-in-fp32", True, "only means something with --fp16 "
              "(float32 gradients are fp32 already; --bf16 always accumulates in fp32)")
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    if args.moe_grouped_gemm and MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
+        # the instance modes' grouped matmuls (compat.grouped) in the run's dtype and widths
+        ffn = args.moe_ffn_hidden_size // args.expert_tensor_parallel_size
+        problem = grouped_mm_problem(args.params_dtype, {
+            "--hidden-size": args.hidden_size, "--moe-ffn-hidden-size / --expert-tensor-parallel-size": ffn})
+        if problem:
+            fail("--moe-grouped-gemm", True, f"{args.moe_parallel_mode}: {problem}; or drop --moe-grouped-gemm")
 
 
 def _check_recompute(args):
