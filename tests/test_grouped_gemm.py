@@ -2,7 +2,8 @@
 against the per-instance path (Megatron's own expert MLP module once per instance), on a real
 Megatron MoE layer: outputs and the gradients of the weight rows, tokens and probabilities, for
 gated (SwiGLU) and plain (GELU) experts, fp32 and bf16, groups in and out of row order, rows
-without tokens, and a rank without any token. Training with it is in tests/test_composition.py.
+without tokens, and a rank without any token; and the whole layer (router, dispatch, instances,
+combine) against Megatron's own MoELayer. Training with it is in tests/test_composition.py.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from support.mp import single_rank_group
+from megatron_patches.comm.virtual import virtual_routing
 from megatron_patches.compat import prepare_megatron
 from megatron_patches.compat.grouped import grouped_mm_problem
 from megatron_patches.compat.moe import InstanceMoELayer
@@ -25,13 +28,18 @@ HIDDEN, FFN, EXPERTS = 16, 32, 4
 
 
 class RowsLayer(InstanceMoELayer):
-    """The smallest concrete instance layer: only `run_instances` is exercised here."""
+    """The smallest concrete instance layer, on one rank: every routed token stays here, and
+    expert e runs on its own module's weights packed into row e (as ep mode would compute)."""
 
     def route_to_instances(self, routing_map_TE, probs_TE):
-        raise NotImplementedError("not routed in this test")
+        tokens_ED = routing_map_TE.sum(dim=0).numpy()[:, None]  # one device holds every expert
+        return virtual_routing(routing_map_TE, probs_TE, tokens_ED)
 
     def compute_instances(self, tokens_ND, tokens_per_expert_E, probs_N):
-        raise NotImplementedError("not dispatched in this test")
+        rows_EN = torch.stack([self.expert_layout.flatten(expert) for expert in self.experts.local_experts])
+        counts_E = tokens_per_expert_E.cpu().numpy()
+        expert_G = np.flatnonzero(counts_E)
+        return self.run_instances(rows_EN, expert_G, counts_E[expert_G], tokens_ND, probs_N)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +106,23 @@ def test_grouped_gemm_equals_the_per_instance_path(megatron_world, case, gated, 
     # rows that ran no token get no gradient on either path
     idle = sorted(set(range(rows)) - set(row_G))
     assert not grouped[1][idle].any()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "gelu"])
+def test_the_whole_layer_equals_megatrons_moe_layer_with_and_without_grouping(megatron_world, gated):
+    """Router, virtual-expert dispatch (one rank), the instances and the combine: the instance
+    layer's output equals Megatron's own MoELayer (SequentialMLP experts) on the same weights."""
+    moe = layer(gated, torch.float32)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False).submodules.mlp
+    megatron = MoELayer(moe.config, spec.submodules, layer_number=1)
+    megatron.load_state_dict(moe.state_dict())
+    hidden_SBH = torch.randn(8, 2, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = megatron(hidden_SBH)
+        for grouped in (False, True):
+            moe.grouped_gemm = grouped
+            got, _ = moe(hidden_SBH)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"grouped={grouped}: {m}")
 
 
 def test_misaligned_widths_and_dtypes_are_named():
