@@ -10,6 +10,8 @@ that runs of different lengths share it. The four runs share one spawn (support/
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -122,11 +124,22 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
         for layer in fssdp["layers"]:
             assert scalars[f"fssdp/imbalance_layer{layer['layer']}"][step] == pytest.approx(layer["imbalance"])
     before, after = check_fssdp_records(auto, remat=False)
-    assert after < before and after < 1.1, (before, after)
+    # auto t is chosen by cost on measured times (the log below), so how far it balances depends
+    # on this machine; the fixed t = 2, m = 2 run balances to < 1.1 (test_copies_are_gathered...)
+    if auto.records[-1]["fssdp"]["t"] > 0:
+        assert after < before, (before, after)
     assert "fssdp: auto overlap degree t =" in auto.output and "fssdp: auto memory capacity m =" in auto.output
+    # t by cost: the logged prices of every candidate t (iteration 1's loads and measured times),
+    # the chosen one marked and the cheapest, and the records' t is it
+    line = next(x for x in auto.output.splitlines() if "fssdp: auto overlap degree t =" in x)
+    prices = {int(t): float(ms) for t, ms in re.findall(r"t=(\d+): ([0-9.]+) ms", line)}
+    chosen = int(re.search(r"t=(\d+): [^;]*<-", line).group(1))
+    assert 0 in prices and chosen == min(prices, key=lambda t: (prices[t], t)), line
+    assert chosen == int(re.search(r"auto overlap degree t = (\d+)", line).group(1)) == auto.records[-1]["fssdp"]["t"]
+    assert re.search(r"fssdp: cost model: [0-9.]+ us per token copy \(measured\) and [0-9.]+ us per expert instance",
+                     auto.output)
     # auto t: the first iteration runs without copies (it measures), later ones with
     assert all(sum(layer["copies"]) == 0 for layer in auto.records[0]["fssdp"]["layers"])
-    assert auto.records[-1]["fssdp"]["t"] > 0
 
     bound = runs["fssdp_remat"]
     assert_same_losses(bound, ep_run)
@@ -153,6 +166,8 @@ def test_copies_are_gathered_and_reduced_once_per_iteration(ep_run, runs):
         assert first["bytes"] == second["bytes"]
     assert sum(r["bytes"]["spag"]["intra"] for r in records[1]) > 0
     check_fssdp_records(four, remat=False, micro_batches=4)
+    before, after = check_fssdp_records(one, remat=False)
+    assert after < before and after < 1.1, (before, after)  # measured 1.46 -> 1.06
 
 
 def test_checkpoints_move_between_ep_and_fssdp(ep_run, runs):

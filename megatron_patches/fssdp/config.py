@@ -18,9 +18,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="fssdp (--moe-parallel-mode fssdp)")
     group.add_argument(
         "--fssdp-overlap-degree", type=auto_or_int, default="auto",
-        help="t: expert copies a device may receive per layer while attention runs. auto: "
-        "measured in the first iteration (run without copies) from the non-MoE time of a layer, "
-        "the point-to-point bandwidth and the bytes of one expert. New flag.",
+        help="t: expert copies a device may receive per layer (DESIGN 4.2: as many as attention "
+        "hides). auto: chosen by cost after the first iteration (run without copies): t = 0, the "
+        "powers of two up to the number of experts and the t attention hides (from the measured "
+        "non-MoE time, the probed bandwidth and the bytes of one expert) are priced on that "
+        "iteration's loads (expert time per token and per instance, all-to-all, the gather and "
+        "reduce beyond what they overlap) and the cheapest is kept; the log lists the prices. New flag.",
     )
     group.add_argument(
         "--fssdp-memory-capacity", type=auto_or_int, default="auto",
@@ -83,9 +86,9 @@ class FSSDPConfig:
     """How FSSDP materializes expert copies (DESIGN 4.2-4.5)."""
 
     overlap_degree: int | None
-    """t: expert copies a device may receive per layer while attention runs. None = auto:
-    measured in the first iteration (which runs without copies) from the non-MoE time of a
-    layer, the point-to-point bandwidth between the ranks and the bytes of one expert."""
+    """t: expert copies a device may receive per layer. None = auto: chosen by cost after the
+    first iteration (which runs without copies and measures), among t = 0, the powers of two up
+    to E and the t attention hides (`FSSDPRuntime._auto_overlap_degree`)."""
     memory_capacity: int | None
     """m: extra expert copies a device may hold per layer. None = auto: the free memory per
     MoE layer whose copies are alive over the bytes of one copy, weights and gradient (GPU:

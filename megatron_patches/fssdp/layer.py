@@ -233,7 +233,7 @@ class FSSDPMoELayer(InstanceMoELayer):
         layer_pass.copies.routed = True
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
-            self.runtime.stats.add_dispatch(layer_pass.plan.index, plan)
+            self.runtime.stats.add_dispatch(layer_pass.plan.index, plan, counts_DE)
         layer_pass.tokens_ED = tokens_from_source(plan, self.runtime.rank)
         return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)
 

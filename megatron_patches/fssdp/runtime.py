@@ -127,6 +127,7 @@ class IterationStats:
     """Seconds of expert forward compute on the stream (for calibration's cost model)."""
     expert_tokens: int = 0
     """Token copies those seconds processed."""
+
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
     reserved: dict = field(default_factory=dict)
@@ -139,10 +140,16 @@ class IterationStats:
 
     remote_copies: int = 0
     """Token copies the dispatch plans send to another rank (all sources, all layers)."""
+    source_loads_LDE: np.ndarray | None = None
+    """Routed tokens per layer of this stage, source device and expert, summed over the
+    micro-batches (what t by cost prices after the first iteration); int64 [L, D, E]."""
 
-    def add_dispatch(self, layer_index: int, plan) -> None:
+    def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
         self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
         self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
+        if self.source_loads_LDE is None:
+            self.source_loads_LDE = np.zeros((self.device_tokens_LD.shape[0], *counts_DE.shape), dtype=np.int64)
+        self.source_loads_LDE[layer_index] += counts_DE
 
 
 class FSSDPRuntime(ModeRuntime):
@@ -527,12 +534,15 @@ class FSSDPRuntime(ModeRuntime):
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
         self._collect_times()
         self.tracker.observe(step.processed_LE)
-        if self.t is None:
-            self.t = self._auto_overlap_degree()
         if self.m is None:
             self.m = self._measured_memory_capacity()
-        if self.config.calibrate and self.cost is None:
-            self.cost = self._calibration_cost()
+        wants_cost = self.config.calibrate and self.cost is None
+        if self.t is None or wants_cost:
+            cost = self._measured_cost()
+            if self.t is None:
+                self.t = self._auto_overlap_degree(cost)
+            if wants_cost:
+                self.cost = cost
         return self._metrics()
 
     def _collect_times(self) -> None:
@@ -544,31 +554,60 @@ class FSSDPRuntime(ModeRuntime):
         self.stats.non_moe_s.extend(times.get("fssdp.non_moe", []))
         self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
 
-    def _calibration_cost(self) -> planner.CalibrationCost:
-        """Calibration's prices from the first iteration's measurements, the same on every rank:
-        expert time per token (slowest rank), the gather and the all-to-all over the probed
-        bandwidth with this run's collective algorithm, and the extra copies' reduce beyond what
-        attention backward hides (estimated as twice the measured non-MoE forward time)."""
-        local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1)], dtype=torch.float64)
+    def _measured_cost(self) -> planner.CalibrationCost:
+        """The cost model (t by cost, calibration) from the first iteration's measurements, the
+        same on every rank: expert time per token (slowest rank) and per instance
+        (`_probe_instance_seconds`), the gather and the all-to-all over the probed bandwidth with
+        this run's collective algorithm, and the copies' reduce beyond what attention backward
+        (estimated as twice the measured non-MoE forward time) and the MoE backward hide."""
+        local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1), self._probe_instance_seconds()],
+                             dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        seconds = FORWARD_BACKWARD_FACTOR * float(local.item())
-        cost = self._cost_model(seconds, BACKWARD_FACTOR * self._min_non_moe_seconds())
+        seconds, instance_s = (FORWARD_BACKWARD_FACTOR * float(v) for v in local.tolist())
+        cost = self._cost_model(seconds, BACKWARD_FACTOR * self._min_non_moe_seconds(), instance_s)
         self._log.append(
-            f"fssdp: calibration cost model: {seconds * 1e6:.2f} us per token copy (expert forward + backward, "
-            f"measured), {self.expert_bytes} bytes per extra copy over {self.topology.intra_node_bw / 1e9:.2f} GB/s "
-            f"({self.config.collectives} collectives), its reduce {cost.reduce_ratio:g}x that beyond "
-            f"{cost.reduce_hidden_s * 1e3:.2f} ms of attention backward, the all-to-all at "
+            f"fssdp: cost model: {seconds * 1e6:.2f} us per token copy (measured) and {instance_s * 1e6:.1f} us per "
+            f"expert instance (probed; expert forward + backward), {self.expert_bytes} bytes per extra copy over "
+            f"{self.topology.intra_node_bw / 1e9:.2f} GB/s ({self.config.collectives} collectives), its reduce {cost.reduce_ratio:g}x that beyond "
+            f"{cost.reduce_hidden_s * 1e3:.2f} ms of attention backward and the MoE backward, the all-to-all at "
             f"{self.hidden_size * self.element_size} bytes per token"
         )
         return cost
 
-    def _cost_model(self, seconds_per_token: float, hidden_bwd: float) -> planner.CalibrationCost:
-        """Calibration's cost model from the two measured figures (kept in checkpoints)."""
+    def _probe_instance_seconds(self) -> float:
+        """Forward time one more expert instance adds on this rank: the stage's first MoE layer
+        runs 2 tokens as one instance and as two (`run_instances`, per instance or grouped as the
+        run computes), the smallest of 5 runs each after a warm-up (the host clock; synchronised
+        on GPU); the difference, at least 0. Copies split an expert's tokens but each adds this,
+        which on small batches outweighs the split (`CalibrationCost.seconds_per_instance`)."""
+        if not self.layers:
+            return 0.0
+        layer = self.layers[0]
+        with torch.no_grad():
+            row_N = layer.expert_layout.flatten(self.slot_modules[0])
+            rows_RN = torch.stack([row_N, row_N])
+            tokens_ND = torch.randn((2, self.hidden_size), dtype=row_N.dtype, device=self.device)
+            probs_N = torch.ones(2, dtype=torch.float32, device=self.device)
+            layouts = {1: (np.array([0]), np.array([2])), 2: (np.array([0, 1]), np.array([1, 1]))}
+            best = {1: float("inf"), 2: float("inf")}
+            for repeat in range(6):
+                for instances, (row_G, counts_G) in layouts.items():
+                    started = time.perf_counter()
+                    layer.run_instances(rows_RN, row_G, counts_G, tokens_ND, probs_N)
+                    if self.on_gpu:
+                        torch.cuda.synchronize(self.device)
+                    if repeat:
+                        best[instances] = min(best[instances], time.perf_counter() - started)
+        return max(best[2] - best[1], 0.0)
+
+    def _cost_model(self, seconds_per_token: float, hidden_bwd: float, seconds_per_instance: float) -> planner.CalibrationCost:
+        """The cost model from the three measured figures (kept in checkpoints)."""
         reduce_ratio = (4 if self.config.reduce_in_fp32 else self.element_size) / self.element_size
         topology, algorithm, expert_bytes = self.topology, self.config.collectives, float(self.expert_bytes)
         token_bytes = self.hidden_size * self.element_size
         return planner.CalibrationCost(
             seconds_per_token=seconds_per_token,
+            seconds_per_instance=seconds_per_instance,
             expert_bytes=expert_bytes,
             gather_seconds=lambda shard, placement: sparse_all_gather_seconds(shard, placement, expert_bytes, topology,
                                                                               algorithm),
@@ -584,15 +623,30 @@ class FSSDPRuntime(ModeRuntime):
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
         return float(local.item())
 
-    def _auto_overlap_degree(self) -> int:
+    def _auto_overlap_degree(self, cost: planner.CalibrationCost) -> int:
+        """Auto t after the first iteration: DESIGN 4.2's hidden t (what the measured non-MoE time
+        hides at the probed bandwidth), or a larger one where the cost model says its copies save
+        more expert compute and all-to-all than their exposed gather and reduce cost, priced on
+        this iteration's loads (`planner.choose_overlap_degree`). The prices are summed over every
+        rank (each prices its pipeline stage's layers), so every rank takes the same t."""
         t_non_moe = self._min_non_moe_seconds()
         bw = planner.gather_bandwidth(self.topology, self.config.collectives)
-        t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
+        hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
+        candidates = planner.overlap_candidates(hidden_t, self.num_experts)
+        shards = [self.layout.layer(index) for index in range(len(self.layers))]
+        loads_LDE = self.stats.source_loads_LDE
+        if loads_LDE is None:  # no MoE layer routed a token in this stage's training forwards
+            loads_LDE = np.zeros((len(shards), self.num_devices, self.num_experts), dtype=np.int64)
+        local = planner.overlap_prices(shards, loads_LDE, candidates, self.m, self.topology, cost, t_non_moe)
+        prices = torch.from_numpy(local)
+        dist.all_reduce(prices)
+        choice = planner.choose_overlap_degree(candidates, prices.numpy() / dist.get_world_size(), hidden_t)
         self._log.append(
-            f"fssdp: auto overlap degree t = {t} (non-MoE time {t_non_moe * 1e3:.2f} ms per layer, "
-            f"bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts)"
+            f"fssdp: auto overlap degree t = {choice.t} (hidden t = {hidden_t}: non-MoE time {t_non_moe * 1e3:.2f} ms "
+            f"per layer, bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts; "
+            f"priced on iteration 1's loads with m = {self.m}, per rank's stage: {choice.table()})"
         )
-        return t
+        return choice.t
 
     @property
     def _layers_alive(self) -> int:
@@ -785,6 +839,7 @@ class FSSDPRuntime(ModeRuntime):
             "overlap_degree": self.t,
             "calibration_seconds_per_token": None if self.cost is None else self.cost.seconds_per_token,
             "calibration_hidden_backward_s": None if self.cost is None else self.cost.reduce_hidden_s,
+            "calibration_seconds_per_instance": None if self.cost is None else self.cost.seconds_per_instance,
         }
 
     def load_placement_state_dict(self, state: dict | None) -> list[str]:
@@ -818,7 +873,8 @@ class FSSDPRuntime(ModeRuntime):
         seconds = state["calibration_seconds_per_token"]
         if self.config.calibrate and seconds is not None:
             # the measured times; the copy's bytes are this run's (its dtype may differ)
-            self.cost = self._cost_model(float(seconds), float(state.get("calibration_hidden_backward_s") or 0.0))
+            self.cost = self._cost_model(float(seconds), float(state.get("calibration_hidden_backward_s") or 0.0),
+                                         float(state.get("calibration_seconds_per_instance") or 0.0))
         return notes
 
     # ---- metrics ---------------------------------------------------------------------------

@@ -41,16 +41,20 @@ from megatron_patches.placement.types import (
 
 __all__ = [
     "CalibrationCost",
+    "OverlapChoice",
     "balanced_quotas",
     "calibrate",
     "calibration_gather",
+    "choose_overlap_degree",
     "dispatch",
     "even_shard",
     "gather_bandwidth",
     "heterogeneous_shard",
     "materialize",
     "memory_capacity",
+    "overlap_candidates",
     "overlap_degree",
+    "overlap_prices",
     "proportional_copies",
     "ReshardDecision",
     "decide_reshard",
@@ -479,12 +483,14 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CalibrationCost:
-    """Cost model that decides whether the calibration gather pays off.
+    """FSSDP's cost model: whether calibration's gather pays off, and which t (`choose_overlap_degree`).
 
     MoE time of a layer is modelled as (max device load) * seconds_per_token: the slowest
-    device decides when the combine all-to-all can finish. The extra gather is on the
-    critical path; its time is the busiest device's transfer time (the larger of what it
-    receives and what it sends, each link at its topology bandwidth) plus a fixed latency.
+    device decides when the combine all-to-all can finish; with per-source loads and
+    `dispatch_seconds`, plus the all-to-all of the dispatch plan (`layer_seconds`). A gather
+    costs what the work running beside it does not hide (`exposed_seconds`); its time is the
+    busiest device's transfer time (the larger of what it receives and what it sends, each link
+    at its topology bandwidth) plus a fixed latency, or `gather_seconds` when given.
     """
 
     seconds_per_token: float
@@ -498,30 +504,83 @@ class CalibrationCost:
     """Time of spAG(shard -> placement) when given (the simulator passes its own link model and
     collective algorithm, so that calibration decides on the times it is priced at); None: the
     busiest device's transfers over the topology's point-to-point bandwidths, plus `latency_s`."""
+    seconds_per_instance: float = 0.0
+    """Fixed expert time of one instance that gets tokens on a device, seconds (forward and
+    backward: kernel launches, the GEMMs' small-batch inefficiency, streaming the weights): a copy
+    splits an expert's tokens but adds one of these, so on small batches copies stop paying."""
     reduce_ratio: float = 0.0
     """Bytes of a copy's gradient over its weights' (spRS moves gradients back the way spAG moved
     weights): the extra copies' reduce takes this many times their gather. 0: not priced."""
     reduce_hidden_s: float = 0.0
-    """Backward time the extra copies' reduce hides behind (the layer's attention backward); only
-    what exceeds it is priced."""
+    """Backward time outside the MoE blocks that the copies' reduce hides behind (the layer's
+    attention backward); with the MoE backward (`exposed_seconds`) only what exceeds it is priced."""
     dispatch_seconds: Callable[[DispatchPlan], float] | None = None
     """All-to-all time of a dispatch plan (dispatch and combine, forward and backward), when given
     with the per-source loads: copies near the tokens shorten it, so calibration counts it
     (FasterMoE's cost model does); None: the MoE time is the expert compute alone."""
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_token", "expert_bytes", "latency_s", "reduce_ratio", "reduce_hidden_s"):
+        for name in ("seconds_per_token", "expert_bytes", "latency_s", "seconds_per_instance", "reduce_ratio",
+                     "reduce_hidden_s"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise PlacementError(f"CalibrationCost.{name} must be finite and >= 0, got {value!r}")
 
+    def spag_seconds(self, shard: ShardLayout, placement: InstancePlacement, topology: Topology) -> float:
+        """Time of spAG(shard -> placement): `gather_seconds`, or the busiest device's transfers
+        over the topology's point-to-point bandwidths plus `latency_s` (0 without copies)."""
+        if self.gather_seconds is not None:
+            return float(self.gather_seconds(shard, placement))
+        new_ED = placement.holds_ED() & ~shard.holds_ED().astype(bool)
+        if not new_ED.any():
+            return 0.0
+        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+
     def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
                              topology: Topology) -> float:
         """Time of gathering the copies in `holds_ED` that `current` lacks (on the critical path)."""
-        if self.gather_seconds is not None:
-            return float(self.gather_seconds(shard, calibration_gather(shard, current, holds_ED)))
-        new_ED = holds_ED & ~current.holds_ED()
-        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+        return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
+
+    def layer_seconds(self, holds_ED, tokens_E: np.ndarray, source_loads_DE: np.ndarray | None,
+                      topology: Topology) -> tuple[float, float]:
+        """(expert compute, all-to-all) of one layer on the placement `holds_ED`: the busiest
+        device's tokens x seconds_per_token + its instances with tokens x seconds_per_instance,
+        with device loads as `dispatch` makes them, and the dispatch plan's all-to-all. Without
+        per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all."""
+        holds_ED = np.asarray(holds_ED) > 0
+        if source_loads_DE is None or self.dispatch_seconds is None:
+            quota_ED = balanced_quotas(holds_ED, tokens_E)
+            return self.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0)), 0.0
+        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
+        D = holds_ED.shape[1]
+        busy = np.unique(plan.expert_K[plan.tokens_K > 0] * D + plan.dest_K[plan.tokens_K > 0])
+        instances_D = np.bincount(busy % D, minlength=D)
+        return self.compute_seconds(plan.device_loads_D(), instances_D), float(self.dispatch_seconds(plan))
+
+    def compute_seconds(self, tokens_D: np.ndarray, instances_D: np.ndarray) -> float:
+        """The busiest device's expert time, from tokens and instances with tokens per device."""
+        return float(np.max(tokens_D * self.seconds_per_token + instances_D * self.seconds_per_instance))
+
+    def exposed_seconds(self, gather_s: float, gather_hidden_s: float, compute_s: float, a2a_s: float) -> float:
+        """What a gather of `gather_s` costs beyond the work that runs beside it.
+
+        The gather past `gather_hidden_s` (0 for calibration's gather after the gate, which is on
+        the critical path; the non-MoE forward for the spAG launched before the attention), plus
+        its gradients' reduce (`reduce_ratio` x the gather) past the backward that runs while it
+        is in flight: spRS(l) starts when layer l's MoE backward is done and is waited for when
+        layer l-1's is (`FSSDPRuntime.drain`), so the attention backward (`reduce_hidden_s`) and
+        one MoE backward hide it, modelled as this layer's: 2/3 of its expert compute (forward
+        + backward = 3 forwards) and half its all-to-all (two of its four)."""
+        return max(0.0, gather_s - gather_hidden_s) + self.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
+
+    def exposed_reduce_seconds(self, gather_s: float, compute_s: float, a2a_s: float) -> float:
+        """The reduce part of `exposed_seconds`."""
+        backward_s = self.reduce_hidden_s + MOE_BACKWARD_SHARE * compute_s + 0.5 * a2a_s
+        return max(0.0, self.reduce_ratio * gather_s - backward_s)
+
+
+MOE_BACKWARD_SHARE = 2.0 / 3.0
+"""Share of an expert's forward + backward compute that is its backward (two GEMMs per forward GEMM)."""
 
 
 def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
@@ -573,14 +632,13 @@ def calibrate(
     Price of a candidate: MoE time = max device load * seconds_per_token, with device loads as
     `dispatch` will make them (`balanced_quotas` of the actual loads), plus the extra gather's
     time (`CalibrationCost.extra_gather_seconds`), which is on the critical path, and the part
-    of their gradients' reduction that the backward does not hide (`reduce_ratio`,
-    `reduce_hidden_s`). With the
-    per-source loads and `cost.dispatch_seconds`, the plan is `dispatch`'s itself and its
-    all-to-all time is added. The current placement costs its MoE time alone. A candidate is
-    taken only when strictly cheaper; ties go to the earlier candidate (relief, then fewer
-    shadows). A candidate whose exposed gather and reduce alone, added to the best balance any
-    placement can reach (ceil(total / D) tokens on the busiest device), cost no less than the
-    best so far is not priced further.
+    of their gradients' reduction that the backward does not hide (`CalibrationCost.
+    exposed_seconds`). With the per-source loads and `cost.dispatch_seconds`, the plan is
+    `dispatch`'s itself and its all-to-all time is added (`CalibrationCost.layer_seconds`). The
+    current placement costs its MoE time alone. A candidate is taken only when strictly
+    cheaper; ties go to the earlier candidate (relief, then fewer shadows). A candidate whose
+    gather alone, added to the best balance any placement can reach (ceil(total / D) tokens on
+    the busiest device), costs no less than the best so far is not priced further.
 
     Args:
         current: placement materialized from the prediction (must contain `shard`).
@@ -620,14 +678,9 @@ def calibrate(
         if not np.array_equal(source_loads_DE.sum(axis=0), tokens_E):
             raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
 
-    def moe_seconds(holds_ED: np.ndarray) -> float:
-        if not with_a2a:
-            return float(balanced_quotas(holds_ED, tokens_E).sum(axis=0).max()) * cost.seconds_per_token
-        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
-        return float(plan.device_loads_D().max()) * cost.seconds_per_token + float(cost.dispatch_seconds(plan))
-
+    sources_DE = source_loads_DE if with_a2a else None
     quota_ED = balanced_quotas(held_ED, tokens_E)
-    best_s = moe_seconds(held_ED) if with_a2a else float(quota_ED.sum(axis=0).max()) * cost.seconds_per_token
+    best_s = sum(cost.layer_seconds(held_ED, tokens_E, sources_DE, topology))
     best = None
     floor_s = np.ceil(total / D) * cost.seconds_per_token  # no placement computes faster
     candidates = (
@@ -638,10 +691,10 @@ def calibrate(
         if not (holds_ED & ~held_ED).any():
             continue
         gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
-        exposed_s = gather_s + max(0.0, cost.reduce_ratio * gather_s - cost.reduce_hidden_s)
-        if floor_s + exposed_s >= best_s:
+        if floor_s + gather_s >= best_s:
             continue  # its copies cost more than any balance could save
-        seconds = moe_seconds(holds_ED) + exposed_s
+        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, sources_DE, topology)
+        seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s, a2a_s)
         if seconds < best_s:
             best_s, best = seconds, holds_ED
     if best is None:
@@ -677,8 +730,9 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     send_D = np.zeros(D)
     recv_D = np.zeros(D)
     gather_s = 0.0  # busiest sender or receiver so far
+    instances_D = (quota_ED > 0).sum(axis=0)
     d = int(load_D.argmax())
-    best_s, best_n, chain = float(load_D[d]) * spt, 0, []
+    best_s, best_n, chain = cost.compute_seconds(load_D, instances_D), 0, []
     while has_free_D.any():
         peak = int(load_D[d])
         if peak <= floor:
@@ -704,15 +758,17 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         gather_s = max(gather_s, send_D[src], recv_D[target])
         holders = np.flatnonzero(holds_ED[e])
         load_D[holders] -= quota_ED[e, holders]
+        instances_D[holders] -= quota_ED[e, holders] > 0
         quota_ED[e, holders] = _fill(load_D[holders].tolist(), int(tokens_E[e]))
         load_D[holders] += quota_ED[e, holders]
+        instances_D[holders] += quota_ED[e, holders] > 0
         chain.append((e, target))
-        exposed_s = gather_s + cost.latency_s
-        exposed_s += max(0.0, cost.reduce_ratio * exposed_s - cost.reduce_hidden_s)
-        if floor * spt + exposed_s >= best_s:
+        chain_gather_s = gather_s + cost.latency_s
+        if floor * spt + chain_gather_s >= best_s:
             break  # the gather only grows along the chain: no longer prefix can be cheaper
         d = int(load_D.argmax())
-        seconds = float(load_D[d]) * spt + exposed_s
+        compute_s = cost.compute_seconds(load_D, instances_D)
+        seconds = compute_s + cost.exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0)
         if seconds < best_s:
             best_s, best_n = seconds, len(chain)
     out = held_ED.copy()
@@ -738,6 +794,89 @@ def _shadow_candidates(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.nda
         holds_ED[e] |= new_D
         free_D -= new_D
         yield holds_ED.copy()
+
+
+# ----------------------------------------------------------------------------------------
+# t by cost
+# ----------------------------------------------------------------------------------------
+
+
+def overlap_candidates(hidden_t: int, num_experts: int) -> list[int]:
+    """The t `choose_overlap_degree` prices, ascending: 0 (EP), the powers of two below E, E, and
+    `hidden_t` (DESIGN 4.2's, every copy hidden) among them."""
+    hidden_t = min(check_int(hidden_t, "hidden_t"), num_experts)
+    out, t = {0, hidden_t, num_experts}, 1
+    while t < num_experts:
+        out.add(t)
+        t *= 2
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class OverlapChoice:
+    """`choose_overlap_degree`'s answer and the prices it compared."""
+
+    t: int
+    """The chosen overlap degree: the cheapest candidate (ties: the smaller)."""
+    hidden_t: int
+    """DESIGN 4.2's t, floor(T_nonMoE x bw / expert bytes): what attention hides (one of the
+    candidates)."""
+    candidates: tuple[int, ...]
+    """The t priced (`overlap_candidates`)."""
+    prices_T4: np.ndarray
+    """Seconds per candidate, summed over the layers: expert compute, all-to-all, gather beyond
+    the non-MoE forward, reduce beyond the backward; float [T, 4]."""
+
+    def table(self) -> str:
+        """One line per candidate, in ms, for logs."""
+        rows = []
+        for t, (compute, a2a, gather, reduce) in zip(self.candidates, self.prices_T4 * 1e3):
+            mark = " <-" if t == self.t else ""
+            rows.append(f"t={t}: {compute + a2a + gather + reduce:.2f} ms (experts {compute:.2f}, all-to-all "
+                        f"{a2a:.2f}, exposed gather {gather:.2f}, exposed reduce {reduce:.2f}){mark}")
+        return "; ".join(rows)
+
+
+def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list[int], m: int, topology: Topology,
+                   cost: CalibrationCost, t_non_moe_s: float) -> np.ndarray:
+    """Price of each candidate t over the layers `shards` with the per-source loads
+    `source_loads_LDE` (int [L, D, E]); float [T, 4] (`OverlapChoice.prices_T4`).
+
+    A layer's placement is `materialize`'s for those loads (its prediction, when the loads repeat)
+    with t and m; its price is `CalibrationCost.layer_seconds` (the busiest device's expert time,
+    the dispatch plan's all-to-all) plus `CalibrationCost.exposed_seconds` of its spAG, launched
+    as the layer starts, so hidden by the non-MoE forward `t_non_moe_s`.
+    """
+    source_loads_LDE = check_loads(source_loads_LDE, "source_loads_LDE", 3)
+    if source_loads_LDE.shape[0] != len(shards):
+        raise PlacementError(f"source_loads_LDE has {source_loads_LDE.shape[0]} layers but {len(shards)} shard layouts were given")
+    prices_T4 = np.zeros((len(candidates), 4))
+    for shard, sources_DE in zip(shards, source_loads_LDE):
+        tokens_E = sources_DE.sum(axis=0)
+        for i, t in enumerate(candidates):
+            placement = materialize(shard, tokens_E, t, m, topology)
+            compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
+            gather_s = cost.spag_seconds(shard, placement, topology)
+            reduce_s = cost.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
+            prices_T4[i] += (compute_s, a2a_s, max(0.0, gather_s - t_non_moe_s), reduce_s)
+    return prices_T4
+
+
+def choose_overlap_degree(candidates: list[int], prices_T4: np.ndarray, hidden_t: int) -> OverlapChoice:
+    """t by cost: the candidate whose predicted time is least (ties: the smaller t, fewer copies).
+
+    DESIGN 4.2's t gathers only what attention hides, which throws away copies that cost more to
+    gather than attention hides but save more than that in expert compute and all-to-all (on
+    nodes behind one NIC the all-to-all dominates, and a copy near the tokens keeps them off the
+    network), and gives t = 0 (FSSDP = EP) where attention is short. `prices_T4` comes from
+    `overlap_prices`, summed over the job's layers (the runtime all-reduces it over pipeline
+    stages, so every rank takes the same t)."""
+    prices_T4 = np.asarray(prices_T4, dtype=np.float64)
+    if prices_T4.shape != (len(candidates), 4) or not np.all(np.isfinite(prices_T4)):
+        raise PlacementError(f"prices_T4 must be finite with shape ({len(candidates)}, 4), got {prices_T4.shape}")
+    total_T = prices_T4.sum(axis=1)
+    best = min(range(len(candidates)), key=lambda i: (total_T[i], candidates[i]))
+    return OverlapChoice(int(candidates[best]), int(hidden_t), tuple(int(t) for t in candidates), prices_T4)
 
 
 # ----------------------------------------------------------------------------------------

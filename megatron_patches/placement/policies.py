@@ -125,8 +125,11 @@ class ReplayConfig:
     """FSSDP calibration's price of a layer's all-to-alls (`fssdp.CalibrationCost.dispatch_seconds`);
     None: calibration weighs expert compute only."""
     reduce_hidden_s: float = 0.0
-    """FSSDP calibration: backward time a layer's extra copies' spRS hides behind (its attention
-    backward); `fssdp.CalibrationCost.reduce_hidden_s`."""
+    """FSSDP's cost model: backward time outside the MoE blocks that a layer's spRS hides behind
+    (its attention backward); `fssdp.CalibrationCost.reduce_hidden_s`."""
+    instance_overhead_s: float = 0.0
+    """FSSDP's cost model: fixed time of one expert instance with tokens on a device, forward and
+    backward (`fssdp.CalibrationCost.seconds_per_instance`)."""
     collectives: str = "flat"
     """FSSDP's sparse-collective algorithm for the byte counts ("flat" or "hierarchical")."""
     device_flops: float = 100e12
@@ -154,6 +157,21 @@ class ReplayConfig:
     def tracker(self, num_layers: int, num_experts: int, window: int) -> LoadTracker:
         """The load predictor every policy plans from (`load_predictor`)."""
         return LoadTracker.for_predictor(num_layers, num_experts, window, self.load_predictor)
+
+    def fssdp_cost(self) -> fssdp.CalibrationCost:
+        """FSSDP's cost model (calibration and t by cost) from these figures: an expert's forward
+        and backward at `device_flops` (6 FLOPs per parameter and token) plus
+        `instance_overhead_s` per instance, the gather and all-to-all prices, the reduce's
+        gradient-over-weight bytes."""
+        return fssdp.CalibrationCost(
+            seconds_per_token=6.0 * self.byte_model.params_per_expert / self.device_flops,
+            expert_bytes=self.byte_model.expert_weight_bytes,
+            seconds_per_instance=self.instance_overhead_s,
+            gather_seconds=self.gather_seconds,
+            dispatch_seconds=self.dispatch_seconds,
+            reduce_ratio=self.byte_model.expert_grad_bytes / self.byte_model.expert_weight_bytes,
+            reduce_hidden_s=self.reduce_hidden_s,
+        )
 
     def slots(self, num_experts: int) -> int:
         """s actually used for E experts."""
@@ -331,14 +349,7 @@ class FSSDPPolicy(Policy):
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         super().__init__(config, num_layers, num_experts)
         self.shard = fssdp.even_shard(num_layers, num_experts, self.topology.num_devices)
-        self._cost = fssdp.CalibrationCost(
-            seconds_per_token=6.0 * self.bytes.params_per_expert / config.device_flops,
-            expert_bytes=self.bytes.expert_weight_bytes,
-            gather_seconds=config.gather_seconds,
-            dispatch_seconds=config.dispatch_seconds,
-            reduce_ratio=self.bytes.expert_grad_bytes / self.bytes.expert_weight_bytes,
-            reduce_hidden_s=config.reduce_hidden_s,
-        )
+        self._cost = config.fssdp_cost()
         self.calibrations = 0
         """Layer-iterations in which calibration did the extra gather."""
 

@@ -613,6 +613,16 @@ class ComputeModel:
         per_expert = np.where(n > 0, self.eff.kernel_launch_s + np.maximum(gemm, weights) + act, 0.0)
         return per_expert.sum(axis=-2)
 
+    def expert_instance_overhead_s(self) -> float:
+        """What `expert_fwd` charges an instance beyond its tokens' FLOPs, forward and backward
+        (x 3, as the backward's two GEMMs), on the slowest device: the launch and the larger of
+        the small-batch GEMM inefficiency (n_half tokens' FLOPs) and streaming the weights (for
+        FSSDP's cost model, which prices tokens at the full-efficiency FLOP rate)."""
+        P = float(self.workload.expert_params)
+        gemm = 2.0 * P * self.eff.expert_half_tokens / (self.peak_flops_D * self.eff.expert_gemm)
+        weights = self._element * P / self._mem_rate_D
+        return float(np.max(3.0 * (self.eff.kernel_launch_s + np.maximum(gemm, weights))))
+
     def optimizer_D(self, params_D) -> np.ndarray:
         """Adam step time per device for the parameters it updates; float [D]."""
         step_bytes = self.workload.precision.optimizer_step_bytes_per_param

@@ -56,7 +56,7 @@ from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
-from megatron_patches.placement.types import PlacementError
+from megatron_patches.placement.types import PlacementError, ShardLayout
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
@@ -368,8 +368,10 @@ def check_memory(scn: Scenario, specs: list[SystemSpec]) -> list[str]:
 def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     """The policy knobs of a placement system, derived from the cost and memory model.
 
-    - t (FSSDP overlap degree): DESIGN 4.2, floor(T_nonMoE x bw / expert bytes), with T_nonMoE
-      the forward of a layer's attention block, norms and gate on the slowest device.
+    - t (FSSDP overlap degree): by cost, as the runtime chooses it (`fssdp.choose_overlap_degree`
+      on the first iteration's loads), among DESIGN 4.2's floor(T_nonMoE x bw / expert bytes)
+      (T_nonMoE the forward of a layer's attention block, norms and gate on the slowest device;
+      bw from the bandwidths the runtime's probe measures) and the powers of two above it.
     - m (FSSDP copies per device and layer): the free memory under EP (balanced loads) over the
       bytes of one copy (weights + gradients) times the layers whose copies are alive at once
       (all L without re-materialization, 1 with it).
@@ -441,7 +443,17 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             reduce_hidden_s=float(np.max(compute.attention_bwd_D())),
             collectives="flat" if o.sparse_collectives == "flat" else "hierarchical",
             device_flops=device_flops,
+            instance_overhead_s=compute.expert_instance_overhead_s(),
         )
+        if spec.policy == "fssdp" and spec.fssdp_mode != "shard" and o.overlap_degree is None:
+            # t by cost, as the runtime chooses it after its first iteration: on that iteration's loads
+            shards = [ShardLayout.even(E, D)] * L
+            candidates = fssdp.overlap_candidates(t, E)
+            prices = fssdp.overlap_prices(shards, scn.source_ILDE[0], candidates, memory_capacity, topo,
+                                          config.fssdp_cost(), t_non_moe)
+            choice = fssdp.choose_overlap_degree(candidates, prices, t)
+            config = dataclasses.replace(config, overlap_degree=choice.t)
+            knobs.update(overlap_degree_t=choice.t, overlap_degree_hidden_t=choice.hidden_t)
     except PlacementError as err:
         raise SimError(f"{spec.name}: {err}") from None
     return config, knobs

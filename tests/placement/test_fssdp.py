@@ -347,18 +347,21 @@ def test_calibrate_invariants(case, t, m, free, spt):
 
 
 def test_calibrate_prices_the_unhidden_part_of_the_reduce():
-    """The worked example's copies stop paying once their gradients' reduce (3x the gather's
-    bytes) is exposed beyond what the backward hides (H): n copies cost the busiest device's
-    load + n + max(0, 3n - H) ms against 8 ms now, i.e. 5.5 + max(0, 3 - H), 5.34 + max(0, 6 - H),
-    5.75 + max(0, 9 - H): only the first can pay, when H > 0.5 ms."""
+    """The worked example's copies stop paying once their gradients' reduce (6x the gather's
+    bytes) is exposed beyond what the backward hides: the attention backward H and the MoE
+    backward, 2/3 of the compute. n copies cost the busiest device's load (c) + n + max(0, 6n - H
+    - 2c/3) ms against 8 ms now: 4.5 + 1 + max(0, 6 - H - 3), 3.67 + 2 + max(0, 12 - H - 2.44)
+    (relief's second copy), 2.75 + 3 + max(0, 18 - H - 1.83) (expert 0 shadowed everywhere): only
+    the first can pay, when H > 0.5 ms. Without the MoE backward in the window (the model before
+    2026-11-27) it would need H > 3.5 ms."""
     topo = Topology(1, 4, 1e9, 1e9)
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)
     loads = [800, 100, 100, 100]
     placement, extra = calibrate(current, shard, loads, 1, topo,
-                                 CalibrationCost(1e-5, 1e6, reduce_ratio=3.0, reduce_hidden_s=0.6e-3))
+                                 CalibrationCost(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.6e-3))
     assert extra and placement.holders(0).tolist() == [0, 1]
-    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=3.0, reduce_hidden_s=0.4e-3))[1]
+    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.4e-3))[1]
 
 
 def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():

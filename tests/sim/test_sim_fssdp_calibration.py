@@ -1,23 +1,20 @@
-"""FSSDP's calibration after the gate in the simulator: on random clusters and traces it is
-never meaningfully slower than EP, which it contains (no copies), and it is priced the way the
-simulator charges its gather (`sim.systems._sparse_gather_seconds`) and all-to-all.
+"""FSSDP's calibration after the gate and its t by cost in the simulator: on random clusters
+and traces it is never slower than EP, which it contains (t = 0), and it is priced the way the
+simulator charges its gather (`sim.systems._sparse_gather_seconds`), all-to-all and expert
+instances.
 
-Measured on the 30 cases below (2026-11-27, t from the bandwidths the runtime's probe would
-measure, `sim.costs.Hardware.probed_topology`): fssdp / ep worst 1.023, mean 0.856 (with t from
-a single pair's NIC rate, 6x too large on 8-GPU nodes: 1.028, 0.856). Against FasterMoE, whose
-shadowing calibration considers too, FSSDP is not always faster: slower on 10 of 30 (cases 0, 6,
-8, 10, 11, 14, 16, 18, 20, 23), worst 1.125 (case 16), so that is reported, not asserted. Why,
-measured per case with the earlier t (9 slower: 0, 6, 8, 10, 14, 16, 20, 25, 26; four of them on
-one node): (1) for the same shadowed experts the node-aware spAG is priced 1.5-2.9x FasterMoE's
-pipelined ring broadcast (the owner sends every copy into its node and one per remote node; a
-ring has each holder forward once), and with FasterMoE's shadows, dispatch and no pre-gate
-copies FSSDP would still be 1.002-1.066x, reaching <= 1.0 only with ring pricing; (2) pre-gate
-copies whose gather is not hidden (cases 0, 25, 26: without pre-gate copies 0.96-0.98x; the
-probe-based t fixes 25 and 26) and extra instances that each pay a kernel launch and a GEMM
-overhead the planner's per-token compute model does not see (case 16); (3) dispatch spreads an
-expert's tokens over its holders even when every device holds it, where keeping them local
-avoids the all-to-all (cases 8, 20). The gradient reduce favours FSSDP (spRS is hidden;
-FasterMoE's reduce queues behind the dense all-reduce).
+Measured on the 30 cases below (2026-11-27, t chosen by cost, `fssdp.choose_overlap_degree`):
+fssdp / ep worst 0.978, mean 0.821; slower than FasterMoE on 4 of 30 (cases 6, 10, 14, 26),
+worst 1.051. Before t by cost (t = DESIGN 4.2's hidden t from the probed bandwidths): worst
+1.023, mean 0.856, slower than FasterMoE on 10 of 30, worst 1.125. What changed it: (1) the
+hidden t took copies whose extra instances cost more than their split saves (each instance
+pays a launch, the small-batch GEMM inefficiency or streaming its weights; cases 0, 8, 16 on
+4096 tokens: the hidden t = 4-7, the cost model's t = 1); (2) on slow NICs copies past the
+hidden budget keep tokens off the network (all-to-all) and pay although their gather is
+exposed (case 1: hidden t = 0, t = 4, fssdp / ep 0.536). Where FasterMoE still wins, its
+pipelined ring broadcast prices the same shadows 1.5-2.9x cheaper than the node-aware spAG
+(measured per case on 2026-11-27 with the earlier t), and dispatch spreads an all-holder
+expert's tokens over its holders where keeping them local avoids the all-to-all.
 """
 
 import numpy as np
@@ -53,15 +50,15 @@ def mean_times(case: dict, calibrate: bool) -> dict[str, float]:
     return {name: float(np.mean(result.iteration_s_I)) for name, result in simulate_case(case, calibrate).items()}
 
 
-def test_calibrated_fssdp_is_never_meaningfully_slower_than_ep():
+def test_calibrated_fssdp_is_never_slower_than_ep():
     ratios, faster = [], 0
     for case in random_cases(30):
         times = mean_times(case, calibrate=True)
         ratios.append(times["fssdp"] / times["ep"])
         faster += times["fssdp"] < times["fastermoe"]
-    assert max(ratios) <= 1.05, (max(ratios), int(np.argmax(ratios)))
-    assert np.mean(ratios) < 0.95  # and it does gain on these skewed traces
-    assert faster >= 15  # reported above: 21 of 30 when measured
+    assert max(ratios) <= 1.0, (max(ratios), int(np.argmax(ratios)))
+    assert np.mean(ratios) < 0.9  # and it does gain on these skewed traces (0.821 measured)
+    assert faster >= 24  # reported above: 26 of 30 when measured
 
 
 @pytest.mark.parametrize("index", [1, 3])
