@@ -4,8 +4,9 @@ FSSDP keeps exactly one owner per expert (the shard layout) and, every iteration
 materializes extra copies of the experts predicted to be busy so that their tokens can be
 processed on several devices. This module decides
 
-- how many copies may be fetched while attention runs (`overlap_degree`, t) and how many fit
-  in memory (`memory_capacity`, m);
+- how many copies may be fetched while attention runs (`overlap_degree`, t), how many are
+  worth fetching (`choose_overlap_degree`: t by cost) and how many fit in memory
+  (`memory_capacity`, m);
 - which experts get copies on which devices (`materialize`, DESIGN 4.2) and whether one more
   gather after the gate pays off (`calibrate`, 4.2 step 4);
 - who owns which expert of every layer (`heterogeneous_shard`, 4.3; `even_shard`) and how
@@ -849,7 +850,9 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
     """
     source_loads_LDE = check_loads(source_loads_LDE, "source_loads_LDE", 3)
     if source_loads_LDE.shape[0] != len(shards):
-        raise PlacementError(f"source_loads_LDE has {source_loads_LDE.shape[0]} layers but {len(shards)} shard layouts were given")
+        raise PlacementError(
+            f"source_loads_LDE has {source_loads_LDE.shape[0]} layers but {len(shards)} shard layouts were given"
+        )
     prices_T4 = np.zeros((len(candidates), 4))
     for shard, sources_DE in zip(shards, source_loads_LDE):
         tokens_E = sources_DE.sum(axis=0)
@@ -865,12 +868,15 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
 def choose_overlap_degree(candidates: list[int], prices_T4: np.ndarray, hidden_t: int) -> OverlapChoice:
     """t by cost: the candidate whose predicted time is least (ties: the smaller t, fewer copies).
 
-    DESIGN 4.2's t gathers only what attention hides, which throws away copies that cost more to
-    gather than attention hides but save more than that in expert compute and all-to-all (on
-    nodes behind one NIC the all-to-all dominates, and a copy near the tokens keeps them off the
-    network), and gives t = 0 (FSSDP = EP) where attention is short. `prices_T4` comes from
-    `overlap_prices`, summed over the job's layers (the runtime all-reduces it over pipeline
-    stages, so every rank takes the same t)."""
+    DESIGN 4.2's t gathers what attention hides. That throws away copies whose gather is exposed
+    but which save more than it in expert compute and all-to-all (on nodes behind one NIC the
+    all-to-all dominates, and a copy near the tokens keeps them off the network; where attention
+    is short the hidden t is 0 and FSSDP degenerates to EP), and it takes hidden copies that do
+    not pay (each instance has a fixed cost, so on small batches splitting an expert over more
+    devices is slower; the spRS of many copies outlasts the backward). Measured in the simulator
+    (tests/sim/test_sim_fssdp_calibration.py, README "Every run config, simulated"). `prices_T4`
+    comes from `overlap_prices`, summed over the job's layers (the runtime all-reduces it over
+    pipeline stages, so every rank takes the same t)."""
     prices_T4 = np.asarray(prices_T4, dtype=np.float64)
     if prices_T4.shape != (len(candidates), 4) or not np.all(np.isfinite(prices_T4)):
         raise PlacementError(f"prices_T4 must be finite with shape ({len(candidates)}, 4), got {prices_T4.shape}")
