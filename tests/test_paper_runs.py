@@ -138,6 +138,11 @@ def test_every_paper_run_trains_three_iterations(commands, workdir):
         assert [r["iteration"] for r in run.records if "loss" in r] == list(range(1, ITERS + 1)), names
         assert all(math.isfinite(loss) for loss in run.losses), (names, run.losses)
         assert "summary: 3 iterations" in run.output, names
+        if "--fp16" in argv and "fssdp" in names:
+            # fp16's initial loss scale (2^32) skips the first steps, so the optimizer has no state to
+            # move when the shrunk interval (2) asks for a re-shard: it waits (it raised before)
+            assert "fssdp: re-shard check at iteration 3 deferred to the next interval: the optimizer has no state yet" \
+                in run.output, names
         line = next(x for x in run.output.splitlines() if x.startswith("precision: ")).removeprefix("precision: ")
         assert tensorboard_texts(run_dir / "tensorboard")["run/precision"] == line, names
         want = "float16" if "--fp16" in argv else "bfloat16" if "--bf16" in argv else "float32"

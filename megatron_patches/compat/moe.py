@@ -59,6 +59,7 @@ __all__ = [
     "InstanceMoELayer",
     "InstanceTokenDispatcher",
     "OptimizerShard",
+    "OptimizerStateMissing",
     "chained_sharded_state_dict",
     "dense_optimizer",
     "distributed_optimizer_sharded_state_dict",
@@ -358,6 +359,11 @@ def held_experts_sharded_state_dict(experts, prefix: str, sharded_offsets: tuple
     return sharded
 
 
+class OptimizerStateMissing(ValueError):
+    """The optimizer has not created a parameter's state yet (no optimizer step has been taken:
+    Megatron's optimizers create it lazily, at the first step that is not skipped)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerShard:
     """The elements of one parameter that this rank's optimizer keeps, and its tensors for them."""
@@ -381,8 +387,8 @@ def expert_optimizer_shard(optimizer, param: torch.nn.Parameter) -> OptimizerSha
     (distrib_optimizer.py:610, :883; a parameter absent from `model_param_gbuf_map` has no element
     in this rank's shard).
 
-    Raises ValueError if no sub-optimizer holds `param`, or its state does not exist yet
-    (before the first step).
+    Raises ValueError if no sub-optimizer holds `param`, OptimizerStateMissing if its state does
+    not exist yet (before the first step that is not skipped).
     """
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(sub, DistributedOptimizer):
@@ -400,7 +406,7 @@ def expert_optimizer_shard(optimizer, param: torch.nn.Parameter) -> OptimizerSha
             main, state, start = key, sub.optimizer.state.get(key, {}), 0
         per_element = {name: value for name, value in state.items() if torch.is_tensor(value) and value.dim() > 0}
         if not per_element:
-            raise ValueError(
+            raise OptimizerStateMissing(
                 f"the optimizer has no state for an expert parameter of shape {tuple(param.shape)} yet "
                 "(it is created by the first optimizer step)"
             )

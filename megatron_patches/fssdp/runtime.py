@@ -57,7 +57,12 @@ from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
-from megatron_patches.compat.moe import expert_optimizer_shard, shards_over_data_parallel, with_moe_layer
+from megatron_patches.compat.moe import (
+    OptimizerStateMissing,
+    expert_optimizer_shard,
+    shards_over_data_parallel,
+    with_moe_layer,
+)
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
 from megatron_patches.fssdp.reshard import ReshardMoves, ShardedSlotState, SlotTable, exchange_slots, plan_reshard
@@ -401,8 +406,17 @@ class FSSDPRuntime(ModeRuntime):
         too); when adopted, move the moved experts' weights and optimizer state.
 
         Runs between iterations (gradient buffers are zero, the optimizer has stepped), on
-        every rank with the same inputs, so every rank takes the same decision.
+        every rank with the same inputs, so every rank takes the same decision. Deferred to the
+        next interval while the optimizer has no state to move (every step so far skipped, e.g.
+        fp16 loss-scale overflows at the start of a run): moving weights without it would leave
+        the optimizer's lazily created state keyed to the wrong experts.
         """
+        if self.optimizer is not None and not self._optimizer_state_exists():
+            self._log.append(
+                f"fssdp: re-shard check at iteration {iteration} deferred to the next interval: the optimizer has "
+                "no state yet (no step has been taken; every one so far was skipped, e.g. by fp16 loss-scale overflows)"
+            )
+            return
         rows = [self.moe_layer_numbers.index(layer.layer_number) for layer in self.layers]
         current = self.layout
         decision = planner.decide_reshard(current, predicted_LE[rows], self.topology, t)
@@ -456,6 +470,20 @@ class FSSDPRuntime(ModeRuntime):
                                   Topology(*node_layout(edp_ranks), 1.0, 1.0))
         exchange_slots(moves, staged.tensors, self.group, self.topology, self.traffic)
         staged.scatter(receiving)
+
+    def _optimizer_state_exists(self) -> bool:
+        """Whether the optimizer holds state for the experts on every rank of the job (the first
+        step that is not skipped creates it everywhere at once; all-reduced all the same, so
+        that every rank takes the same re-shard decision)."""
+        exists = 1.0
+        try:
+            for param in self.slot_modules[0].parameters():
+                expert_optimizer_shard(self.optimizer, param)
+        except OptimizerStateMissing:
+            exists = 0.0
+        flag = torch.tensor([exists], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _slot_tensors(self, slot: int) -> list[torch.Tensor]:
         """A slot's content: each parameter, then the optimizer's tensors for it (whole: an
