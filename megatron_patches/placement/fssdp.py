@@ -574,6 +574,12 @@ class CalibrationCost:
         + backward = 3 forwards) and half its all-to-all (two of its four)."""
         return max(0.0, gather_s - gather_hidden_s) + self.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
 
+    def least_exposed_seconds(self, gather_s: float, best_s: float) -> float:
+        """A lower bound of `exposed_seconds(gather_s, 0, c, a)` for any placement that can beat
+        `best_s` (c + a < best_s, so the MoE backward hides at most 2/3 of best_s): lets
+        calibration skip a candidate before pricing its dispatch."""
+        return gather_s + max(0.0, self.reduce_ratio * gather_s - self.reduce_hidden_s - MOE_BACKWARD_SHARE * best_s)
+
     def exposed_reduce_seconds(self, gather_s: float, compute_s: float, a2a_s: float) -> float:
         """The reduce part of `exposed_seconds`."""
         backward_s = self.reduce_hidden_s + MOE_BACKWARD_SHARE * compute_s + 0.5 * a2a_s
@@ -638,8 +644,9 @@ def calibrate(
     `dispatch`'s itself and its all-to-all time is added (`CalibrationCost.layer_seconds`). The
     current placement costs its MoE time alone. A candidate is taken only when strictly
     cheaper; ties go to the earlier candidate (relief, then fewer shadows). A candidate whose
-    gather alone, added to the best balance any placement can reach (ceil(total / D) tokens on
-    the busiest device), costs no less than the best so far is not priced further.
+    least exposed gather and reduce (`CalibrationCost.least_exposed_seconds`), added to the best
+    balance any placement can reach (ceil(total / D) tokens on the busiest device), cost no less
+    than the best so far is not priced further.
 
     Args:
         current: placement materialized from the prediction (must contain `shard`).
@@ -681,7 +688,10 @@ def calibrate(
 
     sources_DE = source_loads_DE if with_a2a else None
     quota_ED = balanced_quotas(held_ED, tokens_E)
-    best_s = sum(cost.layer_seconds(held_ED, tokens_E, sources_DE, topology))
+    if with_a2a:
+        best_s = sum(cost.layer_seconds(held_ED, tokens_E, sources_DE, topology))
+    else:
+        best_s = cost.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0))
     best = None
     floor_s = np.ceil(total / D) * cost.seconds_per_token  # no placement computes faster
     candidates = (
@@ -692,7 +702,7 @@ def calibrate(
         if not (holds_ED & ~held_ED).any():
             continue
         gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
-        if floor_s + gather_s >= best_s:
+        if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
             continue  # its copies cost more than any balance could save
         compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, sources_DE, topology)
         seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s, a2a_s)
@@ -765,7 +775,7 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         instances_D[holders] += quota_ED[e, holders] > 0
         chain.append((e, target))
         chain_gather_s = gather_s + cost.latency_s
-        if floor * spt + chain_gather_s >= best_s:
+        if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
             break  # the gather only grows along the chain: no longer prefix can be cheaper
         d = int(load_D.argmax())
         compute_s = cost.compute_seconds(load_D, instances_D)
