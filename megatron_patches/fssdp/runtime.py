@@ -665,7 +665,8 @@ class FSSDPRuntime(ModeRuntime):
         loads_LDE = self.stats.source_loads_LDE
         if loads_LDE is None:  # no MoE layer routed a token in this stage's training forwards
             loads_LDE = np.zeros((len(shards), self.num_devices, self.num_experts), dtype=np.int64)
-        local = planner.overlap_prices(shards, loads_LDE, candidates, self.m, self.topology, cost, t_non_moe)
+        local = planner.overlap_prices(shards, loads_LDE, candidates, self.m, self.topology, cost, t_non_moe,
+                                       calibrated=self.config.calibrate)
         prices = torch.from_numpy(local)
         dist.all_reduce(prices)
         choice = planner.choose_overlap_degree(candidates, prices.numpy() / dist.get_world_size(), hidden_t)

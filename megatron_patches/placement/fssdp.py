@@ -835,8 +835,8 @@ class OverlapChoice:
     candidates: tuple[int, ...]
     """The t priced (`overlap_candidates`)."""
     prices_T4: np.ndarray
-    """Seconds per candidate, summed over the layers: expert compute, all-to-all, gather beyond
-    the non-MoE forward, reduce beyond the backward; float [T, 4]."""
+    """Seconds per candidate, summed over the layers: expert compute, all-to-all, exposed gather
+    (spAG beyond the non-MoE forward, calibration's), reduce beyond the backward; float [T, 4]."""
 
     def table(self) -> str:
         """One line per candidate, in ms, for logs."""
@@ -849,14 +849,18 @@ class OverlapChoice:
 
 
 def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list[int], m: int, topology: Topology,
-                   cost: CalibrationCost, t_non_moe_s: float) -> np.ndarray:
+                   cost: CalibrationCost, t_non_moe_s: float, calibrated: bool = False) -> np.ndarray:
     """Price of each candidate t over the layers `shards` with the per-source loads
     `source_loads_LDE` (int [L, D, E]); float [T, 4] (`OverlapChoice.prices_T4`).
 
     A layer's placement is `materialize`'s for those loads (its prediction, when the loads repeat)
-    with t and m; its price is `CalibrationCost.layer_seconds` (the busiest device's expert time,
-    the dispatch plan's all-to-all) plus `CalibrationCost.exposed_seconds` of its spAG, launched
-    as the layer starts, so hidden by the non-MoE forward `t_non_moe_s`.
+    with t and m, then, with `calibrated` (the run calibrates after the gate), what `calibrate`
+    adds to it in the memory left: with t = 0 calibration alone may do better than copies
+    gathered before the gate. Its price is `CalibrationCost.layer_seconds` (the busiest
+    device's expert time, the dispatch plan's all-to-all), the spAG launched as the layer starts
+    beyond the non-MoE forward `t_non_moe_s`, calibration's gather (on the critical path), and
+    the spRS of every copy beyond the backward that hides it
+    (`CalibrationCost.exposed_reduce_seconds`).
     """
     source_loads_LDE = check_loads(source_loads_LDE, "source_loads_LDE", 3)
     if source_loads_LDE.shape[0] != len(shards):
@@ -868,10 +872,17 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
         tokens_E = sources_DE.sum(axis=0)
         for i, t in enumerate(candidates):
             placement = materialize(shard, tokens_E, t, m, topology)
-            compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
             gather_s = cost.spag_seconds(shard, placement, topology)
-            reduce_s = cost.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
-            prices_T4[i] += (compute_s, a2a_s, max(0.0, gather_s - t_non_moe_s), reduce_s)
+            exposed_s = max(0.0, gather_s - t_non_moe_s)
+            if calibrated:
+                remaining_D = np.maximum(m - placement.extra_copies_D(shard), 0)
+                final, extra = calibrate(placement, shard, tokens_E, remaining_D, topology, cost, sources_DE)
+                if extra:
+                    exposed_s += cost.extra_gather_seconds(shard, placement, final.holds_ED(), topology)
+                    placement = final
+            compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
+            reduce_s = cost.exposed_reduce_seconds(cost.spag_seconds(shard, placement, topology), compute_s, a2a_s)
+            prices_T4[i] += (compute_s, a2a_s, exposed_s, reduce_s)
     return prices_T4
 
 

@@ -450,7 +450,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             shards = [ShardLayout.even(E, D)] * L
             candidates = fssdp.overlap_candidates(t, E)
             prices = fssdp.overlap_prices(shards, scn.source_ILDE[0], candidates, memory_capacity, topo,
-                                          config.fssdp_cost(), t_non_moe)
+                                          config.fssdp_cost(), t_non_moe, calibrated=config.calibrate)
             choice = fssdp.choose_overlap_degree(candidates, prices, t)
             config = dataclasses.replace(config, overlap_degree=choice.t)
             knobs.update(overlap_degree_t=choice.t, overlap_degree_hidden_t=choice.hidden_t)
@@ -720,6 +720,7 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
         moe_span[:, k] = span(gate, prev)
     prev = tl.compute("other", head, after=[prev])
     regather: dict[int, object] = {}
+    sprs_above = None
     for j in reversed(range(wl.model.num_layers)):
         k = moe_index.get(j)
         if recompute == "full":
@@ -751,12 +752,14 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
                     "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b],
                     label="spag_rematerialize",
                 )
-            if "sprs" in kind_times:
-                tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k], after=[experts_b],
-                              label="sprs")
             for kind in grad_kinds:
                 tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b], label=kind)
-            first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b])
+            # the runtime's spRS(l): launched when the gradient reaches the layer's MoE input, after
+            # the wait for spRS of the MoE layer above (`FSSDPRuntime.on_layer_backward` / `drain`)
+            first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b, sprs_above])
+            if "sprs" in kind_times:
+                sprs_above = tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k],
+                                           after=[dispatch_b], label="sprs")
             moe_span[:, k] += span(combine_b, first)
         attention_b = tl.compute("attention", att_bwd, after=[first])
         tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b], label="dense_grad_allreduce")

@@ -137,3 +137,21 @@ def test_calibration_counts_the_instances_a_copy_adds():
     costly = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS)
     assert calibrate(current, shard, [100, 50], 1, topo, cheap)[1]
     assert not calibrate(current, shard, [100, 50], 1, topo, costly)[1]
+
+
+def test_with_calibration_each_t_is_priced_with_the_copies_calibration_adds():
+    """The two-device layer at 10 us per token: t = 0 alone costs 15 ms of compute; calibration
+    would add expert 0's copy after the gate (10 ms + its 1 ms gather on the path), so with
+    `calibrated` t = 0 costs 11 ms. Before the gate the same copy is 0.2 ms exposed (0.8 ms of
+    attention): t = 1 costs 10.2 ms and is still the choice."""
+    topo = Topology(1, 2, 1e9, 1e9)
+    shards = [ShardLayout([0, 1], 2)]
+    sources_LDE = np.array([[[750, 250], [750, 250]]])
+    cost = CalibrationCost(seconds_per_token=1e-5, expert_bytes=1e6)
+    candidates = overlap_candidates(0, 2)
+    plain = overlap_prices(shards, sources_LDE, candidates, 2, topo, cost, 0.8 * MS)
+    calibrated = overlap_prices(shards, sources_LDE, candidates, 2, topo, cost, 0.8 * MS, calibrated=True)
+    np.testing.assert_allclose(plain[0], [15 * MS, 0, 0, 0])
+    np.testing.assert_allclose(calibrated[0], [10 * MS, 0, 1 * MS, 0])
+    np.testing.assert_allclose(calibrated[1], [10 * MS, 0, 0.2 * MS, 0])  # nothing left for calibration
+    assert choose_overlap_degree(candidates, calibrated, 0).t == 1
