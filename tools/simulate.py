@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="activation recompute (default none, or the run's --recompute-granularity)")
     parser.add_argument("--iterations", type=int, default=None, help="simulate only the trace's first N iterations")
     parser.add_argument("--overlap-degree", type=int, default=None,
-                        help="FSSDP's t (default: DESIGN 4.2's formula from the cost model)")
+                        help="FSSDP's t (default: by cost as the runtime's auto t, on the trace's first "
+                        "iteration: t = 0, the powers of two up to E and DESIGN 4.2's hidden t)")
     parser.add_argument("--memory-capacity", type=int, default=None,
                         help="FSSDP's m, copies per device and layer (default: what fits in free memory)")
     parser.add_argument("--reserved-slots", type=int, default=None,

@@ -129,10 +129,9 @@ class IterationStats:
     non_moe_s: list = field(default_factory=list)
     """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
     expert_s: float = 0.0
-    """Seconds of expert forward compute on the stream (for calibration's cost model)."""
+    """Seconds of expert forward compute on the stream (for the cost model)."""
     expert_tokens: int = 0
     """Token copies those seconds processed."""
-
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
     reserved: dict = field(default_factory=dict)
@@ -596,9 +595,9 @@ class FSSDPRuntime(ModeRuntime):
         self._log.append(
             f"fssdp: cost model: {seconds * 1e6:.2f} us per token copy (measured) and {instance_s * 1e6:.1f} us per "
             f"expert instance (probed; expert forward + backward), {self.expert_bytes} bytes per extra copy over "
-            f"{self.topology.intra_node_bw / 1e9:.2f} GB/s ({self.config.collectives} collectives), its reduce {cost.reduce_ratio:g}x that beyond "
-            f"{cost.reduce_hidden_s * 1e3:.2f} ms of attention backward and the MoE backward, the all-to-all at "
-            f"{self.hidden_size * self.element_size} bytes per token"
+            f"{self.topology.intra_node_bw / 1e9:.2f} GB/s ({self.config.collectives} collectives), its reduce "
+            f"{cost.reduce_ratio:g}x that beyond {cost.reduce_hidden_s * 1e3:.2f} ms of attention backward and the MoE "
+            f"backward, the all-to-all at {self.hidden_size * self.element_size} bytes per token"
         )
         return cost
 
@@ -628,7 +627,8 @@ class FSSDPRuntime(ModeRuntime):
                         best[instances] = min(best[instances], time.perf_counter() - started)
         return max(best[2] - best[1], 0.0)
 
-    def _cost_model(self, seconds_per_token: float, hidden_bwd: float, seconds_per_instance: float) -> planner.CalibrationCost:
+    def _cost_model(self, seconds_per_token: float, hidden_bwd: float,
+                    seconds_per_instance: float) -> planner.CalibrationCost:
         """The cost model from the three measured figures (kept in checkpoints)."""
         reduce_ratio = (4 if self.config.reduce_in_fp32 else self.element_size) / self.element_size
         topology, algorithm, expert_bytes = self.topology, self.config.collectives, float(self.expert_bytes)
@@ -652,11 +652,11 @@ class FSSDPRuntime(ModeRuntime):
         return float(local.item())
 
     def _auto_overlap_degree(self, cost: planner.CalibrationCost) -> int:
-        """Auto t after the first iteration: DESIGN 4.2's hidden t (what the measured non-MoE time
-        hides at the probed bandwidth), or a larger one where the cost model says its copies save
-        more expert compute and all-to-all than their exposed gather and reduce cost, priced on
-        this iteration's loads (`planner.choose_overlap_degree`). The prices are summed over every
-        rank (each prices its pipeline stage's layers), so every rank takes the same t."""
+        """Auto t after the first iteration, by cost (`planner.choose_overlap_degree`): t = 0, the
+        powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides at
+        the probed bandwidth) priced on this iteration's loads, with calibration's copies when the
+        run calibrates; the cheapest is kept. The prices are summed over every rank (each prices
+        its pipeline stage's layers), so every rank takes the same t."""
         t_non_moe = self._min_non_moe_seconds()
         bw = planner.gather_bandwidth(self.topology, self.config.collectives)
         hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)

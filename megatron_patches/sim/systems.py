@@ -369,9 +369,10 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     """The policy knobs of a placement system, derived from the cost and memory model.
 
     - t (FSSDP overlap degree): by cost, as the runtime chooses it (`fssdp.choose_overlap_degree`
-      on the first iteration's loads), among DESIGN 4.2's floor(T_nonMoE x bw / expert bytes)
-      (T_nonMoE the forward of a layer's attention block, norms and gate on the slowest device;
-      bw from the bandwidths the runtime's probe measures) and the powers of two above it.
+      on the first iteration's loads, with calibration's copies when it calibrates), among t = 0,
+      the powers of two up to E and DESIGN 4.2's floor(T_nonMoE x bw / expert bytes) (T_nonMoE
+      the forward of a layer's attention block, norms and gate on the slowest device; bw from the
+      bandwidths the runtime's probe measures).
     - m (FSSDP copies per device and layer): the free memory under EP (balanced loads) over the
       bytes of one copy (weights + gradients) times the layers whose copies are alive at once
       (all L without re-materialization, 1 with it).
