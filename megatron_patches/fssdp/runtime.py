@@ -146,14 +146,14 @@ class IterationStats:
     """Token copies the dispatch plans send to another rank (all sources, all layers)."""
     source_loads_LDE: np.ndarray | None = None
     """Routed tokens per layer of this stage, source device and expert, summed over the
-    micro-batches (what t by cost prices after the first iteration); int64 [L, D, E]."""
+    micro-batches (what t by cost prices after the first iteration); int64 [L, D, E], kept only
+    while auto t is still to be chosen (None otherwise)."""
 
     def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
         self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
         self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
-        if self.source_loads_LDE is None:
-            self.source_loads_LDE = np.zeros((self.device_tokens_LD.shape[0], *counts_DE.shape), dtype=np.int64)
-        self.source_loads_LDE[layer_index] += counts_DE
+        if self.source_loads_LDE is not None:
+            self.source_loads_LDE[layer_index] += counts_DE
 
 
 class FSSDPRuntime(ModeRuntime):
@@ -389,6 +389,9 @@ class FSSDPRuntime(ModeRuntime):
         misprediction_L = self.tracker.misprediction() if self.config.calibrate and self.cost is not None else None
         self.traffic.reset()
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
+        if self.t is None:  # auto t prices this iteration's loads at its end
+            shape_LDE = (len(self.layers), self.num_devices, self.num_experts)
+            self.stats.source_loads_LDE = np.zeros(shape_LDE, dtype=np.int64)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
         self.plans = {}
@@ -565,9 +568,10 @@ class FSSDPRuntime(ModeRuntime):
             self.m = self._measured_memory_capacity()
         wants_cost = self.config.calibrate and self.cost is None
         if self.t is None or wants_cost:
-            cost = self._measured_cost()
+            t_non_moe = self._min_non_moe_seconds()
+            cost = self._measured_cost(t_non_moe)
             if self.t is None:
-                self.t = self._auto_overlap_degree(cost)
+                self.t = self._auto_overlap_degree(cost, t_non_moe)
             if wants_cost:
                 self.cost = cost
         return self._metrics()
@@ -581,17 +585,18 @@ class FSSDPRuntime(ModeRuntime):
         self.stats.non_moe_s.extend(times.get("fssdp.non_moe", []))
         self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
 
-    def _measured_cost(self) -> planner.CalibrationCost:
+    def _measured_cost(self, t_non_moe: float) -> planner.CalibrationCost:
         """The cost model (t by cost, calibration) from the first iteration's measurements, the
         same on every rank: expert time per token (slowest rank) and per instance
         (`_probe_instance_seconds`), the gather and the all-to-all over the probed bandwidth with
         this run's collective algorithm, and the copies' reduce beyond what attention backward
-        (estimated as twice the measured non-MoE forward time) and the MoE backward hide."""
+        (estimated as twice `t_non_moe`, the measured non-MoE forward time) and the MoE backward
+        hide."""
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1), self._probe_instance_seconds()],
                              dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
         seconds, instance_s = (FORWARD_BACKWARD_FACTOR * float(v) for v in local.tolist())
-        cost = self._cost_model(seconds, BACKWARD_FACTOR * self._min_non_moe_seconds(), instance_s)
+        cost = self._cost_model(seconds, BACKWARD_FACTOR * t_non_moe, instance_s)
         self._log.append(
             f"fssdp: cost model: {seconds * 1e6:.2f} us per token copy (measured) and {instance_s * 1e6:.1f} us per "
             f"expert instance (probed; expert forward + backward), {self.expert_bytes} bytes per extra copy over "
@@ -651,22 +656,18 @@ class FSSDPRuntime(ModeRuntime):
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
         return float(local.item())
 
-    def _auto_overlap_degree(self, cost: planner.CalibrationCost) -> int:
+    def _auto_overlap_degree(self, cost: planner.CalibrationCost, t_non_moe: float) -> int:
         """Auto t after the first iteration, by cost (`planner.choose_overlap_degree`): t = 0, the
         powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides at
         the probed bandwidth) priced on this iteration's loads, with calibration's copies when the
         run calibrates; the cheapest is kept. The prices are summed over every rank (each prices
         its pipeline stage's layers), so every rank takes the same t."""
-        t_non_moe = self._min_non_moe_seconds()
         bw = planner.gather_bandwidth(self.topology, self.config.collectives)
         hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         candidates = planner.overlap_candidates(hidden_t, self.num_experts)
         shards = [self.layout.layer(index) for index in range(len(self.layers))]
-        loads_LDE = self.stats.source_loads_LDE
-        if loads_LDE is None:  # no MoE layer routed a token in this stage's training forwards
-            loads_LDE = np.zeros((len(shards), self.num_devices, self.num_experts), dtype=np.int64)
-        local = planner.overlap_prices(shards, loads_LDE, candidates, self.m, self.topology, cost, t_non_moe,
-                                       calibrated=self.config.calibrate)
+        local = planner.overlap_prices(shards, self.stats.source_loads_LDE, candidates, self.m, self.topology, cost,
+                                       t_non_moe, calibrated=self.config.calibrate)
         prices = torch.from_numpy(local)
         dist.all_reduce(prices)
         choice = planner.choose_overlap_degree(candidates, prices.numpy() / dist.get_world_size(), hidden_t)

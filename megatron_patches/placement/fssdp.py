@@ -686,10 +686,9 @@ def calibrate(
         if not np.array_equal(source_loads_DE.sum(axis=0), tokens_E):
             raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
 
-    sources_DE = source_loads_DE if with_a2a else None
     quota_ED = balanced_quotas(held_ED, tokens_E)
     if with_a2a:
-        best_s = sum(cost.layer_seconds(held_ED, tokens_E, sources_DE, topology))
+        best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology))
     else:
         best_s = cost.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0))
     best = None
@@ -704,7 +703,7 @@ def calibrate(
         gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
         if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
             continue  # its copies cost more than any balance could save
-        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, sources_DE, topology)
+        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology)
         seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s, a2a_s)
         if seconds < best_s:
             best_s, best = seconds, holds_ED
@@ -872,7 +871,7 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
         tokens_E = sources_DE.sum(axis=0)
         for i, t in enumerate(candidates):
             placement = materialize(shard, tokens_E, t, m, topology)
-            gather_s = cost.spag_seconds(shard, placement, topology)
+            gather_s = reduced_s = cost.spag_seconds(shard, placement, topology)  # spRS reduces what spAG gathered
             exposed_s = max(0.0, gather_s - t_non_moe_s)
             if calibrated:
                 remaining_D = np.maximum(m - placement.extra_copies_D(shard), 0)
@@ -880,8 +879,9 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
                 if extra:
                     exposed_s += cost.extra_gather_seconds(shard, placement, final.holds_ED(), topology)
                     placement = final
+                    reduced_s = cost.spag_seconds(shard, placement, topology)  # ... and calibration's copies
             compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
-            reduce_s = cost.exposed_reduce_seconds(cost.spag_seconds(shard, placement, topology), compute_s, a2a_s)
+            reduce_s = cost.exposed_reduce_seconds(reduced_s, compute_s, a2a_s)
             prices_T4[i] += (compute_s, a2a_s, exposed_s, reduce_s)
     return prices_T4
 

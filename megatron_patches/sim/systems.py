@@ -56,7 +56,7 @@ from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
-from megatron_patches.placement.types import PlacementError, ShardLayout
+from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
@@ -448,7 +448,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
         )
         if spec.policy == "fssdp" and spec.fssdp_mode != "shard" and o.overlap_degree is None:
             # t by cost, as the runtime chooses it after its first iteration: on that iteration's loads
-            shards = [ShardLayout.even(E, D)] * L
+            shards = [fssdp.even_shard(L, E, D).layer(k) for k in range(L)]  # FSSDPPolicy's starting layout
             candidates = fssdp.overlap_candidates(t, E)
             prices = fssdp.overlap_prices(shards, scn.source_ILDE[0], candidates, memory_capacity, topo,
                                           config.fssdp_cost(), t_non_moe, calibrated=config.calibrate)
