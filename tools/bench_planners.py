@@ -164,10 +164,14 @@ def build_cases() -> list[Case]:
 
 
 def time_ms(call: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """(median, minimum) wall time of `call` in ms over `repeats` calls after a warm-up call."""
+    """(median, minimum) wall time of `call` in ms over `repeats` calls after a warm-up call.
+    The planner's quota memo is cleared before each call: a repeat of the same inputs would
+    otherwise find the previous call's quotas (within one call, calibrate's reuse in dispatch
+    is what a training iteration gets and is timed)."""
     call()  # first-call allocations are not the steady state
     times = []
     for _ in range(repeats):
+        fssdp.clear_quota_memo()
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
