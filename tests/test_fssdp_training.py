@@ -101,6 +101,8 @@ def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
             assert sum(layer["device_tokens"]) == sum(ep_layer["device_tokens"]) == TOKENS_PER_ITERATION * 2
             replicas = np.array(layer["replicas"])
             assert replicas.min() >= 1 and replicas.sum() == EXPERTS + sum(layer["copies"])
+            # the ring carries every expert all 4 ranks hold, or none (placement.collectives)
+            assert layer["ring_experts"] in (0, int((replicas == 4).sum()))
             before.append(ep_layer["imbalance"])
             after.append(layer["imbalance"])
         # Memory: the expert shards and their Adam state exist once over the 4 ranks.
@@ -155,7 +157,8 @@ def test_copies_are_gathered_and_reduced_once_per_iteration(ep_run, runs):
     """With 4 micro-batches per iteration (gradient accumulation) the copies of each layer are
     gathered on the first, kept, and their summed gradient reduced once after the last backward:
     spAG and spRS bytes per iteration equal the one-micro-batch run's, record for record (same
-    t, m and global loads, so the same plans), and both train like ep."""
+    t, m and global loads, so the same plans), and both train like ep, with the hot experts every
+    rank holds broadcast and reduced along the ring (`dist.broadcast` / `dist.reduce`)."""
     one, four = runs["fssdp_k1"], runs["fssdp_k4"]
     assert_same_losses(one, ep_run)
     assert_same_losses(four, ep_run)
@@ -165,6 +168,9 @@ def test_copies_are_gathered_and_reduced_once_per_iteration(ep_run, runs):
         assert [layer["copies"] for layer in first["layers"]] == [layer["copies"] for layer in second["layers"]]
         assert first["bytes"] == second["bytes"]
     assert sum(r["bytes"]["spag"]["intra"] for r in records[1]) > 0
+    # t = m = 2 copies the two busiest experts to every rank: owned by one or two of the 4 ranks,
+    # they go around the ring (each rank sends at most 2 copies) rather than 3 from each owner
+    assert sum(layer["ring_experts"] for r in records[0] for layer in r["layers"]) > 0
     check_fssdp_records(four, remat=False, micro_batches=4)
     before, after = check_fssdp_records(one, remat=False)
     assert after < before and after < 1.1, (before, after)  # measured 1.46 -> 1.06

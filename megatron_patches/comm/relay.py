@@ -6,13 +6,20 @@ node, to the node's relay for it, which forwards it over the node's own links
 (`placement.collectives`: the relay choice, shared with the byte formulas and the simulator):
 
     gather   stage 1: owner -> holders on its node, and -> each other node's relay
+             ring:    experts every device holds, when a ring is faster: one broadcast each
              stage 2: relay -> the other holders on its node
     reduce   stage 1: holders -> their node's relay (reverse of gather stage 2); the relay sums
+             ring:    one reduce to the owner per ring expert
              stage 2: relays and the owner's node's holders -> owner (reverse of gather stage 1)
 
 Same interface, buffers and byte recording as the flat classes (`RelayAllGather(shard,
 placement, group, chunk_numel, topology=..., traffic=...)`; call -> handle -> wait), for
-whole-chunk ownership (FSSDP). Each stage is one batched point-to-point call in the one group.
+whole-chunk ownership (FSSDP). Each stage is one batched point-to-point call in the one group;
+the ring experts are `dist.broadcast` / `dist.reduce` calls in that group (every rank holds
+them, so the group is their holder set), in ascending expert order on every rank. Their bytes are
+recorded as NCCL's pipelined ring moves them (each rank receives from rank - 1 and sends to
+rank + 1, the ring starting at the owner: `placement.collectives`); gloo's broadcast and reduce
+use their own algorithms, so on CPU the recorded ring bytes are the model's, not gloo's wire bytes.
 
 Asynchrony: stage 1 is posted when the collective is called. Stage 2 reads what stage 1
 received: on GPU it is posted at once, ordered after stage 1 on the communication stream
@@ -23,7 +30,8 @@ same order on both sides.
 
 Reduction order: a relay sums its node's copies in ascending device order (its own at its
 place); the owner sums its node's copies and the relays' sums in ascending device order of the
-sender. Deterministic run to run, but not the flat collective's order (differences at rounding).
+sender; a ring expert's sum is the backend's reduce order. Deterministic run to run (for a fixed
+backend and world), but not the flat collective's order (differences at rounding).
 """
 
 from __future__ import annotations
@@ -35,20 +43,30 @@ import torch.distributed as dist
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter, _post
 from megatron_patches.comm.streams import comm_stream
 from megatron_patches.comm.transfers import RelayTransfers, plan_relay_transfers
-from megatron_patches.placement.collectives import copy_sources_ED
+from megatron_patches.placement.collectives import copy_sources
 from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout
 
 __all__ = ["RelayAllGather", "RelayReduceScatter"]
 
 
 def _relay_plan(collective, owners, placement: InstancePlacement) -> RelayTransfers:
-    """The rank's two-stage plan (the flat plan's validation has run in the base class)."""
+    """The rank's plan: two point-to-point stages and the ring broadcasts (the flat plan's
+    validation has run in the base class)."""
     if not isinstance(owners, ShardLayout):
         raise PlacementError(
             f"node-aware sparse collectives need whole-chunk owners (a ShardLayout), got {type(owners).__name__}"
         )
-    source_ED = copy_sources_ED(owners, placement, collective.topology, "hierarchical")
-    return plan_relay_transfers(owners, placement, source_ED, collective.plan.chunk_numel, collective.rank)
+    sources = copy_sources(owners, placement, collective.topology, "hierarchical")
+    return plan_relay_transfers(owners, placement, sources, collective.plan.chunk_numel, collective.rank)
+
+
+def _ring_rows(relay: RelayTransfers, buffer: torch.Tensor, rows) -> list[torch.Tensor]:
+    """The rows of `buffer` the ring collectives run on (views: a broadcast fills them in place)."""
+    out = [buffer[row] for row in rows]
+    if not all(row.is_contiguous() for row in out):
+        raise ValueError(f"rank {relay.rank}: the ring broadcasts need a buffer with contiguous rows, got strides "
+                         f"{tuple(buffer.stride())}")
+    return out
 
 
 def _index(rows, device: torch.device) -> torch.Tensor:
@@ -109,6 +127,9 @@ class RelayAllGather(SparseAllGather):
             if relay.local_owned_rows.size:
                 out.index_copy_(0, _index(relay.local_held_rows, device),
                                 owned.index_select(0, _index(relay.local_owned_rows, device)))
+            # the root broadcasts the row the local copy just filled; the others receive into theirs
+            rings = [dist.broadcast(row, group=self.group, group_src=root, async_op=True)
+                     for row, root in zip(_ring_rows(relay, out, relay.ring_held_rows), relay.ring_roots.tolist())]
             eager = device.type == "cuda"
             if eager:
                 land()
@@ -119,6 +140,8 @@ class RelayAllGather(SparseAllGather):
             if not eager:
                 land()
                 post(second, out)
+            for work in rings:
+                work.wait()
             land()
             return out
 
@@ -176,6 +199,10 @@ class RelayReduceScatter(SparseReduceScatter):
 
         with stream.launch(held, out):
             post(second, held)
+            # ring reduces to the owners, on copies (a reduce may use its input as scratch)
+            sums_R = [row.clone() for row in _ring_rows(relay, held, relay.ring_held_rows)]
+            rings = [dist.reduce(row, group=self.group, group_dst=root, async_op=True)
+                     for row, root in zip(sums_R, relay.ring_roots.tolist())]
             eager = device.type == "cuda"
             if eager:
                 start_second()
@@ -186,6 +213,11 @@ class RelayReduceScatter(SparseReduceScatter):
                 start_second()
             partial_HN = sums.pop("partial")
             out.zero_()
-            return land(out, index(relay.local_owned_rows), partial_HN.index_select(0, index(relay.local_held_rows)))
+            land(out, index(relay.local_owned_rows), partial_HN.index_select(0, index(relay.local_held_rows)))
+            for work, total, owned_row in zip(rings, sums_R, relay.ring_owned_rows.tolist()):
+                work.wait()
+                if owned_row >= 0:  # the ring's sum replaces the owner's own copy that `land` put there
+                    out[owned_row].copy_(total)
+            return out
 
         return CollectiveHandle(stream, finish)

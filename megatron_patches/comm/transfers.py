@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement.collectives import CopySources
 from megatron_patches.placement.types import (
     ElementShardLayout,
     InstancePlacement,
@@ -338,7 +339,7 @@ def _check_postconditions(plan: RankTransfers, placement: InstancePlacement) -> 
         )
 
 
-# ---- node-aware (relayed) plans: whole-chunk ownership, two stages ---------------------------
+# ---- node-aware (relayed) plans: whole-chunk ownership, two stages and ring broadcasts --------
 
 
 @dataclass(frozen=True, eq=False)
@@ -358,11 +359,15 @@ class StageMessage:
 @dataclass(frozen=True, eq=False)
 class RelayTransfers:
     """One rank's part of a relayed SparseAllGather: stage 1, owners send to the holders on their
-    own node and to each other node's relay; stage 2, relays send to their node's other holders
-    (`placement.collectives`). SparseReduceScatter runs stage 2 reversed, then stage 1 reversed."""
+    own node and to each other node's relay; then the ring broadcasts of the chunks every device
+    holds, when the ring is faster; stage 2, relays send to their node's other holders
+    (`placement.collectives`). SparseReduceScatter runs stage 2 reversed, the broadcasts as ring
+    reduces, then stage 1 reversed."""
 
     rank: int
     """The device (group rank) this plan is for."""
+    num_devices: int
+    """D, the group's size."""
     chunk_numel: int
     """N, elements per chunk."""
     owned_chunks: np.ndarray
@@ -375,27 +380,49 @@ class RelayTransfers:
     """The held-buffer rows of the same chunks, in the same order."""
     stages: tuple[tuple[StageMessage, ...], tuple[StageMessage, ...]]
     """Stage 1's and stage 2's messages, ascending by peer (peers with something to exchange)."""
+    ring_chunks: np.ndarray
+    """Chunks broadcast along the ring of all devices (every device holds them), ascending;
+    int64 [R], read-only. Every rank takes part in each broadcast, in this order."""
+    ring_roots: np.ndarray
+    """Their owners, the broadcasts' roots; int64 [R], read-only."""
+    ring_held_rows: np.ndarray
+    """Their rows in this rank's held buffer; int64 [R], read-only."""
+    ring_owned_rows: np.ndarray
+    """Their rows in this rank's owned buffer, -1 where another rank owns it; int64 [R], read-only."""
 
     def gather_numel(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(peer_P, send_numel_P, recv_numel_P) of the whole gather (both stages, one entry per
-        message), as `RankTransfers.gather_numel`; the reduce swaps sent and received."""
+        message, then the ring broadcasts: from the ring predecessor rank - 1 unless this rank is
+        the root, to the successor rank + 1 unless that is the root; the byte model of NCCL's
+        ring), as `RankTransfers.gather_numel`; the reduce swaps sent and received."""
         messages = [m for stage in self.stages for m in stage]
         peer_P = np.array([m.peer for m in messages], dtype=np.int64)
         send_P = np.array([m.send_rows.size for m in messages], dtype=np.int64) * self.chunk_numel
         recv_P = np.array([m.recv_rows.size for m in messages], dtype=np.int64) * self.chunk_numel
+        if self.ring_chunks.size:
+            D = self.num_devices
+            receives = int(np.count_nonzero(self.ring_roots != self.rank))
+            sends = int(np.count_nonzero(self.ring_roots != (self.rank + 1) % D))
+            peer_P = np.concatenate([peer_P, [(self.rank - 1) % D, (self.rank + 1) % D]])
+            send_P = np.concatenate([send_P, [0, sends * self.chunk_numel]])
+            recv_P = np.concatenate([recv_P, [receives * self.chunk_numel, 0]])
         return peer_P, send_P, recv_P
 
 
-def plan_relay_transfers(shard: ShardLayout, placement: InstancePlacement, source_ED: np.ndarray, chunk_numel: int,
+def plan_relay_transfers(shard: ShardLayout, placement: InstancePlacement, sources: CopySources, chunk_numel: int,
                          rank: int) -> RelayTransfers:
-    """Rank `rank`'s two-stage transfers for SparseAllGather(shard -> placement) where device d gets
-    chunk c from `source_ED[c, d]` (`placement.collectives.copy_sources_ED`).
+    """Rank `rank`'s transfers for SparseAllGather(shard -> placement) where device d gets chunk c
+    from `sources.source_ED[c, d]` (`placement.collectives.copy_sources`).
 
-    A transfer is stage 1 when its source is the chunk's owner, stage 2 when it is a relay (which
-    received the chunk in stage 1). Checks that every held row is filled exactly once.
+    A point-to-point transfer is stage 1 when its source is the chunk's owner, stage 2 when it is a
+    relay (which received the chunk in stage 1); the ring chunks (`sources.ring_E`) are broadcast
+    in between. Checks that every held row is filled exactly once.
     """
     rank = _check_rank(rank, placement.num_devices)
     owner_C = shard.owner_E
+    ring_C = np.asarray(sources.ring_E, dtype=bool)
+    ring_chunks = np.flatnonzero(ring_C).astype(np.int64)
+    source_ED = np.where(ring_C[:, None], -1, sources.source_ED)  # the broadcasts are not messages
     owned_chunks = np.flatnonzero(owner_C == rank).astype(np.int64)
     held_chunks = np.flatnonzero(placement.holds_ED()[:, rank]).astype(np.int64)
     owned_row_C = np.full(owner_C.size, -1, dtype=np.int64)
@@ -418,10 +445,15 @@ def plan_relay_transfers(shard: ShardLayout, placement: InstancePlacement, sourc
             messages.append(StageMessage(int(p), _read_only(send_row_C[sends_CP[:, p]]), _read_only(held_row_C[recvs_CP[:, p]])))
         stages.append(tuple(messages))
     local = np.arange(owned_chunks.size, dtype=np.int64)
-    plan = RelayTransfers(rank, int(chunk_numel), _read_only(owned_chunks), _read_only(held_chunks), _read_only(local),
-                          _read_only(held_row_C[owned_chunks]), (stages[0], stages[1]))
+    plan = RelayTransfers(rank, placement.num_devices, int(chunk_numel), _read_only(owned_chunks),
+                          _read_only(held_chunks), _read_only(local), _read_only(held_row_C[owned_chunks]),
+                          (stages[0], stages[1]), _read_only(ring_chunks), _read_only(owner_C[ring_chunks].astype(np.int64)),
+                          _read_only(held_row_C[ring_chunks]), _read_only(owned_row_C[ring_chunks]))
+    if np.any(plan.ring_held_rows < 0):
+        raise RuntimeError("transfer plan bug: a ring chunk is not held by every device")
     filled_H = np.zeros(held_chunks.size, dtype=np.int64)
     filled_H[plan.local_held_rows] += 1
+    filled_H[plan.ring_held_rows[plan.ring_roots != rank]] += 1
     for stage in plan.stages:
         for message in stage:
             filled_H[message.recv_rows] += 1

@@ -943,6 +943,9 @@ class FSSDPRuntime(ModeRuntime):
                     "imbalance": imbalance(device_D),
                     "replicas": plan.placement.replicas_E().tolist(),
                     "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
+                    # experts every rank held whose gradients went back by ring reduce (and copies
+                    # out by ring broadcast; placement.collectives.copy_sources)
+                    "ring_experts": int(plan.reduce.relay.ring_chunks.size) if isinstance(plan.reduce, RelayReduceScatter) else 0,
                     "owned": plan.shard.counts_D().tolist(),
                     "calibration_reserve": self.stats.reserved[layer.layer_number],
                 }

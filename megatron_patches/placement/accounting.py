@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_patches.placement.collectives import copy_sources_ED
+from megatron_patches.placement.collectives import copy_sources
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -37,7 +37,7 @@ __all__ = [
     "extra_memory_bytes",
     "imbalance",
     "rearrangement_bytes",
-    "relayed_gather_stage_bytes",
+    "gather_stage_bytes",
     "sparse_all_gather_bytes",
     "sparse_all_gather_seconds",
     "sparse_reduce_scatter_bytes",
@@ -186,11 +186,12 @@ def sparse_all_gather_bytes(shard: ShardLayout, placement: InstancePlacement, ch
                             algorithm: str = "flat") -> CommBytes:
     """Bytes of SparseAllGather(P0 = shard, P1 = placement) (DESIGN 3).
 
-    Every (expert, device) pair in P1 but not in P0 receives the expert's chunk once, point to
-    point, from the device `placement.collectives.copy_sources_ED` names: the owner (flat), or
-    on another node than the owner's the node's relay for the expert (hierarchical: one copy
-    per node crosses the network). Nothing else moves. Multiplicity in P1 does not add bytes
-    (one copy per device serves all its slots).
+    Every (expert, device) pair in P1 but not in P0 receives the expert's chunk once from the
+    device `placement.collectives.copy_sources` names: the owner (flat), or on another node than
+    the owner's the node's relay for the expert (hierarchical: one copy per node crosses the
+    network), or for an expert every device holds and broadcast along the ring, the device's ring
+    predecessor. Nothing else moves. Multiplicity in P1 does not add bytes (one copy per device
+    serves all its slots).
 
     Args:
         shard: P0, a partition of the experts (one owner each).
@@ -199,33 +200,31 @@ def sparse_all_gather_bytes(shard: ShardLayout, placement: InstancePlacement, ch
         topology: the devices.
         algorithm: "flat" or "hierarchical".
     """
-    source_ED = copy_sources_ED(shard, placement, topology, algorithm)
-    size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
-    e, d = np.nonzero(source_ED >= 0)
-    return CommBytes.from_transfers(source_ED[e, d], d, size_E[e], topology)
+    first, ring, relays = gather_stage_bytes(shard, placement, chunk_bytes, topology, algorithm)
+    return first + ring + relays
 
 
 def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout, chunk_bytes, topology: Topology,
                                 algorithm: str = "flat") -> CommBytes:
     """Bytes of SparseReduceScatter(P0 = placement, P1 = shard): every copy's gradient goes back
-    the way the copy came (a relay sends one sum for its node), so exactly the spAG transfers
-    reversed."""
+    the way the copy came (a relay sends one sum for its node, a ring reduces back to the owner),
+    so exactly the spAG transfers reversed."""
     return sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm).reversed()
 
 
-def relayed_gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes,
-                               topology: Topology) -> tuple[CommBytes, CommBytes]:
-    """The hierarchical spAG's two stages apart: (owners' sends, relays' sends inside their nodes).
-    They add up to `sparse_all_gather_bytes(..., "hierarchical")`; the runtime starts the second
-    after the first has landed (`comm.relay`), so a time model adds their times."""
-    source_ED = copy_sources_ED(shard, placement, topology, "hierarchical")
+def gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
+                       algorithm: str = "hierarchical") -> tuple[CommBytes, CommBytes, CommBytes]:
+    """The spAG's stages apart, in the runtime's order (`CopySources.stages_ED`): (owners' point-to-point
+    sends, ring broadcasts, relays' sends inside their nodes). They add up to `sparse_all_gather_bytes`;
+    the runtime starts each after the one before (`comm.relay`), so a time model adds their times
+    (a stage that moves nothing costs nothing). Flat has only the first."""
+    sources = copy_sources(shard, placement, topology, algorithm)
     size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
-    from_owner_ED = source_ED == shard.owner_E[:, None]
-    stages = []
-    for mask_ED in (from_owner_ED, (source_ED >= 0) & ~from_owner_ED):
+    out = []
+    for mask_ED in sources.stages_ED():
         e, d = np.nonzero(mask_ED)
-        stages.append(CommBytes.from_transfers(source_ED[e, d], d, size_E[e], topology))
-    return stages[0], stages[1]
+        out.append(CommBytes.from_transfers(sources.source_ED[e, d], d, size_E[e], topology))
+    return out[0], out[1], out[2]
 
 
 def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
@@ -240,14 +239,12 @@ def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
 
 def sparse_all_gather_seconds(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
                               algorithm: str, seconds: Callable[[CommBytes], float] | None = None) -> float:
-    """Time of spAG(shard -> placement) as the runtime runs it: one stage (flat), or the
-    hierarchical one's two stages one after the other. `seconds` prices one stage's transfers
-    (the simulator passes its link model); None: `transfer_seconds` on the topology."""
+    """Time of spAG(shard -> placement) as the runtime runs it: its stages (`gather_stage_bytes`) one
+    after the other, a stage that moves nothing costing nothing. `seconds` prices one stage's
+    transfers (the simulator passes its link model); None: `transfer_seconds` on the topology."""
     if seconds is None:
         seconds = lambda comm: transfer_seconds(comm, topology)  # noqa: E731
-    if algorithm == "hierarchical":
-        return sum(seconds(stage) for stage in relayed_gather_stage_bytes(shard, placement, chunk_bytes, topology))
-    return seconds(sparse_all_gather_bytes(shard, placement, chunk_bytes, topology, algorithm))
+    return sum(seconds(stage) for stage in gather_stage_bytes(shard, placement, chunk_bytes, topology, algorithm))
 
 
 def allreduce_equivalent_bytes(placement: InstancePlacement, chunk_bytes) -> int:

@@ -11,29 +11,117 @@ sends it is the algorithm's choice:
   into a node at most once, and the fan-out runs over the node's own links. The relay of
   expert e on a node is holder number e mod (its holders there), ascending, so the relaying of
   many experts spreads over the node's devices and every rank computes the same choice.
+  An expert that **every device holds** (a hot expert copied everywhere: calibration's
+  FasterMoE-style shadow, or t >= D copies) is instead broadcast along the ring of all devices
+  (ascending ids, rotated to start at the owner: each device receives it from its predecessor
+  and forwards it once; NCCL's pipelined ring broadcast), when that is faster than the relays
+  (`ring_pays`). The relays still send it N - 1 times out of the owner's node, the ring once out
+  of each node; with the experts every device holds spread evenly over their owners the relays
+  are as fast or faster (each NIC sends its own experts' copies), with a few hot experts on few
+  owners the ring is up to N - 1 times faster (the simulator's 30 random clusters: 2 cases where
+  FasterMoE's broadcast of the same copies beat FSSDP's gather, docs/benchmarks.md).
 
 SparseReduceScatter runs the same transfers reversed: holders on a remote node send their
-gradients to the node's relay, which adds its own and sends one sum to the owner.
+gradients to the node's relay, which adds its own and sends one sum to the owner; a ring
+broadcast becomes a ring reduce to the owner.
 
-`copy_sources_ED` returns the choice as one table, which the byte formulas
-(`placement.accounting.sparse_all_gather_bytes`), the runtime's transfer plans
-(`comm.transfers.plan_relay_transfers`) and the simulator all read, so the three agree.
+`copy_sources` returns the choice (`CopySources`: one source table plus the ring experts),
+which the byte formulas (`placement.accounting.sparse_all_gather_bytes`), the runtime's
+transfer plans (`comm.relay`) and the simulator all read, so the three agree.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout, Topology
 
-__all__ = ["ALGORITHMS", "copy_sources_ED"]
+__all__ = ["ALGORITHMS", "CopySources", "copy_sources", "relay_sources_ED", "ring_pays"]
 
 ALGORITHMS = ("hierarchical", "flat")
 """The sparse-collective algorithms; the first is the default."""
 
 
-def copy_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> np.ndarray:
-    """source_ED[e, d]: the device that sends expert e's copy to device d in spAG(shard, placement).
+@dataclass(frozen=True, eq=False)
+class CopySources:
+    """Who sends every copy of spAG(shard -> placement), in which stage.
+
+    The runtime runs three stages one after the other (`comm.relay`): the owners' point-to-point
+    sends, the ring broadcasts, the relays' sends inside their nodes (which forward what the first
+    stage brought). A time model adds their times (`stages_ED`)."""
+
+    source_ED: np.ndarray
+    """source_ED[e, d]: the device that sends expert e's copy to device d; -1 where d holds no copy
+    of e or owns it (nothing to receive). For a ring expert, d's predecessor on the ring. int64 [E, D]."""
+    ring_E: np.ndarray
+    """Experts broadcast along the ring of all devices; bool [E]."""
+    owner_E: np.ndarray
+    """The experts' owners (P0); int64 [E]."""
+
+    def stages_ED(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The transfers of each stage in the runtime's order, as bool [E, D] masks of the
+        (expert, receiving device) pairs: the owners' point-to-point sends, the ring broadcasts,
+        the relays' sends."""
+        receives_ED = self.source_ED >= 0
+        ring_ED = receives_ED & self.ring_E[:, None]
+        from_owner_ED = receives_ED & ~ring_ED & (self.source_ED == self.owner_E[:, None])
+        return from_owner_ED, ring_ED, receives_ED & ~ring_ED & ~from_owner_ED
+
+
+def ring_pays(relayed: CopySources, ringed: CopySources, topology: Topology) -> bool:
+    """Whether the ring broadcasts of `ringed` beat the relays of `relayed` (the same copies), in
+    `placement.accounting.transfer_seconds`' model (each stage: the busiest device's intra-node
+    or inter-node chunks, sent or received, over that link's bandwidth; stages add up). Chunks
+    are of equal size, so the comparison needs no byte count."""
+    return _stages_seconds(ringed, topology) < _stages_seconds(relayed, topology)
+
+
+def _stages_seconds(sources: CopySources, topology: Topology) -> float:
+    """Time of the three stages of `sources` in chunks per byte of bandwidth (see `ring_pays`)."""
+    D = topology.num_devices
+    total = 0.0
+    for mask_ED in sources.stages_ED():
+        e, d = np.nonzero(mask_ED)
+        if e.size == 0:
+            continue
+        s = sources.source_ED[e, d]
+        inter = ~topology.same_node(s, d)
+        busiest = 0.0
+        for link, bandwidth in ((~inter, topology.intra_node_bw), (inter, topology.inter_node_bw)):
+            chunks_D = np.maximum(np.bincount(s[link], minlength=D), np.bincount(d[link], minlength=D))
+            busiest = max(busiest, float(chunks_D.max()) / bandwidth)
+        total += busiest
+    return total
+
+
+def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> CopySources:
+    """Who sends every copy in spAG(shard, placement) (see the module docstring).
+
+    Args:
+        shard: P0, the owners (a partition).
+        placement: P1 ⊇ P0, who holds a copy.
+        topology: the devices' nodes (node-major).
+        algorithm: "hierarchical" or "flat".
+    """
+    relayed = CopySources(relay_sources_ED(shard, placement, topology, algorithm),
+                          np.zeros(shard.num_experts, dtype=bool), shard.owner_E)
+    everywhere_E = placement.holds_ED().astype(bool).all(axis=1)
+    D = topology.num_devices
+    if algorithm == "flat" or D < 3 or not everywhere_E.any():
+        return relayed  # with 2 devices a ring is one point-to-point copy
+    source_ED = relayed.source_ED.copy()
+    # the ring 0 -> 1 -> ... -> D-1 -> 0 started at the owner: d receives from d - 1
+    source_ED[everywhere_E] = (np.arange(D) - 1) % D
+    source_ED[everywhere_E, shard.owner_E[everywhere_E]] = -1
+    ringed = CopySources(source_ED, everywhere_E, shard.owner_E)
+    return ringed if ring_pays(relayed, ringed, topology) else relayed
+
+
+def relay_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> np.ndarray:
+    """source_ED[e, d]: the device that sends expert e's copy to device d point to point, from the
+    owner or (hierarchical) a node's relay, without ring broadcasts (`copy_sources` adds them).
 
     -1 where d holds no copy of e or owns it (nothing to receive). int64 [E, D].
 

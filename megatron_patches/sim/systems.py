@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_patches.placement import fssdp
-from megatron_patches.placement.accounting import CommBytes, relayed_gather_stage_bytes, sparse_all_gather_seconds
+from megatron_patches.placement.accounting import CommBytes, gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
 from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
 from megatron_patches.placement.types import PlacementError
@@ -481,27 +481,33 @@ _BYTE_FIELDS = ("sent_intra_D", "sent_inter_D", "recv_intra_D", "recv_inter_D")
 class _Bytes:
     """Per-device bytes of one kind of collective for every iteration and layer; float [I, L, 4, D]."""
 
+    LATER = 2
+    """Stages after the first (the hierarchical spAG's ring broadcasts and relays' sends)."""
+
     def __init__(self, I: int, L: int, D: int) -> None:
         self.data = np.zeros((I, L, 4, D))
         self.steps = np.ones((I, L))
-        self.second = np.zeros((I, L, 4, D))
-        """A second stage that starts when the first has landed (the hierarchical spAG's relays)."""
+        self.later = np.zeros((I, L, self.LATER, 4, D))
+        """Stages that each start when the one before has landed (`gather_stage_bytes`)."""
 
-    def put(self, i: int, k: int, comm: CommBytes, steps: float = 1.0, second: CommBytes | None = None) -> None:
+    def put(self, i: int, k: int, comm: CommBytes, steps: float = 1.0, later: tuple[CommBytes, ...] = ()) -> None:
         for j, name in enumerate(_BYTE_FIELDS):
             self.data[i, k, j] = getattr(comm, name)
-            self.second[i, k, j] = 0.0 if second is None else getattr(second, name)
+            self.later[i, k, :, j] = 0.0
+            for stage, c in enumerate(later):
+                self.later[i, k, stage, j] = getattr(c, name)
         self.steps[i, k] = steps
 
     def times_IL(self, scn: Scenario) -> np.ndarray:
-        d, s = self.data, self.second
+        d, s = self.data, self.later
         first = scn.comm.transfer_time(d[:, :, 0], d[:, :, 1], d[:, :, 2], d[:, :, 3], self.steps)
-        return first + scn.comm.transfer_time(s[:, :, 0], s[:, :, 1], s[:, :, 2], s[:, :, 3])
+        return first + sum(scn.comm.transfer_time(s[:, :, j, 0], s[:, :, j, 1], s[:, :, j, 2], s[:, :, j, 3])
+                           for j in range(self.LATER))
 
     def totals(self) -> np.ndarray:
         """Mean bytes per iteration over all layers and stages: [intra, inter] (counted at the sender)."""
-        both = self.data + self.second
-        return np.array([both[:, :, 0].sum(axis=(1, 2)).mean(), both[:, :, 1].sum(axis=(1, 2)).mean()])
+        every = self.data + self.later.sum(axis=2)
+        return np.array([every[:, :, 0].sum(axis=(1, 2)).mean(), every[:, :, 1].sum(axis=(1, 2)).mean()])
 
 
 @dataclass
@@ -576,7 +582,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 holds_RD, root_R = _shadow_rings(ep_layout, lp.shadowed_E)
                 traffic["shadow_broadcast"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_weight_bytes, topo)
                 traffic["shadow_reduce"] = ring_broadcast_bytes(holds_RD, root_R, bm.expert_grad_bytes, topo).reversed()
-            second = {}
+            later = {}
             if lp.shard is not None and (ring_sparse or relayed):
                 before = lp.placement if lp.materialized is None else lp.materialized
                 gathers = {"spag": before}
@@ -588,14 +594,16 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                         comm = ring_broadcast_bytes(placement.holds_ED(), lp.shard.owner_E, size, topo)
                         traffic[kind] = comm.reversed() if kind == "sprs" else comm
                     else:
-                        owners, relays = relayed_gather_stage_bytes(lp.shard, placement, size, topo)
-                        traffic[kind], second[kind] = (relays.reversed(), owners.reversed()) if kind == "sprs" else (owners, relays)
+                        stages = gather_stage_bytes(lp.shard, placement, size, topo)
+                        if kind == "sprs":  # the reduce runs the stages backwards, reversed
+                            stages = tuple(stage.reversed() for stage in reversed(stages))
+                        traffic[kind], later[kind] = stages[0], stages[1:]
             for kind, comm in traffic.items():
                 # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
                 steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
                 if kind not in out.kinds:
                     out.kinds[kind] = _Bytes(I, L, D)
-                out.kinds[kind].put(i, k, comm, max(steps, 1.0), second.get(kind))
+                out.kinds[kind].put(i, k, comm, max(steps, 1.0), later.get(kind, ()))
             held_D = lp.placement.counts_ED.sum(axis=0)
             if lp.shard is not None:
                 owned_D = lp.shard.counts_D()

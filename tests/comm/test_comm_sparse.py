@@ -29,6 +29,7 @@ from megatron_patches.placement import (
     sparse_all_gather_bytes,
     sparse_reduce_scatter_bytes,
 )
+from megatron_patches.placement.collectives import copy_sources
 
 RANDOM_CASES = {2: 6, 4: 5, 8: 2}
 """Random whole-chunk cases per world size (8 ranks on 2 cores are slow: keep that one small)."""
@@ -229,7 +230,7 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
     assert all(len(counters) == len(cases) for counters in per_rank)
     topo = topology(world_size)
     keys = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
-    moved = relay_saved = 0
+    moved = relay_saved = rings = 0
     for i, case in enumerate(cases):
         owners, placement = build(case, world_size)
         chunk_bytes = case["N"] * 4  # float32
@@ -251,6 +252,7 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
             assert sum(map(sum, relay_spag[:2])) == sum(map(sum, spag[:2])), case["name"]
             assert sum(relay_spag[1]) <= sum(spag[1]), case["name"]
             relay_saved += sum(spag[1]) - sum(relay_spag[1])
+            rings += bool(copy_sources(owners, placement, topo, "hierarchical").ring_E.any())
         else:
             # Every holder of a chunk receives every other rank's slice of it, and the reduce returns them.
             size_D = owners.sizes_D() * 4
@@ -266,6 +268,8 @@ def test_sparse_collectives_on_gloo_ranks(world_size):
     assert moved > 0
     if world_size >= 4:  # two ranks per node: a chunk held on both of a remote node's ranks crosses once
         assert relay_saved > 0
+        # chunks everywhere on one owner go by ring broadcast / reduce (dist.broadcast, dist.reduce)
+        assert rings >= 2
 
 
 def test_single_rank_world_and_argument_errors():

@@ -23,7 +23,7 @@ from megatron_patches.comm import (
     plan_rank_transfers,
 )
 from megatron_patches.comm.transfers import _check_postconditions, plan_relay_transfers
-from megatron_patches.placement.collectives import copy_sources_ED
+from megatron_patches.placement.collectives import copy_sources
 from megatron_patches.placement import (
     ElementShardLayout,
     InstancePlacement,
@@ -282,18 +282,37 @@ def test_cpu_stream_is_a_no_op_and_shared_per_device():
 @pytest.mark.parametrize("nodes, per_node", [(2, 2), (2, 4), (4, 2)])
 def test_relay_plans_agree_pairwise_and_relay_only_what_arrived(nodes, per_node):
     """Node-aware plans: what rank r sends p in a stage is, chunk for chunk and in order, what p
-    expects from r in that stage; a relay's stage-2 rows are chunks it got from the owner in stage 1."""
+    expects from r in that stage; a relay's stage-2 rows are chunks it got from the owner in stage 1;
+    every rank joins the same ring broadcasts, and their recorded numel is D - 1 copies each."""
     rng = np.random.default_rng(nodes + per_node)
     D = nodes * per_node
     topology = Topology(nodes, per_node, 1e11, 1e10)
+    rings = 0
     for _ in range(20):
         E = int(rng.integers(1, 3 * D))
         owner_E = rng.integers(0, D, E)
+        hot = rng.random(E) < 0.3  # experts everywhere, owned by one device: ring broadcasts
+        owner_E[hot] = rng.integers(0, D)
         counts = (rng.random((E, D)) < 0.6).astype(np.int64)
         counts[np.arange(E), owner_E] = 1
+        counts[hot] = 1
         shard, placement = ShardLayout(owner_E, D), InstancePlacement(counts)
-        source = copy_sources_ED(shard, placement, topology, "hierarchical")
-        plans = [plan_relay_transfers(shard, placement, source, 7, r) for r in range(D)]
+        sources = copy_sources(shard, placement, topology, "hierarchical")
+        plans = [plan_relay_transfers(shard, placement, sources, 7, r) for r in range(D)]
+        rings += bool(sources.ring_E.any())
+        for r, plan in enumerate(plans):
+            # every rank joins the same broadcasts in the same order, rooted at the owners
+            assert np.array_equal(plan.ring_chunks, np.flatnonzero(sources.ring_E))
+            assert np.array_equal(plan.ring_roots, owner_E[plan.ring_chunks])
+            assert np.array_equal(plan.held_chunks[plan.ring_held_rows], plan.ring_chunks)
+            mine = plan.ring_owned_rows >= 0
+            assert np.array_equal(plan.owned_chunks[plan.ring_owned_rows[mine]], plan.ring_chunks[plan.ring_roots == r])
+        # the ring's recorded numel: D - 1 copies of each ring chunk, sent as received
+        ring_numel = [plan.gather_numel() for plan in plans]
+        stage_numel = sum(7 * m.send_rows.size for plan in plans for stage in plan.stages for m in stage)
+        sent = sum(int(send.sum()) for _, send, _ in ring_numel)
+        assert sent == sum(int(recv.sum()) for _, _, recv in ring_numel)
+        assert sent - stage_numel == 7 * (D - 1) * int(sources.ring_E.sum())
         for stage in range(2):
             for r, plan in enumerate(plans):
                 for message in plan.stages[stage]:
@@ -305,3 +324,4 @@ def test_relay_plans_agree_pairwise_and_relay_only_what_arrived(nodes, per_node)
                     if stage == 1:
                         got_first = {int(c) for m in plan.stages[0] for c in plan.held_chunks[m.recv_rows]}
                         assert set(sent.tolist()) <= got_first
+    assert rings > 0

@@ -1,12 +1,14 @@
 """Where each copy comes from in the sparse collectives (placement/collectives.py), and the byte
 formulas that read it: flat (every copy from the owner) and node-aware (one copy per remote
-node from the owner, the rest from that node's relay)."""
+node from the owner, the rest from that node's relay; experts every device holds by ring
+broadcast when the ring is faster)."""
 
 import numpy as np
 import pytest
 
 from megatron_patches.placement import InstancePlacement, PlacementError, ShardLayout, Topology, sparse_all_gather_bytes
-from megatron_patches.placement.collectives import copy_sources_ED
+from megatron_patches.placement.accounting import CommBytes, gather_stage_bytes, sparse_all_gather_seconds, transfer_seconds
+from megatron_patches.placement.collectives import copy_sources, relay_sources_ED
 
 
 def random_case(rng, nodes: int, per_node: int):
@@ -30,7 +32,11 @@ def test_every_copy_everywhere_crosses_each_node_boundary_once():
     assert (flat.inter, flat.intra) == (32 * 100, 24 * 100)
     assert (node_aware.inter, node_aware.intra) == (8 * 100, 48 * 100)
     assert flat.total == node_aware.total  # the same 56 copies
-    source = copy_sources_ED(shard, placement, topology, "hierarchical")
+    sources = copy_sources(shard, placement, topology, "hierarchical")
+    # every expert is held everywhere, but their owners are spread: each node's NIC sends its
+    # 4 experts once either way, and a ring would cross back into the owner's node: relays
+    assert not sources.ring_E.any()
+    source = sources.source_ED
     # expert 0 (owner 0, node 0): node 1's relay is holder 0 mod 4 = device 4, which feeds 5, 6, 7
     assert source[0].tolist() == [-1, 0, 0, 0, 0, 4, 4, 4]
     # expert 5 (owner 5, node 1): node 0's relay is holder 5 mod 4 = device 1
@@ -43,8 +49,8 @@ def test_sources_are_owners_or_one_relay_per_remote_node(nodes, per_node):
     for _ in range(40):
         shard, placement, topology = random_case(rng, nodes, per_node)
         holds_ED = placement.holds_ED().astype(bool)
-        flat = copy_sources_ED(shard, placement, topology, "flat")
-        relay = copy_sources_ED(shard, placement, topology, "hierarchical")
+        flat = copy_sources(shard, placement, topology, "flat").source_ED
+        relay = relay_sources_ED(shard, placement, topology, "hierarchical")
         receives_ED = holds_ED.copy()
         receives_ED[np.arange(shard.num_experts), shard.owner_E] = False
         for source in (flat, relay):
@@ -63,8 +69,13 @@ def test_sources_are_owners_or_one_relay_per_remote_node(nodes, per_node):
         b_flat = sparse_all_gather_bytes(shard, placement, 4, topology, "flat")
         b_relay = sparse_all_gather_bytes(shard, placement, 4, topology, "hierarchical")
         assert b_relay.total == b_flat.total and b_relay.inter <= b_flat.inter
-        remote_nodes = sum(len(set(node_D[holds_ED[e]]) - {node_D[shard.owner_E[e]]}) for e in range(shard.num_experts))
-        assert b_relay.inter == remote_nodes * 4
+        # one crossing per remote node; a ring expert (held everywhere) crosses each node boundary
+        # the ring 0 -> 1 -> ... -> D-1 -> 0 takes from its owner on, i.e. once more when the
+        # owner is not its node's first device (the ring comes back into the owner's node)
+        ring_E = copy_sources(shard, placement, topology, "hierarchical").ring_E
+        remote_nodes = sum(len(set(node_D[holds_ED[e]]) - {node_D[shard.owner_E[e]]}) for e in np.flatnonzero(~ring_E))
+        back_in = sum(shard.owner_E[e] % per_node != 0 for e in np.flatnonzero(ring_E)) if nodes > 1 else 0
+        assert b_relay.inter == (remote_nodes + int(ring_E.sum()) * (nodes - 1) + back_in) * 4
         if nodes == 1:
             assert np.array_equal(flat, relay)
 
@@ -72,4 +83,79 @@ def test_sources_are_owners_or_one_relay_per_remote_node(nodes, per_node):
 def test_unknown_algorithm_is_named():
     shard, placement, topology = random_case(np.random.default_rng(0), 2, 2)
     with pytest.raises(PlacementError, match="unknown sparse-collective algorithm 'tree'; valid: hierarchical, flat"):
-        copy_sources_ED(shard, placement, topology, "tree")
+        copy_sources(shard, placement, topology, "tree")
+
+
+def test_a_hot_expert_everywhere_goes_around_the_ring():
+    """4 nodes x 2 devices (one NIC each), expert 0 held everywhere, owned by device 2: the relays
+    send it out of node 1 three times (stage 1) and forward it inside the three other nodes
+    (stage 2); the ring 2 -> 3 -> 4 -> 5 -> 6 -> 7 -> 0 -> 1 sends one copy out of each node, so
+    the busiest device sends one copy over the network, not three. Expert 1 (two holders) keeps
+    its point-to-point copy."""
+    topology = Topology(4, 2, 1e11, 1e10)
+    shard = ShardLayout([2, 5], 8)
+    counts = np.zeros((2, 8), dtype=np.int64)
+    counts[0] = 1
+    counts[1, [5, 0]] = 1
+    placement = InstancePlacement(counts)
+    sources = copy_sources(shard, placement, topology, "hierarchical")
+    assert sources.ring_E.tolist() == [True, False]
+    assert sources.source_ED[0].tolist() == [7, 0, -1, 2, 3, 4, 5, 6]  # each device's ring predecessor
+    assert sources.source_ED[1].tolist() == [5, -1, -1, -1, -1, -1, -1, -1]
+    relayed = relay_sources_ED(shard, placement, topology, "hierarchical")
+    assert relayed[0].tolist() == [2, 0, -1, 2, 2, 4, 2, 6]  # one copy out of node 1 per other node
+    owners, ring, relays = gather_stage_bytes(shard, placement, 10, topology)
+    assert (owners.inter, owners.intra, ring.inter, ring.intra, relays.total) == (10, 0, 30, 40, 0)
+    assert ring.sent_inter_D.tolist() == [0, 0, 0, 10, 0, 10, 0, 10]  # the last of each node (not 1: the ring ends)
+    assert ring.recv_D.tolist() == [10, 10, 0, 10, 10, 10, 10, 10]
+    # chunks of 1e10 B at 1e10 B/s between nodes: stage 1 (expert 1) 1 s, ring 1 s; the relays
+    # would take 3 s (device 2 sends three copies) + 0.1 s inside the nodes, flat 6 s
+    assert sparse_all_gather_seconds(shard, placement, 1e10, topology, "hierarchical") == pytest.approx(2.0)
+    assert sparse_all_gather_seconds(shard, placement, 1e10, topology, "flat") == pytest.approx(6.0)
+
+
+def _seconds(source_ED, stages_ED, topology) -> float:
+    """Stages one after the other, each priced by accounting.transfer_seconds."""
+    total = 0.0
+    for mask_ED in stages_ED:
+        e, d = np.nonzero(mask_ED)
+        total += transfer_seconds(CommBytes.from_transfers(source_ED[e, d], d, 1.0, topology), topology)
+    return total
+
+
+@pytest.mark.parametrize("nodes, per_node", [(1, 4), (2, 4), (4, 2), (3, 3)])
+def test_ring_is_taken_for_all_experts_everywhere_exactly_when_faster(nodes, per_node):
+    rng = np.random.default_rng(7 * nodes + per_node)
+    D = nodes * per_node
+    topology = Topology(nodes, per_node, 1e11, 1e10)
+    taken = kept = 0
+    for _ in range(60):
+        shard, placement, _ = random_case(rng, nodes, per_node)
+        placement = InstancePlacement(placement.counts_ED + np.outer(rng.random(shard.num_experts) < 0.2, np.ones(D, np.int64)))
+        everywhere_E = placement.holds_ED().all(axis=1)
+        sources = copy_sources(shard, placement, topology, "hierarchical")
+        ring_E = sources.ring_E
+        relayed_ED = relay_sources_ED(shard, placement, topology, "hierarchical")
+        assert np.array_equal(sources.source_ED[~ring_E], relayed_ED[~ring_E])
+        predecessor_D = (np.arange(D) - 1) % D
+        for e in np.flatnonzero(ring_E):
+            assert np.array_equal(np.delete(sources.source_ED[e], shard.owner_E[e]), np.delete(predecessor_D, shard.owner_E[e]))
+            assert sources.source_ED[e, shard.owner_E[e]] == -1
+        if not everywhere_E.any():
+            assert not ring_E.any()
+            continue
+        # the alternative, priced independently: relays only (stage 1 from the owners, stage 2 the
+        # rest) against the ring for every expert everywhere (owners, ring, relays)
+        receives_ED = relayed_ED >= 0
+        from_owner_ED = relayed_ED == shard.owner_E[:, None]
+        relays_s = _seconds(relayed_ED, (receives_ED & from_owner_ED, receives_ED & ~from_owner_ED), topology)
+        ring_ED = np.where(everywhere_E[:, None], predecessor_D[None, :], relayed_ED)
+        ring_ED[everywhere_E, shard.owner_E[everywhere_E]] = -1
+        rows_ED = everywhere_E[:, None] & (ring_ED >= 0)
+        ring_s = _seconds(ring_ED, (receives_ED & from_owner_ED & ~rows_ED, rows_ED,
+                                    receives_ED & ~from_owner_ED & ~everywhere_E[:, None]), topology)
+        assert np.array_equal(ring_E, everywhere_E if ring_s < relays_s else np.zeros_like(everywhere_E))
+        assert sparse_all_gather_seconds(shard, placement, 1.0, topology, "hierarchical") == pytest.approx(min(ring_s, relays_s))
+        taken += bool(ring_E.any())
+        kept += not ring_E.any()
+    assert taken and kept  # both choices occur

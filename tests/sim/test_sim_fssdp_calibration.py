@@ -1,24 +1,25 @@
 """FSSDP's calibration after the gate and its t by cost in the simulator: on random clusters
-and traces it is never slower than EP, which it contains (t = 0), and it is priced the way the
+and traces it is never slower than EP (t = 0) or FasterMoE (calibration's shadow candidates),
+which it contains, and it is priced the way the
 simulator charges its gather (`sim.systems._sparse_gather_seconds`), all-to-all and expert
 instances.
 
 Measured on the 30 cases below (2026-11-27, t chosen by cost, `fssdp.choose_overlap_degree`,
 pricing each t with calibration's copies on top; spRS waited for at the next MoE layer's
-backward as the runtime does): fssdp / ep worst 0.995, mean 0.820; slower than FasterMoE on 2
-of 30 (cases 6 and 10, 4 nodes x 2 GPUs), worst 1.071 (case 6: the cost model takes t = 2,
-where t = 0 would give 0.961 against EP). Before t by cost (t = DESIGN 4.2's hidden t from the
-probed bandwidths, spRS never waited for before the optimizer): worst 1.023, mean 0.856, slower
-than FasterMoE on 10 of 30, worst 1.125. What changed it: (1) the hidden t took copies whose
-extra instances cost more than their split saves (each instance pays a launch, the small-batch
-GEMM inefficiency or streaming its weights; cases 0, 8, 16 on 4096 tokens: the hidden t =
-4-7, the cost model's t = 0-1); (2) on slow NICs copies past the hidden budget keep tokens off
-the network (all-to-all) and pay although their gather is exposed (case 1: hidden t = 0, t = 4,
-fssdp / ep 0.536); (3) where calibration's copies after the gate do the job, t = 0 is priced
-cheaper than copies gathered before it (6 of the 30). Where FasterMoE still wins, its pipelined
-ring broadcast prices the same shadows 1.5-2.9x cheaper than the node-aware spAG (measured per
-case on 2026-11-27 with the earlier t), and dispatch spreads an all-holder expert's tokens over
-its holders where keeping them local avoids the all-to-all.
+backward as the runtime does; experts every device holds broadcast along a ring when that is
+faster, `placement.collectives.copy_sources`): fssdp / ep worst 0.978, mean 0.790; faster than
+FasterMoE on all 30, closest 0.995 (case 8). Before the ring (session 21): worst 0.995, mean
+0.820, slower than FasterMoE on 2 of 30 (cases 6 and 10, 4 nodes x 2 GPUs, up to 1.071): the
+node-aware relays sent a hot expert copied everywhere out of its owner's node once per other
+node, where FasterMoE's ring broadcast of the same shadow sends it once out of each node.
+Before t by cost (t = DESIGN 4.2's hidden t from the probed bandwidths, spRS never waited for
+before the optimizer): worst 1.023, mean 0.856, slower than FasterMoE on 10 of 30, worst 1.125.
+What changed it: (1) the hidden t took copies whose extra instances cost more than their split
+saves (each instance pays a launch, the small-batch GEMM inefficiency or streaming its weights;
+cases 0, 8, 16 on 4096 tokens: the hidden t = 4-7, the cost model's t = 0-1); (2) on slow NICs
+copies past the hidden budget keep tokens off the network (all-to-all) and pay although their
+gather is exposed (case 1: hidden t = 0, t = 2, fssdp / ep 0.543); (3) where calibration's
+copies after the gate do the job, t = 0 is priced cheaper than copies gathered before it.
 """
 
 import numpy as np
@@ -54,15 +55,15 @@ def mean_times(case: dict, calibrate: bool) -> dict[str, float]:
     return {name: float(np.mean(result.iteration_s_I)) for name, result in simulate_case(case, calibrate).items()}
 
 
-def test_calibrated_fssdp_is_never_slower_than_ep():
+def test_calibrated_fssdp_is_never_slower_than_ep_or_fastermoe():
     ratios, faster = [], 0
     for case in random_cases(30):
         times = mean_times(case, calibrate=True)
         ratios.append(times["fssdp"] / times["ep"])
         faster += times["fssdp"] < times["fastermoe"]
     assert max(ratios) <= 1.0, (max(ratios), int(np.argmax(ratios)))
-    assert np.mean(ratios) < 0.9  # and it does gain on these skewed traces (0.820 measured)
-    assert faster >= 26  # reported above: 28 of 30 when measured
+    assert np.mean(ratios) < 0.85  # and it does gain on these skewed traces (0.790 measured)
+    assert faster == 30  # FasterMoE's shadowing is in FSSDP's policy space (calibration's candidates)
 
 
 @pytest.mark.parametrize("index", [1, 3])
