@@ -818,6 +818,10 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         send_D[src] += copy_s_DD[src, target]
         recv_D[target] += copy_s_DD[src, target]
         gather_s = max(gather_s, send_D[src], recv_D[target])
+        chain_gather_s = gather_s + cost.latency_s
+        if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
+            break  # the gather only grows along the chain: no longer prefix can be cheaper
+        chain.append((e, target))
         holders = np.flatnonzero(holds_ED[e])
         old_H = quota_ED[e, holders]
         base_H = load_D[holders] - old_H
@@ -825,10 +829,6 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         quota_ED[e, holders] = new
         load_D[holders] = base_H + new
         instances_D[holders] += [(x > 0) - (y > 0) for x, y in zip(new, old_H.tolist())]
-        chain.append((e, target))
-        chain_gather_s = gather_s + cost.latency_s
-        if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
-            break  # the gather only grows along the chain: no longer prefix can be cheaper
         d = int(load_D.argmax())
         compute_s = cost.compute_seconds(load_D, instances_D)
         seconds = compute_s + cost.exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0)
