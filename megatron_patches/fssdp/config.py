@@ -59,7 +59,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "node at most once, to one relay there that forwards it to the node's other holders (spRS: "
         "the relay sums its node's gradients and sends one sum to the owner). flat: every copy from "
         "its owner, point to point (an expert held on k GPUs of a remote node crosses k times). "
-        "Identical on one node. New flag.",
+        "hierarchical also sends the experts every GPU holds by ring broadcast (spRS: ring reduce) "
+        "when a ring is faster, e.g. a hot expert copied everywhere leaves its owner once, not once "
+        "per node. Without such experts, identical on one node. New flag.",
     )
     group.add_argument(
         "--fssdp-calibrate", action="store_true",
@@ -111,8 +113,9 @@ class FSSDPConfig:
     window among 1, 2, 4, ... that predicted the recent iterations best) or "mean" (all of them);
     `placement.loads.LoadTracker`."""
     collectives: str = ALGORITHMS[0]
-    """spAG/spRS algorithm: "hierarchical" (one copy per remote node, relayed inside it) or
-    "flat" (every copy from its owner); `placement.collectives`."""
+    """spAG/spRS algorithm: "hierarchical" (one copy per remote node, relayed inside it; experts
+    every rank holds by ring broadcast / reduce when faster) or "flat" (every copy from its owner);
+    `placement.collectives`."""
     micro_batches: int = 1
     """k, the micro-batches of one iteration on this rank (`--global-batch-size` / (micro-batch x
     data-parallel size)): each layer's copies are gathered on the first and reduced after the
