@@ -37,6 +37,8 @@ LAYERS, EXPERTS = 2, 8
 
 HALF = ITERS // 3
 """fssdp resumes ep's checkpoint of iteration HALF and trains to 2 x HALF."""
+RECHECK = 10
+"""The auto-t run's re-shard interval: t is chosen after iteration 1 and again after 10, 20 and 30."""
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +47,10 @@ def runs(workdir):
     flags = {
         "ep": [*COMMON, "--train-iters", str(ITERS), "--save", str(ckpt), "--save-interval", str(HALF),
                "--keep-last-checkpoints", "0"],
-        # the issue's reference run (auto t and m) and a memory-bound one with re-materialization
-        "fssdp": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp",
-                  "--tensorboard-dir", str(workdir / "tb_fssdp")],
+        # the issue's reference run (auto t and m; t chosen again at the re-shard checks after
+        # iterations 10, 20 and 30) and a memory-bound one with re-materialization
+        "fssdp": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-reshard-interval",
+                  str(RECHECK), "--tensorboard-dir", str(workdir / "tb_fssdp")],
         # (re-materialization gathers, re-gathers and reduces per micro-batch: 2 here)
         "fssdp_remat": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-rematerialize",
                         "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1", *MICRO_BATCHES[2]],
@@ -131,13 +134,21 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
     if auto.records[-1]["fssdp"]["t"] > 0:
         assert after < before, (before, after)
     assert "fssdp: auto overlap degree t =" in auto.output and "fssdp: auto memory capacity m =" in auto.output
-    # t by cost: the logged prices of every candidate t (iteration 1's loads and measured times),
-    # the chosen one marked and the cheapest, and the records' t is it
-    line = next(x for x in auto.output.splitlines() if "fssdp: auto overlap degree t =" in x)
-    prices = {int(t): float(ms) for t, ms in re.findall(r"t=(\d+): ([0-9.]+) ms", line)}
-    chosen = int(re.search(r"t=(\d+): [^;]*<-", line).group(1))
-    assert 0 in prices and chosen == min(prices, key=lambda t: (prices[t], t)), line
-    assert chosen == int(re.search(r"auto overlap degree t = (\d+)", line).group(1)) == auto.records[-1]["fssdp"]["t"]
+    # t by cost: the logged prices of every candidate t (on the loads of iteration 1, 10, 20 and
+    # 30, with the first iteration's measured times; the last is for a run resumed from here), the
+    # chosen one marked and the cheapest, and the records' t is it from the next iteration on
+    lines = [x for x in auto.output.splitlines() if "fssdp: auto overlap degree t =" in x]
+    priced_at = [int(re.search(r"priced on iteration (\d+)'s loads", line).group(1)) for line in lines]
+    assert priced_at == [1, RECHECK, 2 * RECHECK, 3 * RECHECK], lines
+    t_from = {}
+    for line, iteration in zip(lines, priced_at):
+        prices = {int(t): float(ms) for t, ms in re.findall(r"t=(\d+): ([0-9.]+) ms", line)}
+        chosen = int(re.search(r"t=(\d+): [^;]*<-", line).group(1))
+        assert 0 in prices and prices[chosen] == min(prices.values()), line  # (the log rounds to 0.01 ms)
+        assert chosen == int(re.search(r"auto overlap degree t = (\d+)", line).group(1)), line
+        t_from[iteration + 1] = chosen
+    for record in (r for r in auto.records if "loss" in r and r["iteration"] > 1):
+        assert record["fssdp"]["t"] == t_from[max(i for i in t_from if i <= record["iteration"])], record["iteration"]
     assert re.search(r"fssdp: cost model: [0-9.]+ us per token copy \(measured\) and [0-9.]+ us per expert instance",
                      auto.output)
     # auto t: the first iteration runs without copies (it measures), later ones with

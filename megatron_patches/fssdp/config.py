@@ -23,7 +23,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "powers of two up to the number of experts and the t attention hides (from the measured "
         "non-MoE time, the probed bandwidth and the bytes of one expert) are priced on that "
         "iteration's loads (expert time per token and per instance, all-to-all, the gather and "
-        "reduce beyond what they overlap) and the cheapest is kept; the log lists the prices. New flag.",
+        "reduce beyond what they overlap) and the cheapest is kept; the log lists the prices. Chosen "
+        "again at every re-shard check (--fssdp-reshard-interval) on the loads of the iteration "
+        "before, as the router's loads drift. New flag.",
     )
     group.add_argument(
         "--fssdp-memory-capacity", type=auto_or_int, default="auto",

@@ -146,8 +146,8 @@ class IterationStats:
     """Token copies the dispatch plans send to another rank (all sources, all layers)."""
     source_loads_LDE: np.ndarray | None = None
     """Routed tokens per layer of this stage, source device and expert, summed over the
-    micro-batches (what t by cost prices after the first iteration); int64 [L, D, E], kept only
-    while auto t is still to be chosen (None otherwise)."""
+    micro-batches (what auto t prices at the iteration's end); int64 [L, D, E], kept only in the
+    iterations auto t is chosen after: the first, and those before a re-shard check (None otherwise)."""
 
     def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
         self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
@@ -211,7 +211,9 @@ class FSSDPRuntime(ModeRuntime):
         self._memory_base: int | None = None
         """GPU, auto m: bytes held when the measuring (first) iteration started."""
         self.cost: planner.CalibrationCost | None = None
-        """Calibration's cost model, from the first iteration's measured expert time."""
+        """The cost model of calibration and auto t, from the first iteration's measured times."""
+        self._iteration = 0
+        """The iteration being run (begin_iteration's)."""
         self.stats: IterationStats | None = None
         self.layout: ModelShardLayout | None = None
         """Owners of every expert of this stage's MoE layers (rows = `layers`); set by attach."""
@@ -388,8 +390,10 @@ class FSSDPRuntime(ModeRuntime):
         # calibration (once its cost model exists) gets the slots the predictor would misplace
         misprediction_L = self.tracker.misprediction() if self.config.calibrate and self.cost is not None else None
         self.traffic.reset()
+        self._iteration = iteration
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
-        if self.t is None:  # auto t prices this iteration's loads at its end
+        rechoose = self.config.overlap_degree is None and planner.reshard_due(iteration, self.config.reshard_interval)
+        if self.t is None or rechoose:  # auto t prices this iteration's loads at its end
             shape_LDE = (len(self.layers), self.num_devices, self.num_experts)
             self.stats.source_loads_LDE = np.zeros(shape_LDE, dtype=np.int64)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
@@ -566,14 +570,12 @@ class FSSDPRuntime(ModeRuntime):
         self.tracker.observe(step.processed_LE)
         if self.m is None:
             self.m = self._measured_memory_capacity()
-        wants_cost = self.config.calibrate and self.cost is None
-        if self.t is None or wants_cost:
-            t_non_moe = self._min_non_moe_seconds()
-            cost = self._measured_cost(t_non_moe)
-            if self.t is None:
-                self.t = self._auto_overlap_degree(cost, t_non_moe)
-            if wants_cost:
-                self.cost = cost
+        if self.cost is None and (self.config.calibrate or self.config.overlap_degree is None):
+            self.cost = self._measured_cost(self._min_non_moe_seconds())
+        if self.stats.source_loads_LDE is not None:
+            # auto t: chosen after the first iteration, chosen again before every re-shard check
+            # (loads drift as the router trains: the first iteration's are near even)
+            self.t = self._auto_overlap_degree(self.cost)
         return self._metrics()
 
     def _collect_times(self) -> None:
@@ -656,12 +658,15 @@ class FSSDPRuntime(ModeRuntime):
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
         return float(local.item())
 
-    def _auto_overlap_degree(self, cost: planner.CalibrationCost, t_non_moe: float) -> int:
-        """Auto t after the first iteration, by cost (`planner.choose_overlap_degree`): t = 0, the
-        powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides at
-        the probed bandwidth) priced on this iteration's loads, with calibration's copies when the
-        run calibrates; the cheapest is kept. The prices are summed over every rank (each prices
-        its pipeline stage's layers), so every rank takes the same t."""
+    def _auto_overlap_degree(self, cost: planner.CalibrationCost) -> int:
+        """Auto t at the end of this iteration, by cost (`planner.choose_overlap_degree`): t = 0,
+        the powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides
+        at the probed bandwidth) priced on this iteration's loads, with calibration's copies when
+        the run calibrates; the cheapest is kept. The prices are summed over every rank (each
+        prices its pipeline stage's layers), so every rank takes the same t. The times are the
+        first iteration's (the cost model's); the loads are this iteration's, so a later choice
+        follows the router."""
+        t_non_moe = cost.reduce_hidden_s / BACKWARD_FACTOR  # `_measured_cost` set it from the non-MoE forward
         bw = planner.gather_bandwidth(self.topology, self.config.collectives)
         hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         candidates = planner.overlap_candidates(hidden_t, self.num_experts)
@@ -671,10 +676,12 @@ class FSSDPRuntime(ModeRuntime):
         prices = torch.from_numpy(local)
         dist.all_reduce(prices)
         choice = planner.choose_overlap_degree(candidates, prices.numpy() / dist.get_world_size(), hidden_t)
+        change = "" if self.t is None else " (unchanged)" if choice.t == self.t else f" (was {self.t})"
         self._log.append(
-            f"fssdp: auto overlap degree t = {choice.t} (hidden t = {hidden_t}: non-MoE time {t_non_moe * 1e3:.2f} ms "
-            f"per layer, bandwidth {bw / 1e9:.2f} GB/s, expert {self.expert_bytes} bytes, {self.num_experts} experts; "
-            f"priced on iteration 1's loads with m = {self.m}, per rank's stage: {choice.table()})"
+            f"fssdp: auto overlap degree t = {choice.t}{change} from iteration {self._iteration + 1} (hidden t = "
+            f"{hidden_t}: non-MoE time {t_non_moe * 1e3:.2f} ms per layer, bandwidth {bw / 1e9:.2f} GB/s, expert "
+            f"{self.expert_bytes} bytes, {self.num_experts} experts; priced on iteration {self._iteration}'s loads with "
+            f"m = {self.m}, per rank's stage: {choice.table()})"
         )
         return choice.t
 
@@ -901,7 +908,7 @@ class FSSDPRuntime(ModeRuntime):
             self.t = int(state["overlap_degree"])
             notes.append(f"fssdp: overlap degree t = {self.t} from the checkpoint (auto t measured by the saving run)")
         seconds = state["calibration_seconds_per_token"]
-        if self.config.calibrate and seconds is not None:
+        if (self.config.calibrate or self.config.overlap_degree is None) and seconds is not None:
             # the measured times; the copy's bytes are this run's (its dtype may differ)
             self.cost = self._cost_model(float(seconds), float(state.get("calibration_hidden_backward_s") or 0.0),
                                          float(state.get("calibration_seconds_per_instance") or 0.0))

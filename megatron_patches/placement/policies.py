@@ -100,6 +100,11 @@ class ReplayConfig:
     """Bytes per expert (weights, gradients, optimizer state) and per token."""
     overlap_degree: int = 8
     """FSSDP's t: expert copies a device can receive while attention runs."""
+    overlap_choice: Callable[[list[ShardLayout], np.ndarray], int] | None = None
+    """FSSDP's auto t after the start: called at every re-shard check with the layers' owners and
+    the per-source loads of the iteration before it (int [L, D, E]), returns the t to plan with from
+    then on, as the runtime re-chooses it there (`FSSDPRuntime.end_iteration`); None: t stays
+    `overlap_degree`."""
     memory_capacity: int = 4
     """m: extra expert copies that fit on a device (FSSDP copies; FlexMoE's reserved slots)."""
     slots_per_rank: int | None = None
@@ -338,8 +343,9 @@ class EPPolicy(Policy):
 class FSSDPPolicy(Policy):
     """FSSDP: sparse materialization per layer and iteration, heterogeneous re-sharding every k.
 
-    Starts from the even shard layout. Every `reshard_interval` iterations it applies the
-    runtime's own re-shard rule (`fssdp.decide_reshard`: adopt the heterogeneous sharding of
+    Starts from the even shard layout. Every `reshard_interval` iterations it chooses t again
+    when the config says how (`ReplayConfig.overlap_choice`, the runtime's auto t), then applies
+    the runtime's own re-shard rule (`fssdp.decide_reshard`: adopt the heterogeneous sharding of
     the predicted loads only if it lowers the predicted imbalance), then moves the weights and
     optimizer state of every expert whose owner changed.
     """
@@ -352,12 +358,23 @@ class FSSDPPolicy(Policy):
         self._cost = config.fssdp_cost()
         self.calibrations = 0
         """Layer-iterations in which calibration did the extra gather."""
+        self.t = config.overlap_degree
+        """The overlap degree planned with (`ReplayConfig.overlap_choice` may change it)."""
+        self.t_changes: list[tuple[int, int]] = []
+        """(iteration, new t) of every change of t."""
+        self._previous_sources_LDE: np.ndarray | None = None
 
     def plan(self, iteration, predicted_LE, source_loads_LDE):
         cfg = self.config
         moves: list[ExpertMove] = []
         if fssdp.reshard_due(iteration, cfg.reshard_interval):
-            decision = fssdp.decide_reshard(self.shard, predicted_LE, self.topology, cfg.overlap_degree)
+            if cfg.overlap_choice is not None and self._previous_sources_LDE is not None:
+                t = int(cfg.overlap_choice([self.shard.layer(l) for l in range(self.num_layers)],
+                                           self._previous_sources_LDE))
+                if t != self.t:
+                    self.t_changes.append((iteration, t))
+                self.t = t
+            decision = fssdp.decide_reshard(self.shard, predicted_LE, self.topology, self.t)
             if decision.adopt:
                 new = decision.proposed
                 l_M, e_M = np.nonzero(new.owners_LE != self.shard.owners_LE)
@@ -370,9 +387,7 @@ class FSSDPPolicy(Policy):
         for l in range(self.num_layers):
             shard = self.shard.layer(l)
             reserve = fssdp.calibration_reserve(cfg.memory_capacity, self.misprediction_L[l]) if cfg.calibrate else 0
-            placement = fssdp.materialize(
-                shard, predicted_LE[l], cfg.overlap_degree, cfg.memory_capacity - reserve, self.topology
-            )
+            placement = fssdp.materialize(shard, predicted_LE[l], self.t, cfg.memory_capacity - reserve, self.topology)
             materialized = None
             if cfg.calibrate:
                 remaining_D = np.maximum(cfg.memory_capacity - placement.extra_copies_D(shard), 0)
@@ -385,6 +400,7 @@ class FSSDPPolicy(Policy):
                 self.calibrations += int(gathered)
             layers.append(self._dropless(placement, fssdp.dispatch(placement, source_loads_LDE[l], self.topology),
                                          shard=shard, materialized=materialized))
+        self._previous_sources_LDE = source_loads_LDE
         return PolicyStep(iteration, tuple(layers), tuple(moves))
 
     def traffic(self, step):

@@ -55,7 +55,14 @@ import numpy as np
 from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import CommBytes, gather_stage_bytes, sparse_all_gather_seconds
 from megatron_patches.placement.baselines import EPLayout
-from megatron_patches.placement.policies import Policy, PolicyStep, ReplayConfig, calibration_delta, make_policy
+from megatron_patches.placement.policies import (
+    FSSDPPolicy,
+    Policy,
+    PolicyStep,
+    ReplayConfig,
+    calibration_delta,
+    make_policy,
+)
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.engine import Timeline
@@ -369,7 +376,8 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     """The policy knobs of a placement system, derived from the cost and memory model.
 
     - t (FSSDP overlap degree): by cost, as the runtime chooses it (`fssdp.choose_overlap_degree`
-      on the first iteration's loads, with calibration's copies when it calibrates), among t = 0,
+      on the first iteration's loads, and again at every re-shard check on the loads of the
+      iteration before, with calibration's copies when it calibrates), among t = 0,
       the powers of two up to E and DESIGN 4.2's floor(T_nonMoE x bw / expert bytes) (T_nonMoE
       the forward of a layer's attention block, norms and gate on the slowest device; bw from the
       bandwidths the runtime's probe measures).
@@ -447,14 +455,19 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             instance_overhead_s=compute.expert_instance_overhead_s(),
         )
         if spec.policy == "fssdp" and spec.fssdp_mode != "shard" and o.overlap_degree is None:
-            # t by cost, as the runtime chooses it after its first iteration: on that iteration's loads
+            # t by cost, as the runtime chooses it: after its first iteration on that iteration's
+            # loads, and again before every re-shard check on the loads of the iteration before
+            candidates, cost, calibrated = fssdp.overlap_candidates(t, E), config.fssdp_cost(), config.calibrate
+
+            def choose(shards, sources_LDE, hidden_t=t):
+                prices = fssdp.overlap_prices(shards, sources_LDE, candidates, memory_capacity, topo, cost, t_non_moe,
+                                              calibrated=calibrated)
+                return fssdp.choose_overlap_degree(candidates, prices, hidden_t).t
+
             shards = [fssdp.even_shard(L, E, D).layer(k) for k in range(L)]  # FSSDPPolicy's starting layout
-            candidates = fssdp.overlap_candidates(t, E)
-            prices = fssdp.overlap_prices(shards, scn.source_ILDE[0], candidates, memory_capacity, topo,
-                                          config.fssdp_cost(), t_non_moe, calibrated=config.calibrate)
-            choice = fssdp.choose_overlap_degree(candidates, prices, t)
-            config = dataclasses.replace(config, overlap_degree=choice.t)
-            knobs.update(overlap_degree_t=choice.t, overlap_degree_hidden_t=choice.hidden_t)
+            first = choose(shards, scn.source_ILDE[0])
+            config = dataclasses.replace(config, overlap_degree=first, overlap_choice=choose)
+            knobs.update(overlap_degree_t=first, overlap_degree_hidden_t=t)
     except PlacementError as err:
         raise SimError(f"{spec.name}: {err}") from None
     return config, knobs
@@ -835,6 +848,8 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         # every MoE layer but the top one gathers its copies again for the backward
         details["collective_s"]["spag_rematerialize"] = float(kind_times["spag"][:, :-1].sum(axis=1).mean())
     details["prediction_window"] = policy.default_window
+    if isinstance(policy, FSSDPPolicy):
+        details["overlap_degree_changes"] = [list(change) for change in policy.t_changes]
     details["rearrangement_events"] = int(np.count_nonzero(rep.moves_I))
     details["experts_moved"] = int(rep.moves_I.sum())
     if spec.policy == "fastermoe":

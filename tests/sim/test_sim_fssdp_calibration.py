@@ -76,3 +76,25 @@ def test_calibration_gathers_after_the_gate_and_pays(index):
     assert with_["fssdp"].details["collective_s"]["spag_calibrate"] > 0
     assert np.mean(with_["fssdp"].iteration_s_I) < np.mean(without["fssdp"].iteration_s_I)
     assert np.array_equal(with_["ep"].iteration_s_I, without["ep"].iteration_s_I)
+
+
+def test_auto_t_follows_the_loads_at_every_reshard_check():
+    """As the runtime does, the simulator chooses t by cost on the first iteration's loads and again
+    at every re-shard check on the loads of the iteration before. A router that starts even (Zipf
+    0: copies do not pay, t = 0) and turns skewed after 6 iterations (Zipf 1.4) gets copies from
+    the first check after the skew (iteration 10, interval 5), and only at checks."""
+    from megatron_patches.placement.trace import Trace
+
+    devices, experts, tokens = 8, 16, 16384
+    even = skewed_trace(6, 2, experts, devices, tokens, seed=1, zipf=0.0)
+    skewed = skewed_trace(14, 2, experts, devices, tokens, seed=2, zipf=1.4)
+    trace = Trace(np.concatenate([even.loads, skewed.loads]),
+                  np.concatenate([even.source_loads, skewed.source_loads]), metadata=even.metadata)
+    model = make_model(layers=2, experts=experts, hidden=512, seq=1024)
+    scn = build_scenario(model, make_cluster(nodes=2, gpus_per_node=4, nic_gbps=25.0), devices, trace,
+                         options=SimOptions(fssdp_calibrate=False, reshard_interval=5))
+    details = simulate(scn, resolve_systems(["fssdp"])[0]).details
+    assert details["overlap_degree_t"] == 0, details
+    changes = details["overlap_degree_changes"]
+    assert changes and changes[0][0] == 10 and changes[0][1] > 0, changes
+    assert all(iteration % 5 == 0 for iteration, _ in changes)
