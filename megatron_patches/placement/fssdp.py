@@ -433,7 +433,7 @@ def _replicated_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.nd
     `load_D` (int [D]) holds the tokens of the single-holder experts. The quotas are a pure
     function of the inputs, and the per-iteration planner asks for the same ones twice:
     `calibrate` prices its winning candidate with the quotas that `dispatch` then routes by
-    (E = 64, D = 32: 0.1 of the planner's 1 ms per layer; tools/bench_planners.py). So the last
+    (E = 64, D = 32: 0.1 ms of the planner's 1 ms per layer; tools/bench_planners.py). So the last
     `_QUOTA_MEMO_SIZE` results are kept, keyed by the inputs' bytes (a few us to build).
     """
     key = b"|".join(
