@@ -84,10 +84,10 @@ EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 
 # Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
-# gathered by calibration serves both, so the cost model charges 3x the measured forward.
-FORWARD_BACKWARD_FACTOR = 3.0
-BACKWARD_FACTOR = 2.0
-"""A layer's backward takes about twice its forward: what hides the extra copies' reduce."""
+# gathered by calibration serves both, so the cost model charges 3x the measured forward. A
+# layer's backward (twice its forward) is what hides the extra copies' reduce.
+BACKWARD_FACTOR = planner.BACKWARD_OVER_FORWARD
+FORWARD_BACKWARD_FACTOR = 1.0 + BACKWARD_FACTOR
 
 
 @dataclass

@@ -635,8 +635,12 @@ class CalibrationCost:
         return max(0.0, self.reduce_ratio * gather_s - backward_s)
 
 
-MOE_BACKWARD_SHARE = 2.0 / 3.0
-"""Share of an expert's forward + backward compute that is its backward (two GEMMs per forward GEMM)."""
+BACKWARD_OVER_FORWARD = 2.0
+"""A GEMM layer's backward time over its forward time: two GEMMs (the input's and the weights'
+gradients) per forward GEMM. The one figure the runtime's cost model (`FSSDPRuntime`), this
+module's windows and the simulator's compute model (`sim.costs.ComputeModel.BACKWARD`) use."""
+MOE_BACKWARD_SHARE = BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
+"""Share of an expert's forward + backward compute that is its backward (2/3)."""
 
 
 def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:

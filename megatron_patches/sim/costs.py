@@ -39,6 +39,7 @@ from megatron_patches.config import ClusterConfig, ConfigError, ModelConfig, cou
 from megatron_patches.config.models import padded_vocab_size
 from megatron_patches.placement.accounting import CommBytes
 from megatron_patches.placement.baselines import ByteModel
+from megatron_patches.placement.fssdp import BACKWARD_OVER_FORWARD
 from megatron_patches.placement.policies import ring_allreduce_bytes
 from megatron_patches.placement.types import InstancePlacement, Topology
 
@@ -507,7 +508,8 @@ class ComputeModel:
     `peak_flops_D` is the GEMM peak per device in the workload's precision (FLOP/s, float [D]).
     """
 
-    BACKWARD = 2.0
+    BACKWARD = BACKWARD_OVER_FORWARD
+    """Backward over forward time of GEMM work (`placement.fssdp.BACKWARD_OVER_FORWARD`)."""
     FLASH_BACKWARD = 2.5
     SCORE_PASSES = 4
     """Passes over the s x s score matrix per head in unfused attention forward: QK^T writes it,
@@ -615,13 +617,13 @@ class ComputeModel:
 
     def expert_instance_overhead_s(self) -> float:
         """What `expert_fwd` charges an instance beyond its tokens' FLOPs, forward and backward
-        (x 3, as the backward's two GEMMs), on the slowest device: the launch and the larger of
+        (x (1 + BACKWARD), as the backward's two GEMMs), on the slowest device: the launch and the larger of
         the small-batch GEMM inefficiency (n_half tokens' FLOPs) and streaming the weights (for
         FSSDP's cost model, which prices tokens at the full-efficiency FLOP rate)."""
         P = float(self.workload.expert_params)
         gemm = 2.0 * P * self.eff.expert_half_tokens / (self.peak_flops_D * self.eff.expert_gemm)
         weights = self._element * P / self._mem_rate_D
-        return float(np.max(3.0 * (self.eff.kernel_launch_s + np.maximum(gemm, weights))))
+        return float(np.max((1.0 + self.BACKWARD) * (self.eff.kernel_launch_s + np.maximum(gemm, weights))))
 
     def optimizer_D(self, params_D) -> np.ndarray:
         """Adam step time per device for the parameters it updates; float [D]."""
