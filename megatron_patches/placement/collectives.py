@@ -18,9 +18,9 @@ sends it is the algorithm's choice:
   (`ring_pays`). The relays still send it N - 1 times out of the owner's node, the ring once out
   of each node; with the experts every device holds spread evenly over their owners the relays
   are as fast or faster (each NIC sends its own experts' copies), with a few hot experts on few
-  owners the ring is up to N - 1 times faster. Measured in the simulator's 30 random clusters
-  (tests/sim/test_sim_fssdp_calibration.py): without the ring, FasterMoE's ring broadcast of the
-  same shadows beat FSSDP in 2 of them (4 nodes x 2 GPUs, up to 1.07x); with it, in none.
+  owners the ring is up to N - 1 times faster (docs/benchmarks.md, "Ring broadcast": without
+  it FasterMoE's ring broadcast of the same shadows beat FSSDP on 2 of 30 simulated clusters;
+  a ring whenever possible made 9 others slower).
 
 SparseReduceScatter runs the same transfers reversed: holders on a remote node send their
 gradients to the node's relay, which adds its own and sends one sum to the owner; a ring
