@@ -20,7 +20,7 @@ sends it is the algorithm's choice:
   are as fast or faster (each NIC sends its own experts' copies), with a few hot experts on few
   owners the ring is up to N - 1 times faster (docs/benchmarks.md, "Ring broadcast": without
   it FasterMoE's ring broadcast of the same shadows beat FSSDP on 2 of 30 simulated clusters;
-  a ring whenever possible made 9 others slower).
+  a ring whenever possible made 10 others slower).
 
 SparseReduceScatter runs the same transfers reversed: holders on a remote node send their
 gradients to the node's relay, which adds its own and sends one sum to the owner; a ring
