@@ -12,12 +12,12 @@ a metric means the same thing everywhere:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from megatron_patches.placement.collectives import copy_sources
+from megatron_patches.placement.links import CommBytes, transfer_seconds
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -92,74 +92,6 @@ def apply_capacity(plan: DispatchPlan, placement: InstancePlacement, capacity: i
     return processed_ED, (received_ED - processed_ED).sum(axis=1)
 
 
-@dataclass(frozen=True)
-class CommBytes:
-    """Bytes sent and received per device, split by link class. All int64 [D]."""
-
-    sent_intra_D: np.ndarray
-    """Bytes each device sends to devices on its own node."""
-    sent_inter_D: np.ndarray
-    """Bytes each device sends to devices on other nodes."""
-    recv_intra_D: np.ndarray
-    """Bytes each device receives from devices on its own node."""
-    recv_inter_D: np.ndarray
-    """Bytes each device receives from devices on other nodes."""
-
-    @classmethod
-    def from_transfers(cls, src_K, dst_K, bytes_K, topology: Topology) -> CommBytes:
-        """Aggregate point-to-point transfers (src -> dst, bytes); transfers to self are free."""
-        src_K = np.asarray(src_K, dtype=np.int64)
-        dst_K = np.asarray(dst_K, dtype=np.int64)
-        bytes_K = np.broadcast_to(np.asarray(bytes_K, dtype=np.float64), src_K.shape)
-        D = topology.num_devices
-        moved = src_K != dst_K
-        intra = moved & topology.same_node(src_K, dst_K)
-        inter = moved & ~intra
-
-        def total(index, mask):
-            # float bincount is exact for byte counts below 2**53 (8 PiB)
-            return np.bincount(index[mask], weights=bytes_K[mask], minlength=D).astype(np.int64)
-
-        return cls(total(src_K, intra), total(src_K, inter), total(dst_K, intra), total(dst_K, inter))
-
-    def reversed(self) -> CommBytes:
-        """The same transfers in the opposite direction (e.g. combine after dispatch, spRS after spAG)."""
-        return CommBytes(self.recv_intra_D, self.recv_inter_D, self.sent_intra_D, self.sent_inter_D)
-
-    def __add__(self, other: CommBytes) -> CommBytes:
-        return CommBytes(
-            self.sent_intra_D + other.sent_intra_D,
-            self.sent_inter_D + other.sent_inter_D,
-            self.recv_intra_D + other.recv_intra_D,
-            self.recv_inter_D + other.recv_inter_D,
-        )
-
-    @property
-    def sent_D(self) -> np.ndarray:
-        """Bytes sent per device, both link classes."""
-        return self.sent_intra_D + self.sent_inter_D
-
-    @property
-    def recv_D(self) -> np.ndarray:
-        """Bytes received per device, both link classes."""
-        return self.recv_intra_D + self.recv_inter_D
-
-    @property
-    def intra(self) -> int:
-        """Total bytes over intra-node links (each byte counted once, at the sender)."""
-        return int(self.sent_intra_D.sum())
-
-    @property
-    def inter(self) -> int:
-        """Total bytes over inter-node links (each byte counted once, at the sender)."""
-        return int(self.sent_inter_D.sum())
-
-    @property
-    def total(self) -> int:
-        """Total bytes moved between devices."""
-        return self.intra + self.inter
-
-
 def dispatch_bytes(plan: DispatchPlan, topology: Topology, bytes_per_token: float) -> CommBytes:
     """Bytes of the dispatch all-to-all of a plan (tokens kept on their source device are free).
 
@@ -218,23 +150,8 @@ def gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_b
     sends, ring broadcasts, relays' sends inside their nodes). They add up to `sparse_all_gather_bytes`;
     the runtime starts each after the one before (`comm.relay`), so a time model adds their times
     (a stage that moves nothing costs nothing). Flat has only the first."""
-    sources = copy_sources(shard, placement, topology, algorithm)
     size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
-    out = []
-    for mask_ED in sources.stages_ED():
-        e, d = np.nonzero(mask_ED)
-        out.append(CommBytes.from_transfers(sources.source_ED[e, d], d, size_E[e], topology))
-    return out[0], out[1], out[2]
-
-
-def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
-    """Time of a set of point-to-point transfers on the topology's links: the busiest device's
-    intra-node bytes (sent or received) over the intra-node bandwidth, or its inter-node bytes over
-    the inter-node bandwidth, whichever is longer. No latency, no NIC sharing (the simulator's
-    `CommModel` adds both)."""
-    intra = np.maximum(comm.sent_intra_D, comm.recv_intra_D) / topology.intra_node_bw
-    inter = np.maximum(comm.sent_inter_D, comm.recv_inter_D) / topology.inter_node_bw
-    return float(np.maximum(intra, inter).max(initial=0.0))
+    return copy_sources(shard, placement, topology, algorithm).stage_bytes(size_E, topology)
 
 
 def sparse_all_gather_seconds(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,

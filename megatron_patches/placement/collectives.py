@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement.links import CommBytes, transfer_seconds
 from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout, Topology
 
 __all__ = ["ALGORITHMS", "CopySources", "copy_sources", "relay_sources_ED", "ring_pays"]
@@ -51,7 +52,7 @@ class CopySources:
 
     The runtime runs three stages one after the other (`comm.relay`): the owners' point-to-point
     sends, the ring broadcasts, the relays' sends inside their nodes (which forward what the first
-    stage brought). A time model adds their times (`stages_ED`)."""
+    stage brought). A time model adds their times (`stages_ED`, `stage_bytes`)."""
 
     source_ED: np.ndarray
     """source_ED[e, d]: the device that sends expert e's copy to device d; -1 where d holds no copy
@@ -70,31 +71,25 @@ class CopySources:
         from_owner_ED = receives_ED & ~ring_ED & (self.source_ED == self.owner_E[:, None])
         return from_owner_ED, ring_ED, receives_ED & ~ring_ED & ~from_owner_ED
 
+    def stage_bytes(self, chunk_bytes, topology: Topology) -> tuple[CommBytes, CommBytes, CommBytes]:
+        """The bytes of each stage (`stages_ED`) for chunks of `chunk_bytes` (a number or float [E])."""
+        size_E = np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), self.ring_E.shape)
+        stages = []
+        for mask_ED in self.stages_ED():
+            e, d = np.nonzero(mask_ED)
+            stages.append(CommBytes.from_transfers(self.source_ED[e, d], d, size_E[e], topology))
+        return stages[0], stages[1], stages[2]
+
 
 def ring_pays(relayed: CopySources, ringed: CopySources, topology: Topology) -> bool:
-    """Whether the ring broadcasts of `ringed` beat the relays of `relayed` (the same copies), in
-    `placement.accounting.transfer_seconds`' model (each stage: the busiest device's intra-node
-    or inter-node chunks, sent or received, over that link's bandwidth; stages add up). Chunks
-    are of equal size, so the comparison needs no byte count."""
-    return _stages_seconds(ringed, topology) < _stages_seconds(relayed, topology)
+    """Whether the ring broadcasts of `ringed` beat the relays of `relayed` (the same copies) in
+    `placement.links.transfer_seconds`' model, the stages one after the other. Chunks are of equal
+    size, so the comparison needs no byte count."""
 
+    def seconds(sources: CopySources) -> float:
+        return sum(transfer_seconds(stage, topology) for stage in sources.stage_bytes(1.0, topology))
 
-def _stages_seconds(sources: CopySources, topology: Topology) -> float:
-    """Time of the three stages of `sources` in chunks per byte of bandwidth (see `ring_pays`)."""
-    D = topology.num_devices
-    total = 0.0
-    for mask_ED in sources.stages_ED():
-        e, d = np.nonzero(mask_ED)
-        if e.size == 0:
-            continue
-        s = sources.source_ED[e, d]
-        inter = ~topology.same_node(s, d)
-        busiest = 0.0
-        for link, bandwidth in ((~inter, topology.intra_node_bw), (inter, topology.inter_node_bw)):
-            chunks_D = np.maximum(np.bincount(s[link], minlength=D), np.bincount(d[link], minlength=D))
-            busiest = max(busiest, float(chunks_D.max()) / bandwidth)
-        total += busiest
-    return total
+    return seconds(ringed) < seconds(relayed)
 
 
 def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> CopySources:
