@@ -573,10 +573,7 @@ class CalibrationCost:
         over the topology's point-to-point bandwidths plus `latency_s` (0 without copies)."""
         if self.gather_seconds is not None:
             return float(self.gather_seconds(shard, placement))
-        new_ED = placement.holds_ED() & ~shard.holds_ED().astype(bool)
-        if not new_ED.any():
-            return 0.0
-        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+        return self._copies_seconds(placement.holds_ED() & ~shard.holds_ED().astype(bool), shard, topology)
 
     def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
                              topology: Topology) -> float:
@@ -586,7 +583,11 @@ class CalibrationCost:
         prices up to a few candidates per layer per iteration)."""
         if self.gather_seconds is not None:
             return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
-        new_ED = (np.asarray(holds_ED) > 0) & ~current.holds_ED()
+        return self._copies_seconds((np.asarray(holds_ED) > 0) & ~current.holds_ED(), shard, topology)
+
+    def _copies_seconds(self, new_ED: np.ndarray, shard: ShardLayout, topology: Topology) -> float:
+        """The point-to-point model's gather of the copies new_ED (bool [E, D]) from their owners:
+        the busiest device's transfers plus `latency_s`, 0 without copies."""
         if not new_ED.any():
             return 0.0
         return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
