@@ -83,12 +83,6 @@ the expert-data-parallel group first. Counted apart so that spag + spag_calibrat
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 
-# Expert forward + backward takes about 3x the forward (two GEMMs per forward GEMM); a copy
-# gathered by calibration serves both, so the cost model charges 3x the measured forward. A
-# layer's backward (twice its forward) is what hides the extra copies' reduce.
-BACKWARD_FACTOR = planner.BACKWARD_OVER_FORWARD
-FORWARD_BACKWARD_FACTOR = 1.0 + BACKWARD_FACTOR
-
 
 @dataclass
 class LayerPlan:
@@ -597,8 +591,10 @@ class FSSDPRuntime(ModeRuntime):
         local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1), self._probe_instance_seconds()],
                              dtype=torch.float64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        seconds, instance_s = (FORWARD_BACKWARD_FACTOR * float(v) for v in local.tolist())
-        cost = self._cost_model(seconds, BACKWARD_FACTOR * t_non_moe, instance_s)
+        # a copy serves the forward and the backward (two GEMMs per forward GEMM): 3x the measured
+        # forward; the layer's backward outside the experts (twice its forward) hides the reduce
+        seconds, instance_s = ((1.0 + planner.BACKWARD_OVER_FORWARD) * float(v) for v in local.tolist())
+        cost = self._cost_model(seconds, planner.BACKWARD_OVER_FORWARD * t_non_moe, instance_s)
         self._log.append(
             f"fssdp: cost model: {seconds * 1e6:.2f} us per token copy (measured) and {instance_s * 1e6:.1f} us per "
             f"expert instance (probed; expert forward + backward), {self.expert_bytes} bytes per extra copy over "
@@ -666,7 +662,7 @@ class FSSDPRuntime(ModeRuntime):
         prices its pipeline stage's layers), so every rank takes the same t. The times are the
         first iteration's (the cost model's); the loads are this iteration's, so a later choice
         follows the router."""
-        t_non_moe = cost.reduce_hidden_s / BACKWARD_FACTOR  # `_measured_cost` set it from the non-MoE forward
+        t_non_moe = cost.reduce_hidden_s / planner.BACKWARD_OVER_FORWARD  # `_measured_cost` set it from it
         bw = planner.gather_bandwidth(self.topology, self.config.collectives)
         hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
         candidates = planner.overlap_candidates(hidden_t, self.num_experts)
