@@ -39,9 +39,13 @@ above), measured at up to 3.1e-5 relative after 3 more iterations on 4 ranks (20
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from support import precision
+from support.precision import NoiseScale, same_weights_bound
 from support.training import MOCK, Run, launch_many, zebra_replan_flags
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +102,11 @@ AUX = ["--moe-aux-loss-coeff", "1.0"]
 """A strong auxiliary loss: it moves the fp16 runs well beyond fp16's noise."""
 ZEBRA_BF16_SAVE = 15
 """zebra's bf16 run saves here (and at ITERS); ep resumes it."""
-FP16_MODES = {"ep": [], "fssdp": FSSDP, "zebra": [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]}
+FP16_MODES = {"ep": [], "fssdp": FSSDP, "replicate": REPLICATE, "zebra": [*ZEBRA, "--zebra-asym-ea", "1,2", *FULL]}
+TOKENS = 8 * 64
+"""Token losses averaged into one iteration's loss (global batch x sequence)."""
+DELAY = {"rank": 1, "max_ms": 4.0, "seed": 7}
+"""zebra_fp16 again with attention rank 1 pausing up to 4 ms before each of its compute tasks."""
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +122,7 @@ def runs(workdir) -> dict[str, Run]:
     flags["zebra_bf16"] += ["--save", str(zebra_bf16), "--save-interval", str(ZEBRA_BF16_SAVE)]
     flags |= {f"{name}_fp16": [*COMMON, "--train-iters", "10", *FP16, *more] for name, more in FP16_MODES.items()}
     flags["zebra_fp16"] += ["--save", str(zebra_fp16), "--save-interval", "5"]
+    flags["zebra_fp16_delayed"] = [*COMMON, "--train-iters", "10", *FP16, *FP16_MODES["zebra"]]
     flags |= {name: [*COMMON, "--train-iters", str(SHORT), *more] for name, more in RECOMPUTE}
     flags |= {f"{mode}_{precision}_recompute_distopt": [
         *COMMON, "--train-iters", str(SHORT), *(["--bf16"] if precision == "bf16" else FP16), *more,
@@ -126,7 +135,8 @@ def runs(workdir) -> dict[str, Run]:
     flags |= {f"{name}_fp16_aux": [*COMMON, "--train-iters", "10", *FP16, *FP16_MODES[name], *AUX]
               for name in ("ep", "zebra")}
     return launch_many(4, flags, workdir, trackers={"ep_fp16_from_zebra": (zebra_fp16, 5),
-                                                    "ep_bf16_from_zebra": (zebra_bf16, ZEBRA_BF16_SAVE)})
+                                                    "ep_bf16_from_zebra": (zebra_bf16, ZEBRA_BF16_SAVE)},
+                       delays={"zebra_fp16_delayed": DELAY})
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +155,17 @@ def fp16_runs(runs):
 
 
 def relative(run, reference) -> np.ndarray:
-    losses, expected = np.array(run.losses), np.array(reference.losses[: len(run.losses)])
-    assert len(losses) == len(expected) > 0
-    return np.abs(losses - expected) / np.abs(expected)
+    return precision.relative(run.losses, reference.losses)
+
+
+def noise_without(half_runs: dict, ep_fp32, *left_out: str) -> NoiseScale:
+    """The precision's noise over every run of ``half_runs`` but ``left_out`` (each against ep-fp32)."""
+    return NoiseScale.of({name: relative(run, ep_fp32) for name, run in half_runs.items() if name not in left_out})
 
 
 def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, bf16_runs):
     ep_bf16 = bf16_runs["ep"]
-    noise = relative(ep_bf16, ep_fp32)
-    assert 1e-5 < noise.max() < 1e-2, noise
+    assert 1e-5 < relative(ep_bf16, ep_fp32).max() < 1e-2  # bf16 rounding, not fp32's 2e-8
     assert "precision: parameters bfloat16 | main weights and Adam state float32" in ep_bf16.output
     assert {str(r["dtypes"]) for r in ep_bf16.records if "loss" in r} == {
         str({"parameters": "bfloat16", "main_weights": "float32", "gradients": "float32"})}
@@ -163,7 +175,7 @@ def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, bf16_runs):
         run = bf16_runs[name]
         difference = relative(run, ep_bf16)
         assert difference[:2].max() < 1e-6, (name, difference)
-        assert difference.max() < 2 * noise.max() and difference.mean() < 1.5 * noise.mean(), (name, difference, noise)
+        noise_without(bf16_runs, ep_fp32, name).check(difference, f"{name}-bf16 against ep-bf16")
         assert all(r["update_successful"] and r["loss_scale"] == 1.0 for r in run.records if "loss" in r)
         if name == "fssdp":
             for record in (r for r in run.records if "loss" in r):
@@ -177,7 +189,7 @@ def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, bf16_runs):
                 assert sum(fssdp["memory"]["optimizer_state_bytes"]) == LAYERS * EXPERTS * N * 12
 
 
-@pytest.mark.parametrize("name", ["ep", "fssdp", "zebra"])
+@pytest.mark.parametrize("name", list(FP16_MODES))
 def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, name):
     run = fp16_runs[name]
     records = [r for r in run.records if "loss" in r]
@@ -185,9 +197,8 @@ def test_fp16_with_expert_parallelism_moves_the_loss_scale(ep_fp32, fp16_runs, n
     if name != "ep":
         # the same scale decisions as ep, and losses within fp16's own noise (ep-fp16 vs ep-fp32)
         ep_fp16 = fp16_runs["ep"]
-        noise, difference = relative(ep_fp16, ep_fp32), relative(run, ep_fp16)
         assert scales == [r["loss_scale"] for r in ep_fp16.records if "loss" in r]
-        assert difference.max() < noise.max() and difference.mean() < noise.mean(), (name, difference, noise)
+        noise_without(fp16_runs, ep_fp32, name).check(relative(run, ep_fp16), f"{name}-fp16 against ep-fp16")
     if name == "zebra":
         # the paper's setting: fp16 with full recompute (every layer's attention segment and expert
         # task checkpointed; the same arithmetic, so still ep's scale decisions and losses)
@@ -220,31 +231,34 @@ def test_zebra_replanning_in_half_precision_keeps_the_losses(runs, precision):
     assert all(entry["move_bytes"] % (N * 16) == 0 for entry in adopted)
 
 
-def test_zebra_fp16_auxiliary_loss_follows_ep(fp16_runs, runs):
-    """The auxiliary loss's backward carries the fp16 loss scale in zebra as in ep (without it the
-    aux gradient would be unscaled away): zebra-fp16 follows ep-fp16 with the same loss, within
-    fp16's noise, while the loss moves ep far beyond that noise. Measured (2026-11-26, 10
-    iterations, coefficient 1.0): noise (ep-fp16 vs ep-fp32) 7.1e-5, the loss's effect on ep-fp16
-    7.3e-4, zebra against ep 4.4e-5."""
+def test_zebra_fp16_auxiliary_loss_follows_ep(ep_fp32, fp16_runs, runs):
+    """The auxiliary loss's backward carries the fp16 loss scale in zebra as in ep: without it the
+    aux gradient would be unscaled away and zebra would train as ep without the loss, a distance of
+    the loss's whole effect on ep-fp16. So zebra against ep, both with the loss, is held to a
+    quarter of that effect, which itself stands clear of fp16's noise (several samples). Measured
+    (2026-11-27, 10 iterations, coefficient 1.0): the effect 7.1e-4 to 7.3e-4 on three CPU kernel
+    sets, zebra against ep 6.7e-6 to 4.4e-5 (7.5e-5 on issue 49's machine), the noise 5.7e-5 to
+    7.2e-5 (one sample each)."""
     zebra, ep = runs["zebra_fp16_aux"], runs["ep_fp16_aux"]
-    noise = relative(fp16_runs["ep"], runs["ep_fp32"])
-    effect = relative(ep, fp16_runs["ep"])
-    assert effect.max() > 5 * noise.max(), (effect, noise)
-    assert relative(zebra, ep).max() < noise.max(), relative(zebra, ep)
+    effect = relative(ep, fp16_runs["ep"]).max()
+    noise = noise_without(fp16_runs, ep_fp32)
+    assert effect > 2 * precision.NOISE_FACTOR * noise.max, (effect, noise)
+    assert relative(zebra, ep).max() < effect / 4, (relative(zebra, ep), effect)
     assert [r["loss_scale"] for r in zebra.records if "loss" in r] == [r["loss_scale"] for r in ep.records if "loss" in r]
 
 
-def test_zebra_fp16_checkpoint_resumes_in_ep(fp16_runs, runs):
+def test_zebra_fp16_checkpoint_resumes_in_ep(ep_fp32, fp16_runs, runs):
     """zebra's fp16 checkpoint (iteration 5; fp16 weights, fp32 main weights, Adam moments, the loss
-    scaler) in ep: the first resumed loss is zebra's (the same fp16 weights: measured 4.7e-7 apart, the
-    modes sum the micro-batch losses in another order), the following ones within fp16's noise (the
-    main weights and moments crossed), and the loss scale goes on as zebra's."""
+    scaler) in ep: the first resumed loss is zebra's up to the order of roundings (the same fp16
+    weights and data: measured 7e-8 to 4.7e-7 apart on three CPU kernel sets, against a bound of
+    2.2e-5; weights from another iteration are 1e-3 away), the following ones within fp16's noise
+    (the main weights and moments crossed), and the loss scale goes on as zebra's."""
     run = runs["ep_fp16_from_zebra"]
     zebra = [r for r in fp16_runs["zebra"].records if "loss" in r][5:]
     records = [r for r in run.records if "loss" in r]
     assert [r["iteration"] for r in records] == list(range(6, 11))
-    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=1e-6)
-    assert relative(run, Run("", zebra)).max() < 1e-4
+    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=same_weights_bound("fp16", TOKENS))
+    noise_without(fp16_runs, ep_fp32, "zebra").check(relative(run, Run("", zebra)), "ep resumed from zebra-fp16")
     assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in zebra]
 
 
@@ -252,8 +266,9 @@ def test_zebra_bf16_checkpoint_resumes_in_ep(ep_fp32, bf16_runs, runs):
     """zebra's bf16 checkpoint (bf16 weights, fp32 main weights and Adam moments) in ep-bf16: the
     resumed losses follow zebra's within bf16's noise (the modes round their gradients
     differently, as in test_bf16_in_every_mode_follows_ep_within_bf16_noise). Measured
-    (2026-11-26): the first resumed loss 3.5e-6 from zebra's, the rest up to 8.8e-5 (the noise:
-    2.5e-4). The first is not bit-equal because the two modes' bf16 forwards round differently
+    (2026-11-27): the first resumed loss 3.1e-6 to 5.3e-6 from zebra's on three CPU kernel sets
+    (1.0e-5 on issue 49's machine, where a fixed 1e-5 failed), against the same-weights bound of
+    1.7e-4; the rest up to 8.8e-5 (the noise: 2.5e-4 to 3.4e-4). The first is not bit-equal because the two modes' bf16 forwards round differently
     on trained weights, not because of the checkpoint: by hand (6 iterations, save at 3) zebra ->
     zebra and ep -> ep resume bit for bit, zebra -> ep and ep -> zebra both differ by ~4e-6 at
     iteration 4. Fresh runs agree bitwise for 2 iterations only (presumably the untrained experts'
@@ -262,9 +277,21 @@ def test_zebra_bf16_checkpoint_resumes_in_ep(ep_fp32, bf16_runs, runs):
     zebra = [r for r in bf16_runs["zebra"].records if "loss" in r][k:]
     records = [r for r in run.records if "loss" in r]
     assert [r["iteration"] for r in records] == list(range(k + 1, ITERS + 1))
-    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=1e-5)
-    noise = relative(bf16_runs["ep"], ep_fp32)
-    assert relative(run, Run("", zebra)).max() < 2 * noise.max()
+    assert records[0]["loss"] == pytest.approx(zebra[0]["loss"], rel=same_weights_bound("bf16", TOKENS))
+    noise_without(bf16_runs, ep_fp32, "zebra").check(relative(run, Run("", zebra)), "ep resumed from zebra-bf16")
+
+
+def test_zebra_arithmetic_does_not_follow_timing(fp16_runs, runs):
+    """zebra-fp16 (Asym-EA, full recompute, the loss scaler) again with attention rank 1 pausing
+    before every compute task: the collectives complete at other points of every rank's poll loop,
+    and the losses, gradient norms and loss scales are the same bit for bit (every sum runs in the
+    planned task order, never in arrival order)."""
+    delayed, zebra = runs["zebra_fp16_delayed"], fp16_runs["zebra"]
+    assert len(delayed.losses) == 10
+    assert delayed.losses == zebra.losses and delayed.grad_norms == zebra.grad_norms
+    assert [r["loss_scale"] for r in delayed.records] == [r["loss_scale"] for r in zebra.records]
+    pauses, paused_ms = map(int, re.search(r"delay rank 1: (\d+) pauses, (\d+) ms", delayed.output).groups())
+    assert pauses >= 10 * 2 * LAYERS * 2 and paused_ms > 0, (pauses, paused_ms)  # >= A_F and A_B per layer and micro-batch
 
 
 @pytest.mark.parametrize("name, flags", RECOMPUTE, ids=[name for name, _ in RECOMPUTE])
@@ -302,19 +329,19 @@ def assert_recompute_lowers_activation_memory(run, reference, full: bool) -> Non
 
 
 @pytest.mark.parametrize("precision, mode, flags", HALF, ids=[f"{p}-{m}" for p, m, _ in HALF])
-def test_half_precision_with_recompute_and_distributed_optimizer(bf16_runs, fp16_runs, runs, precision, mode, flags):
+def test_half_precision_with_recompute_and_distributed_optimizer(ep_fp32, bf16_runs, fp16_runs, runs, precision, mode, flags):
     run = runs[f"{mode}_{precision}_recompute_distopt"]
     line = next(l for l in run.output.splitlines() if "precision: " in l)
     assert "(distributed optimizer)" in line, line
     assert ("| recompute " in line) == any(f.startswith("--recompute") for f in flags), line
     runs = bf16_runs if precision == "bf16" else fp16_runs
-    reference = runs.get(mode, runs["ep"])  # replicate has no fp16 run of its own: ep's
+    reference = runs[mode]
     records = [r for r in run.records if "loss" in r]
     if precision == "bf16":
         assert run.losses == reference.losses[:SHORT]
         np.testing.assert_allclose(run.grad_norms, reference.grad_norms[:SHORT], rtol=1e-5)
     else:
-        assert relative(run, reference).max() < 1e-4
+        noise_without(fp16_runs, ep_fp32, mode).check(relative(run, reference), f"{mode}-fp16 with recompute and distopt")
         expected = [r for r in reference.records if "loss" in r][:SHORT]
         # one world-wide overflow decision: the same scale trajectory and no skipped step
         assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in expected] == [1024.0 * 2 ** (i // 2 + i % 2) for i in range(SHORT)]
@@ -349,6 +376,7 @@ def test_bf16_resumes_exactly_and_in_the_other_modes(workdir):
                  ("replicate_distopt", "ep_distopt"), ("ep_distopt", "replicate_distopt"))
     flags |= {f"{saver}_to_{loader}_bf16": [*COMMON, *two, *modes[loader], "--load", str(workdir / f"bf16_ckpt_{saver}")]
               for saver, loader in crossings}
+    flags["ep_fp32_two"] = [*COMMON, *two[:-1]]  # the reference of the noise samples
     # every resume from the mid-run save (the savers' trackers point at 2k)
     trackers = {f"{name}_bf16_resumed": (workdir / f"bf16_ckpt_{name}", k) for name in modes}
     runs = launch_many(2, flags, workdir, trackers)
@@ -362,4 +390,7 @@ def test_bf16_resumes_exactly_and_in_the_other_modes(workdir):
         resumed = runs[f"{saver}_to_{loader}_bf16"]
         assert resumed.losses[0] == straight[saver].losses[k], (saver, loader)
         drift = relative(resumed, Run("", straight[saver].records[k:]))
-        assert drift.max() < 1e-4, (saver, loader, drift)
+        # noise over the same iterations k+1..2k, from the straight runs of the other modes
+        noise = NoiseScale.of({name: precision.relative(run.losses[k:], runs["ep_fp32_two"].losses[k:])
+                               for name, run in straight.items() if name not in (saver, loader)})
+        noise.check(drift, f"{saver} resumed in {loader}")

@@ -616,7 +616,9 @@ class FSSDPRuntime(ModeRuntime):
         with torch.no_grad():
             row_N = layer.expert_layout.flatten(self.slot_modules[0])
             rows_RN = torch.stack([row_N, row_N])
-            tokens_ND = torch.randn((2, self.hidden_size), dtype=row_N.dtype, device=self.device)
+            # fixed inputs, no random draw: the training's random streams (dropout masks) must not
+            # depend on whether this probe ran (auto t or calibration)
+            tokens_ND = torch.linspace(-1.0, 1.0, 2 * self.hidden_size, device=self.device).view(2, -1).to(row_N.dtype)
             probs_N = torch.ones(2, dtype=torch.float32, device=self.device)
             layouts = {1: (np.array([0]), np.array([2])), 2: (np.array([0, 1]), np.array([1, 1]))}
             best = {1: float("inf"), 2: float("inf")}

@@ -16,6 +16,12 @@ so the next one can start in the same interpreter. Between runs:
   one's keys (its ranks' old addresses).
 
 A run that fails ends the spawn with its exit code, after a `MARKER-FAILED name` line.
+
+A run may delay one rank ("delay": {"rank": r, "max_ms": x, "seed": s}): on rank r every compute
+task of the zebra engine starts after a pause drawn uniformly from [0, x] ms by a generator of its
+own (the training's random streams are untouched), so the other ranks find its collectives late,
+at other points of their poll loops, than in the same run without it. The rank prints
+`MARKER-delay rank r: <pauses> pauses, <ms> ms` at the end of the run.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import datetime
 import gc
 import json
 import os
+import random
 import socket
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +51,31 @@ def free_port() -> int:
 def barrier(store, key: str, rank: int, world: int) -> None:
     store.set(f"{key}/{rank}", "1")
     store.wait([f"{key}/{r}" for r in range(world)], TIMEOUT)
+
+
+@contextmanager
+def delayed(run: dict, rank: int):
+    """On the rank that run["delay"] names, pause before every zebra compute task (see above)."""
+    delay = run.get("delay")
+    if delay is None or delay["rank"] != rank:
+        yield
+        return
+    from megatron_patches.zebra.engine import ZebraEngine
+
+    pauses, compute = random.Random(delay["seed"]), ZebraEngine._compute
+    paused_ms: list[float] = []
+
+    def late_compute(engine, task):
+        paused_ms.append(pauses.uniform(0.0, delay["max_ms"]))
+        time.sleep(paused_ms[-1] / 1e3)
+        return compute(engine, task)
+
+    ZebraEngine._compute = late_compute
+    try:
+        yield
+    finally:
+        ZebraEngine._compute = compute
+        print(f"{MARKER}-delay rank {rank}: {len(paused_ms)} pauses, {sum(paused_ms):.0f} ms", flush=True)
 
 
 def main() -> int:
@@ -67,7 +101,8 @@ def main() -> int:
         barrier(agent, f"multirun/{index}/begin", rank, world)
         os.environ["MASTER_PORT"] = agent.get(f"multirun/{index}/port").decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        code = pretrain_gpt_moe.main(run["argv"])
+        with delayed(run, rank):
+            code = pretrain_gpt_moe.main(run["argv"])
         if code != 0:
             print(f"{MARKER}-FAILED {run['name']} (rank {rank}, exit {code})", flush=True)
             return code

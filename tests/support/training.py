@@ -60,14 +60,15 @@ def launch(nproc: int, flags: list[str], workdir: Path, name: str, timeout: int 
 
 
 def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers: dict[str, tuple[Path, int]] | None = None,
-                timeout: int = 1800, nodes: int = 1) -> dict[str, Run]:
+                timeout: int = 1800, nodes: int = 1, delays: dict[str, dict] | None = None) -> dict[str, Run]:
     """Several runs in one spawn (support/multirun.py: the ranks' imports are paid once), in the
     order given; each Run as `launch` returns it, its output the spawn's lines between its marker
     and the next (stdout and stderr as one stream). `trackers`: run name -> (checkpoint directory,
-    iteration) its tracker is pointed at before that run starts. `nodes` > 1 emulates that many
+    iteration) its tracker is pointed at before that run starts. `delays`: run name -> {"rank",
+    "max_ms", "seed"}: that rank pauses before each zebra compute task (support/multirun.py). `nodes` > 1 emulates that many
     nodes of nproc / nodes ranks: one torchrun per node on this machine, each with its own
     SLURMD_NODENAME (what `comm.groups.node_layout` reads); the output is node 0's."""
-    trackers = trackers or {}
+    trackers, delays = trackers or {}, delays or {}
     spec = workdir / f"multirun_{next(iter(runs))}.json"
     logs = {name: workdir / f"{name}.jsonl" for name in runs}
     reused = [str(path) for path in logs.values() if path.exists()]
@@ -75,7 +76,8 @@ def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers:
         raise ValueError(f"run names already used in {workdir}: {reused}; give every run in a workdir its own name")
     spec.write_text(json.dumps([
         {"name": name, "argv": [*flags, "--log-json", str(logs[name])],
-         **({"tracker": [str(trackers[name][0]), trackers[name][1]]} if name in trackers else {})}
+         **({"tracker": [str(trackers[name][0]), trackers[name][1]]} if name in trackers else {}),
+         **({"delay": delays[name]} if name in delays else {})}
         for name, flags in runs.items()]))
     script = [str(REPO / "tests" / "support" / "multirun.py"), str(spec)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
