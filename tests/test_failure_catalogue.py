@@ -62,6 +62,12 @@ BAD_INPUTS = [
                           "--fssdp-memory-budget-mb", "inf"], 4, ["--fssdp-memory-budget-mb=inf"]),
     # flag combinations
     ("unknown_flag", ["--lrr", "1e-3"], 1, ["--lrr", "--lr"]),
+    # Megatron-LM's own flags that this entry point refuses (training/megatron_lm.py): the reason, what instead
+    ("megatron_lm_not_built", ["--context-parallel-size", "2"], 1,
+     ["--context-parallel-size (Megatron-LM's flag", "is refused: not built", "Instead: leave it out (Megatron-LM's default: 1)"]),
+    ("megatron_lm_gpu_choice", ["--use-flash-attn"], 1, ["--use-flash-attn", "a GPU kernel", "Instead: "]),
+    ("megatron_lm_other_workload", ["--grpo-group-size", "4"], 1, ["--grpo-group-size", "reinforcement-learning", "Instead: "]),
+    ("num_workers_unbuilt", ["--num-workers", "2"], 1, ["--num-workers=2", "worker processes are not built", "valid: 0"]),
     ("unknown_mode", ["--moe-parallel-mode", "sharded"], 1, ["--moe-parallel-mode", "sharded", "ep, fssdp, replicate, zebra"]),
     ("ep_not_dividing", ["--expert-model-parallel-size", "3"], 4, ["--expert-model-parallel-size=3"]),
     ("bf16_and_fp16", ["--bf16", "--fp16"], 1, ["--fp16", "--bf16"]),

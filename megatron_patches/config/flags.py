@@ -10,6 +10,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
+
+CLOSE_NAME_CUTOFF = 0.84
+"""How alike a mistyped flag or key must be to a valid one to be offered as "did you mean"
+(difflib's ratio): --num-layer -> --num-layers (0.96), --global-batch -> --global-batch-size
+(0.85), but not --context-parallel-size -> --expert-model-parallel-size (0.75)."""
+
+
+def close_names(name: str, names) -> list[str]:
+    """Up to 3 of `names` close to `name` (CLOSE_NAME_CUTOFF), closest first."""
+    return difflib.get_close_matches(name, list(names), n=3, cutoff=CLOSE_NAME_CUTOFF)
 
 
 class ArgumentError(ValueError):

@@ -21,13 +21,13 @@ docs/flags.md is generated from the parser (a test keeps it in sync):
 """
 
 import argparse
-import difflib
 from pathlib import Path
 
 import megatron_patches
-from megatron_patches.config.flags import ArgumentError, moe_layer_freq
+from megatron_patches.config.flags import ArgumentError, close_names, moe_layer_freq
 from megatron_patches.config.run import RUN_DEFAULTS
 from megatron_patches.placement.loads import LOAD_PREDICTORS
+from megatron_patches.training import megatron_lm
 from megatron_patches.training.modes import MODES, MOE_PARALLEL_MODES
 from megatron_patches.training.yaml_config import load_yaml
 
@@ -116,9 +116,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         unknown = [token.split("=")[0] for token in message.split() if token.startswith("--")
                    ] if message.startswith("unrecognized arguments") else []
+        # Megatron-LM's own flags that this entry point refuses: the reason and what to do instead
+        refusals = [r.message(token) for token in unknown if (r := megatron_lm.refusal(token)) is not None]
+        if refusals:
+            raise ArgumentError("; ".join(refusals))
         options = [option for action in self._actions for option in action.option_strings]
-        hints = [f"{token}: did you mean {', '.join(close)}?" for token in unknown
-                 if (close := difflib.get_close_matches(token, options, n=3, cutoff=0.7))]
+        hints = [f"{token}: did you mean {', '.join(close)}?" for token in unknown if (close := close_names(token, options))]
         raise ArgumentError("; ".join([message, *hints, "valid flags: pretrain_gpt_moe.py --help, docs/flags.md"]))
 
 
@@ -473,9 +476,9 @@ def _add_data_args(parser):
                        "--data-path needed. The tokenizer defaults to NullTokenizer with "
                        "--vocab-size.")
     group.add_argument("--num-workers", type=int, default=0,
-                       help="Dataloader number of workers. Default 0 (Megatron-LM: 2): the "
-                       "memory-mapped dataset is read in the training process, because on CPU "
-                       "machines worker processes compete with the ranks for the few cores.")
+                       help="Dataloader number of workers. Only 0 (Megatron-LM's default: 2): the "
+                       "memory-mapped dataset is read in the training process; worker processes are "
+                       "not built, so a value above 0 is refused.")
 
 
 def _add_tokenizer_args(parser):
@@ -520,7 +523,7 @@ def _add_checkpointing_args(parser):
     group = parser.add_argument_group(title="checkpointing")
     group.add_argument("--save", type=str, default=None,
                        help="Output directory to save checkpoints to (torch_dist format).")
-    group.add_argument("--save-interval", type=int, default=None,
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
                        help="Number of iterations between checkpoint saves. Required with --save "
                        "(as in Megatron-LM).")
     group.add_argument("--load", type=str, default=None,
@@ -531,7 +534,7 @@ def _add_checkpointing_args(parser):
                        help="Do not load optimizer when loading checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",
                        help="Do not load rng state when loading checkpoint.")
-    group.add_argument("--override-opt_param-scheduler", action="store_true",
+    group.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
                        help="Reset the learning-rate scheduler's values (lr, min lr, warm-up, decay "
                        "iterations and style, weight decay) to these flags' on --load, instead of "
                        "continuing with the checkpoint's (the default, as in Megatron-LM).")

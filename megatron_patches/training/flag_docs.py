@@ -6,6 +6,7 @@
 
 import argparse
 
+from megatron_patches.training import megatron_lm
 from megatron_patches.training.arguments import DERIVED_VALUES, build_parser
 from megatron_patches.training.yaml_config import type_name
 
@@ -77,7 +78,38 @@ def flag_reference_markdown() -> str:
               "Set by `validate_args(args, world_size)` and printed by `describe_args`:", "",
               "| Name | Meaning |", "|---|---|"]
     lines += [f"| `{name}` | {meaning} |" for name, meaning in DERIVED_VALUES.items()]
+    lines += _megatron_lm_kinds(parser)
     return "\n".join(lines) + "\n"
+
+
+def _megatron_lm_kinds(parser) -> list[str]:
+    """Which of Megatron-LM's flags are honoured and which refused, and why (training/megatron_lm.py)."""
+    source, table = megatron_lm.table()
+    ours = {option for action in parser._actions for option in action.option_strings}
+    honoured = [flag for flag in table if flag.flags[0] in ours]
+    refused = [megatron_lm.refusal(flag.flags[0]) for flag in table if flag.flags[0] not in ours]
+    lines = ["", "## Megatron-LM's flags: honoured and refused", "",
+             f"Megatron-LM {source['tag']} (commit {source['commit'][:12]}, `{source['path']}`) defines {len(table)} "
+             f"flags (`megatron_patches/training/megatron_lm_arguments.json`). {len(honoured)} are honoured: they are "
+             f"in the tables above, with Megatron-LM's meaning. {len(refused)} are refused: given on the command line "
+             "or as a `--config` key, the run stops before any work with the reason and what to do instead. "
+             "None is unknown, and none is ignored.", "",
+             "### Honoured with another type or default", "", "| Flag | Why |", "|---|---|"]
+    lines += [f"| `{flag.flags[0]}` | {megatron_lm.DIFFERS[flag.dest]} |" for flag in honoured if flag.dest in megatron_lm.DIFFERS]
+    lines += ["", "### Refused: other workloads, a group at a time", "",
+              "| Megatron-LM group | Flags | Why | Instead |", "|---|---|---|---|"]
+    for group, (workload, instead) in megatron_lm.WORKLOAD_GROUPS.items():
+        count = sum(r.flag.group == group for r in refused)
+        lines.append(f"| {group} | {count} | {workload} | {instead} |")
+    lines += ["", "### Refused: GPT/BERT pre-training flags", "",
+              "Leaving one out keeps Megatron-LM's default, which the refusal names."]
+    by_reason: dict[str, list[str]] = {}
+    for r in refused:
+        if r.flag.group not in megatron_lm.WORKLOAD_GROUPS:
+            by_reason.setdefault(r.reason, []).append(f"`{r.flag.flags[0]}`")
+    for reason, flags in by_reason.items():
+        lines += ["", f"**{reason[0].upper() + reason[1:]}** ({len(flags)}): " + ", ".join(flags)]
+    return lines
 
 
 def _default_cell(action) -> str:

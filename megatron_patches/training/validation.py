@@ -103,6 +103,10 @@ def _check_sizes(args):
         value = getattr(args, dest)
         if value < 0:
             fail(f"--{dest.replace('_', '-')}", value, "must be 0 or more")
+    if args.num_workers > 0:
+        # accepted silently before, and read by nothing: refused until worker processes are built
+        fail("--num-workers", args.num_workers, "the micro-batches are read in the training process "
+             "(data/datasets.py BatchIterator); data-loader worker processes are not built here; valid: 0")
     if not 0 <= args.seed < 2**31:
         # numpy's seeds are 0..2**32-1, and Megatron adds per-rank offsets to this one
         fail("--seed", args.seed, f"valid: 0..{2**31 - 1}")

@@ -9,12 +9,12 @@ config files in order < explicit command-line flags.
 from __future__ import annotations
 
 import argparse
-import difflib
 from pathlib import Path
 
 import yaml
 
-from megatron_patches.config.flags import ArgumentError, auto_or_int, moe_layer_freq
+from megatron_patches.config.flags import ArgumentError, auto_or_int, close_names, moe_layer_freq
+from megatron_patches.training import megatron_lm
 
 
 def load_yaml(path: Path, parser: argparse.ArgumentParser) -> dict:
@@ -58,7 +58,9 @@ def _unknown_key_message(path: Path, key, actions: dict) -> str:
             if str(key).replace("-", "_") == option.lstrip("-").replace("-", "_") and dest != key:
                 value = "false" if action.const is False else "true"
                 return message + f" Flag {option} stores into {dest!r}: write `{dest}: {value}`."
-    close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(actions), n=3, cutoff=0.6)
+    if (flag := megatron_lm.by_dest().get(key)) is not None:  # Megatron-LM's, refused here
+        return f"--config {path}: key {key!r}: " + megatron_lm.refusal(flag.flags[0]).message(flag.flags[0])
+    close = close_names(str(key).replace("-", "_"), sorted(actions))
     hint = f" Did you mean: {', '.join(close)}?" if close else " No valid key is close."
     return (message + hint + " Keys are the flags' dest names (--num-layers -> num_layers); "
             "see docs/flags.md for all of them.")
