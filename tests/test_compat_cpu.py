@@ -661,3 +661,23 @@ def test_torch_norm_with_sequence_parallel_builds_and_tags_params(shims, normali
 
     plain = WrappedTorchNorm(_config(normalization=normalization), 16)
     assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
+
+
+def test_torch_norm_with_sequence_parallel_does_not_warn_under_expert_parallelism(shims):
+    """EP x TP with sequence parallelism: the shim's private copy of the config (SP off) used to
+    make Megatron warn "sequence parallelism must be used" on every rank, for a run that uses it."""
+    import warnings
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = _config(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True, num_moe_experts=4,
+                     expert_tensor_parallel_size=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        WrappedTorchNorm(config, 16)
+    assert not [w for w in caught if "sequence parallelism must be used" in str(w.message)], [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:  # Megatron's own warning still reaches a run without SP
+        warnings.simplefilter("always")
+        _config(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=False, num_moe_experts=4,
+                expert_tensor_parallel_size=1)
+    assert [w for w in caught if "sequence parallelism must be used" in str(w.message)]

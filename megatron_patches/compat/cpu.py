@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -402,7 +403,12 @@ def _shim_torch_norm_sequence_parallel() -> None:
         # params tagged `sequence_parallel` -- exactly what Megatron's fused norms tag.
         if not config.sequence_parallel:
             return original_new(cls, config, hidden_size, *args, **kwargs)
-        norm = original_new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs)
+        with warnings.catch_warnings():
+            # the copy's __post_init__ (model_parallel_config.py:440-445) warns that EP x TP needs
+            # sequence parallelism, which the run does use: only this private copy turns it off
+            warnings.filterwarnings("ignore", message="When using expert parallelism and tensor parallelism")
+            plain = dataclasses.replace(config, sequence_parallel=False)
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
