@@ -140,8 +140,16 @@ def test_token_dropping_drops_what_ep_drops(runs, name):
     assert _series(zebra, "loss") == pytest.approx(_series(ep, "loss"), rel=1e-6)
     for z, e in zip(*[[r for r in run.records if "moe_layers" in r] for run in (zebra, ep)], strict=True):
         assert [layer["survival"] for layer in z["moe_layers"]] == [layer["survival"] for layer in e["moe_layers"]]
-    if name == "capacity":
-        assert all(layer["survival"] < 1.0 for r in zebra.records if "moe_layers" in r for layer in r["moe_layers"])
+    assert all(layer["survival"] < 1.0 for r in zebra.records if "moe_layers" in r for layer in r["moe_layers"])
+    if name == "capacity_pad":
+        # padded slots are sent and computed but are no token: survival counts the routed copies kept,
+        # as without padding (it read 1.000 while tokens were dropped), while ep's all-to-all carries more
+        unpadded = [[r for r in runs[f"{mode}_capacity"].records if "moe_layers" in r] for mode in ("zebra", "ep")]
+        padded = [[r for r in run.records if "moe_layers" in r] for run in (zebra, ep)]
+        for mine, theirs in zip(padded, unpadded, strict=True):
+            assert [[layer["survival"] for layer in r["moe_layers"]] for r in mine] == [
+                [layer["survival"] for layer in r["moe_layers"]] for r in theirs]
+        assert sum(r["bytes"]["a2a"] for r in padded[1]) > sum(r["bytes"]["a2a"] for r in unpadded[1])
 
 
 def test_records_count_routed_tokens_and_exact_all_to_all_bytes(runs):

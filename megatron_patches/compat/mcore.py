@@ -580,10 +580,17 @@ _routing_observer = threading.local()
 
 def _observing_token_dropping(original: Callable) -> Callable:
     def apply_router_token_dropping(probs, routing_map, *args, **kwargs):
-        callback = getattr(_routing_observer, "before_drop", None)
-        if callback is not None:
-            callback(routing_map)
-        return original(probs, routing_map, *args, **kwargs)
+        final_probs, final_map = original(probs, routing_map, *args, **kwargs)
+        callbacks = getattr(_routing_observer, "callbacks", None)
+        if callbacks is not None:
+            on_routed, on_processed = callbacks
+            on_routed(routing_map)
+            # with --moe-pad-expert-input-to-capacity the final map also marks the padded slots
+            # (copies of unrouted tokens, computed and sent but no token's output): they are sent
+            # rows, not kept tokens
+            on_processed(routing_map & final_map, final_map)
+            _routing_observer.observed = True
+        return final_probs, final_map
 
     apply_router_token_dropping._megatron_patches = True
     return apply_router_token_dropping
@@ -607,23 +614,25 @@ def recomputing() -> bool:
 
 
 def observe_routing(router_module, on_routed: Callable, on_processed: Callable) -> list:
-    """Calls on_routed(routing_map before capacity dropping) and on_processed(routing_map
-    after it) for every forward of `router_module`; returns the hook handles.
+    """Calls on_routed(routing map before capacity dropping) and on_processed(kept map, sent
+    map) for every forward of `router_module`; returns the hook handles.
 
-    routing_map is Megatron's bool [tokens, experts]; without a capacity factor both
-    callbacks see the same map.
+    Maps are Megatron's bool [tokens, experts]. kept: the routed copies that survive the
+    capacity; sent: what the dispatcher sends, which with --moe-pad-expert-input-to-capacity
+    also holds the padded slots. Without a capacity factor all three are the same map.
     """
     if not getattr(moe_router.apply_router_token_dropping, "_megatron_patches", False):
         moe_router.apply_router_token_dropping = _observing_token_dropping(moe_router.apply_router_token_dropping)
 
     def pre_hook(module, inputs):
-        _routing_observer.before_drop = on_routed
+        _routing_observer.callbacks = (on_routed, on_processed)
+        _routing_observer.observed = False
 
     def post_hook(module, inputs, output):
-        _routing_observer.before_drop = None
-        if module.config.moe_expert_capacity_factor is None:
+        _routing_observer.callbacks = None
+        if not _routing_observer.observed:  # no capacity: Megatron did not call the dropping
             on_routed(output[1])
-        on_processed(output[1])
+            on_processed(output[1], output[1])
 
     return [router_module.register_forward_pre_hook(pre_hook), router_module.register_forward_hook(post_hook)]
 

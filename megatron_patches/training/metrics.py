@@ -5,13 +5,15 @@ Definitions (the same in logs, tests, placement tools and the simulator):
 - expert_tokens[e]: token copies routed to expert e in this iteration, summed over all
   ranks and micro-batches (before capacity dropping);
 - device_tokens[d]: token copies processed (after dropping) by the experts hosted on EP
-  rank d, summed over all expert-data-parallel replicas;
+  rank d, summed over all expert-data-parallel replicas (with
+  --moe-pad-expert-input-to-capacity the padded slots are computed but are no token: not counted);
 - imbalance = max(device_tokens) / mean(device_tokens) (1.0 when nothing was routed);
-- survival = processed / routed (1.0 without a capacity factor);
-- bytes["a2a"]: the expert all-to-all payload, counted as token copies processed on another
-  rank (ep: the expert's EP rank; fssdp, replicate: the holder the dispatch plan chose) x hidden x
-  element size, for dispatch and combine, forward and backward (4 transfers per remote
-  copy), summed over ranks.
+- survival = processed / routed: the routed copies kept by the capacity (1.0 without a capacity
+  factor; padding does not raise it);
+- bytes["a2a"]: the expert all-to-all payload, counted as rows sent to another rank (ep: the
+  expert's EP rank, padded slots included; fssdp, replicate: the holder the dispatch plan chose)
+  x hidden x element size, for dispatch and combine, forward and backward (4 transfers per
+  remote row), summed over ranks.
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ class MoELoadRecorder:
         return record
 
     def _on_processed(self, row: int):
-        def record(routing_map_TE: torch.Tensor) -> None:
+        def record(kept_TE: torch.Tensor, sent_TE: torch.Tensor) -> None:
             if self.enabled and not mcore.recomputing():
-                counts_E = routing_map_TE.sum(dim=0).to(torch.int64)
-                self.processed_LE[row] += counts_E
-                self.remote += counts_E[self.remote_mask_E].sum()
+                self.processed_LE[row] += kept_TE.sum(dim=0).to(torch.int64)
+                # the all-to-all carries what is sent, padded slots included
+                self.remote += sent_TE.sum(dim=0).to(torch.int64)[self.remote_mask_E].sum()
 
         return record
 
