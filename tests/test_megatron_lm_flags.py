@@ -139,7 +139,8 @@ def test_a_refused_flag_s_dest_in_a_config_file_is_refused(tmp_path):
 def test_the_extraction_tool_refuses_a_folder_that_is_not_a_megatron_lm_checkout(tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("megatron_lm_flags", megatron_lm.TABLE_PATH.parents[2] / "tools" / "megatron_lm_flags.py")
+    path = megatron_lm.TABLE_PATH.parents[2] / "tools" / "megatron_lm_flags.py"
+    spec = importlib.util.spec_from_file_location("megatron_lm_flags", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     assert tool.main(["--megatron-lm", str(tmp_path)]) == 2

@@ -272,8 +272,9 @@ def test_zebra_bf16_checkpoint_resumes_in_ep(ep_fp32, bf16_runs, runs):
     differently, as in test_bf16_in_every_mode_follows_ep_within_bf16_noise). Measured
     (2026-11-27): the first resumed loss 3.1e-6 to 5.3e-6 from zebra's on three CPU kernel sets
     (1.0e-5 on issue 49's machine, where a fixed 1e-5 failed), against the same-weights bound of
-    1.7e-4; the rest up to 8.8e-5 (the noise: 2.5e-4 to 3.4e-4). The first is not bit-equal because the two modes' bf16 forwards round differently
-    on trained weights, not because of the checkpoint: by hand (6 iterations, save at 3) zebra ->
+    1.7e-4; the rest up to 8.8e-5 (the noise: 2.5e-4 to 3.4e-4). The first is not bit-equal
+    because the two modes' bf16 forwards round differently on trained weights, not because of
+    the checkpoint: by hand (6 iterations, save at 3) zebra ->
     zebra and ep -> ep resume bit for bit, zebra -> ep and ep -> zebra both differ by ~4e-6 at
     iteration 4. Fresh runs agree bitwise for 2 iterations only (presumably the untrained experts'
     small outputs vanish into the residual whatever the summation order; fp16: 4.7e-7)."""

@@ -65,9 +65,10 @@ def launch_many(nproc: int, runs: dict[str, list[str]], workdir: Path, trackers:
     order given; each Run as `launch` returns it, its output the spawn's lines between its marker
     and the next (stdout and stderr as one stream). `trackers`: run name -> (checkpoint directory,
     iteration) its tracker is pointed at before that run starts. `delays`: run name -> {"rank",
-    "max_ms", "seed"}: that rank pauses before each zebra compute task (support/multirun.py). `nodes` > 1 emulates that many
-    nodes of nproc / nodes ranks: one torchrun per node on this machine, each with its own
-    SLURMD_NODENAME (what `comm.groups.node_layout` reads); the output is node 0's."""
+    "max_ms", "seed"}: that rank pauses before each zebra compute task (support/multirun.py).
+    `nodes` > 1 emulates that many nodes of nproc / nodes ranks: one torchrun per node on this
+    machine, each with its own SLURMD_NODENAME (what `comm.groups.node_layout` reads); the output
+    is node 0's."""
     trackers, delays = trackers or {}, delays or {}
     spec = workdir / f"multirun_{next(iter(runs))}.json"
     logs = {name: workdir / f"{name}.jsonl" for name in runs}
