@@ -172,13 +172,13 @@ def test_auto_t_at_default_dropout_draws_the_same_masks_as_ep(runs):
     """At Megatron's default dropout (0.1) fssdp with auto t, auto m and calibration trains as ep
     with the same seed: the per-instance probe and the planners take no random draw from the
     training's streams, so every dropout mask is ep's, and the losses differ only by the copies'
-    summation order (measured 2026-11-27: t = 8 from iteration 2, at most 2.2e-8 relative). Before
+    summation order (measured 2026-11-27: t = 8 from iteration 2, at most 2.2e-8 relative; t is
+    chosen from measured times, so on another machine it may be 0 and the losses equal). Before
     the probe's input was fixed (it drew torch.randn from the training generator) they left ep's
     from iteration 2 (1.7e-4, then 4e-5 to 1.4e-4 relative)."""
     ep, fssdp = runs["ep_dropout"], runs["fssdp_auto_dropout"]
     assert "fssdp: auto overlap degree t =" in fssdp.output
     assert len(fssdp.losses) == HALF
-    assert any(r["fssdp"]["t"] > 0 for r in fssdp.records if "loss" in r)
     np.testing.assert_allclose(fssdp.losses, ep.losses, rtol=1e-6, atol=0)
 
 
