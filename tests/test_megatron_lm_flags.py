@@ -19,8 +19,7 @@ from megatron_patches.training.arguments import ArgumentError, build_parser, par
 
 SOURCE, TABLE = megatron_lm.table()
 OURS = {option: action for action in build_parser()._actions for option in action.option_strings}
-HONOURED = [flag for flag in TABLE if any(option in OURS for option in flag.flags)]
-REFUSED = [flag for flag in TABLE if not any(option in OURS for option in flag.flags)]
+HONOURED, REFUSED = megatron_lm.kinds(OURS)
 
 
 def _json(value):

@@ -85,9 +85,8 @@ def flag_reference_markdown() -> str:
 def _megatron_lm_kinds(parser) -> list[str]:
     """Which of Megatron-LM's flags are honoured and which refused, and why (training/megatron_lm.py)."""
     source, table = megatron_lm.table()
-    ours = {option for action in parser._actions for option in action.option_strings}
-    honoured = [flag for flag in table if flag.flags[0] in ours]
-    refused = [megatron_lm.refusal(flag.flags[0]) for flag in table if flag.flags[0] not in ours]
+    honoured, refused_flags = megatron_lm.kinds(option for action in parser._actions for option in action.option_strings)
+    refused = [megatron_lm.refusal(flag.flags[0]) for flag in refused_flags]
     lines = ["", "## Megatron-LM's flags: honoured and refused", "",
              f"Megatron-LM {source['tag']} (commit {source['commit'][:12]}, `{source['path']}`) defines {len(table)} "
              f"flags (`megatron_patches/training/megatron_lm_arguments.json`). {len(honoured)} are honoured: they are "

@@ -190,6 +190,14 @@ def refusal(option: str) -> Refusal | None:
         return Refusal(flag, f"{workload} is not this entry point's work (GPT/BERT MoE pre-training)", alternative)
     leave_out = f"leave it out (Megatron-LM's default: {flag.default!r})"
     for prefixes, reason in CATEGORIES:
-        if any(option == p or (p.endswith("-") and option.startswith(p)) for p in prefixes for option in flag.flags):
+        if any(alias == p or (p.endswith("-") and alias.startswith(p)) for p in prefixes for alias in flag.flags):
             return Refusal(flag, reason, leave_out)
     return Refusal(flag, NOT_BUILT, leave_out)
+
+
+def kinds(options) -> tuple[list[MegatronFlag], list[MegatronFlag]]:
+    """(honoured, refused): the table's flags any of whose option strings is in `options` (our
+    parser's), and the others."""
+    options = set(options)
+    honoured = [flag for flag in table()[1] if options.intersection(flag.flags)]
+    return honoured, [flag for flag in table()[1] if not options.intersection(flag.flags)]
