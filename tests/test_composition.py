@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.precision import NoiseScale
+from support.precision import NoiseScale, relative as relative_losses
 from support.training import launch_many
 
 pytestmark = pytest.mark.e2e
@@ -391,7 +391,7 @@ def test_grouped_gemm(cells, mode):
 
     def noise(precision: str, names: tuple[str, ...]) -> NoiseScale:
         """The precision's noise over the other runs in it (support/precision.py)."""
-        return NoiseScale.of({name: relative(cells[name], fp32) for name in names if name != f"{mode}_grouped_{precision}"})
+        return NoiseScale.over_others({name: cells[name].losses for name in names}, fp32.losses, f"{mode}_grouped_{precision}")
 
     bf16_noise = noise("bf16", ("ep_grouped_bf16", "fssdp_instances_bf16", "fssdp_grouped_bf16", "replicate_grouped_bf16"))
     for reference in ("ep_grouped_bf16", "fssdp_instances_bf16"):
@@ -406,7 +406,7 @@ def test_grouped_gemm(cells, mode):
 
 
 def relative(run, reference) -> np.ndarray:
-    return np.abs(losses(run) - losses(reference)) / np.abs(losses(reference))
+    return relative_losses(run.losses, reference.losses)
 
 
 def test_checkpoints_at_4_ranks_resume_at_8(four, grown):

@@ -164,7 +164,7 @@ def relative(run, reference) -> np.ndarray:
 
 def noise_without(half_runs: dict, ep_fp32, *left_out: str) -> NoiseScale:
     """The precision's noise over every run of ``half_runs`` but ``left_out`` (each against ep-fp32)."""
-    return NoiseScale.of({name: relative(run, ep_fp32) for name, run in half_runs.items() if name not in left_out})
+    return NoiseScale.over_others({name: run.losses for name, run in half_runs.items()}, ep_fp32.losses, *left_out)
 
 
 def test_bf16_in_every_mode_follows_ep_within_bf16_noise(ep_fp32, bf16_runs):
@@ -396,6 +396,6 @@ def test_bf16_resumes_exactly_and_in_the_other_modes(workdir):
         assert resumed.losses[0] == straight[saver].losses[k], (saver, loader)
         drift = relative(resumed, Run("", straight[saver].records[k:]))
         # noise over the same iterations k+1..2k, from the straight runs of the other modes
-        noise = NoiseScale.of({name: precision.relative(run.losses[k:], runs["ep_fp32_two"].losses[k:])
-                               for name, run in straight.items() if name not in (saver, loader)})
+        noise = NoiseScale.over_others({name: run.losses[k:] for name, run in straight.items()},
+                                       runs["ep_fp32_two"].losses[k:], saver, loader)
         noise.check(drift, f"{saver} resumed in {loader}")

@@ -68,6 +68,12 @@ class NoiseScale:
         return cls(max(float(s.max()) for s in samples.values()), max(float(s.mean()) for s in samples.values()),
                    len(samples))
 
+    @classmethod
+    def over_others(cls, losses: dict[str, list], reference, *left_out: str) -> "NoiseScale":
+        """The scale over the runs of `losses` (name -> losses in the precision) but `left_out`,
+        each against `reference` (the fp32 losses on the same data)."""
+        return cls.of({name: relative(run, reference) for name, run in losses.items() if name not in left_out})
+
     def check(self, difference: np.ndarray, what: str) -> None:
         """`difference` stays below NOISE_FACTOR x this scale, on its largest and its mean value."""
         bound_max, bound_mean = NOISE_FACTOR * self.max, NOISE_FACTOR * self.mean
