@@ -3,7 +3,8 @@
 #
 #   bash launch/local.sh                       # embedded default: tiny GPT-MoE, real text, 4 CPU ranks
 #   NPROC=2 bash launch/local.sh --train-iters 50 --moe-parallel-mode fssdp
-#   DEVICE=gpu NPROC=8 bash launch/local.sh --config configs/models/gpt_moe_s.yaml --data-path ...
+#   DEVICE=gpu NPROC=8 bash launch/local.sh --config configs/models/gpt_moe_s.yaml --micro-batch-size 1 \
+#       --train-iters 500 --lr 2e-4 --data-path ...
 #
 # Knobs (environment): NPROC ranks (default 4), DEVICE cpu|gpu (default cpu: CUDA is hidden
 # so the run uses gloo and the CPU shims), OMP_NUM_THREADS per rank (default 1: the ranks

@@ -36,6 +36,8 @@ MODEL = {
     "moe_router_topk": 2,
     "vocab_size": 1000,
 }
+# The run flags: the embedded tiny job's (Megatron-LM requires micro batch, iterations and lr).
+RUN = yaml.safe_load((A.REPO_ROOT / "configs" / "tiny_job.yaml").read_text())
 
 
 @pytest.fixture
@@ -50,20 +52,9 @@ def write_yaml(tmp_path):
 
 @pytest.fixture
 def parse(write_yaml):
-    """parse_args over the MODEL config plus the given flags."""
-    model = write_yaml("model.yaml", MODEL)
+    """parse_args over the MODEL config and the RUN flags plus the given flags."""
+    model = write_yaml("model.yaml", {**MODEL, **RUN})
     return lambda *flags: parse_args(["--config", model, *flags])
-
-
-@pytest.fixture
-def default_config(tmp_path, monkeypatch):
-    """configs/models/tiny.yaml, or a stand-in outside the repository while it does not exist."""
-    if not A.DEFAULT_CONFIG.is_file():
-        stand_in = tmp_path / "tiny.yaml"
-        stand_in.write_text(yaml.safe_dump({**MODEL, "num_layers": 2, "seq_length": 128,
-                                            "max_position_embeddings": 128}))
-        monkeypatch.setattr(A, "DEFAULT_CONFIG", stand_in)
-    return A.DEFAULT_CONFIG
 
 
 def expect_error(args, world_size, *fragments):
@@ -124,7 +115,7 @@ def test_layering_default_config_later_config_cli(write_yaml):
     first = write_yaml("first.yaml", {**MODEL, "lr": 0.01, "seed": 7})
     second = write_yaml("second.yaml", {"lr": 0.02})
     assert parse_args(["--config", first]).lr == 0.01
-    assert parse_args(["--config", first]).train_iters == 200  # parser default survives
+    assert parse_args(["--config", first]).train_iters is None  # Megatron-LM's default survives
     layered = parse_args(["--config", first, "--config", second])
     assert layered.lr == 0.02 and layered.seed == 7 and layered.num_layers == MODEL["num_layers"]
     assert layered.config == [first, second]
@@ -134,24 +125,60 @@ def test_layering_default_config_later_config_cli(write_yaml):
     assert parse_args(["--config", first, "--seed", "1234"]).seed == 1234
 
 
-def test_without_config_the_tiny_model_is_loaded(default_config):
-    args = parse_args([])
-    tiny = yaml.safe_load(Path(default_config).read_text())
-    assert args.config == [str(default_config)]
-    for key, value in tiny.items():
-        assert getattr(args, key) == value
-    assert args.lr == 1e-3 and args.lr_decay_style == "cosine" and args.micro_batch_size == 4
+def test_without_config_and_model_size_flags_the_tiny_job_is_loaded():
+    args = parse_args(["--seq-length", "64", "--moe-router-topk", "1"])
+    assert args.config == [str(path) for path in A.EMBEDDED_JOB]
+    job = {key: value for path in A.EMBEDDED_JOB for key, value in yaml.safe_load(path.read_text()).items()}
+    assert {"num_layers", "hidden_size", "num_experts", "train_iters", "lr", "micro_batch_size"} <= set(job)
+    for key, value in job.items():
+        assert getattr(args, key) == (64 if key == "seq_length" else value), key
+    assert args.moe_router_topk == 1 and "embedded tiny job" in args.model_source
+    validated = validate_args(args, 1)
+    # Megatron-LM's derivations, not values written in tiny.yaml
+    assert validated.moe_ffn_hidden_size == job["ffn_hidden_size"] and validated.max_position_embeddings == 64
+
+
+@pytest.mark.parametrize("flag", A.MODEL_SIZE_FLAGS)
+def test_a_model_size_flag_takes_megatron_lm_s_defaults_not_the_tiny_job_s(flag):
+    args = parse_args([flag, "8"])
+    assert args.config == [] and flag in args.model_source
+    described = {"--num-layers": "num_layers", "--hidden-size": "hidden_size",
+                 "--num-attention-heads": "num_attention_heads", "--num-experts": "num_experts"}
+    for option, dest in described.items():
+        assert getattr(args, dest) == (8 if option == flag else None), dest
+    assert (args.train_iters, args.lr, args.micro_batch_size) == (None, None, None)
+    assert (args.log_interval, args.eval_interval, args.eval_iters, args.lr_decay_style) == (100, None, 100, "linear")
+    expect_error(args, 1, "is not set", "Megatron-LM has no default for these flags", flag)
+
+
+def test_megatron_lm_s_derivations_for_a_script_s_model():
+    run = ["--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-4", "--seq-length", "256"]
+    gpt = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+                                    "--num-experts", "8", *run]), 1)
+    assert gpt.ffn_hidden_size == 2048 and gpt.moe_ffn_hidden_size == 2048 and gpt.moe_router_topk == 2
+    assert gpt.max_position_embeddings == 256 and gpt.kv_channels == 64
+    # A Mixtral script gives --ffn-hidden-size and no --moe-ffn-hidden-size: the experts are that wide
+    mixtral = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+                                        "--ffn-hidden-size", "1792", "--num-experts", "8", "--swiglu", *run]), 1)
+    assert mixtral.moe_ffn_hidden_size == 1792
+    swiglu = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+                                       "--num-experts", "8", "--swiglu", *run]), 1)
+    assert swiglu.ffn_hidden_size == int(4 * 512 * 2 / 3 / 64) * 64 == 1344
+    # no --num-experts: a dense model, refused (every mode places experts)
+    expect_error(parse_args(["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8", *run]), 1,
+                 "--num-experts=None", "dense", "pretrain_gpt.py", "the command line (--num-layers")
 
 
 def test_a_given_config_replaces_the_default_model(write_yaml):
     run = write_yaml("run.yaml", {"lr": 0.005})
     args = parse_args(["--config", run])
     assert args.num_layers is None
-    expect_error(args, 1, "--num-layers is not set")
+    expect_error(args, 1, "--num-layers is not set (configs/models/*.yaml set it)", "--micro-batch-size is not set",
+                 f"The model came from --config {run}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_the_no_flag_run_validates(default_config, world):
+def test_the_no_flag_run_validates(world):
     args = validate_args(parse_args([]), world)
     experts = args.num_experts
     expected_ep = max(e for e in range(1, experts + 1) if experts % e == 0 and world % e == 0)
@@ -161,7 +188,7 @@ def test_the_no_flag_run_validates(default_config, world):
     assert args.num_micro_batches == 1 and args.split == "949,51,0"
 
 
-def test_default_split_is_megatron_lm_s_when_data_is_given(default_config):
+def test_default_split_is_megatron_lm_s_when_data_is_given():
     args = validate_args(parse_args(["--mock-data", "--vocab-size", "1000"]), 1)
     assert args.split == "969,30,1"
 
@@ -215,7 +242,7 @@ def test_yaml_key_spelled_as_a_flag_with_another_dest_says_which_dest(write_yaml
     ("num_layers", True, "expected int"),
     ("lr", "fast", "expected float"),
     ("bf16", "yes", "expected bool"),
-    ("train_iters", None, "expected int"),
+    ("seed", None, "expected int"),
     ("data_path", {"a": 1}, "expected list of str"),
     ("moe_layer_freq", "every other", "expected int or list of 0/1"),
 ])
@@ -248,7 +275,8 @@ def test_every_model_config_in_the_repository_parses_and_validates():
     if not configs:
         pytest.skip("no model configs yet")
     for path in configs:
-        args = validate_args(parse_args(["--config", str(path)]), 1)
+        args = validate_args(parse_args(["--config", str(path), "--micro-batch-size", "1", "--train-iters", "10",
+                                         "--lr", "1e-4"]), 1)
         assert args.num_layers > 0, path
 
 
@@ -315,12 +343,6 @@ def test_derived_values(parse):
     assert args.lr_decay_iters == args.train_iters
     assert str(args.params_dtype) == "torch.bfloat16"
     assert args.distributed_backend in ("gloo", "nccl") and args.world_size == 4
-    dense = parse("--num-experts", "0")
-    dense.ffn_hidden_size = dense.max_position_embeddings = None  # as if the YAML left them out
-    dense = validate_args(dense, 1)
-    assert dense.num_experts is None and dense.ffn_hidden_size == 4 * MODEL["hidden_size"]
-    assert dense.max_position_embeddings == MODEL["seq_length"]
-    assert dense.moe_ffn_hidden_size is None and dense.expert_model_parallel_size == 1
 
 
 def test_swiglu_ffn_default_is_megatrons(parse):
@@ -440,9 +462,9 @@ def test_expert_grid_must_divide_world_over_pp(parse):
                  "--expert-tensor-parallel-size=3", "[1, 2, 4]")
 
 
-def test_ep_without_experts(parse):
+def test_a_dense_model_is_refused(parse):
     expect_error(parse("--num-experts", "0", "--expert-model-parallel-size", "2"), 2,
-                 "--expert-model-parallel-size=2", "--num-experts")
+                 "--num-experts=0", "the model is dense", "valid: 1 or more")
 
 
 def test_global_batch_not_divisible_by_micro_batch_times_dp(parse):
@@ -502,7 +524,6 @@ def test_moe_layer_pattern_length(parse):
 def test_tensor_parallel_moe_needs_sequence_parallel(parse):
     expect_error(parse("--tensor-model-parallel-size", "2"), 2,
                  "--tensor-model-parallel-size=2", "--sequence-parallel", "Megatron-Core")
-    validate_args(parse("--tensor-model-parallel-size", "2", "--num-experts", "0"), 2)
 
 
 def test_fp16_with_bf16(parse):

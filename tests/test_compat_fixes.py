@@ -170,7 +170,7 @@ def _args(tp: int, ep: int, sequence_parallel: bool = False, distributed_optimiz
         "--expert-tensor-parallel-size", "1",
         "--micro-batch-size", str(MICRO_BATCH), "--global-batch-size", str(MICRO_BATCH * dp),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--moe-aux-loss-coeff", "0",
-        "--lr", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+        "--lr", "0.01", "--clip-grad", "1.0", "--seed", "1234", "--train-iters", "200", "--lr-decay-style", "cosine",
     ]  # fmt: skip
     if sequence_parallel:
         flags.append("--sequence-parallel")

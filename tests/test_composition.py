@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 from support.precision import NoiseScale, relative as relative_losses
-from support.training import launch_many
+from support.training import TINY_JOB, launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +88,7 @@ def eight(workdir):
                                "--overlap-param-gather", "--save", str(workdir / "ckpt_fssdp_edp2_distopt"),
                                "--save-interval", str(SAVE_AT)],
         # more ranks than experts: 4 experts on 8 ranks (EP 4, so two expert groups of 4 ranks)
-        **{f"{mode}_d_gt_e": [*COMMON, "--num-experts", str(FEW_EXPERTS), *more] for mode, more in (
+        **{f"{mode}_d_gt_e": [*TINY_JOB, *COMMON, "--num-experts", str(FEW_EXPERTS), *more] for mode, more in (
             ("ep", []), ("fssdp", ["--moe-parallel-mode", "fssdp"]), ("replicate", ["--moe-parallel-mode", "replicate"]))},
         "ep_combined": COMBINED,
         # fssdp: re-sharding would move optimizer state the distributed optimizer shards over the

@@ -40,10 +40,13 @@ from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.metrics import read_records
 from megatron_patches.training.validation import validate_args
 from support.submit import TEST_DATA, refused, tiny_run
-from support.training import ENTRY, MOCK, REPO, launch
+from support.training import ENTRY, MOCK, REPO, TINY_JOB, launch
 
 DATA = "inputs/corpus_text_document"
 """A real indexed dataset of 64 sequences (written by the inputs fixture)."""
+
+# A model as a Megatron-LM script gives it (no --config): Megatron-LM's defaults for the rest.
+SCRIPT_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
 
 # (id, flags, world size, fragments of the message after "pretrain_gpt_moe.py: error: ")
 BAD_INPUTS = [
@@ -95,13 +98,19 @@ BAD_INPUTS = [
     ("log_json_under_a_file", ["--log-json", "inputs/a_file/metrics.jsonl"], 1, ["--log-json=inputs/a_file/metrics.jsonl"]),
     ("trace_under_a_file", ["--moe-log-loads", "inputs/a_file/loads.npz"], 1, ["--moe-log-loads=inputs/a_file/loads.npz"]),
     ("run_dir_is_a_file", ["--run-dir", "inputs/a_file"], 1, ["--run-dir=inputs/a_file"]),
+    # a Megatron-LM script's model: Megatron-LM's defaults, no tiny-model values
+    ("script_without_run_flags", [*SCRIPT_MODEL, "--num-experts", "8"], 1,
+     ["--micro-batch-size is not set", "--train-iters is not set", "--lr is not set",
+      "Megatron-LM has no default for these flags", "The model came from the command line (--num-layers, "]),
+    ("script_dense_model", [*SCRIPT_MODEL, "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-4"], 1,
+     ["--num-experts=None: without experts the model is dense", "pretrain_gpt.py", "valid: 1 or more"]),
     # checkpoint directories
     ("load_missing", ["--load", "inputs/no_such_dir"], 1, ["--load=inputs/no_such_dir", "directory not found"]),
     ("load_no_tracker", ["--load", "inputs"], 1, ["--load=inputs", "holds no checkpoint (no latest_checkpointed_iteration.txt)"]),
     ("load_tracker_garbage", ["--load", "inputs/ckpt_release"], 1, ["holds 'release', expected an iteration number"]),
     ("load_nothing_left", ["--load", "inputs/ckpt", "--train-iters", "20"], 1,
      ["--train-iters=20", "the checkpoint in inputs/ckpt is at iteration 20", "valid: more than 20"]),
-    ("load_other_model_shape", ["--load", "inputs/ckpt", "--train-iters", "30", "--num-layers", "6"], 1,
+    ("load_other_model_shape", [*TINY_JOB, "--load", "inputs/ckpt", "--train-iters", "30", "--num-layers", "6"], 1,
      ["--num-layers=6", "was saved with num_layers 2; a model's shape cannot change", "valid: 2, or no --load"]),
     ("load_other_optimizer_form", ["--load", "inputs/ckpt", "--train-iters", "30", "--use-distributed-optimizer"], 1,
      ["--use-distributed-optimizer=True", "was saved with use_distributed_optimizer False", "--no-load-optim"]),

@@ -219,7 +219,8 @@ def test_overrides_replace_run_values():
 def test_switches_render_as_their_flags():
     """`add_bias_linear: false` is --disable-bias-linear (a store_false flag); a switch already at
     the value it would have without the flag adds nothing."""
-    job = plan(tiny_run(train={"cpu": True, "add_bias_linear": False, "swiglu": False, "sequence_parallel": False}))
+    train = tiny_run()["train"]
+    job = plan(tiny_run(train={**train, "add_bias_linear": False, "swiglu": False, "sequence_parallel": False}))
     argv = [t for f in job.flags for t in f.tokens]
     assert "--disable-bias-linear" in argv and job.args.add_bias_linear is False
     assert "--swiglu" not in argv and "--sequence-parallel" not in argv
@@ -356,7 +357,7 @@ def test_bad_values_and_reserved_flags():
 
 def test_data_paths_are_checked_from_the_repository(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    message = refused(tiny_run(train={"cpu": True, "data_path": ["data/missing/prefix"],
+    message = refused(tiny_run(train={**tiny_run()["train"], "data_path": ["data/missing/prefix"],
                                       "tokenizer_type": "GPT2BPETokenizer"}))
     assert "--data-path=data/missing/prefix: missing data/missing/prefix.bin and data/missing/prefix.idx" in message
 

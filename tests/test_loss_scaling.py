@@ -37,7 +37,7 @@ def _args(*extra: str):
         "--moe-ffn-hidden-size", "64", "--moe-router-topk", "2", "--vocab-size", str(VOCAB), "--mock-data",
         "--cpu", "--expert-model-parallel-size", "4", "--micro-batch-size", str(MICRO_BATCH),
         "--global-batch-size", str(MICRO_BATCH * 4), "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--lr", "0.01", "--seed", "1234", *extra,
+        "--lr", "0.01", "--seed", "1234", "--train-iters", "200", "--lr-decay-style", "cosine", *extra,
     ]  # fmt: skip
     return validate_args(parse_args(flags), dist.get_world_size())
 

@@ -14,7 +14,8 @@ from support.mp import run_ranks
 SMALL = [
     "--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--moe-ffn-hidden-size", "32", "--num-attention-heads", "2",
     "--seq-length", "8", "--max-position-embeddings", "8", "--num-experts", "4", "--moe-router-topk", "2",
-    "--mock-data", "--vocab-size", "100", "--disable-bias-linear",
+    "--mock-data", "--vocab-size", "100", "--disable-bias-linear", "--micro-batch-size", "4", "--train-iters", "200",
+    "--lr", "1e-3",
 ]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.training import launch_many, tensorboard_scalars
+from support.training import TINY_JOB, launch_many, tensorboard_scalars
 
 from megatron_patches.placement.replicate import assign_slots, slot_placement
 
@@ -35,7 +35,7 @@ TOKENS_PER_ITERATION = 16 * 128
 
 
 CAPACITY = [
-    *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
+    *TINY_JOB, *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
     "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8",
 ]
 EVERY = 4

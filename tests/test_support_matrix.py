@@ -25,6 +25,7 @@ import pytest
 from megatron_patches.config.flags import ArgumentError
 from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.validation import validate_args
+from support.training import TINY_JOB
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
@@ -187,7 +188,7 @@ def test_every_tested_cell_names_a_collected_test(collected, row, mode):
 @pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status == "refused"],
                          ids=lambda value: getattr(value, "feature", value))
 def test_every_refused_cell_is_refused_before_any_work(row, mode):
-    args = parse_args(["--moe-parallel-mode", mode, *row.flags])
+    args = parse_args([*TINY_JOB, "--moe-parallel-mode", mode, *row.flags])
     with pytest.raises(ArgumentError) as caught:
         validate_args(args, row.world)
     assert row.cells[mode].where in str(caught.value)
@@ -196,7 +197,7 @@ def test_every_refused_cell_is_refused_before_any_work(row, mode):
 @pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status != "refused"],
                          ids=lambda value: getattr(value, "feature", value))
 def test_every_other_cell_is_accepted(row, mode):
-    validate_args(parse_args(["--moe-parallel-mode", mode, *row.flags, *row.cells[mode].flags]), row.world)
+    validate_args(parse_args([*TINY_JOB, "--moe-parallel-mode", mode, *row.flags, *row.cells[mode].flags]), row.world)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ from megatron_patches.config.flags import fail
 
 def check_instance_mode(args, mode: str) -> None:
     """Everything fssdp and replicate refuse alike, before any process group."""
-    if args.num_experts is None:
-        fail("--moe-parallel-mode", mode, "needs --num-experts (a dense model has no experts to place)")
     refusals = (
         ("--expert-model-parallel-size", args.expert_model_parallel_size, args.expert_model_parallel_size < 2,
          f"{mode} places expert instances on the other ranks of the expert-parallel group, so it needs at "

@@ -21,6 +21,7 @@ docs/flags.md is generated from the parser (a test keeps it in sync):
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import megatron_patches
@@ -33,8 +34,17 @@ from megatron_patches.training.yaml_config import load_yaml
 
 REPO_ROOT = Path(megatron_patches.__file__).resolve().parents[1]
 
-# Loaded when no --config is given: the tiny GPT-MoE model that trains on CPU in seconds.
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "models" / "tiny.yaml"
+# The embedded default job: the tiny GPT-MoE model and a short CPU run of it. Loaded only when
+# the command line names no --config and gives none of MODEL_SIZE_FLAGS; its other flags then
+# override the job's values.
+EMBEDDED_JOB = (REPO_ROOT / "configs" / "models" / "tiny.yaml", REPO_ROOT / "configs" / "tiny_job.yaml")
+
+# The flags that size a model. A command line with any of them describes the user's own model:
+# every flag it does not give takes Megatron-LM's default and derivation (--ffn-hidden-size 4h,
+# --moe-ffn-hidden-size = --ffn-hidden-size, no --num-experts = dense), never a value of the
+# embedded tiny model's, which a Megatron-LM script would otherwise inherit silently.
+MODEL_SIZE_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--kv-channels",
+                    "--num-query-groups", "--num-experts", "--moe-ffn-hidden-size")
 
 MODEL_FAMILIES = ("gpt", "bert")
 
@@ -86,7 +96,7 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DEFAULT_SPLIT = "969,30,1"
 EMBEDDED_CORPUS_SPLIT = "949,51,0"
 
-# Values that validate_args() adds to the namespace (not flags); describe_args() lists them
+# Values that parse_args() and validate_args() add to the namespace (not flags); describe_args() lists them
 # in their own group.
 DERIVED_VALUES = {
     "world_size": "number of ranks, as given to validate_args",
@@ -98,6 +108,8 @@ DERIVED_VALUES = {
     "load_iteration": "the checkpoint a --load resumes from: the tracker's, or the newest older one that verifies "
                       "(training/checkpoint_dirs.py); None when there is none yet",
     "load_notes": "what choosing that checkpoint found (a fallback, a checkpoint without a manifest), logged at the load",
+    "model_source": "where the model's values came from: --config files, the command line (Megatron-LM's defaults "
+                    "for the rest), or the embedded tiny job",
 }
 
 __all__ = ["ArgumentError", "MOE_PARALLEL_MODES", "build_parser", "parse_args"]
@@ -158,7 +170,10 @@ def _add_config_args(parser):
         "--config", action="append", default=None, metavar="FILE.yaml",
         help="YAML file of flag values; keys are the flags' dest names (--num-layers -> "
         "num_layers). May be repeated: later files win, and explicit command-line flags win over "
-        "all files. Without --config, configs/models/tiny.yaml is loaded.",
+        "all files. Without --config, and when no model-size flag (--num-layers, --hidden-size, "
+        "--ffn-hidden-size, --num-attention-heads, --kv-channels, --num-query-groups, --num-experts, "
+        "--moe-ffn-hidden-size) is given, the embedded tiny job is loaded (configs/models/tiny.yaml "
+        "and configs/tiny_job.yaml); otherwise unset flags take Megatron-LM's defaults. New flag.",
     )
 
 
@@ -170,19 +185,19 @@ def _add_model_args(parser):
         "masked LM). New flag.",
     )
     group.add_argument("--num-layers", type=int, default=None,
-                       help="Number of transformer layers. Required (the default config sets it).")
+                       help="Number of transformer layers. Required (the embedded tiny job sets it).")
     group.add_argument("--hidden-size", type=int, default=None,
-                       help="Transformer hidden size. Required (the default config sets it).")
+                       help="Transformer hidden size. Required (the embedded tiny job sets it).")
     group.add_argument("--ffn-hidden-size", type=int, default=None,
                        help="Transformer Feed-Forward Network hidden size. "
                        "This is set to 4*hidden-size if not provided (with --swiglu, "
                        "int(4*hidden-size*2/3/64)*64, as Megatron-LM does).")
     group.add_argument("--num-attention-heads", type=int, default=None,
                        help="Number of transformer attention heads. Required "
-                       "(the default config sets it).")
+                       "(the embedded tiny job sets it).")
     group.add_argument("--seq-length", type=int, default=None,
                        help="Maximum sequence length to process. Required "
-                       "(the default config sets it).")
+                       "(the embedded tiny job sets it).")
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Maximum number of position embeddings to use. This is the size of "
                        "position embedding. Default: --seq-length (Megatron-LM requires it).")
@@ -222,7 +237,9 @@ def _add_model_args(parser):
 def _add_moe_args(parser):
     group = parser.add_argument_group(title="moe")
     group.add_argument("--num-experts", type=int, default=None,
-                       help="Number of Experts in MoE (None or 0 means no MoE).")
+                       help="Number of Experts in MoE. Required: without it (or with 0) the model is "
+                       "dense, which Megatron-LM trains with pretrain_gpt.py and this entry point "
+                       "refuses, since every --moe-parallel-mode places experts.")
     group.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
                        help="Frequency between MoE layers and Dense layers. Accepts either an "
                        "integer N (layers 0, N, 2N, ... are MoE) or a Python list expression of "
@@ -335,18 +352,17 @@ def _add_parallel_args(parser):
 
 def _add_training_args(parser):
     group = parser.add_argument_group(title="training")
-    group.add_argument("--micro-batch-size", type=int, default=4,
+    group.add_argument("--micro-batch-size", type=int, default=None,
                        help="Batch size per model instance (local batch size). Global batch size "
                        "is local batch size times data parallel size times number of micro "
-                       "batches. Default 4 (Megatron-LM: none, required) so the no-flag run works.")
+                       "batches. Required (the embedded tiny job sets 4).")
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="Training batch size; must be a multiple of micro-batch-size times "
                        "data-parallel-size. Default: micro-batch-size x data-parallel-size "
                        "(one micro-batch per iteration), as Megatron-LM does when it is not given.")
-    group.add_argument("--train-iters", type=int, default=200,
+    group.add_argument("--train-iters", type=int, default=None,
                        help="Total number of iterations to train over all training runs. "
-                       "Default 200 (Megatron-LM: none, required): a short CPU run of the tiny "
-                       "model that still shows the loss falling.")
+                       "Required (the embedded tiny job sets 200).")
     group.add_argument("--max-nonfinite-steps", type=int, default=0,
                        help="Steps with a non-finite loss or gradient (NaN or infinity on any "
                        "rank) to skip before the run stops with exit code 3; a skipped step "
@@ -364,16 +380,15 @@ def _add_training_args(parser):
 
 def _add_learning_rate_args(parser):
     group = parser.add_argument_group(title="learning rate")
-    group.add_argument("--lr", type=float, default=1e-3,
+    group.add_argument("--lr", type=float, default=None,
                        help="Initial learning rate. Depending on decay style and initial warmup, "
-                       "the learning rate at each iteration would be different. Default 1e-3 "
-                       "(Megatron-LM: none, required): a usual peak rate for a model this small.")
+                       "the learning rate at each iteration would be different. Required (the "
+                       "embedded tiny job sets 1e-3).")
     group.add_argument("--min-lr", type=float, default=0.0,
                        help="Minimum value for learning rate. The scheduler clips values below "
                        "this threshold.")
-    group.add_argument("--lr-decay-style", type=str, default="cosine",
-                       help=f"Learning rate decay function: {', '.join(LR_DECAY_STYLES)}. "
-                       "Default cosine (Megatron-LM: linear).")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       help=f"Learning rate decay function: {', '.join(LR_DECAY_STYLES)}.")
     group.add_argument("--lr-warmup-iters", type=int, default=0,
                        help="Number of iterations to linearly warmup learning rate over.")
     group.add_argument("--lr-decay-iters", type=int, default=None,
@@ -547,19 +562,17 @@ def _add_checkpointing_args(parser):
 
 def _add_validation_args(parser):
     group = parser.add_argument_group(title="evaluation")
-    group.add_argument("--eval-interval", type=int, default=100,
-                       help="Interval between running evaluation on validation set. Default 100 "
-                       "(Megatron-LM: 1000): two evaluations in the default 200-iteration run.")
-    group.add_argument("--eval-iters", type=int, default=5,
-                       help="Number of iterations to run for evaluation (0 skips evaluation). "
-                       "Default 5 (Megatron-LM: 100): keeps evaluation short on CPU.")
+    group.add_argument("--eval-interval", type=int, default=None,
+                       help="Interval between running evaluation on validation set. Default: none, "
+                       "no evaluation while training.")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="Number of iterations to run for evaluation (0 skips evaluation).")
 
 
 def _add_logging_args(parser):
     group = parser.add_argument_group(title="logging")
-    group.add_argument("--log-interval", type=int, default=10,
-                       help="Report loss and timing interval. Default 10 (Megatron-LM: 100): a "
-                       "progress line every 10 iterations, 20 in the default run.")
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="Report loss and timing interval.")
     group.add_argument("--run-dir", type=str, default=None, metavar="DIR",
                        help="Keep the run's outputs in DIR: arguments.txt (every flag value; "
                        "stdout gets a short summary), metrics.jsonl, tensorboard/, loads.npz and "
@@ -589,7 +602,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     Command-line syntax errors (an unknown flag, a value of the wrong type) and YAML problems
     raise ArgumentError naming the flag, file or key and what would be valid."""
     parser = build_parser()
-    config_files = parser.parse_args(argv).config or [DEFAULT_CONFIG]
+    given = parser.parse_args(argv).config
+    sizes = model_size_flags(sys.argv[1:] if argv is None else argv)
+    config_files = given or ([] if sizes else list(EMBEDDED_JOB))
     values = {}
     for path in config_files:
         values.update(load_yaml(Path(path), parser))
@@ -597,4 +612,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.set_defaults(**values)
     args = parser.parse_args(argv)
     args.config = [str(path) for path in config_files]
+    if given:
+        args.model_source = f"--config {' '.join(args.config)}"
+    elif sizes:
+        args.model_source = f"the command line ({', '.join(sizes)}; Megatron-LM's defaults for the flags not given)"
+    else:
+        args.model_source = (f"the embedded tiny job ({', '.join(str(p.relative_to(REPO_ROOT)) for p in EMBEDDED_JOB)}: "
+                             "no --config and no model-size flag given)")
     return args
+
+
+def model_size_flags(argv: list[str]) -> list[str]:
+    """The MODEL_SIZE_FLAGS that `argv` gives (as --flag VALUE or --flag=VALUE)."""
+    return [flag for flag in MODEL_SIZE_FLAGS if any(token == flag or token.startswith(flag + "=") for token in argv)]

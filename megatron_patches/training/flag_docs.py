@@ -7,7 +7,7 @@
 import argparse
 
 from megatron_patches.training import megatron_lm
-from megatron_patches.training.arguments import DERIVED_VALUES, build_parser
+from megatron_patches.training.arguments import DERIVED_VALUES, EMBEDDED_JOB, MODEL_SIZE_FLAGS, REPO_ROOT, build_parser
 from megatron_patches.training.yaml_config import type_name
 
 
@@ -56,9 +56,12 @@ def flag_reference_markdown() -> str:
         "`python -m megatron_patches.training.flag_docs > docs/flags.md`.",
         "",
         "Flags keep Megatron-LM's names, types, defaults and meanings; where a default differs,",
-        "the description says so. Values are layered: parser defaults, then the `--config`",
-        "YAML files in order (without `--config`, `configs/models/tiny.yaml`), then the flags",
-        "given on the command line. YAML keys are the dest names in the second column.",
+        "the description says so. Values are layered: parser defaults (Megatron-LM's), then the",
+        "`--config` YAML files in order, then the flags given on the command line. Without `--config`",
+        f"and without a model-size flag ({', '.join(f'`{flag}`' for flag in MODEL_SIZE_FLAGS)}), the",
+        "embedded tiny job's files take the place of the `--config` files:",
+        f"{' and '.join(f'`{path.relative_to(REPO_ROOT)}`' for path in EMBEDDED_JOB)}. YAML keys are the",
+        "dest names in the second column.",
         "`validate_args` then resolves the derived values and refuses impossible combinations",
         "before any process group starts.",
     ]

@@ -94,11 +94,12 @@ def set_up(args) -> None:
 
 def layout_summary(args) -> str:
     """The model's shape, the mode and the parallel layout, as one line."""
-    experts = f"{args.num_experts} experts top-{args.moe_router_topk}" if args.num_experts else "dense"
-    return (f"layout: {args.model_family} {args.num_layers} layers x hidden {args.hidden_size}, {experts}, seq "
+    return (f"layout: {args.model_family} {args.num_layers} layers x hidden {args.hidden_size}, {args.num_experts} "
+            f"experts top-{args.moe_router_topk}, seq "
             f"{args.seq_length} | mode {args.moe_parallel_mode} | world {args.world_size} = TP {args.tensor_model_parallel_size} "
             f"x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | EP {args.expert_model_parallel_size} "
-            f"x ETP {args.expert_tensor_parallel_size} | global batch {args.global_batch_size}")
+            f"x ETP {args.expert_tensor_parallel_size} | global batch {args.global_batch_size} | model from "
+            f"{args.model_source}")
 
 
 def init_distributed(use_cuda: bool, backend: str) -> None:

@@ -86,23 +86,15 @@ DIFFERS = {
                                  "dispatcher's token exchange; ep takes allgather with the flag",
     "transformer_impl": "default None: local on CPU, transformer_engine on a GPU when it imports (Megatron-LM "
                         "assumes Transformer Engine is installed)",
-    "micro_batch_size": "default 4: the embedded tiny job's (Megatron-LM requires the flag)",
-    "train_iters": "default 200: the embedded tiny job's (Megatron-LM requires it or --train-samples)",
-    "lr_decay_style": "default cosine: the embedded tiny job's (Megatron-LM: linear)",
-    "lr": "default 1e-3: the embedded tiny job's (Megatron-LM requires the flag)",
     "no_load_optim": "default False: a store_true flag's plain default (Megatron-LM's None reads as False)",
     "no_load_rng": "default False: a store_true flag's plain default (Megatron-LM's None reads as False)",
     "distributed_backend": "type str, default None: nccl on GPUs, gloo on CPU ranks (Megatron-LM: nccl)",
-    "eval_iters": "default 5: the embedded tiny job evaluates in seconds (Megatron-LM: 100)",
-    "eval_interval": "default 100: the embedded tiny job evaluates twice (Megatron-LM: None, never)",
     "num_workers": "default 0, and only 0: the micro-batches are read in the training process, worker "
                    "processes are not built (Megatron-LM: 2)",
     "moe_layer_freq": "type moe_layer_freq: the same values as Megatron-LM's moe_freq_type, checked here",
     "moe_router_load_balancing_type": "nargs None: one type for every layer (Megatron-LM's + also takes a list "
                                       "per layer group)",
     "moe_aux_loss_coeff": "nargs None: one coefficient (Megatron-LM's + also takes one per load-balancing type)",
-    "log_interval": "default 10: a progress line every 10 iterations of the 200-iteration tiny job "
-                    "(Megatron-LM: 100)",
 }
 
 

@@ -78,13 +78,26 @@ def _check_finite(args):
             fail(action.option_strings[0], value, "must be a finite number")
 
 
+# Flags Megatron-LM requires (it has no default for them), with an example of a value.
+REQUIRED = {
+    "num_layers": "configs/models/*.yaml set it",
+    "hidden_size": "configs/models/*.yaml set it",
+    "num_attention_heads": "configs/models/*.yaml set it",
+    "seq_length": "configs/models/*.yaml set it",
+    "micro_batch_size": "the tiny job's: 4",
+    "train_iters": "the tiny job's: 200",
+    "lr": "the tiny job's: 1e-3",
+}
+
+
 def _check_sizes(args):
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(args, dest) is None:
-            raise ArgumentError(
-                f"--{dest.replace('_', '-')} is not set: give it on the command line or in a "
-                "--config YAML (configs/models/*.yaml set it)"
-            )
+    missing = [dest for dest in REQUIRED if getattr(args, dest) is None]
+    if missing:
+        raise ArgumentError(
+            "; ".join(f"--{dest.replace('_', '-')} is not set ({REQUIRED[dest]})" for dest in missing)
+            + ": Megatron-LM has no default for these flags; give them on the command line or in a --config "
+            f"YAML (configs/tiny_job.yaml holds the tiny job's run flags). The model came from {args.model_source}"
+        )
     positive = (
         "num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
         "max_position_embeddings", "moe_ffn_hidden_size", "moe_router_topk", "micro_batch_size",
@@ -110,11 +123,14 @@ def _check_sizes(args):
     if not 0 <= args.seed < 2**31:
         # numpy's seeds are 0..2**32-1, and Megatron adds per-rank offsets to this one
         fail("--seed", args.seed, f"valid: 0..{2**31 - 1}")
-    if args.num_experts is not None and args.num_experts < 0:
-        fail("--num-experts", args.num_experts, "must be a positive integer (0 means no MoE)")
-    if args.num_experts == 0:
-        # Megatron-LM treats 0 experts as a dense model.
-        args.num_experts = None
+    if not args.num_experts:
+        # Megatron-LM trains a dense model without --num-experts (or with 0); every mode here
+        # places experts, so a dense model is refused rather than trained as something else
+        fail("--num-experts", args.num_experts,
+             "without experts the model is dense, which Megatron-LM's pretrain_gpt.py trains; every "
+             f"--moe-parallel-mode here places experts; valid: 1 or more (the model came from {args.model_source})")
+    if args.num_experts < 0:
+        fail("--num-experts", args.num_experts, "must be a positive integer")
     for dest in ("hidden_dropout", "attention_dropout"):
         value = getattr(args, dest)
         if not 0.0 <= value < 1.0:
@@ -232,22 +248,10 @@ def _resolve_moe(args):
     # Megatron-Core lays the experts out as a second grid ETP x EP x expert-DP x PP over the
     # same ranks, so ETP x EP must divide world / PP.
     ranks_per_stage = world // pp
-    if experts is None:
-        if args.expert_model_parallel_size not in (None, 1):
-            fail("--expert-model-parallel-size", args.expert_model_parallel_size,
-                 "needs --num-experts (a dense model has no experts to distribute); valid: 1")
-        args.expert_model_parallel_size = 1
-        if args.moe_ffn_hidden_size is not None:
-            fail("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
-                 "needs --num-experts; valid: unset for a dense model")
     if ranks_per_stage % etp != 0:
         fail("--expert-tensor-parallel-size", etp,
              f"does not divide world size / --pipeline-model-parallel-size = {world} / {pp} = "
              f"{ranks_per_stage}; valid ETP: {divisors(ranks_per_stage)}")
-    if experts is None:
-        args.expert_data_parallel_size = ranks_per_stage // etp
-        return
-
     valid_ep = [ep for ep in divisors(experts) if ranks_per_stage % (etp * ep) == 0]
     if args.expert_model_parallel_size is None:
         default = MODES[args.moe_parallel_mode].default_expert_parallel_size

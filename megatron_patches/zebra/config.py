@@ -211,8 +211,6 @@ def validate(args: argparse.Namespace) -> None:
                        ("--zebra-microbatches", "zebra_microbatches")):
         if getattr(args, dest) is None:
             fail(flag, None, "required with --moe-parallel-mode zebra (an integer >= 1)")
-    if args.num_experts is None:
-        fail("--moe-parallel-mode", "zebra", "needs --num-experts (a dense model has no experts to disaggregate)")
     why_whole_model = "zebra builds the whole model on every rank and splits it by role; valid: 1"
     refusals = (
         ("--model-family", args.model_family, args.model_family != "gpt", "zebra mode trains GPT models; valid: gpt"),

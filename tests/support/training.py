@@ -16,10 +16,15 @@ import pytest
 from support.multirun import MARKER
 
 from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_device_profile
+from megatron_patches.training.arguments import EMBEDDED_JOB
 from megatron_patches.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "pretrain_gpt_moe.py"
+
+# The embedded tiny job given explicitly: the entry point loads it by itself only when no model-size
+# flag is given, so a test that changes the tiny model's size (--num-experts 4) names it.
+TINY_JOB = [f"--config={path}" for path in EMBEDDED_JOB]
 
 # A small, fast configuration on synthetic tokens (the mock dataset), for layout checks.
 MOCK = [
