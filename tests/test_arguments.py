@@ -1135,3 +1135,47 @@ def test_describe_args_lists_every_dest_grouped(parse):
     model_lines = text.split("model:\n")[1].split("\nmoe:")[0].splitlines()
     names = [line.split()[0] for line in model_lines]
     assert names == sorted(names)
+
+
+def test_attention_and_norm_flags_follow_megatron_lm_s_rules(parse):
+    # the deprecated rope switch sets the type; linear biases include the QKV projection's
+    rope = validate_args(parse("--use-rotary-position-embeddings", "--rotary-percent", "0.5"), 1)
+    assert rope.position_embedding_type == "rope" and rope.rotary_percent == 0.5 and rope.add_qkv_bias is True
+    assert validate_args(parse("--disable-bias-linear"), 1).add_qkv_bias is False
+    assert validate_args(parse("--disable-bias-linear", "--add-qkv-bias"), 1).add_qkv_bias is True
+    for flags in (("--rotary-percent", "0.5"), ("--rotary-interleaved",), ("--rotary-seq-len-interpolation-factor", "2")):
+        expect_error(parse(*flags), 1, f"{flags[0]}=", "--position-embedding-type=learned_absolute does not use",
+                     "add --position-embedding-type rope")
+    expect_error(parse("--position-embedding-type", "rope", "--rotary-percent", "1.5"), 1, "--rotary-percent=1.5",
+                 "(0, 1]")
+    expect_error(parse("--norm-epsilon", "0"), 1, "--norm-epsilon=0.0", "(0, 1)")
+    expect_error(parse("--model-family", "bert", "--qk-layernorm"), 1, "--qk-layernorm=True", "BERT layer spec")
+    assert validate_args(parse("--qk-layernorm", "--norm-epsilon", "1e-6"), 1).layernorm_epsilon == 1e-6
+
+
+def test_routing_flags_follow_megatron_core_s_checks_and_run_in_ep_only(parse):
+    deepseek = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
+                "4", "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32"]
+    args = validate_args(parse(*deepseek), 1)
+    assert (args.moe_router_score_function, args.moe_router_group_topk, args.moe_router_dtype) == ("sigmoid", 2, "fp32")
+    expect_error(parse("--moe-router-enable-expert-bias"), 1, "--moe-router-enable-expert-bias=True",
+                 "needs --moe-router-score-function sigmoid (is softmax)")
+    expect_error(parse("--moe-router-num-groups", "4"), 1, "--moe-router-num-groups=4", "--moe-router-group-topk")
+    expect_error(parse("--moe-router-group-topk", "2"), 1, "--moe-router-group-topk=2", "--moe-router-num-groups")
+    expect_error(parse("--moe-router-num-groups", "3", "--moe-router-group-topk", "1"), 1,
+                 "--moe-router-num-groups=3", "must divide --num-experts=8", "[1, 2, 4, 8]")
+    # top-2 of 8 experts in 4 groups of 2: group-topk 1 or 2 (3 and 4 exceed the top-k)
+    expect_error(parse("--moe-router-num-groups", "4", "--moe-router-group-topk", "3"), 1,
+                 "--moe-router-group-topk=3", "valid: [1, 2]")
+    expect_error(parse("--moe-router-dtype", "bf16"), 1, "--moe-router-dtype=bf16", "valid: fp32, fp64")
+    expect_error(parse("--moe-router-score-function", "relu"), 1, "--moe-router-score-function=relu", "sigmoid")
+    expect_error(parse("--moe-z-loss-coeff", "0"), 1, "--moe-z-loss-coeff=0.0", "must be positive")
+    expect_error(parse("--moe-router-bias-update-rate", "0.01"), 1, "--moe-router-bias-update-rate=0.01",
+                 "read only with --moe-router-enable-expert-bias")
+    expect_error(parse("--moe-token-drop-policy", "position"), 1, "--moe-token-drop-policy=position",
+                 "read only with --moe-expert-capacity-factor")
+    validate_args(parse("--moe-token-drop-policy", "position", "--moe-expert-capacity-factor", "1.0"), 1)
+    for mode in ("fssdp", "replicate"):
+        expect_error(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4,
+                     "--moe-router-score-function=sigmoid", f"{mode} reaches the router's outputs its own way",
+                     "--moe-parallel-mode ep")

@@ -264,6 +264,7 @@ BUILD_SCRIPT = textwrap.dedent("""
             num_attention_heads=cfg.num_attention_heads, kv_channels=cfg.kv_channels,
             num_query_groups=cfg.num_query_groups if cfg.group_query_attention else None,
             normalization=cfg.normalization, add_bias_linear=cfg.add_bias_linear,
+            add_qkv_bias=cfg.add_qkv_bias or cfg.add_bias_linear, qk_layernorm=cfg.qk_layernorm,
             gated_linear_unit=cfg.swiglu, activation_func=F.silu if cfg.swiglu else F.gelu,
             bias_activation_fusion=False, num_moe_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
             moe_ffn_hidden_size=cfg.moe_ffn_hidden_size if moe else None, moe_layer_freq=freq,
@@ -305,6 +306,8 @@ def test_count_matches_a_real_megatron_build(tmp_path):
         dict(small, num_layers=4, moe_layer_freq=2),
         dict(small, num_layers=3, moe_layer_freq=[0, 1, 1], add_bias_linear=False),
         mixtral,
+        dict(mixtral, qk_layernorm=True),  # RMSNorm over queries and keys
+        dict(small, qk_layernorm=True, add_bias_linear=False, add_qkv_bias=True),
         bert,
         dict(bert, bert_binary_head=False, untie_embeddings_and_output_weights=True, add_bias_linear=False),
     ]

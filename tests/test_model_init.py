@@ -86,3 +86,134 @@ def test_expert_init_is_placement_independent():
         for key in reference:
             np.testing.assert_array_equal(layout[key][0], reference[key][0], err_msg=f"{name} {key} fc1")
             np.testing.assert_array_equal(layout[key][1], reference[key][1], err_msg=f"{name} {key} fc2")
+
+
+# Megatron-LM's attention and norm flags, each changing the built model (module docstring of
+# config/models.py; count_parameters must follow the query/key norms and the QKV bias).
+SHAPED = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-interleaved",
+          "--rotary-seq-len-interpolation-factor", "2", "--qk-layernorm", "--add-qkv-bias", "--norm-epsilon", "1e-6"]
+
+
+def shaped_models(flag_sets: list[list[str]]) -> list[dict]:
+    """Worker: one spawn for several builds."""
+    return [shaped_model(flags) for flags in flag_sets]
+
+
+def shaped_model(flags: list[str]) -> dict:
+    """Build the model with `flags`; what each flag should have changed, and one loss."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore, prepare_megatron
+    from megatron_patches.config.models import count_parameters, model_config_from_args
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
+    from megatron_patches.training.model import build_model
+
+    args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
+    prepare_megatron(use_cuda=False)
+    mcore.initialize_model_parallel(1, 1, 1, 1)
+    mcore.seed_model_parallel_rng(args.seed)
+    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    attention = model.decoder.layers[0].self_attention
+    tokens = torch.arange(16).reshape(2, 8) % 100
+    position_ids = torch.arange(8).expand(2, 8)
+    loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+    loss.backward()
+    out = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "counted": count_parameters(model_config_from_args(args))["total"],
+        "norm_eps": sorted({m.eps for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))}),
+        "q_norm": type(attention.q_layernorm).__name__,
+        "qkv_bias": attention.linear_qkv.bias is not None and attention.linear_qkv.bias.numel(),
+        "proj_bias": attention.linear_proj.bias is not None,
+        "loss_finite": bool(torch.isfinite(loss)),
+        "config": [config.layernorm_epsilon, config.qk_layernorm, config.add_qkv_bias, config.rotary_interleaved],
+    }
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None:
+        out["rotary"] = [2 * rotary.inv_freq.numel(), rotary.seq_len_interpolation_factor]
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_attention_and_norm_flags_shape_the_built_model():
+    plain, shaped = run_ranks(1, __file__, "shaped_models", 120, args=([[], SHAPED],))[0]
+    # SMALL: hidden 16, 2 heads (kv_channels 8), --disable-bias-linear
+    assert plain["parameters"] == plain["counted"] and shaped["parameters"] == shaped["counted"]
+    assert plain["norm_eps"] == [1e-5] and shaped["norm_eps"] == [1e-6]
+    assert plain["q_norm"] == "IdentityOp" and shaped["q_norm"] != "IdentityOp"
+    assert plain["qkv_bias"] is False and shaped["qkv_bias"] == 3 * 16 and shaped["proj_bias"] is False
+    # two norms of kv_channels (LayerNorm: weight and bias) per layer, and the QKV bias
+    assert shaped["parameters"] - plain["parameters"] == 2 * (2 * 2 * 8 + 3 * 16) - 8 * 16  # minus the position table
+    assert "rotary" not in plain and shaped["rotary"] == [4, 2]  # half of kv_channels 8 rotated
+    assert shaped["config"] == [1e-6, True, True, True] and plain["loss_finite"] and shaped["loss_finite"]
+
+
+# DeepSeek-V3-style routing in ep: sigmoid scores, aux-loss-free expert bias, group-limited top-k
+# (4 experts in 2 groups of 2, top-2 from 1 group), a top-k scaling factor, fp32 routing, z-loss.
+ROUTING = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-router-bias-update-rate", "0.01", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+           "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32", "--moe-z-loss-coeff", "1e-3",
+           "--moe-aux-loss-coeff", "0", "--expert-model-parallel-size", "2"]
+
+
+def routed_model(flags: list[str]) -> dict:
+    """Worker: two backward passes and Megatron's finalize_model_grads (which moves the expert
+    bias); then the router's choices and probabilities for fixed hidden states."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore, prepare_megatron
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
+    from megatron_patches.training.model import build_model, moe_layers
+
+    args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
+    prepare_megatron(use_cuda=False)
+    mcore.initialize_model_parallel(1, 1, args.expert_model_parallel_size, 1)
+    mcore.seed_model_parallel_rng(args.seed)
+    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    biases = []
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        tokens = torch.randint(0, 100, (4, 8), generator=generator)
+        ddp(tokens, torch.arange(8).expand(4, 8), None, labels=tokens).float().mean().backward()
+        config.finalize_model_grads_func([ddp])
+        biases.append([layer.router.expert_bias.tolist() for _, layer in moe_layers(model)])
+    router = moe_layers(model)[0][1].router
+    hidden_SBH = torch.randn(8, 4, 16, generator=torch.Generator().manual_seed(7)).to(config.params_dtype)
+    with torch.no_grad():
+        probs_TE, routing_TE = router(hidden_SBH)
+    out = {
+        "expert_bias": biases,
+        "groups_used": sorted({len({int(e) // 2 for e in row.nonzero()}) for row in routing_TE}),
+        "experts_per_token": sorted({int(row.sum()) for row in routing_TE}),
+        "prob_sums": probs_TE.sum(dim=-1).tolist(),
+        "probs_dtype": str(probs_TE.dtype),
+    }
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_modern_routing_flags_reach_megatron_s_router_in_ep():
+    ranks = run_ranks(2, __file__, "routed_model", 180, args=(ROUTING,))
+    bias = np.array(ranks[0]["expert_bias"])  # [step, layer, expert]
+    # moved by finalize_model_grads from the world's token counts, the same on both ranks: each step
+    # adds rate x sign(mean load - load), so group 0's two experts move together, against group 1's
+    assert bias.shape == (2, 2, 4) and ranks[1]["expert_bias"] == ranks[0]["expert_bias"]
+    steps = np.diff(np.concatenate([np.zeros((1, 2, 4)), bias]), axis=0) / 0.01
+    np.testing.assert_allclose(np.abs(steps), np.round(np.abs(steps)), atol=1e-4)
+    assert np.abs(steps[0]).max() == pytest.approx(1) and np.all(steps[..., 0] == steps[..., 1])
+    for rank in ranks:
+        assert rank["groups_used"] == [1] and rank["experts_per_token"] == [2]  # top-2 inside one group
+        np.testing.assert_allclose(rank["prob_sums"], 2.5, rtol=1e-6)  # sigmoid scores normalised, then scaled
+        assert rank["probs_dtype"] == "torch.float32"

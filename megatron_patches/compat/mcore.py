@@ -129,6 +129,10 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         kv_channels=model.kv_channels,
         num_query_groups=model.num_query_groups if model.group_query_attention else None,
         normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        add_qkv_bias=model.add_qkv_bias,
+        rotary_interleaved=model.rotary_interleaved,
         gated_linear_unit=model.swiglu,
         activation_func=torch.nn.functional.silu if model.swiglu else torch.nn.functional.gelu,
         moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq,
@@ -144,6 +148,16 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_aux_loss_coeff=run.moe_aux_loss_coeff,
         moe_router_load_balancing_type=run.moe_router_load_balancing_type,
+        moe_router_score_function=run.moe_router_score_function,
+        moe_router_enable_expert_bias=run.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=run.moe_router_bias_update_rate,
+        moe_router_topk_scaling_factor=run.moe_router_topk_scaling_factor,
+        moe_router_num_groups=run.moe_router_num_groups,
+        moe_router_group_topk=run.moe_router_group_topk,
+        moe_router_dtype=run.moe_router_dtype,
+        moe_z_loss_coeff=run.moe_z_loss_coeff,
+        moe_input_jitter_eps=run.moe_input_jitter_eps,
+        moe_token_drop_policy=run.moe_token_drop_policy,
         moe_token_dispatcher_type=run.moe_token_dispatcher_type,
         moe_expert_capacity_factor=model.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=run.moe_pad_expert_input_to_capacity,
@@ -208,11 +222,11 @@ def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[M
     """
     kwargs = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if use_te:
-        dense = get_gpt_layer_with_transformer_engine_spec()
-        moe = get_gpt_layer_with_transformer_engine_spec(**kwargs)
+        dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        moe = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **kwargs)
     else:
-        dense = get_gpt_layer_local_spec(normalization=config.normalization)
-        moe = get_gpt_layer_local_spec(normalization=config.normalization, **kwargs)
+        dense = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+        moe = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm, **kwargs)
     moe = _seed_isolated_experts(moe)
     if family == "gpt":
         return dense, moe
@@ -256,7 +270,8 @@ def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_p
         position_embedding_type=args.position_embedding_type,
     )
     if args.model_family == "gpt":
-        return GPTModel(rotary_base=args.rotary_base, **common)
+        return GPTModel(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
     return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head, **common)
 
 

@@ -90,8 +90,23 @@ class ModelConfig:
     (`--position-embedding-type`)."""
     rotary_base: int = 10000
     """RoPE base (`--rotary-base`); only used with rope."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels that RoPE rotates (`--rotary-percent`); rope only."""
+    rotary_interleaved: bool = False
+    """Rotate interleaved channel pairs instead of the two halves (`--rotary-interleaved`); rope only."""
+    rotary_seq_len_interpolation_factor: int | None = None
+    """Divide positions by this factor, for sequences longer than trained on
+    (`--rotary-seq-len-interpolation-factor`); rope only."""
+    qk_layernorm: bool = False
+    """A norm on each head's queries and keys (`--qk-layernorm`): two norms of kv_channels per
+    layer. GPT only (Megatron-Core's BERT layer spec has none)."""
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even with add_bias_linear false (`--add-qkv-bias`); with
+    add_bias_linear the QKV projection has one anyway (Megatron-LM then sets this true)."""
     normalization: str = "LayerNorm"
     """"LayerNorm" (weight + bias) or "RMSNorm" (weight only) (`--normalization`)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm (`--norm-epsilon`)."""
     swiglu: bool = False
     """Gated SiLU MLPs: fc1 produces 2 x ffn columns (`--swiglu`)."""
     add_bias_linear: bool = True
@@ -187,8 +202,8 @@ def _check_model(cfg: ModelConfig) -> None:
         value = getattr(cfg, key)
         if value is not None and (not _is_int(value) or value < 1):
             _fail(key, value, "expected a positive integer or null")
-    for key in ("group_query_attention", "swiglu", "add_bias_linear",
-                "untie_embeddings_and_output_weights", "bert_binary_head"):
+    for key in ("group_query_attention", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights",
+                "bert_binary_head", "rotary_interleaved", "qk_layernorm", "add_qkv_bias"):
         if not isinstance(getattr(cfg, key), bool):
             _fail(key, getattr(cfg, key), "expected true or false")
     if cfg.model_family not in MODEL_FAMILIES:
@@ -198,6 +213,23 @@ def _check_model(cfg: ModelConfig) -> None:
     if cfg.position_embedding_type not in POSITION_EMBEDDING_TYPES:
         _fail("position_embedding_type", cfg.position_embedding_type,
               f"expected one of {list(POSITION_EMBEDDING_TYPES)}")
+    if isinstance(cfg.layernorm_epsilon, bool) or not isinstance(cfg.layernorm_epsilon, (int, float)) \
+            or not 0 < cfg.layernorm_epsilon < 1:
+        _fail("layernorm_epsilon", cfg.layernorm_epsilon, "expected a number in (0, 1)")
+    if isinstance(cfg.rotary_percent, bool) or not isinstance(cfg.rotary_percent, (int, float)) \
+            or not 0 < cfg.rotary_percent <= 1:
+        _fail("rotary_percent", cfg.rotary_percent, "expected a share in (0, 1]")
+    factor = cfg.rotary_seq_len_interpolation_factor
+    if factor is not None and (not _is_int(factor) or factor < 1):
+        _fail("rotary_seq_len_interpolation_factor", factor, "expected a positive integer or null")
+    rotary = {"rotary_percent": (cfg.rotary_percent, 1.0), "rotary_interleaved": (cfg.rotary_interleaved, False),
+              "rotary_seq_len_interpolation_factor": (factor, None)}
+    for key, (value, default) in rotary.items():
+        if value != default and cfg.position_embedding_type != "rope":
+            _fail(key, value, f"it shapes rotary embeddings, which position_embedding_type="
+                  f"{cfg.position_embedding_type!r} does not use; set position_embedding_type: rope, or leave it out")
+    if cfg.qk_layernorm and cfg.model_family == "bert":
+        _fail("qk_layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm; valid: false with bert")
     if cfg.model_family == "bert" and cfg.position_embedding_type == "none":
         _fail("position_embedding_type", "none", "BertModel supports only 'learned_absolute' or 'rope'")
     if cfg.kv_channels is None and cfg.hidden_size % cfg.num_attention_heads:
@@ -328,7 +360,7 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
     (local spec) or BertModel (local spec, MoE MLPs) built at TP = PP = EP = 1, i.e. the
     whole model. `tensor_parallel_size` only changes the vocabulary padding.
 
-    Keys: embeddings (word + position + BERT token types), attention (QKV + output projection),
+    Keys: embeddings (word + position + BERT token types), attention (QKV + output projection + query/key norms),
     router, experts, dense_mlp (MLPs of non-MoE layers), norms (per-layer, final and BERT head
     norms), output_layer (untied output projection, BERT output bias), bert_heads (BERT LM-head
     dense, pooler, binary head), non_embedding (total minus embeddings and output_layer) and total.
@@ -341,7 +373,11 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
 
     query_width = cfg.kv_channels * cfg.num_attention_heads
     qkv_out = query_width + 2 * cfg.kv_channels * cfg.query_groups
-    attention_per_layer = qkv_out * h + (qkv_out if bias else 0) + h * query_width + (h if bias else 0)
+    qkv_bias = bias or cfg.add_qkv_bias
+    attention_per_layer = qkv_out * h + (qkv_out if qkv_bias else 0) + h * query_width + (h if bias else 0)
+    if cfg.qk_layernorm:
+        # one norm over each head's queries and one over its keys, kv_channels wide
+        attention_per_layer += 2 * (2 * cfg.kv_channels if cfg.normalization == "LayerNorm" else cfg.kv_channels)
 
     pattern = cfg.moe_layer_pattern
     moe_layers = sum(pattern)

@@ -55,6 +55,28 @@ class RunSettings:
     """`--moe-aux-loss-coeff`."""
     moe_router_load_balancing_type: str = "aux_loss"
     """`--moe-router-load-balancing-type`."""
+    moe_router_score_function: str = "softmax"
+    """`--moe-router-score-function`: softmax, or sigmoid (DeepSeek-V3's aux-loss-free routing)."""
+    moe_router_enable_expert_bias: bool = False
+    """`--moe-router-enable-expert-bias`: a per-expert bias added to the scores for the top-k choice
+    only, moved after each step towards balance (finalize_model_grads; sigmoid only)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """`--moe-router-bias-update-rate`: the expert bias's step per iteration."""
+    moe_router_topk_scaling_factor: float | None = None
+    """`--moe-router-topk-scaling-factor`: multiplies the selected experts' probabilities."""
+    moe_router_num_groups: int | None = None
+    """`--moe-router-num-groups`: expert groups for group-limited routing."""
+    moe_router_group_topk: int | None = None
+    """`--moe-router-group-topk`: groups each token may use (group-limited routing)."""
+    moe_router_dtype: str | None = None
+    """`--moe-router-dtype`: fp32 or fp64 for routing and the weighted combine; None keeps the model's."""
+    moe_z_loss_coeff: float | None = None
+    """`--moe-z-loss-coeff`: the router z-loss's coefficient (ST-MoE)."""
+    moe_input_jitter_eps: float | None = None
+    """`--moe-input-jitter-eps`: multiplicative uniform noise on the router's input while training."""
+    moe_token_drop_policy: str = "probs"
+    """`--moe-token-drop-policy`: with a capacity factor, drop the lowest-probability tokens
+    (probs) or the last ones (position)."""
     moe_token_dispatcher_type: str = "alltoall"
     """`--moe-token-dispatcher-type` (Megatron-LM's default is allgather; see the flag's help)."""
     moe_pad_expert_input_to_capacity: bool = False

@@ -66,6 +66,18 @@ TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
 # needs multi-latent attention, shared_experts needs shared experts; neither is offered).
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
 
+# Megatron-LM's --moe-router-score-function, --moe-router-dtype and --moe-token-drop-policy choices.
+ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = ("fp32", "fp64")
+TOKEN_DROP_POLICIES = ("probs", "position")
+
+# The routing flags of today's MoE models (DeepSeek-V3, Qwen3) run in ep, Megatron's own MoE layer;
+# fssdp, replicate and zebra reach the router's outputs their own way and refuse them for now.
+EP_ONLY_ROUTING = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
+                   "moe_input_jitter_eps", "moe_token_drop_policy")
+EP_ONLY = "ep only for now (fssdp, replicate and zebra refuse it)."
+
 # Megatron-LM's --moe-router-load-balancing-type choices.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
@@ -214,8 +226,30 @@ def _add_model_args(parser):
                        "do not use).")
     group.add_argument("--rotary-base", type=int, default=10000,
                        help="Base to use for rotary positional embeddings, default 10000.")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Use rotary positional embeddings or not. Deprecated: use "
+                       "--position-embedding-type (it sets --position-embedding-type rope, as in "
+                       "Megatron-LM).")
+    group.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="Percent of rotary dimension to use, default 100%%. Refused without rope "
+                       "(Megatron-LM ignores it there).")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="True is rotate pairs of even and odd dimensions (RoFormer style), False is "
+                       "rotate pairs of first half and second half (LLaMa style). Default to False. "
+                       "Refused without rope.")
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="Sequence length interpolation factor for rotary embeddings. Refused "
+                       "without rope.")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Whether to apply `normalization` type of normalization to the query and "
+                       "key embeddings. GPT only (Megatron-Core's BERT layer spec has no such norm).")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="Add a bias term only for QKV projections (set with the linear biases, as "
+                       "Megatron-LM does; it matters with --disable-bias-linear).")
     group.add_argument("--normalization", type=str, default="LayerNorm",
                        help=f"Which normalization technique to use: {', '.join(NORMALIZATIONS)}.")
+    group.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5,
+                       help="Epsilon value for any LayerNorm/RMSNorm operations.")
     group.add_argument("--swiglu", action="store_true",
                        help="Use gated linear units and SiLU activation instead of default gelu.")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
@@ -252,6 +286,39 @@ def _add_moe_args(parser):
                        "top-k selection. Switched on automatically with --moe-router-topk 1 "
                        "(Megatron-Core refuses top-1 without it: a softmax over one selected expert "
                        "is always 1, so the router would get no gradient).")
+    group.add_argument("--moe-router-score-function", type=str, default=RUN_DEFAULTS.moe_router_score_function,
+                       help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}. "
+                       f"{EP_ONLY}")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="TopK routing with dynamic per-expert bias in the aux-loss-free load balancing "
+                       "strategy. The routing decision is based on the sum of the routing scores and the "
+                       "expert bias. See https://arxiv.org/abs/2408.15664 for details. Needs "
+                       f"--moe-router-score-function sigmoid. {EP_ONLY}")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=RUN_DEFAULTS.moe_router_bias_update_rate,
+                       help="The expert bias is increased for the experts with less assigned tokens and "
+                       "decreased for the experts with more assigned tokens, by this much per iteration. "
+                       "The default value 1e-3 is same as that used in DeepSeekV3.")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                       help=f"Scaling factor for routing score in top-k selection. {EP_ONLY}")
+    group.add_argument("--moe-router-num-groups", type=int, default=None,
+                       help="Number of groups to divide experts into for group-limited routing: for each "
+                       "token, --moe-router-group-topk groups are selected by the sum of their top-(topk / "
+                       "group-topk) scores, and the --moe-router-topk experts are chosen from those groups "
+                       f"(DeepSeek-V2/V3's device- and node-limited routing). {EP_ONLY}")
+    group.add_argument("--moe-router-group-topk", type=int, default=None,
+                       help=f"Number of selected groups for group-limited routing. {EP_ONLY}")
+    group.add_argument("--moe-router-dtype", type=str, default=None,
+                       help="Data type for routing and expert output weighted averaging: fp32 or fp64. "
+                       "Using fp32 or fp64 can improve stability especially when the number of experts "
+                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {EP_ONLY}")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {EP_ONLY}")
+    group.add_argument("--moe-input-jitter-eps", type=float, default=None,
+                       help="Add noise to the input tensor by applying jitter with a specified epsilon "
+                       f"value. {EP_ONLY}")
+    group.add_argument("--moe-token-drop-policy", type=str, default=RUN_DEFAULTS.moe_token_drop_policy,
+                       help="The policy to drop tokens with --moe-expert-capacity-factor: probs drops the "
+                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {EP_ONLY}")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")

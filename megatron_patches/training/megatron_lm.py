@@ -129,7 +129,10 @@ _GPU_CHOICE = ("a GPU kernel, communication or memory choice with no CPU meaning
                "not pass to Megatron-Core yet")
 _OTHER_MODEL = "a model kind this entry point does not build (it trains GPT and BERT MoE models)"
 _LOW_PRECISION = "fp8 / fp4 training needs Transformer Engine on GPUs of Hopper or later; not built here yet"
+_UNREAD = ("Megatron-Core 0.16.1's models never read it (only Megatron-LM's legacy models did), so Megatron-LM's "
+           "pretrain_gpt.py ignores it too")
 CATEGORIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--apply-residual-connection-post-layernorm",), _UNREAD),
     (("--fp8-", "--no-fp8-", "--fp4-", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
       "--num-layers-at-end-in-bf16", "--te-precision-config-file", "--keep-fp8-transpose-cache",
       "--reuse-grad-buf-for-mxfp8-param-ag", "--moe-router-padding-for-fp8", "--moe-router-padding-for-quantization",
@@ -159,6 +162,12 @@ CATEGORIES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 NOT_BUILT = "not built in this entry point yet"
 
+# Single flags with their own reason and alternative: option -> (reason, instead).
+SPECIFIC = {
+    "--no-position-embedding": ("deprecated: Megatron-LM's validate_args refuses it except with rope, where it "
+                                "changes nothing", "--position-embedding-type none (or rope)"),
+}
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -180,6 +189,8 @@ def refusal(option: str) -> Refusal | None:
     if flag.group in WORKLOAD_GROUPS:
         workload, alternative = WORKLOAD_GROUPS[flag.group]
         return Refusal(flag, f"{workload} is not this entry point's work (GPT/BERT MoE pre-training)", alternative)
+    if option in SPECIFIC:
+        return Refusal(flag, *SPECIFIC[option])
     leave_out = f"leave it out (Megatron-LM's default: {flag.default!r})"
     for prefixes, reason in CATEGORIES:
         if any(alias == p or (p.endswith("-") and alias.startswith(p)) for p in prefixes for alias in flag.flags):

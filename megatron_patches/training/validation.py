@@ -25,8 +25,12 @@ from megatron_patches.training.arguments import (
     LR_DECAY_STYLES,
     MODEL_FAMILIES,
     NORMALIZATIONS,
+    EP_ONLY_ROUTING,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_MODULES,
+    ROUTER_DTYPES,
+    ROUTER_SCORE_FUNCTIONS,
+    TOKEN_DROP_POLICIES,
     TOKEN_DISPATCHER_TYPES,
     TOKENIZER_TYPES,
     TOKENIZERS_NEEDING_MODEL,
@@ -55,6 +59,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_model_shape(args)
     _resolve_moe(args)
     _resolve_mode_flags(args)
+    _check_routing(args)
     _resolve_batch(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
@@ -150,6 +155,11 @@ def _check_sizes(args):
 
 
 def _check_choices(args):
+    # Megatron-LM's rules: the deprecated rope switch sets the type; linear biases include QKV's
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.add_bias_linear:
+        args.add_qkv_bias = True
     choices = (
         ("--model-family", args.model_family, MODEL_FAMILIES),
         ("--normalization", args.normalization, NORMALIZATIONS),
@@ -159,7 +169,11 @@ def _check_choices(args):
         ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES),
         ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type,
          LOAD_BALANCING_TYPES),
+        ("--moe-router-score-function", args.moe_router_score_function, ROUTER_SCORE_FUNCTIONS),
+        ("--moe-token-drop-policy", args.moe_token_drop_policy, TOKEN_DROP_POLICIES),
     )
+    if args.moe_router_dtype is not None and args.moe_router_dtype not in ROUTER_DTYPES:
+        fail("--moe-router-dtype", args.moe_router_dtype, f"unknown value; valid: {', '.join(ROUTER_DTYPES)}, or leave it out")
     for flag, value, valid in choices:
         if value not in valid:
             fail(flag, value, f"unknown value; valid: {', '.join(valid)}")
@@ -203,7 +217,29 @@ def _resolve_parallel_layout(args, world_size):
              "needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
 
 
+def _check_attention_flags(args):
+    if not 0.0 < args.layernorm_epsilon < 1.0:
+        fail("--norm-epsilon", args.layernorm_epsilon, "valid: a number in (0, 1)")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        fail("--rotary-percent", args.rotary_percent, "valid: a share in (0, 1]")
+    factor = args.rotary_seq_len_interpolation_factor
+    if factor is not None and factor < 1:
+        fail("--rotary-seq-len-interpolation-factor", factor, "must be a positive integer")
+    rotary = (("--rotary-percent", args.rotary_percent, args.rotary_percent != 1.0),
+              ("--rotary-interleaved", True, args.rotary_interleaved),
+              ("--rotary-seq-len-interpolation-factor", factor, factor is not None))
+    for flag, value, given in rotary:
+        if given and args.position_embedding_type != "rope":
+            fail(flag, value, f"it shapes rotary embeddings, which --position-embedding-type="
+                 f"{args.position_embedding_type} does not use (Megatron-LM ignores it there); add "
+                 "--position-embedding-type rope or leave it out")
+    if args.qk_layernorm and args.model_family == "bert":
+        fail("--qk-layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm (Megatron-LM's "
+             "pretrain_bert.py ignores the flag); valid with --model-family gpt")
+
+
 def _resolve_model_shape(args):
+    _check_attention_flags(args)
     tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
     if args.kv_channels is None:
         if args.hidden_size % heads != 0:
@@ -343,7 +379,56 @@ def _resolve_mode_flags(args):
             args.moe_load_predictor = LOAD_PREDICTORS[0]
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
+    if mode.name != "ep":
+        parser_defaults = build_parser()
+        for dest in EP_ONLY_ROUTING:
+            if getattr(args, dest) != parser_defaults.get_default(dest):
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
+                     f"{mode.name} reaches the router's outputs its own way and does not take this routing "
+                     "option yet (fssdp, replicate and zebra: the modern-MoE work, issue 43); valid: "
+                     "--moe-parallel-mode ep, or leave it out")
     mode.validate(args)
+
+
+def _check_routing(args):
+    """Megatron-Core's own checks of the routing flags (transformer_config.py __post_init__), before
+    any process group, with the flags' names."""
+    experts = args.num_experts
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        fail("--moe-router-enable-expert-bias", True, "Megatron-Core's expert bias (aux-loss-free balancing) "
+             f"needs --moe-router-score-function sigmoid (is {args.moe_router_score_function})")
+    if not args.moe_router_bias_update_rate >= 0.0:
+        fail("--moe-router-bias-update-rate", args.moe_router_bias_update_rate, "must be 0 or more")
+    # flags Megatron-Core reads only beside another one (it ignores them alone; here they are refused)
+    defaults = build_parser()
+    alone = (("moe_router_bias_update_rate", args.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+             ("moe_token_drop_policy", args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"))
+    for dest, partner_given, partner in alone:
+        if getattr(args, dest) != defaults.get_default(dest) and not partner_given:
+            fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"is read only with {partner}; add it or leave this out")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        given, missing = ("--moe-router-num-groups", "--moe-router-group-topk") if group_topk is None else \
+            ("--moe-router-group-topk", "--moe-router-num-groups")
+        fail(given, groups if group_topk is None else group_topk,
+             f"group-limited routing needs both it and {missing} (Megatron-Core reads the groups only with "
+             "a group top-k)")
+    if groups is not None:
+        if groups < 1 or experts % groups != 0:
+            fail("--moe-router-num-groups", groups, f"must divide --num-experts={experts}; valid: {divisors(experts)}")
+        if not 1 <= group_topk <= groups:
+            fail("--moe-router-group-topk", group_topk, f"valid: 1..--moe-router-num-groups={groups}")
+        per_group = experts // groups
+        if not group_topk <= args.moe_router_topk <= group_topk * per_group:
+            # Megatron-Core ranks the groups by their top-(topk // group-topk) scores and then picks
+            # the top-k experts inside the chosen groups
+            fail("--moe-router-group-topk", group_topk,
+                 f"needs group-topk <= --moe-router-topk={args.moe_router_topk} <= group-topk x experts per group "
+                 f"({per_group}); valid: {[g for g in range(1, groups + 1) if g <= args.moe_router_topk <= g * per_group]}")
+    for dest in ("moe_router_topk_scaling_factor", "moe_z_loss_coeff", "moe_input_jitter_eps"):
+        value = getattr(args, dest)
+        if value is not None and not value > 0.0:
+            fail(f"--{dest.replace('_', '-')}", value, "must be positive (leave it out to switch it off)")
 
 
 def _resolve_batch(args):

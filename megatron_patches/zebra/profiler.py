@@ -695,8 +695,9 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
         if request.model.position_embedding_type == "rope":
             rotary = RotaryEmbedding(
                 kv_channels=config.kv_channels,
-                rotary_percent=1.0,
+                rotary_percent=request.model.rotary_percent,
                 rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=request.model.rotary_seq_len_interpolation_factor,
                 rotary_base=request.model.rotary_base,
                 use_cpu_initialization=config.use_cpu_initialization,
                 cp_group=pg_collection.cp,
