@@ -125,6 +125,9 @@ class SlurmOptions:
     """CPU cores per rank (`--cpus-per-task`; also given to srun, which does not inherit it)."""
     mem: str | None = None
     """Memory per node, e.g. "0" = all of it (`--mem`)."""
+    signal: str | None = None
+    """A signal to the tasks before the time limit, e.g. "TERM@300" (`--signal`). Only with the
+    training flag exit_signal_handler, which sets TERM@300 (its --exit-signal) when this is unset."""
 
     def sbatch_lines(self) -> list[str]:
         """The `#SBATCH` lines of the options that are set, in field order."""
@@ -245,8 +248,8 @@ def _slurm_options(value: Any, where: str) -> SlurmOptions:
                 raise SubmitError(f"{where}.cpus_per_task={item!r}: expected a positive integer")
         elif item is not None:
             plain = isinstance(item, (str, int)) and not isinstance(item, bool)
-            if not plain or not re.fullmatch(r"[\w:.,|&=+-]+", str(item)):
-                raise SubmitError(f"{where}.{key}={item!r}: expected a plain sbatch value (letters, digits, :.,|&=+-)")
+            if not plain or not re.fullmatch(r"[\w:.,|&=+@-]+", str(item)):
+                raise SubmitError(f"{where}.{key}={item!r}: expected a plain sbatch value (letters, digits, :.,|&=+@-)")
             options[key] = str(item)
     return SlurmOptions(**options)
 
@@ -708,6 +711,7 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
                           f"{len(components)} component(s) (one per node group of cluster {cluster.name})")
     slurm = tuple(run.slurm.merged(run.slurm_components[c.index]) if run.slurm_components else run.slurm
                   for c in components)
+    slurm = _exit_signal(slurm, args, run.source)
     if overrides.output_dir:
         output_dir = Path(overrides.output_dir).resolve()
     else:
@@ -719,6 +723,31 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
     return Job(run=run, mode=mode, model_path=model_path, cluster=cluster, components=tuple(components),
                flags=tuple(flags), args=args, backend=backend, zp_groups=zp_groups,
                memory_notes=tuple(memory_notes), output_dir=output_dir, slurm=slurm, command_line=command_line)
+
+
+EXIT_SIGNAL_LEAD_S = 300
+"""How long before the time limit Slurm signals a job with exit_signal_handler: the iteration in
+progress, then a checkpoint save (training/exits.py)."""
+
+
+def _exit_signal(slurm: tuple[SlurmOptions, ...], args, source: str) -> tuple[SlurmOptions, ...]:
+    """Pair --exit-signal-handler with `#SBATCH --signal`: Slurm then sends --exit-signal to every
+    task before the time limit, and the run saves and exits 0. A signal without the handler would
+    kill the ranks without a checkpoint: refused."""
+    name = args.exit_signal.name.removeprefix("SIG")
+    for options in slurm:
+        if options.signal is not None and not args.exit_signal_handler:
+            raise SubmitError(f"{source}: slurm.signal={options.signal!r} without the training flag "
+                              "exit_signal_handler: the signal would end the ranks without a checkpoint; add "
+                              "exit_signal_handler: true, or drop slurm.signal")
+        if options.signal is not None and options.signal.split("@")[0].removeprefix("SIG") not in (
+                name, str(int(args.exit_signal))):
+            raise SubmitError(f"{source}: slurm.signal={options.signal!r} is not --exit-signal {args.exit_signal.name}, "
+                              f"the signal the ranks wait for; valid: {name}@SECONDS")
+    if not args.exit_signal_handler:
+        return slurm
+    return tuple(options if options.signal is not None else dataclasses.replace(options, signal=f"{name}@{EXIT_SIGNAL_LEAD_S}")
+                 for options in slurm)
 
 
 @contextlib.contextmanager

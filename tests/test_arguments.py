@@ -9,9 +9,11 @@ describe_args. No process groups; torch is imported once by validate_args (param
 
 import ast
 import copy
+import signal
 import importlib.metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -1179,3 +1181,55 @@ def test_routing_flags_follow_megatron_core_s_checks_and_run_in_ep_only(parse):
         expect_error(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4,
                      "--moe-router-score-function=sigmoid", f"{mode} reaches the router's outputs its own way",
                      "--moe-parallel-mode ep")
+
+
+def test_sample_based_training_and_warmup_flags(parse):
+    # --train-samples on the command line replaces the config's train_iters (RUN's 200)
+    args = parse("--train-samples", "100", "--global-batch-size", "8", "--lr-warmup-samples", "20",
+                 "--lr-decay-samples", "60")
+    assert args.train_iters is None
+    args = validate_args(args, 1)
+    # Megatron-LM: train-samples // global batch iterations; the schedule's samples as iterations
+    assert args.train_iters == 12 and args.lr_warmup_steps == 2.5 and args.lr_decay_steps == 7.5
+    expect_error(parse("--train-samples", "100", "--train-iters", "5"), 1, "--train-samples=100",
+                 "either it or --train-iters (is 5)")
+    expect_error(parse("--train-samples", "2"), 1, "--train-samples=2", "less than one global batch (4)")
+    expect_error(parse("--lr-warmup-samples", "8"), 1, "--lr-warmup-samples=8", "use --lr-warmup-iters")
+    fraction = validate_args(parse("--lr-warmup-fraction", "0.1", "--lr-warmup-init", "1e-4"), 1)
+    assert fraction.lr_warmup_steps == pytest.approx(20) and fraction.lr_warmup_init == 1e-4
+    expect_error(parse("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"), 1, "--lr-warmup-fraction=0.1",
+                 "excludes --lr-warmup-iters")
+    expect_error(parse("--lr-warmup-init", "0.5"), 1, "--lr-warmup-init=0.5", "<= --lr=0.001")
+    expect_error(parse("--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"), 1,
+                 "--use-checkpoint-opt_param-scheduler=True", "excludes --override-opt_param-scheduler")
+    expect_error(parse("--manual-gc-interval", "5"), 1, "--manual-gc-interval=5", "read only with --manual-gc")
+    assert validate_args(parse("--manual-gc", "--manual-gc-interval", "5", "--no-manual-gc-eval"), 1).manual_gc_eval is False
+    assert parse("--exit-signal", "SIGUSR1").exit_signal is signal.SIGUSR1
+    with pytest.raises(ArgumentError, match="'TERM' is not a signal name; valid: SIGTERM, SIGINT, SIGUSR1, SIGUSR2"):
+        parse("--exit-signal", "TERM")
+    expect_error(parse("--exit-interval", "0"), 1, "--exit-interval=0", "must be a positive integer")
+
+
+def test_the_iteration_schedule_equals_megatron_lm_s_sample_schedule():
+    """Megatron-LM steps its scheduler by the global batch in samples; validation's conversion to
+    (fractional) iterations gives the same learning rate at every iteration."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs, train_samples, warmup_samples, decay_samples = 12, 600, 50, 500
+
+    def lrs(warmup, decay, increment):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        sched = OptimizerParamScheduler(opt, init_lr=1e-5, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup,
+                                        lr_decay_steps=decay, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                        wd_incr_steps=decay, wd_incr_style="constant")
+        out = []
+        for _ in range(train_samples // gbs):
+            out.append(opt.param_groups[0]["lr"])
+            sched.step(increment=increment)
+        return out
+
+    megatron_lm = lrs(warmup_samples, decay_samples, gbs)
+    ours = lrs(warmup_samples / gbs, decay_samples / gbs, 1)
+    np.testing.assert_allclose(ours, megatron_lm, rtol=1e-12)
+    assert megatron_lm[1] < megatron_lm[4] and megatron_lm[-1] == 1e-4  # warm-up, then decayed to min

@@ -597,3 +597,19 @@ def test_zebra_profile_is_read_for_the_pools_gpu_types(tmp_path):
     assert message == (f"training flags at world size 12 (6 + 6 ranks): --zebra-profile {cpu}: {cpu} has no "
                        "measurements for attention device type 'A40-48GB' (profiled types: ['cpu']) "
                        "(from command line)")
+
+
+def test_exit_signal_handler_asks_slurm_for_its_signal_before_the_time_limit():
+    """--exit-signal-handler pairs with #SBATCH --signal: Slurm signals every task before the time
+    limit, the ranks save and exit 0 (tests/test_exits.py); a signal without the handler, or another
+    signal than --exit-signal, would end the ranks without a checkpoint: refused."""
+    train = tiny_run()["train"]
+    script = submit.render_script(plan(tiny_run(train={**train, "exit_signal_handler": True})))
+    assert "#SBATCH --signal=TERM@300" in script and "  --exit-signal-handler" in script
+    usr1 = plan(tiny_run(train={**train, "exit_signal_handler": True, "exit_signal": "SIGUSR1"},
+                         slurm={"signal": "USR1@600"}))
+    assert "#SBATCH --signal=USR1@600" in submit.render_script(usr1)
+    assert "#SBATCH --signal" not in submit.render_script(plan(tiny_run()))
+    assert "without the training flag exit_signal_handler" in refused(tiny_run(slurm={"signal": "TERM@300"}))
+    assert "is not --exit-signal SIGTERM" in refused(tiny_run(train={**train, "exit_signal_handler": True},
+                                                              slurm={"signal": "USR1@300"}))

@@ -546,18 +546,19 @@ def add_grad_norm_term(opt, extra_norm_sq: Callable[[], float]) -> None:
 
 
 def scheduler(args, opt) -> OptimizerParamScheduler:
-    decay_iters = args.lr_decay_iters or args.train_iters
+    """Megatron-Core's scheduler, stepped once per iteration: warm-up and decay in iterations
+    (validation converts sample counts, possibly to fractions of an iteration)."""
     return OptimizerParamScheduler(
         opt,
-        init_lr=0.0,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=decay_iters,
+        lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=decay_iters,
+        wd_incr_steps=args.lr_decay_steps,
         wd_incr_style="constant",
         # on --load: the checkpoint's schedule values, or with the override these flags'
         override_opt_param_scheduler=args.override_opt_param_scheduler,

@@ -21,6 +21,7 @@ docs/flags.md is generated from the parser (a test keeps it in sync):
 """
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -38,6 +39,10 @@ REPO_ROOT = Path(megatron_patches.__file__).resolve().parents[1]
 # the command line names no --config and gives none of MODEL_SIZE_FLAGS; its other flags then
 # override the job's values.
 EMBEDDED_JOB = (REPO_ROOT / "configs" / "models" / "tiny.yaml", REPO_ROOT / "configs" / "tiny_job.yaml")
+
+# Flags that exclude each other (Megatron-LM refuses both): given on the command line, one
+# replaces a --config file's value of the other.
+EXCLUSIVE_FLAGS = (("--train-iters", "--train-samples"),)
 
 # The flags that size a model. A command line with any of them describes the user's own model:
 # every flag it does not give takes Megatron-LM's default and derivation (--ffn-hidden-size 4h,
@@ -120,11 +125,24 @@ DERIVED_VALUES = {
     "load_iteration": "the checkpoint a --load resumes from: the tracker's, or the newest older one that verifies "
                       "(training/checkpoint_dirs.py); None when there is none yet",
     "load_notes": "what choosing that checkpoint found (a fallback, a checkpoint without a manifest), logged at the load",
+    "lr_warmup_steps": "the scheduler's warm-up in iterations: --lr-warmup-iters, --lr-warmup-samples / global batch, or "
+                       "--lr-warmup-fraction x the decay",
+    "lr_decay_steps": "the scheduler's decay in iterations: --lr-decay-iters (default --train-iters), or "
+                      "--lr-decay-samples (default --train-samples) / global batch",
     "model_source": "where the model's values came from: --config files, the command line (Megatron-LM's defaults "
                     "for the rest), or the embedded tiny job",
 }
 
 __all__ = ["ArgumentError", "MOE_PARALLEL_MODES", "build_parser", "parse_args"]
+
+
+def signal_name(name: str) -> signal.Signals:
+    """--exit-signal's values: Megatron-LM's, a signal's name (SIGTERM, SIGUSR1, ...)."""
+    try:
+        return signal.Signals[name]
+    except KeyError:
+        valid = ", ".join(s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2))
+        raise argparse.ArgumentTypeError(f"{name!r} is not a signal name; valid: {valid}, ...") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,6 +430,9 @@ def _add_parallel_args(parser):
         "transformer_engine when CUDA and Transformer Engine are available, else local "
         "(Megatron-LM: transformer_engine).",
     )
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Default timeout minutes for torch.distributed (a collective that waits "
+                       "longer fails). --stall-timeout usually ends a stalled run first.")
     group.add_argument("--cpu", action="store_true",
                        help="Run on CPU (gloo) even when CUDA is available. Default: use CUDA "
                        "when available. New flag.")
@@ -429,7 +450,35 @@ def _add_training_args(parser):
                        "(one micro-batch per iteration), as Megatron-LM does when it is not given.")
     group.add_argument("--train-iters", type=int, default=None,
                        help="Total number of iterations to train over all training runs. "
-                       "Required (the embedded tiny job sets 200).")
+                       "Either it or --train-samples is required (the embedded tiny job sets 200).")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="Total number of samples to train over all training runs. Note that "
+                       "either train_iters or train_samples should be provided. The run trains "
+                       "train-samples // global-batch-size iterations, as Megatron-LM does without "
+                       "--rampup-batch-size (which is not built).")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Exit the program after the iteration is divisible by this value: "
+                       "save a checkpoint (with --save), then exit with code 0.")
+    group.add_argument("--exit-duration-in-mins", type=int, default=None,
+                       help="Exit the program after this many minutes of training: the first rank "
+                       "past it decides for all, a checkpoint is saved (with --save), exit code 0.")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Dynamically save the checkpoint and shutdown the training if "
+                       "--exit-signal (SIGTERM) is received by any rank: every rank stops after "
+                       "the iteration in progress, a checkpoint is saved (with --save), exit code 0. "
+                       "launch/submit.py then asks Slurm for that signal before the time limit "
+                       "(#SBATCH --signal).")
+    group.add_argument("--exit-signal", type=signal_name, default=signal.SIGTERM,
+                       help="Signal for the signal handler to detect, by name (SIGTERM, SIGUSR1, ...).")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Disable the threshold-based default garbage collector and trigger the "
+                       "garbage collection manually, at the same iterations on every rank.")
+    group.add_argument("--manual-gc-interval", type=int, default=0,
+                       help="Training step interval to trigger manual garbage collection. Values > 0 "
+                       "will trigger garbage collections between training steps.")
+    group.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="When using manual garbage collection, this controls garbage collection at "
+                       "the start and the end of each evaluation run (on by default).")
     group.add_argument("--max-nonfinite-steps", type=int, default=0,
                        help="Steps with a non-finite loss or gradient (NaN or infinity on any "
                        "rank) to skip before the run stops with exit code 3; a skipped step "
@@ -461,6 +510,25 @@ def _add_learning_rate_args(parser):
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Number of iterations to decay learning rate over. If None defaults "
                        "to --train-iters.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0,
+                       help="Number of samples to linearly warmup learning rate over (with "
+                       "--train-samples).")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="Number of samples to decay learning rate over, If None defaults to "
+                       "train samples (with --train-samples).")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Fraction of lr-decay-(iters/samples) to use for warmup (as a float), in "
+                       "place of --lr-warmup-iters / --lr-warmup-samples.")
+    group.add_argument("--lr-warmup-init", type=float, default=0.0,
+                       help="Initial value for learning rate warmup. The scheduler starts warmup from "
+                       "this value.")
+    group.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                       action="store_true",
+                       help="Use checkpoint to set the values of the scheduler (learning rate, warmup "
+                       "iterations, minimum learning rate, maximum number of iterations, and decay "
+                       "style) from checkpoint and ignore input arguments. What a --load does here "
+                       "anyway unless --override-opt_param-scheduler is given (the two exclude each "
+                       "other, as in Megatron-LM).")
 
 
 def _add_regularization_args(parser):
@@ -668,18 +736,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     Command-line syntax errors (an unknown flag, a value of the wrong type) and YAML problems
     raise ArgumentError naming the flag, file or key and what would be valid."""
+    tokens = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    given = parser.parse_args(argv).config
-    sizes = model_size_flags(sys.argv[1:] if argv is None else argv)
-    config_files = given or ([] if sizes else list(EMBEDDED_JOB))
+    configs = parser.parse_args(tokens).config
+    sizes = given_flags(tokens, MODEL_SIZE_FLAGS)
+    config_files = configs or ([] if sizes else list(EMBEDDED_JOB))
     values = {}
     for path in config_files:
         values.update(load_yaml(Path(path), parser))
+    # Of two flags that exclude each other, the one the command line gives replaces a config's
+    # value of the other (the embedded job's --train-iters 200 gives way to --train-samples)
+    for pair in EXCLUSIVE_FLAGS:
+        if len(given := given_flags(tokens, pair)) == 1:
+            other = next(flag for flag in pair if flag not in given)
+            values.pop(other.removeprefix("--").replace("-", "_"), None)
     # Config values become the parser's defaults, so only flags present in argv override them.
     parser.set_defaults(**values)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(tokens)
     args.config = [str(path) for path in config_files]
-    if given:
+    if configs:
         args.model_source = f"--config {' '.join(args.config)}"
     elif sizes:
         args.model_source = f"the command line ({', '.join(sizes)}; Megatron-LM's defaults for the flags not given)"
@@ -689,6 +764,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_size_flags(argv: list[str]) -> list[str]:
-    """The MODEL_SIZE_FLAGS that `argv` gives (as --flag VALUE or --flag=VALUE)."""
-    return [flag for flag in MODEL_SIZE_FLAGS if any(token == flag or token.startswith(flag + "=") for token in argv)]
+def given_flags(tokens: list[str], flags) -> list[str]:
+    """Those of `flags` that `tokens` give (as --flag VALUE or --flag=VALUE)."""
+    return [flag for flag in flags if any(token == flag or token.startswith(flag + "=") for token in tokens)]

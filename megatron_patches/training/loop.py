@@ -15,6 +15,7 @@ Megatron-Core ships no `megatron.training`; this is the lean equivalent built fr
 from __future__ import annotations
 
 import datetime
+import gc
 import math
 import os
 import socket
@@ -35,6 +36,7 @@ from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, checkpoint_dirs, metrics, modes, outputs
+from megatron_patches.training.exits import ExitConditions
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
@@ -79,7 +81,7 @@ def pretrain(args) -> Summary:
 
 
 def set_up(args) -> None:
-    init_distributed(args.use_cuda, args.distributed_backend)
+    init_distributed(args.use_cuda, args.distributed_backend, args.distributed_timeout_minutes)
     shims = prepare_megatron(args.use_cuda)
     if args.run_dir:
         # a person reads a short summary; every value stays in the run folder
@@ -102,7 +104,7 @@ def layout_summary(args) -> str:
             f"{args.model_source}")
 
 
-def init_distributed(use_cuda: bool, backend: str) -> None:
+def init_distributed(use_cuda: bool, backend: str, timeout_minutes: int) -> None:
     """torch.distributed from torchrun's environment, or a world of one for a plain process.
 
     With NCCL the default group also gets gloo for host tensors ("cpu:gloo,cuda:nccl", and
@@ -119,7 +121,7 @@ def init_distributed(use_cuda: bool, backend: str) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def seed_everything(args) -> None:
@@ -284,6 +286,8 @@ class History:
     """Iterations whose update was skipped (an fp16 overflow or a non-finite gradient), in this run."""
     nonfinite: int = 0
     """Iterations with a non-finite loss or gradient (not counting fp16 overflows), in this run."""
+    exit_reason: str | None = None
+    """Why the run stopped before --train-iters (training/exits.py), or None."""
     routed: list[np.ndarray] = field(default_factory=list)
     """Rank 0 with --moe-log-loads: routed token copies [layers, experts] per iteration."""
     sources: list[np.ndarray] = field(default_factory=list)
@@ -320,7 +324,14 @@ def train(args, run: Run) -> History:
         return float(np.mean(total))
 
     activations.persistent(run.ddp.parameters())
-    with StallWatchdog(args.stall_timeout) as watchdog:
+    if args.manual_gc:
+        # Megatron-LM's --manual-gc: no collection at random allocation counts (a rank paused in
+        # one holds every other rank up at the next collective); every rank collects at the same
+        # iterations instead
+        gc.disable()
+        gc.collect()
+    saved_at = None
+    with StallWatchdog(args.stall_timeout) as watchdog, ExitConditions(args) as exits:
         for iteration in range(history.start_iteration + 1, args.train_iters + 1):
             started = time.perf_counter()
             if args.use_cuda:
@@ -355,14 +366,32 @@ def train(args, run: Run) -> History:
             if nonfinite:
                 stop_or_skip(args, history, iteration, loss, update_ok, writer)
             if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
                 history.eval_loss = evaluate()
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
                 if writer is not None:
                     writer.log_eval(iteration, history.eval_loss)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save(args, run, iteration)
+                saved_at = iteration
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
             watchdog.progress(iteration)
+            reason = exits.reason(iteration)
+            if reason is not None and iteration < args.train_iters:
+                history.exit_reason = reason
+                saved = ""
+                if args.save and saved_at != iteration:
+                    save(args, run, iteration)
+                    saved_at = iteration
+                if args.save:
+                    saved = f"; the checkpoint of iteration {iteration} in {args.save} resumes it"
+                log0(f"exit: after iteration {iteration} of {args.train_iters}: {history.exit_reason}{saved}")
+                break
 
-        if args.save and (not args.save_interval or args.train_iters % args.save_interval != 0) and args.train_iters > history.start_iteration:
+        if args.save and saved_at != args.train_iters and history.exit_reason is None and args.train_iters > history.start_iteration:
             save(args, run, args.train_iters)
     if writer is not None:
         writer.close()

@@ -95,6 +95,7 @@ DIFFERS = {
     "moe_router_load_balancing_type": "nargs None: one type for every layer (Megatron-LM's + also takes a list "
                                       "per layer group)",
     "moe_aux_loss_coeff": "nargs None: one coefficient (Megatron-LM's + also takes one per load-balancing type)",
+    "exit_signal": "type signal_name: the same signal names (SIGTERM, SIGUSR1, ...) as Megatron-LM's enum handler",
 }
 
 

@@ -30,7 +30,7 @@ MODEL_SHAPE = (
     "model_family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "swiglu",
     "normalization", "position_embedding_type", "max_position_embeddings", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size",
+    "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "qk_layernorm", "add_qkv_bias",
 )
 OPTIMIZER_FORM = ("use_distributed_optimizer",)
 """The optimizer state's form: the distributed optimizer's and the plain one's do not load into
@@ -44,9 +44,10 @@ def experts_apart(flags: dict) -> bool:
     form). The two forms do not load into each other (measured: a KeyError inside Megatron-Core)."""
     mode, ep = flags.get("moe_parallel_mode", "ep"), flags.get("expert_model_parallel_size") or 1
     return bool(flags.get("num_experts")) and (mode == "zebra" or ep > 1)
-SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay")
+SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "lr_warmup_samples",
+            "lr_decay_samples", "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_steps", "lr_decay_steps")
 NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads", "no_load_optim",
-                "no_load_rng", "override_opt_param_scheduler")
+                "no_load_rng", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "model_source")
 # unset at validation when the embedded corpus is used: the loop fills them at start-up
 # (training/loop.py resolve_default_corpus), so the checkpoint holds the corpus's values
 FILLED_AT_START = ("data_path", "tokenizer_type", "vocab_file", "merge_file")

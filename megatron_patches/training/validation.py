@@ -63,6 +63,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_batch(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
+    _check_manual_gc(args)
     _resolve_device(args)
     _check_precision(args)
     _check_recompute(args)
@@ -90,13 +91,17 @@ REQUIRED = {
     "num_attention_heads": "configs/models/*.yaml set it",
     "seq_length": "configs/models/*.yaml set it",
     "micro_batch_size": "the tiny job's: 4",
-    "train_iters": "the tiny job's: 200",
+    "train_iters": "or --train-samples; the tiny job's: 200",
     "lr": "the tiny job's: 1e-3",
 }
 
 
 def _check_sizes(args):
-    missing = [dest for dest in REQUIRED if getattr(args, dest) is None]
+    if args.train_iters is not None and args.train_samples is not None:
+        fail("--train-samples", args.train_samples, f"give either it or --train-iters (is {args.train_iters}), "
+             "as Megatron-LM requires")
+    missing = [dest for dest in REQUIRED if getattr(args, dest) is None
+               and not (dest == "train_iters" and args.train_samples is not None)]
     if missing:
         raise ArgumentError(
             "; ".join(f"--{dest.replace('_', '-')} is not set ({REQUIRED[dest]})" for dest in missing)
@@ -110,13 +115,15 @@ def _check_sizes(args):
         "pipeline_model_parallel_size", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "make_vocab_size_divisible_by", "vocab_size",
         "lr_decay_iters", "tiktoken_num_special_tokens", "kv_channels", "num_query_groups",
-        "rotary_base",
+        "rotary_base", "train_samples", "lr_decay_samples", "exit_interval", "exit_duration_in_mins",
+        "distributed_timeout_minutes", "rotary_seq_len_interpolation_factor",
     )
     for dest in positive:
         value = getattr(args, dest)
         if value is not None and value <= 0:
             fail(f"--{dest.replace('_', '-')}", value, "must be a positive integer")
-    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters", "max_nonfinite_steps", "keep_last_checkpoints")
+    non_negative = ("lr_warmup_iters", "num_workers", "eval_iters", "max_nonfinite_steps", "keep_last_checkpoints",
+                    "lr_warmup_samples", "manual_gc_interval")
     for dest in non_negative:
         value = getattr(args, dest)
         if value < 0:
@@ -443,6 +450,33 @@ def _resolve_batch(args):
     args.num_micro_batches = args.global_batch_size // (micro * dp)
 
 
+def _resolve_train_samples(args):
+    """Megatron-LM's sample-based training without batch ramp-up: train-samples // global batch
+    iterations, and the schedule's sample counts in iterations (fractional where a count is not a
+    multiple of the global batch: Megatron-LM steps its scheduler by the global batch, so the
+    learning rate of every iteration is the same)."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        for flag, value, unset in (("--lr-warmup-samples", args.lr_warmup_samples, 0),
+                                   ("--lr-decay-samples", args.lr_decay_samples, None)):
+            if value != unset:
+                fail(flag, value, "counts samples, which only a --train-samples run reads; with --train-iters "
+                     f"use {flag.replace('samples', 'iters')}")
+        args.lr_warmup_steps = args.lr_warmup_iters
+        args.lr_decay_steps = args.lr_decay_iters
+        return
+    for flag, value, unset in (("--lr-warmup-iters", args.lr_warmup_iters, 0),
+                               ("--lr-decay-iters", args.lr_decay_iters, None)):
+        if value != unset:
+            fail(flag, value, f"counts iterations, which a --train-samples run does not read (Megatron-LM "
+                 f"expects sample-based schedules there); use {flag.replace('iters', 'samples')}")
+    if args.train_samples < gbs:
+        fail("--train-samples", args.train_samples, f"is less than one global batch ({gbs}); valid: >= {gbs}")
+    args.train_iters = args.train_samples // gbs
+    args.lr_warmup_steps = args.lr_warmup_samples / gbs
+    args.lr_decay_steps = (args.lr_decay_samples or args.train_samples) / gbs
+
+
 def _resolve_learning_rate(args):
     if not args.lr >= 0.0:
         fail("--lr", args.lr, "must be 0 or more")
@@ -450,12 +484,36 @@ def _resolve_learning_rate(args):
         fail("--min-lr", args.min_lr, "must be 0 or more")
     if args.min_lr > args.lr:
         fail("--min-lr", args.min_lr, f"exceeds --lr={args.lr}; valid: 0 <= min-lr <= lr")
-    if args.lr_decay_iters is None:
+    if not 0.0 <= args.lr_warmup_init <= args.lr:
+        fail("--lr-warmup-init", args.lr_warmup_init, f"valid: 0 <= lr-warmup-init <= --lr={args.lr}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        fail("--use-checkpoint-opt_param-scheduler", True, "excludes --override-opt_param-scheduler (as in "
+             "Megatron-LM); give one")
+    _resolve_train_samples(args)
+    if args.lr_decay_iters is None and args.train_samples is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        fail("--lr-warmup-iters", args.lr_warmup_iters,
-             f"must be below --lr-decay-iters={args.lr_decay_iters} (Megatron-Core's scheduler "
-             f"requires warmup < decay); valid: 0..{args.lr_decay_iters - 1}")
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = args.lr_decay_iters
+    unit = "samples" if args.train_samples is not None else "iters"
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            fail("--lr-warmup-fraction", args.lr_warmup_fraction, "valid: a fraction in [0, 1)")
+        if args.lr_warmup_steps:
+            fail("--lr-warmup-fraction", args.lr_warmup_fraction, f"excludes --lr-warmup-{unit} (as in Megatron-LM); "
+                 "give one")
+        args.lr_warmup_steps = args.lr_warmup_fraction * args.lr_decay_steps
+    if args.lr_warmup_steps >= args.lr_decay_steps:
+        fail(f"--lr-warmup-{unit}", getattr(args, f"lr_warmup_{unit}"),
+             f"must be below --lr-decay-{unit}={getattr(args, f'lr_decay_{unit}') or args.train_samples} (Megatron-Core's "
+             f"scheduler requires warmup < decay); valid: 0..{(getattr(args, f'lr_decay_{unit}') or args.train_samples) - 1}")
+
+
+def _check_manual_gc(args):
+    given = [flag for flag, value in (("--manual-gc-interval", args.manual_gc_interval),
+                                      ("--no-manual-gc-eval", not args.manual_gc_eval)) if value]
+    if given and not args.manual_gc:
+        fail(given[0], True if given[0] == "--no-manual-gc-eval" else args.manual_gc_interval,
+             "is read only with --manual-gc; add it or leave this out")
 
 
 def _check_intervals(args):

@@ -1,0 +1,118 @@
+"""Megatron-LM's run-control flags end to end, `pretrain_gpt_moe.py` on 2 gloo ranks: the early
+exits (--exit-interval, --exit-signal-handler: save, then exit 0; the checkpoint resumes),
+sample-based training with a warm-up fraction and a warm-up start (the logged learning rates are
+Megatron-Core's scheduler's at Megatron-LM's sample counts), --manual-gc and
+--distributed-timeout-minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from support.training import ENTRY, MOCK, NO_DROPOUT, REPO, launch_many
+
+from megatron_patches.training import checkpoint_dirs
+from megatron_patches.training.metrics import read_records
+
+pytestmark = pytest.mark.e2e
+
+# MOCK without its --lr-warmup-iters (a --train-samples run counts its warm-up in samples); global batch 8
+WARMUP = MOCK.index("--lr-warmup-iters")
+COMMON = [*MOCK[:WARMUP], *MOCK[WARMUP + 2:], *NO_DROPOUT, "--expert-model-parallel-size", "2"]
+# 48 samples = 6 iterations of 8; the warm-up is 0.25 of them (1.5 iterations), from 1e-4 up to 1e-3
+SAMPLES = ["--train-samples", "48", "--lr-warmup-fraction", "0.25", "--lr-warmup-init", "1e-4", "--lr", "1e-3",
+           "--min-lr", "1e-5", "--lr-decay-style", "cosine"]
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    ckpt = workdir / "ckpt_exit"
+    return launch_many(2, {
+        "exit_interval": [*COMMON, *SAMPLES, "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "100",
+                          "--manual-gc", "--manual-gc-interval", "2", "--distributed-timeout-minutes", "5"],
+        "resumed": [*COMMON, *SAMPLES, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100"],
+        "straight": [*COMMON, *SAMPLES],
+    }, workdir), ckpt
+
+
+def megatron_lm_lrs(iterations: int) -> list[float]:
+    """Megatron-LM's learning rate at iterations 1..n: its scheduler in samples, stepped by the
+    global batch of 8 after each iteration (SAMPLES' values)."""
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    sched = OptimizerParamScheduler(opt, init_lr=1e-4, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=0.25 * 48,
+                                    lr_decay_steps=48, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                    wd_incr_steps=48, wd_incr_style="constant")
+    lrs = []
+    for _ in range(iterations):
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step(increment=8)
+    return lrs
+
+
+def test_exit_interval_saves_and_the_checkpoint_resumes(runs):
+    result, ckpt = runs
+    stopped, resumed, straight = result["exit_interval"], result["resumed"], result["straight"]
+    assert "exit: after iteration 4 of 6: --exit-interval 4; the checkpoint of iteration 4" in stopped.output
+    assert [r["iteration"] for r in stopped.records if "loss" in r] == [1, 2, 3, 4]
+    assert "training: iterations 4 -> 6" in resumed.output
+    assert [r["iteration"] for r in resumed.records if "loss" in r] == [5, 6]
+    assert checkpoint_dirs.latest_iteration(ckpt) == 6
+    # stopping and resuming changes nothing: the same losses as the run that went straight through
+    assert stopped.losses + resumed.losses == pytest.approx(straight.losses, rel=1e-6)
+
+
+def test_sample_based_schedule_is_megatron_lm_s(runs):
+    straight = runs[0]["straight"]
+    assert [r["iteration"] for r in straight.records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # each record's lr is the rate after that iteration's scheduler step, as Megatron-LM logs it
+    assert [r["lr"] for r in straight.records if "loss" in r] == pytest.approx(megatron_lm_lrs(7)[1:], rel=1e-9)
+
+
+def _rank_pids(root: int) -> dict[int, int]:
+    """rank -> pid of the training processes under the torchrun agent `root` (from /proc)."""
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            todo += [int(child) for child in (task / "children").read_text().split()]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [item.split(b"=", 1)[1] for item in environ if item.startswith(b"RANK=")]
+        if rank and pid != root:
+            found[int(rank[0])] = pid
+    return found
+
+
+def test_a_signal_to_one_rank_saves_and_ends_the_run_cleanly(workdir):
+    """SIGTERM to rank 1 only (Slurm's warning signal reaches every task; one is the hardest case):
+    every rank stops after the same iteration, the checkpoint is written, exit code 0."""
+    ckpt, log = workdir / "ckpt_signal", workdir / "signal.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ENTRY), *COMMON,
+           "--train-iters", "500", "--lr-warmup-iters", "1", "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "1000",
+           "--log-json", str(log)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and len(read_records(str(log))) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before iteration 2"
+            time.sleep(0.2)
+        os.kill(_rank_pids(proc.pid)[1], signal.SIGTERM)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    stopped = checkpoint_dirs.latest_iteration(ckpt)
+    assert stopped is not None and 2 <= stopped < 500
+    assert (f"exit: after iteration {stopped} of 500: SIGTERM received (--exit-signal-handler); the checkpoint of "
+            f"iteration {stopped}") in output
+    assert "summary:" in output and "Traceback" not in output
