@@ -1233,3 +1233,24 @@ def test_the_iteration_schedule_equals_megatron_lm_s_sample_schedule():
     ours = lrs(warmup_samples / gbs, decay_samples / gbs, 1)
     np.testing.assert_allclose(ours, megatron_lm, rtol=1e-12)
     assert megatron_lm[1] < megatron_lm[4] and megatron_lm[-1] == 1e-4  # warm-up, then decayed to min
+
+
+def test_model_flops_are_megatron_lm_s_count():
+    """training/flops.py against the count written out per token for the tiny job (2 MoE layers,
+    hidden 64, 4 heads of 16, FFN 128, 8 experts top-2, sequence 128, GPT-2 vocabulary padded to
+    50,304, global batch 4) and for a GQA + SwiGLU model with a dense layer."""
+    from megatron_patches.training.flops import model_flops_per_iteration
+
+    tiny = validate_args(parse_args([]), 1)
+    attention = 6 * (64 * (64 + 2 * 64) + 64 * 128 + 64 * 64)  # QKV, scores + values (causal half), output
+    experts = 6 * 64 * (128 * 2 * 2)  # top-2 experts, fc1 + fc2
+    logits = 6 * 64 * 50304
+    assert model_flops_per_iteration(tiny, 50304) == 4 * 128 * (2 * (attention + experts) + logits)
+    gqa = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+                                    "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+                                    "--ffn-hidden-size", "256", "--moe-ffn-hidden-size", "64", "--num-experts", "8",
+                                    "--moe-router-topk", "2", "--moe-layer-freq", "2", "--seq-length", "32",
+                                    "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4"]), 1)
+    attention = 6 * (128 * (128 + 2 * 32 * 2) + 128 * 32 + 128 * 128)
+    mlp = 6 * 128 * (256 * 3 * 1 + 64 * 2 * 3 * 1)  # one dense SwiGLU layer, one MoE layer of top-2
+    assert model_flops_per_iteration(gqa, 1024) == 2 * 32 * (2 * attention + mlp + 6 * 128 * 1024)

@@ -1,8 +1,8 @@
 """Megatron-LM's run-control flags end to end, `pretrain_gpt_moe.py` on 2 gloo ranks: the early
 exits (--exit-interval, --exit-signal-handler: save, then exit 0; the checkpoint resumes),
 sample-based training with a warm-up fraction and a warm-up start (the logged learning rates are
-Megatron-Core's scheduler's at Megatron-LM's sample counts), --manual-gc and
---distributed-timeout-minutes.
+Megatron-Core's scheduler's at Megatron-LM's sample counts), --log-throughput (Megatron-LM's model
+FLOPs), --manual-gc and --distributed-timeout-minutes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def runs(workdir):
         "exit_interval": [*COMMON, *SAMPLES, "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "100",
                           "--manual-gc", "--manual-gc-interval", "2", "--distributed-timeout-minutes", "5"],
         "resumed": [*COMMON, *SAMPLES, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100"],
-        "straight": [*COMMON, *SAMPLES],
+        "straight": [*COMMON, *SAMPLES, "--log-throughput"],
     }, workdir), ckpt
 
 
@@ -74,6 +74,13 @@ def test_exit_interval_saves_and_the_checkpoint_resumes(runs):
 def test_sample_based_schedule_is_megatron_lm_s(runs):
     straight = runs[0]["straight"]
     assert [r["iteration"] for r in straight.records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # --log-throughput: Megatron-LM's model FLOPs of the iteration (MOCK: 2 layers, hidden 64, seq 64,
+    # FFN 128, 8 experts top-2, vocabulary 1000 padded to 1024, global batch 8) per second and rank
+    per_token = 2 * 6 * (64 * 192 + 64 * 64 + 64 * 64) + 2 * 6 * 64 * 128 * 2 * 2 + 6 * 64 * 1024
+    for record in (r for r in straight.records if "loss" in r):
+        expected = 8 * 64 * per_token / (record["iteration_time_s"] * 1e12 * 2)
+        assert record["tflops_per_gpu"] == pytest.approx(expected, rel=1e-9)
+    assert "TFLOP/s/GPU" in straight.output
     # each record's lr is the rate after that iteration's scheduler step, as Megatron-LM logs it
     assert [r["lr"] for r in straight.records if "loss" in r] == pytest.approx(megatron_lm_lrs(7)[1:], rel=1e-9)
 

@@ -708,6 +708,10 @@ def _add_logging_args(parser):
     group = parser.add_argument_group(title="logging")
     group.add_argument("--log-interval", type=int, default=100,
                        help="Report loss and timing interval.")
+    group.add_argument("--log-throughput", action="store_true",
+                       help="If set, calculate and log throughput per GPU: TFLOP/s of model FLOPs as "
+                       "Megatron-LM counts them (routed top-k experts; training/flops.py), in the progress "
+                       "line, the JSON records (tflops_per_gpu) and TensorBoard.")
     group.add_argument("--run-dir", type=str, default=None, metavar="DIR",
                        help="Keep the run's outputs in DIR: arguments.txt (every flag value; "
                        "stdout gets a short summary), metrics.jsonl, tensorboard/, loads.npz and "

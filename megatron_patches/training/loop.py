@@ -38,6 +38,7 @@ from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, checkpoint_dirs, metrics, modes, outputs
 from megatron_patches.training.exits import ExitConditions
 from megatron_patches.training.flag_docs import describe_args
+from megatron_patches.training.flops import model_flops_per_iteration
 from megatron_patches.training.model import build_model, transformer_config
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
 from megatron_patches.training.watchdog import StallWatchdog
@@ -183,6 +184,8 @@ class Run:
     """precision_dtypes: parameters, main weights, gradients."""
     precision: str
     """The start-up precision line (precision_summary)."""
+    flops_per_iteration: float
+    """Model FLOPs of one iteration, as Megatron-LM counts them (training/flops.py)."""
 
 
 def build(args) -> Run:
@@ -234,6 +237,7 @@ def build(args) -> Run:
         state=state,
         dtypes=dtypes,
         precision=precision,
+        flops_per_iteration=model_flops_per_iteration(args, vocab),
     )
 
 
@@ -440,6 +444,8 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "dtypes": run.dtypes,
         "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
         "iteration_time_s": elapsed,
+        # --log-throughput: Megatron-LM's model FLOPs over this iteration's time, per rank
+        **({"tflops_per_gpu": run.flops_per_iteration / (elapsed * 1e12 * args.world_size)} if args.log_throughput else {}),
         "moe_layers": metrics.moe_layer_records(
             loads, run.layer_numbers,
             run.mode.owner_positions_LE(len(run.layer_numbers), args.num_experts, args.expert_model_parallel_size)),
