@@ -1,5 +1,5 @@
 """Megatron-LM's run-control flags end to end, `pretrain_gpt_moe.py` on 2 gloo ranks: the early
-exits (--exit-interval, --exit-signal-handler: save, then exit 0; the checkpoint resumes),
+exits (--exit-interval, --exit-signal-handler: save, then exit 0; the checkpoint resumes), --finetune,
 sample-based training with a warm-up fraction and a warm-up start (the logged learning rates are
 Megatron-Core's scheduler's at Megatron-LM's sample counts), --log-throughput (Megatron-LM's model
 FLOPs), --manual-gc and --distributed-timeout-minutes.
@@ -40,6 +40,7 @@ def runs(workdir):
                           "--manual-gc", "--manual-gc-interval", "2", "--distributed-timeout-minutes", "5"],
         "resumed": [*COMMON, *SAMPLES, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100"],
         "straight": [*COMMON, *SAMPLES, "--log-throughput"],
+        "finetune": [*COMMON, *SAMPLES, "--load", str(ckpt), "--finetune"],
     }, workdir), ckpt
 
 
@@ -123,3 +124,14 @@ def test_a_signal_to_one_rank_saves_and_ends_the_run_cleanly(workdir):
     assert (f"exit: after iteration {stopped} of 500: SIGTERM received (--exit-signal-handler); the checkpoint of "
             f"iteration {stopped}") in output
     assert "summary:" in output and "Traceback" not in output
+
+
+def test_finetune_starts_from_the_checkpoint_s_model_at_iteration_0(runs):
+    """--finetune: the model of the checkpoint (iteration 6), nothing else: iteration 0, the first
+    batch again, a fresh schedule."""
+    finetune, straight = runs[0]["finetune"], runs[0]["straight"]
+    assert "--finetune: the model of iteration 6, training from iteration 0" in finetune.output
+    assert "training: iterations 0 -> 6" in finetune.output
+    first, fresh = finetune.records[0], straight.records[0]
+    assert first["iteration"] == 1 and first["lr"] == fresh["lr"]
+    assert first["loss"] != pytest.approx(fresh["loss"], rel=1e-3)  # trained weights on the same first batch

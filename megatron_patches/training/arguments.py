@@ -680,6 +680,14 @@ def _add_checkpointing_args(parser):
                        help="Directory containing a model checkpoint. Must exist, unless it is "
                        "the --save directory (--save DIR --load DIR resumes when DIR holds a "
                        "checkpoint and starts fresh otherwise).")
+    group.add_argument("--finetune", action="store_true",
+                       help="Load model for finetuning. Do not load optimizer or rng state from checkpoint "
+                       "and set iteration to 0 (consumed samples too; the learning-rate schedule starts "
+                       "afresh).")
+    group.add_argument("--ckpt-format", type=str, default="torch_dist",
+                       help="Checkpoint format: torch_dist, Megatron-Core's distributed checkpoint, the "
+                       "only one written and read here (Megatron-LM also has torch, torch_dcp, zarr and "
+                       "fsdp_dtensor).")
     group.add_argument("--no-load-optim", action="store_true",
                        help="Do not load optimizer when loading checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",

@@ -218,7 +218,9 @@ def build(args) -> Run:
     if args.load:
         loaded, notes = checkpoint.load(args.load, args.load_iteration, [ddp], optimizer, scheduler, not args.no_load_optim,
                                         not args.no_load_rng, mode)
-        if loaded is not None:
+        if loaded is not None and args.finetune:
+            log0(f"checkpoint: --finetune: the model of iteration {args.load_iteration}, training from iteration 0")
+        elif loaded is not None:
             state.update({k: loaded[k] for k in state})
         for note in [*args.load_notes, *notes]:
             log0(f"checkpoint: {note}")

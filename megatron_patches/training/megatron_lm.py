@@ -167,6 +167,11 @@ NOT_BUILT = "not built in this entry point yet"
 SPECIFIC = {
     "--no-position-embedding": ("deprecated: Megatron-LM's validate_args refuses it except with rope, where it "
                                 "changes nothing", "--position-embedding-type none (or rope)"),
+    "--rampup-batch-size": ("a global batch that grows during training is not built: the placement modes plan "
+                            "each iteration's expert loads for one fixed global batch", "a fixed --global-batch-size"),
+    "--async-save": ("not built yet: a checkpoint here is published (manifest, then tracker) only once every rank's "
+                     "files are complete, which the asynchronous writer would finish after the call returns",
+                     "leave it out (saves are synchronous)"),
 }
 
 

@@ -47,7 +47,8 @@ def experts_apart(flags: dict) -> bool:
 SCHEDULE = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "weight_decay", "lr_warmup_samples",
             "lr_decay_samples", "lr_warmup_fraction", "lr_warmup_init", "lr_warmup_steps", "lr_decay_steps")
 NOT_COMPARED = ("save", "load", "config", "run_dir", "log_json", "tensorboard_dir", "moe_log_loads", "no_load_optim",
-                "no_load_rng", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "model_source")
+                "no_load_rng", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler", "model_source",
+                "finetune")
 # unset at validation when the embedded corpus is used: the loop fills them at start-up
 # (training/loop.py resolve_default_corpus), so the checkpoint holds the corpus's values
 FILLED_AT_START = ("data_path", "tokenizer_type", "vocab_file", "merge_file")

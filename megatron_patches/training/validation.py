@@ -771,6 +771,14 @@ def _check_checkpointing(args):
     args.load_iteration, args.load_notes = None, []
     if args.save is not None and args.save_interval is None:
         fail("--save", args.save, "needs --save-interval (as in Megatron-LM)")
+    if args.ckpt_format != "torch_dist":
+        fail("--ckpt-format", args.ckpt_format, "this entry point writes and reads Megatron-Core's distributed "
+             "checkpoints with its own manifest (training/checkpoint.py) only; valid: torch_dist")
+    if args.finetune:
+        if args.load is None:
+            fail("--finetune", True, "loads a checkpoint's model to start from; add --load DIR")
+        # Megatron-LM: the model only, from iteration 0, a fresh optimizer, schedule and RNG
+        args.no_load_optim = args.no_load_rng = True
     if args.load is None:
         return
     # --save D --load D is how a job that may be preempted is written (launch/submit.py does): the
@@ -793,7 +801,7 @@ def _check_checkpointing(args):
             fail("--load", args.load, f"holds no checkpoint (no {checkpoint_dirs.TRACKER_FILE}); {valid}")
         return
     _compare_with_checkpoint(args, Path(args.load), args.load_iteration)
-    if args.train_iters <= args.load_iteration:
+    if args.train_iters <= args.load_iteration and not args.finetune:
         # the loop would run no iteration and report a NaN loss
         fail("--train-iters", args.train_iters,
              f"the checkpoint in {args.load} is at iteration {args.load_iteration}, so there is nothing left to "
