@@ -584,8 +584,22 @@ def test_recompute_flags_reach_transformer_config(parse):
     assert config.recompute_modules == ["layernorm", "moe"] and config.attention_softmax_in_fp32
 
 
-def test_grouped_gemm_needs_cuda_and_bf16(parse):
-    expect_error(parse("--moe-grouped-gemm", "--cpu"), 1, "--moe-grouped-gemm", "CUDA", "fssdp or replicate")
+def test_gpu_kernel_choices_are_listed_on_cpu_and_deprecated_flags_named(parse):
+    # ep's grouped GEMM is Megatron's GroupedMLP (CUDA): on CPU the experts run one after another,
+    # and the start-up line says so, as for every other kernel choice given
+    args = validate_args(parse("--moe-grouped-gemm", "--cpu", "--no-masked-softmax-fusion", "--attention-backend",
+                               "unfused", "--no-rope-fusion", "--use-mcore-models"), 1)
+    assert args.moe_grouped_gemm is False
+    assert args.kernel_choices_not_applied == ["--no-masked-softmax-fusion", "--no-rope-fusion", "--attention-backend",
+                                               "--moe-grouped-gemm"]
+    assert args.flags_without_effect == ["--use-mcore-models"]
+    plain = validate_args(parse("--cpu"), 1)
+    assert plain.kernel_choices_not_applied == [] and plain.flags_without_effect == []
+    expect_error(parse("--attention-backend", "sdpa"), 1, "--attention-backend=sdpa", "flash, fused, unfused, local, auto")
+    # Megatron-LM: --no-position-embedding only with rope, where it changes nothing
+    expect_error(parse("--no-position-embedding"), 1, "--no-position-embedding=True", "--position-embedding-type none")
+    rope = validate_args(parse("--no-position-embedding", "--position-embedding-type", "rope"), 1)
+    assert rope.flags_without_effect == ["--no-position-embedding"]
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])

@@ -39,6 +39,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import checkpoint as _checkpoint
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe import router as moe_router
@@ -171,9 +172,13 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         gradient_accumulation_fusion=False,
         # the experts' fused bias + activation with their per-token probabilities exists only for
         # gated SiLU / quick-GELU (transformer/mlp.py:171-193 raises for plain GELU: seen on an H200)
-        bias_activation_fusion=on_gpu and model.swiglu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu and fused_softmax_kernels(),
+        bias_activation_fusion=on_gpu and model.swiglu and run.bias_swiglu_fusion,
+        bias_dropout_fusion=on_gpu and run.bias_dropout_fusion,
+        masked_softmax_fusion=on_gpu and fused_softmax_kernels() and run.masked_softmax_fusion,
+        # the other GPU kernel choices (config/run.py); on CPU validation lists them instead
+        **({"attention_backend": AttnBackend[run.attention_backend], "cross_entropy_loss_fusion": run.cross_entropy_loss_fusion,
+            "cross_entropy_fusion_impl": run.cross_entropy_fusion_impl, "moe_permute_fusion": run.moe_permute_fusion,
+            "moe_router_fusion": run.moe_router_fusion, "deterministic_mode": run.deterministic_mode} if on_gpu else {}),
         persist_layer_norm=False,  # needs Apex's FusedLayerNorm (Megatron-LM: --no-persist-layer-norm)
         apply_rope_fusion=False,
         attention_softmax_in_fp32=run.attention_softmax_in_fp32,

@@ -90,6 +90,24 @@ class RunSettings:
     attention_softmax_in_fp32: bool = False
     """`--attention-softmax-in-fp32`: the attention softmax of a half-precision model in fp32
     (Megatron-LM's default is off; Megatron-Core's TransformerConfig would default it on)."""
+    masked_softmax_fusion: bool = True
+    """`--no-masked-softmax-fusion` (False): GPU only, where the fused kernels import."""
+    bias_swiglu_fusion: bool = True
+    """`--no-bias-swiglu-fusion` (False): GPU only, SwiGLU MLPs."""
+    bias_dropout_fusion: bool = True
+    """`--no-bias-dropout-fusion` (False): GPU only."""
+    attention_backend: str = "auto"
+    """`--attention-backend` (an AttnBackend name): GPU only."""
+    cross_entropy_loss_fusion: bool = False
+    """`--cross-entropy-loss-fusion`: GPU only."""
+    cross_entropy_fusion_impl: str = "native"
+    """`--cross-entropy-fusion-impl`: native or te."""
+    moe_permute_fusion: bool = False
+    """`--moe-permute-fusion`: GPU only, Transformer Engine's permutation (ep)."""
+    moe_router_fusion: bool = False
+    """`--moe-router-fusion`: GPU only, Transformer Engine's fused top-k and aux loss."""
+    deterministic_mode: bool = False
+    """`--deterministic-mode`: GPU only (CPU runs are bit-identical anyway)."""
     recompute_granularity: str | None = None
     """`--recompute-granularity`: None (keep every activation), `full` (keep only each
     recomputed layer's input and run its forward again in the backward) or `selective` (recompute

@@ -129,6 +129,8 @@ DERIVED_VALUES = {
                        "--lr-warmup-fraction x the decay",
     "lr_decay_steps": "the scheduler's decay in iterations: --lr-decay-iters (default --train-iters), or "
                       "--lr-decay-samples (default --train-samples) / global batch",
+    "kernel_choices_not_applied": "GPU kernel choices given on a CPU run (listed at start-up, not applied)",
+    "flags_without_effect": "deprecated Megatron-LM flags that change nothing, there or here (listed at start-up)",
     "model_source": "where the model's values came from: --config files, the command line (Megatron-LM's defaults "
                     "for the rest), or the embedded tiny job",
 }
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_regularization_args(parser)
     _add_mixed_precision_args(parser)
     _add_recompute_args(parser)
+    _add_kernel_choice_args(parser)
     _add_data_args(parser)
     _add_tokenizer_args(parser)
     _add_checkpointing_args(parser)
@@ -282,6 +285,13 @@ def _add_model_args(parser):
     group.add_argument("--init-method-std", type=float, default=RUN_DEFAULTS.init_method_std,
                        help="Standard deviation of the zero mean normal distribution used for "
                        "weight initialization.")
+    group.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
+                       help="DEPRECATED in Megatron-LM, where Megatron-Core models are the default: the "
+                       "only models here. Accepted, and named in the start-up line of flags without effect.")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Disable position embedding. Deprecated: use --position-embedding-type. As in "
+                       "Megatron-LM, accepted only with rope, where it changes nothing (named in the "
+                       "start-up line of flags without effect).")
     group.add_argument("--seed", type=int, default=1234,
                        help="Random seed used for python, numpy, pytorch, and cuda.")
 
@@ -603,6 +613,57 @@ def _add_recompute_args(parser):
     group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
                        help=f"The submodules to recompute with --recompute-granularity selective, "
                        f"of: {', '.join(RECOMPUTE_MODULES)}. Default: core_attn (Megatron-Core's).")
+
+
+# Megatron-LM's --attention-backend choices (megatron.core.transformer.enums.AttnBackend).
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
+# GPU kernel choices: the same arithmetic by other kernels. On GPU they reach Megatron-Core's
+# TransformerConfig (compat.mcore.transformer_config); on CPU, where none of these kernels exists,
+# the ones given are listed in one start-up line (validation: args.kernel_choices_not_applied).
+KERNEL_CHOICES = ("masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
+                  "apply_rope_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm", "attention_backend",
+                  "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "moe_permute_fusion", "moe_router_fusion",
+                  "deterministic_mode")
+
+
+# Deprecated Megatron-LM flags accepted without effect, as in Megatron-LM (named at start-up).
+DEPRECATED_NO_EFFECT = ("deprecated_use_mcore_models", "add_position_embedding")
+
+
+def _add_kernel_choice_args(parser):
+    group = parser.add_argument_group(title="GPU kernel choices")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                       help="Disable fusion of query_key_value scaling, masking, and softmax.")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                       help="Disable bias and gelu fusion (GELU MLPs are not fused here on GPU either).")
+    group.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                       help="Disable bias and swiglu fusion, the fusion is available only when using megatron-core.")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                       help="Disable bias and dropout fusion.")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="Disable rope fusion, the fusion is available only when using megatron-core (it is "
+                       "not asked for here on GPU either).")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                       help="Disable fusing gradient accumulation to weight gradient computation of linear "
+                       "layers (not asked for here on GPU either: it needs Apex's fused kernels).")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Disable using persistent fused layer norm kernel (Apex; not asked for here "
+                       "on GPU either).")
+    group.add_argument("--attention-backend", type=str, default="auto",
+                       help=f"Attention backend to use ({', '.join(ATTENTION_BACKENDS)}). Defaults to auto.")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="Enabled fusion of cross entropy loss calculation.")
+    group.add_argument("--cross-entropy-fusion-impl", type=str, default="native",
+                       help="Implementation of cross entropy loss calculation: native or te.")
+    group.add_argument("--moe-permute-fusion", action="store_true",
+                       help="Fuse token rearrangement ops during token dispatching (Transformer Engine).")
+    group.add_argument("--moe-router-fusion", action="store_true",
+                       help="Enable fusion for MoE TopK routing and aux-loss computation (Transformer "
+                       "Engine).")
+    group.add_argument("--deterministic-mode", action="store_true",
+                       help="Choose code that has deterministic execution (GPU kernels; on CPU every run is "
+                       "bit-identical anyway: README, Reproducibility).")
 
 
 def _add_data_args(parser):

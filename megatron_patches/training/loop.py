@@ -92,6 +92,11 @@ def set_up(args) -> None:
     else:
         log0(describe_args(args))
     log0(layout_summary(args))
+    if args.kernel_choices_not_applied:
+        log0(f"GPU kernel choices, not applied on CPU (same arithmetic, no such kernels here): "
+             f"{', '.join(args.kernel_choices_not_applied)}")
+    if args.flags_without_effect:
+        log0(f"accepted without effect (deprecated in Megatron-LM, no effect there either): {', '.join(args.flags_without_effect)}")
     log0(f"device: {'cuda' if args.use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
 
 

@@ -95,6 +95,7 @@ DIFFERS = {
     "moe_router_load_balancing_type": "nargs None: one type for every layer (Megatron-LM's + also takes a list "
                                       "per layer group)",
     "moe_aux_loss_coeff": "nargs None: one coefficient (Megatron-LM's + also takes one per load-balancing type)",
+    "attention_backend": "type str: the AttnBackend names (flash, fused, unfused, local, auto), checked here",
     "exit_signal": "type signal_name: the same signal names (SIGTERM, SIGUSR1, ...) as Megatron-LM's enum handler",
 }
 
@@ -165,8 +166,6 @@ NOT_BUILT = "not built in this entry point yet"
 
 # Single flags with their own reason and alternative: option -> (reason, instead).
 SPECIFIC = {
-    "--no-position-embedding": ("deprecated: Megatron-LM's validate_args refuses it except with rope, where it "
-                                "changes nothing", "--position-embedding-type none (or rope)"),
     "--rampup-batch-size": ("a global batch that grows during training is not built: the placement modes plan "
                             "each iteration's expert loads for one fixed global batch", "a fixed --global-batch-size"),
     "--async-save": ("not built yet: a checkpoint here is published (manifest, then tracker) only once every rank's "

@@ -25,7 +25,9 @@ from megatron_patches.training.arguments import (
     LR_DECAY_STYLES,
     MODEL_FAMILIES,
     NORMALIZATIONS,
+    ATTENTION_BACKENDS,
     EP_ONLY_ROUTING,
+    KERNEL_CHOICES,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_MODULES,
     ROUTER_DTYPES,
@@ -542,14 +544,46 @@ def _resolve_device(args):
         fail("--transformer-impl", "transformer_engine",
              "needs CUDA and the transformer-engine package (pip install "
              "'megatron-patches[gpu]'); valid here: local")
-    if args.moe_grouped_gemm and not args.use_cuda and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
-        fail("--moe-grouped-gemm", True,
-             "Megatron's grouped GEMM kernels need CUDA; on CPU leave it off (experts then run one "
-             f"after another), or use --moe-parallel-mode {' or '.join(_instance_grouped_modes())}")
+    _resolve_kernel_choices(args, have_te)
     if args.moe_token_dispatcher_type == "flex" and not args.use_cuda:
         fail("--moe-token-dispatcher-type", "flex",
              "the flex dispatcher needs CUDA (DeepEP/HybridEP kernels); valid on CPU: alltoall, "
              "allgather")
+
+
+def _resolve_kernel_choices(args, have_te: bool) -> None:
+    """GPU kernel choices reach Megatron-Core on GPU; on CPU the ones given are listed in
+    `args.kernel_choices_not_applied` (one start-up line). Deprecated flags that change nothing
+    here, as in Megatron-LM, are listed in `args.flags_without_effect`."""
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        fail("--attention-backend", args.attention_backend, f"unknown value; valid: {', '.join(ATTENTION_BACKENDS)}")
+    if args.cross_entropy_fusion_impl not in ("native", "te"):
+        fail("--cross-entropy-fusion-impl", args.cross_entropy_fusion_impl, "unknown value; valid: native, te")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        fail("--no-position-embedding", True, "deprecated, and refused by Megatron-LM except with rope (where it "
+             "changes nothing); use --position-embedding-type none")
+    defaults = build_parser()
+    given = [action.option_strings[0] for action in defaults._actions
+             if action.dest in KERNEL_CHOICES and getattr(args, action.dest) != action.default]
+    args.flags_without_effect = [flag for flag, given_ in (("--use-mcore-models", args.deprecated_use_mcore_models),
+                                                           ("--no-position-embedding", not args.add_position_embedding))
+                                 if given_]
+    args.kernel_choices_not_applied = []
+    if args.use_cuda:
+        needs_te = [flag for flag, on in (("--moe-permute-fusion", args.moe_permute_fusion),
+                                          ("--moe-router-fusion", args.moe_router_fusion),
+                                          ("--cross-entropy-fusion-impl", args.cross_entropy_fusion_impl == "te")) if on]
+        if needs_te and not have_te:
+            fail(needs_te[0], True, "needs Transformer Engine (pip install 'megatron-patches[gpu]'); leave it out")
+        if args.moe_permute_fusion and args.moe_parallel_mode != "ep":
+            fail("--moe-permute-fusion", True, f"{args.moe_parallel_mode} permutes the token copies itself; valid "
+                 "with --moe-parallel-mode ep")
+        return
+    args.kernel_choices_not_applied = given
+    if args.moe_grouped_gemm and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
+        # Megatron's GroupedMLP needs CUDA; the experts' arithmetic is the same one after another
+        args.moe_grouped_gemm = False
+        args.kernel_choices_not_applied.append("--moe-grouped-gemm")
 
 
 def _instance_grouped_modes() -> list[str]:
