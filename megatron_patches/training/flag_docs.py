@@ -5,6 +5,7 @@
 """
 
 import argparse
+import enum
 
 from megatron_patches.training import megatron_lm
 from megatron_patches.training.arguments import (
@@ -50,6 +51,8 @@ def describe_args(args: argparse.Namespace) -> str:
 def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(str(item) for item in value)
+    if isinstance(value, enum.Enum):  # --exit-signal: its name, as the flag takes it
+        return value.name
     return str(value)
 
 
@@ -134,9 +137,7 @@ def _default_cell(action) -> str:
         return "none"
     if isinstance(default, bool):
         return "true" if default else "false"
-    if isinstance(default, list):
-        return "`" + " ".join(str(item) for item in default) + "`"
-    return f"`{default}`"
+    return f"`{_show(default)}`"
 
 
 if __name__ == "__main__":
