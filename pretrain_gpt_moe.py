@@ -2,7 +2,8 @@
 
     python pretrain_gpt_moe.py                                   # embedded default, CPU
     torchrun --nproc-per-node 4 pretrain_gpt_moe.py              # 4 local ranks, EP=4
-    torchrun ... pretrain_gpt_moe.py --config configs/models/gpt_moe_s.yaml --data-path ...
+    torchrun ... pretrain_gpt_moe.py --config configs/models/gpt_moe_s.yaml --micro-batch-size 1 \
+        --train-iters 500 --lr 2e-4 --data-path ...                       # Megatron-LM requires these
 
 Flags use Megatron-LM's names (docs/flags.md). All validation happens here, before any
 process group starts.

@@ -187,7 +187,7 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
 
     prepare_megatron(use_cuda=False)
     mcore.initialize_model_parallel(1, 1, 1, 1)
-    args = validate_args(parse_training_args(model_flags(opts)), 1)
+    args = validate_args(parse_training_args([*model_flags(opts), "--train-iters", str(opts.iters + 1)]), 1)
     M, N, R = opts.attention_ranks, opts.expert_ranks, opts.microbatches
     cluster = local_pool(world)  # one node of identical CPU "devices", widened to the world
     vocab = ((opts.vocab_size + 127) // 128) * 128
