@@ -22,8 +22,6 @@ from support.training import ENTRY, MOCK, NO_DROPOUT, REPO, launch_many
 from megatron_patches.training import checkpoint_dirs
 from megatron_patches.training.metrics import read_records
 
-pytestmark = pytest.mark.e2e
-
 # MOCK without its --lr-warmup-iters (a --train-samples run counts its warm-up in samples); global batch 8
 WARMUP = MOCK.index("--lr-warmup-iters")
 COMMON = [*MOCK[:WARMUP], *MOCK[WARMUP + 2:], *NO_DROPOUT, "--expert-model-parallel-size", "2"]
@@ -60,6 +58,7 @@ def megatron_lm_lrs(iterations: int) -> list[float]:
     return lrs
 
 
+@pytest.mark.e2e
 def test_exit_interval_saves_and_the_checkpoint_resumes(runs):
     result, ckpt = runs
     stopped, resumed, straight = result["exit_interval"], result["resumed"], result["straight"]
@@ -72,6 +71,7 @@ def test_exit_interval_saves_and_the_checkpoint_resumes(runs):
     assert stopped.losses + resumed.losses == pytest.approx(straight.losses, rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_sample_based_schedule_is_megatron_lm_s(runs):
     straight = runs[0]["straight"]
     assert [r["iteration"] for r in straight.records if "loss" in r] == [1, 2, 3, 4, 5, 6]
@@ -100,6 +100,7 @@ def _rank_pids(root: int) -> dict[int, int]:
     return found
 
 
+@pytest.mark.e2e
 def test_a_signal_to_one_rank_saves_and_ends_the_run_cleanly(workdir):
     """SIGTERM to rank 1 only (Slurm's warning signal reaches every task; one is the hardest case):
     every rank stops after the same iteration, the checkpoint is written, exit code 0."""
@@ -126,6 +127,7 @@ def test_a_signal_to_one_rank_saves_and_ends_the_run_cleanly(workdir):
     assert "summary:" in output and "Traceback" not in output
 
 
+@pytest.mark.e2e
 def test_finetune_starts_from_the_checkpoint_s_model_at_iteration_0(runs):
     """--finetune: the model of the checkpoint (iteration 6), nothing else: iteration 0, the first
     batch again, a fresh schedule."""
@@ -135,3 +137,34 @@ def test_finetune_starts_from_the_checkpoint_s_model_at_iteration_0(runs):
     first, fresh = finetune.records[0], straight.records[0]
     assert first["iteration"] == 1 and first["lr"] == fresh["lr"]
     assert first["loss"] != pytest.approx(fresh["loss"], rel=1e-3)  # trained weights on the same first batch
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_exit_conditions_decide_by_signal_duration_and_interval(world_of_one):
+    from types import SimpleNamespace
+
+    from megatron_patches.training.exits import ExitConditions
+
+    def conditions(**changes):
+        values = dict(exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=False,
+                      exit_signal=signal.SIGUSR1)
+        return ExitConditions(SimpleNamespace(**{**values, **changes}))
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with conditions(exit_signal_handler=True) as exits:
+        assert exits.reason(1) is None
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler only notes it: the iteration goes on
+        assert exits.reason(2) == "SIGUSR1 received (--exit-signal-handler)"
+    assert signal.getsignal(signal.SIGUSR1) is before
+    with conditions(exit_duration_in_mins=0) as exits:  # every elapsed time is past 0 minutes
+        assert exits.reason(1).startswith("--exit-duration-in-mins 0 reached (0.0 minutes of training)")
+    with conditions(exit_duration_in_mins=60, exit_interval=3) as exits:
+        assert [exits.reason(i) for i in (1, 2, 3)] == [None, None, "--exit-interval 3"]
