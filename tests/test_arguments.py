@@ -361,6 +361,11 @@ def test_validate_twice_gives_the_same_namespace(parse, tmp_path):
     args = validate_args(parse("--mock-data", "--save", str(tmp_path), "--save-interval", "5"), 4)
     again = validate_args(copy.deepcopy(args), 4)
     assert vars(again) == vars(args)
+    # derived from other flags: iterations from samples, the warm-up's share, a kernel choice not applied
+    derived = validate_args(parse("--train-samples", "400", "--lr-warmup-fraction", "0.1", "--moe-grouped-gemm",
+                                  "--cpu", "--no-masked-softmax-fusion"), 1)
+    assert derived.train_iters == 100 and derived.kernel_choices_not_applied[-1] == "--moe-grouped-gemm"
+    assert vars(validate_args(copy.deepcopy(derived), 1)) == vars(derived)
 
 
 def test_mock_data_defaults_to_the_null_tokenizer(parse):

@@ -125,6 +125,7 @@ DERIVED_VALUES = {
     "load_iteration": "the checkpoint a --load resumes from: the tracker's, or the newest older one that verifies "
                       "(training/checkpoint_dirs.py); None when there is none yet",
     "load_notes": "what choosing that checkpoint found (a fallback, a checkpoint without a manifest), logged at the load",
+    "train_iters_from_samples": "--train-samples // global batch, the run's --train-iters (sample-based runs only)",
     "lr_warmup_steps": "the scheduler's warm-up in iterations: --lr-warmup-iters, --lr-warmup-samples / global batch, or "
                        "--lr-warmup-fraction x the decay",
     "lr_decay_steps": "the scheduler's decay in iterations: --lr-decay-iters (default --train-iters), or "

@@ -18,27 +18,27 @@ from megatron_patches.config.run import router_pre_softmax
 from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import checkpoint_dirs, outputs, resume
 from megatron_patches.training.arguments import (
+    ATTENTION_BACKENDS,
     DEFAULT_SPLIT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
+    EP_ONLY_ROUTING,
+    KERNEL_CHOICES,
     LOAD_BALANCING_TYPES,
     LR_DECAY_STYLES,
     MODEL_FAMILIES,
     NORMALIZATIONS,
-    ATTENTION_BACKENDS,
-    EP_ONLY_ROUTING,
-    KERNEL_CHOICES,
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_MODULES,
     ROUTER_DTYPES,
     ROUTER_SCORE_FUNCTIONS,
-    TOKEN_DROP_POLICIES,
-    TOKEN_DISPATCHER_TYPES,
-    TOKENIZER_TYPES,
     TOKENIZERS_NEEDING_MODEL,
     TOKENIZERS_NEEDING_VOCAB,
     TOKENIZERS_NEEDING_VOCAB_AND_MERGES,
     TOKENIZERS_NEEDING_VOCAB_SIZE,
+    TOKENIZER_TYPES,
+    TOKEN_DISPATCHER_TYPES,
+    TOKEN_DROP_POLICIES,
     TRANSFORMER_IMPLS,
     build_parser,
 )
@@ -99,7 +99,9 @@ REQUIRED = {
 
 
 def _check_sizes(args):
-    if args.train_iters is not None and args.train_samples is not None:
+    # (a namespace validated before holds the iterations it derived from --train-samples)
+    if args.train_iters is not None and args.train_samples is not None \
+            and args.train_iters != getattr(args, "train_iters_from_samples", None):
         fail("--train-samples", args.train_samples, f"give either it or --train-iters (is {args.train_iters}), "
              "as Megatron-LM requires")
     missing = [dest for dest in REQUIRED if getattr(args, dest) is None
@@ -232,8 +234,6 @@ def _check_attention_flags(args):
     if not 0.0 < args.rotary_percent <= 1.0:
         fail("--rotary-percent", args.rotary_percent, "valid: a share in (0, 1]")
     factor = args.rotary_seq_len_interpolation_factor
-    if factor is not None and factor < 1:
-        fail("--rotary-seq-len-interpolation-factor", factor, "must be a positive integer")
     rotary = (("--rotary-percent", args.rotary_percent, args.rotary_percent != 1.0),
               ("--rotary-interleaved", True, args.rotary_interleaved),
               ("--rotary-seq-len-interpolation-factor", factor, factor is not None))
@@ -394,8 +394,8 @@ def _resolve_mode_flags(args):
             if getattr(args, dest) != parser_defaults.get_default(dest):
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
                      f"{mode.name} reaches the router's outputs its own way and does not take this routing "
-                     "option yet (fssdp, replicate and zebra: the modern-MoE work, issue 43); valid: "
-                     "--moe-parallel-mode ep, or leave it out")
+                     "option yet (not built in fssdp, replicate and zebra); valid: --moe-parallel-mode ep, or "
+                     "leave it out")
     mode.validate(args)
 
 
@@ -474,7 +474,7 @@ def _resolve_train_samples(args):
                  f"expects sample-based schedules there); use {flag.replace('iters', 'samples')}")
     if args.train_samples < gbs:
         fail("--train-samples", args.train_samples, f"is less than one global batch ({gbs}); valid: >= {gbs}")
-    args.train_iters = args.train_samples // gbs
+    args.train_iters = args.train_iters_from_samples = args.train_samples // gbs
     args.lr_warmup_steps = args.lr_warmup_samples / gbs
     args.lr_decay_steps = (args.lr_decay_samples or args.train_samples) / gbs
 
@@ -565,6 +565,8 @@ def _resolve_kernel_choices(args, have_te: bool) -> None:
     defaults = build_parser()
     given = [action.option_strings[0] for action in defaults._actions
              if action.dest in KERNEL_CHOICES and getattr(args, action.dest) != action.default]
+    # a second validation of the same namespace sees --moe-grouped-gemm already switched off below
+    grouped_not_applied = "--moe-grouped-gemm" in getattr(args, "kernel_choices_not_applied", [])
     args.flags_without_effect = [flag for flag, given_ in (("--use-mcore-models", args.deprecated_use_mcore_models),
                                                            ("--no-position-embedding", not args.add_position_embedding))
                                  if given_]
@@ -580,7 +582,7 @@ def _resolve_kernel_choices(args, have_te: bool) -> None:
                  "with --moe-parallel-mode ep")
         return
     args.kernel_choices_not_applied = given
-    if args.moe_grouped_gemm and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances:
+    if grouped_not_applied or (args.moe_grouped_gemm and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances):
         # Megatron's GroupedMLP needs CUDA; the experts' arithmetic is the same one after another
         args.moe_grouped_gemm = False
         args.kernel_choices_not_applied.append("--moe-grouped-gemm")
