@@ -58,6 +58,9 @@ ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", str(M), "--z
          "--zebra-microbatches", str(R)]
 EP = ["--global-batch-size", str(MICRO * R * M)]  # zebra's global batch: micro x R x M = 32 sequences
 AUX = ["--moe-aux-loss-coeff", "0.1"]
+# Megatron-LM's attention and norm flags: zebra runs Megatron's attention modules in its own layer order
+ATTENTION = ["--position-embedding-type", "rope", "--rotary-percent", "0.5", "--rotary-interleaved", "--qk-layernorm",
+             "--norm-epsilon", "1e-6", "--normalization", "RMSNorm"]
 CAPACITY = {"capacity": ["--moe-expert-capacity-factor", "1.0"],
             "capacity_pad": ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]}
 # tiny.yaml: 2 layers, hidden 64, 8 experts, top-2, sequence 128.
@@ -76,7 +79,9 @@ def runs(tmp_path_factory):
                            **{f"{mode}_{kind}": [*COMMON, *flags, *AUX, "--moe-router-load-balancing-type", kind]
                               for kind in ("aux_loss", "seq_aux_loss") for mode, flags in (("ep", EP), ("zebra", ZEBRA))},
                            **{f"{mode}_{name}": [*COMMON, "--train-iters", "6", *flags, *more]
-                              for name, more in CAPACITY.items() for mode, flags in (("ep", EP), ("zebra", ZEBRA))}},
+                              for name, more in CAPACITY.items() for mode, flags in (("ep", EP), ("zebra", ZEBRA))},
+                           **{f"{mode}_attention": [*COMMON, "--train-iters", "4", *flags, *ATTENTION]
+                              for mode, flags in (("ep", EP), ("zebra", ZEBRA))}},
                       work)
     return {**runs, "timeline": timeline, "work": work}
 
@@ -130,6 +135,14 @@ def test_the_auxiliary_loss_trains_as_in_ep(runs, kind):
     assert zebra == pytest.approx(ep, rel=1e-6)
     plain = _series(runs["zebra"], "loss")
     assert max(abs(a - b) / b for a, b in zip(zebra, plain)) > 1e-4  # the loss takes effect
+
+
+def test_attention_and_norm_flags_train_as_in_ep(runs):
+    """RoPE on half of each head, interleaved; query/key norms; RMSNorm at epsilon 1e-6: the same
+    losses as ep's, and not those of the plain model (the flags took effect)."""
+    zebra, ep = _series(runs["zebra_attention"], "loss"), _series(runs["ep_attention"], "loss")
+    assert len(zebra) == 4 and zebra == pytest.approx(ep, rel=1e-6)
+    assert max(abs(a - b) / b for a, b in zip(zebra, _series(runs["zebra"], "loss"))) > 1e-3
 
 
 @pytest.mark.parametrize("name", CAPACITY)
