@@ -95,3 +95,20 @@ def test_known_warnings_show_once_from_rank_0_and_others_once_per_rank(capsys, r
     known = sorted({known_line(text) for text in MEGATRON_WARNINGS})
     assert len(known) == 3 and None not in known
     assert sorted(line for line in lines if line not in new) == ([f"warning: {line}" for line in known] if rank == 0 else [])
+
+
+@pytest.mark.parametrize("ppl", [False, True])
+def test_validation_perplexity_reaches_tensorboard_with_its_flag(tmp_path, ppl):
+    """--log-validation-ppl-to-tensorboard: eval/ppl = exp(loss), capped at exp(20) as Megatron-LM."""
+    from support.training import tensorboard_scalars
+
+    writer = MetricsWriter(None, str(tmp_path), train_iters=10, validation_ppl=ppl)
+    writer.log_eval(5, 2.0)
+    writer.log_eval(10, 25.0)
+    writer.close()
+    scalars = tensorboard_scalars(tmp_path)
+    assert scalars["eval/loss"] == {5: 2.0, 10: 25.0}
+    if ppl:
+        assert scalars["eval/ppl"] == pytest.approx({5: math.exp(2.0), 10: math.exp(20.0)})
+    else:
+        assert "eval/ppl" not in scalars

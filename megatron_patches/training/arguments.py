@@ -790,6 +790,9 @@ def _add_logging_args(parser):
                        "runs/local-<time>. New flag.")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write TensorBoard logs to this directory.")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="If set, write validation perplexity to tensorboard (eval/ppl; exp(20) where the "
+                       "loss exceeds 20, as Megatron-LM).")
     group.add_argument("--log-json", type=str, default=None, metavar="PATH",
                        help="Append one JSON object per --log-interval to this file (JSON lines: "
                        "iteration, loss, tokens_per_s, moe_layers, bytes, ...). New flag.")

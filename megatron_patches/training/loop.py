@@ -309,7 +309,8 @@ def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
     recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
                                        compute_device(args.use_cuda))
-    writer = metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters) if dist.get_rank() == 0 else None
+    writer = (metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters, args.log_validation_ppl_to_tensorboard)
+              if dist.get_rank() == 0 else None)
     if writer is not None:
         writer.log_text("run/precision", run.precision)
     history = History(start_iteration=run.state["iteration"])

@@ -203,6 +203,8 @@ class MetricsWriter:
     json_path: str | None
     tensorboard_dir: str | None
     train_iters: int
+    validation_ppl: bool = False
+    """--log-validation-ppl-to-tensorboard: the evaluation's perplexity as eval/ppl too."""
     _json: object = field(default=None, init=False)
     _tb: object = field(default=None, init=False)
     _start: float = field(default_factory=time.time, init=False)
@@ -270,11 +272,14 @@ class MetricsWriter:
             self._tb.add_text(tag, text, 0)
 
     def log_eval(self, iteration: int, loss: float) -> None:
-        print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {float(np.exp(min(loss, 50.0))):.2f}", flush=True)
+        ppl = float(np.exp(min(loss, 20.0)))  # Megatron-LM's cap: exp(20) where the loss is larger
+        print(f"eval at iter {iteration}: loss {loss:.4f} | ppl {ppl:.2f}", flush=True)
         if self._json is not None:
             self._json.write(json.dumps(strict_json({"iteration": iteration, "eval_loss": loss}), allow_nan=False) + "\n")
         if self._tb is not None:
             self._tb.add_scalar("eval/loss", loss, iteration)
+            if self.validation_ppl:
+                self._tb.add_scalar("eval/ppl", ppl, iteration)
 
     def close(self) -> None:
         if self._json is not None:
