@@ -1273,3 +1273,10 @@ def test_model_flops_are_megatron_lm_s_count():
     attention = 6 * (128 * (128 + 2 * 32 * 2) + 128 * 32 + 128 * 128)
     mlp = 6 * 128 * (256 * 3 * 1 + 64 * 2 * 3 * 1)  # one dense SwiGLU layer, one MoE layer of top-2
     assert model_flops_per_iteration(gqa, 1024) == 2 * 32 * (2 * attention + mlp + 6 * 128 * 1024)
+
+
+def test_params_norm_and_zero_count_run_in_ep_only(parse):
+    validate_args(parse("--log-params-norm", "--log-num-zeros-in-grad"), 1)
+    for flag in ("--log-params-norm", "--log-num-zeros-in-grad"):
+        expect_error(parse("--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "4", flag), 4,
+                     f"{flag}=True", "fssdp keeps expert weights and gradients outside Megatron's optimizer")

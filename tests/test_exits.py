@@ -2,7 +2,7 @@
 exits (--exit-interval, --exit-signal-handler: save, then exit 0; the checkpoint resumes), --finetune,
 sample-based training with a warm-up fraction and a warm-up start (the logged learning rates are
 Megatron-Core's scheduler's at Megatron-LM's sample counts), --log-throughput (Megatron-LM's model
-FLOPs), --manual-gc and --distributed-timeout-minutes.
+FLOPs), --log-params-norm, --log-num-zeros-in-grad, --manual-gc and --distributed-timeout-minutes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def runs(workdir):
         "exit_interval": [*COMMON, *SAMPLES, "--exit-interval", "4", "--save", str(ckpt), "--save-interval", "100",
                           "--manual-gc", "--manual-gc-interval", "2", "--distributed-timeout-minutes", "5"],
         "resumed": [*COMMON, *SAMPLES, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100"],
-        "straight": [*COMMON, *SAMPLES, "--log-throughput"],
+        "straight": [*COMMON, *SAMPLES, "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad"],
         "finetune": [*COMMON, *SAMPLES, "--load", str(ckpt), "--finetune"],
     }, workdir), ckpt
 
@@ -81,7 +81,11 @@ def test_sample_based_schedule_is_megatron_lm_s(runs):
     for record in (r for r in straight.records if "loss" in r):
         expected = 8 * 64 * per_token / (record["iteration_time_s"] * 1e12 * 2)
         assert record["tflops_per_gpu"] == pytest.approx(expected, rel=1e-9)
-    assert "TFLOP/s/GPU" in straight.output
+    assert "TFLOP/s/GPU" in straight.output and "params norm" in straight.output
+    # --log-params-norm (tests/test_model_init.py checks its value) and --log-num-zeros-in-grad
+    norms = [r["params_norm"] for r in straight.records if "loss" in r]
+    assert all(n > 0 for n in norms) and norms[0] != norms[-1]  # the weights move
+    assert all(isinstance(r["num_zeros_in_grad"], int) and r["num_zeros_in_grad"] >= 0 for r in straight.records if "loss" in r)
     # each record's lr is the rate after that iteration's scheduler step, as Megatron-LM logs it
     assert [r["lr"] for r in straight.records if "loss" in r] == pytest.approx(megatron_lm_lrs(7)[1:], rel=1e-9)
 

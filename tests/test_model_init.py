@@ -217,3 +217,48 @@ def test_modern_routing_flags_reach_megatron_s_router_in_ep():
         assert rank["groups_used"] == [1] and rank["experts_per_token"] == [2]  # top-2 inside one group
         np.testing.assert_allclose(rank["prob_sums"], 2.5, rtol=1e-6)  # sigmoid scores normalised, then scaled
         assert rank["probs_dtype"] == "torch.float32"
+
+
+def params_norms(flag_sets: list[list[str]]) -> list[list[float]]:
+    """Worker: (--log-params-norm's value, the norm of every weight counted once) per flag set."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore, prepare_megatron
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
+    from megatron_patches.training.model import build_model
+
+    out = []
+    for flags in flag_sets:
+        args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
+        prepare_megatron(use_cuda=False)
+        mcore.initialize_model_parallel(1, 1, args.expert_model_parallel_size, 1)
+        torch.manual_seed(args.seed)  # as the loop's seed_everything: the same dense weights on every rank
+        mcore.seed_model_parallel_rng(args.seed)
+        model, config = build_model(args, vocab_size=128, on_gpu=False)
+        ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+        optimizer = mcore.optimizer(args, [ddp])
+        # every rank holds the dense weights, each its own experts: dense once, experts summed
+        dense = sum(float(p.float().square().sum()) for n, p in model.named_parameters() if "experts" not in n)
+        experts = torch.tensor([sum(float(p.float().square().sum()) for n, p in model.named_parameters() if "experts" in n)],
+                               dtype=torch.float64)
+        dist.all_reduce(experts)
+        out.append([mcore.params_norm(optimizer), math.sqrt(dense + float(experts))])
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_params_norm_counts_every_weight_once():
+    """--log-params-norm over EP 2 (experts apart from the dense weights, two chained optimizers), in
+    fp32, bf16 (fp32 main weights) and with the distributed optimizer (sharded main weights)."""
+    flag_sets = [["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "2", "--bf16"],
+                 ["--expert-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer"]]
+    ranks = run_ranks(2, __file__, "params_norms", 180, args=(flag_sets,))
+    for (ours, reference), again in zip(ranks[0], ranks[1]):
+        assert ours == pytest.approx(reference, rel=1e-6) and again[0] == pytest.approx(ours, rel=1e-12)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 import megatron.core
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -34,6 +34,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -41,7 +42,7 @@ from megatron.core.tensor_parallel.random import checkpoint as _checkpoint
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.module import Float16Module, param_is_not_shared
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -408,6 +409,7 @@ def optimizer(args, model_chunks):
             loss_scale_window=args.loss_scale_window,
             hysteresis=args.hysteresis,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         ),
         model_chunks,
     )
@@ -516,6 +518,20 @@ class WorldFiniteCheck:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
         torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_megatron) or bool(found_inf.item() > 0)
+
+
+def params_norm(opt) -> float:
+    """Megatron-LM's --log-params-norm: the L2 norm of the weights the optimizer steps (fp32 main
+    weights in half precision, the distributed optimizer's shards), each counted once: every
+    chained optimizer's parameters filtered as for its gradient norm (not shared, not a tensor-
+    parallel duplicate) and reduced over its gradient-statistics group, the optimizers' norms
+    then combined as ChainedOptimizer.get_grad_norm combines theirs."""
+    squares = 0.0
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        params = [p for p in sub.get_parameters() if param_is_not_shared(p)
+                  and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, getattr(sub, "tp_group", None))]
+        squares += get_grad_norm_fp32(params, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
+    return math.sqrt(squares)
 
 
 def loss_scale(opt) -> float:

@@ -790,6 +790,13 @@ def _add_logging_args(parser):
                        "runs/local-<time>. New flag.")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write TensorBoard logs to this directory.")
+    group.add_argument("--log-params-norm", action="store_true",
+                       help="If set, calculate and log parameters norm (the weights the optimizer steps, each "
+                       "counted once; params_norm in the records). ep only for now: the other modes keep "
+                       "expert weights outside Megatron's optimizer.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true",
+                       help="If set, calculate and log the number of zeros in gradient (Megatron's optimizer "
+                       "counts them; num_zeros_in_grad in the records). ep only for now, as --log-params-norm.")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="If set, write validation perplexity to tensorboard (eval/ppl; exp(20) where the "
                        "loss exceeds 20, as Megatron-LM).")

@@ -353,7 +353,7 @@ def train(args, run: Run) -> History:
             loss = forward_backward(run.train_iter, forward_only=False)
             kept_bytes = activations.take_peak()
             lr_used = run.optimizer.param_groups[0]["lr"]
-            update_ok, grad_norm, _ = run.optimizer.step()
+            update_ok, grad_norm, num_zeros = run.optimizer.step()
             run.scheduler.step(increment=1)
             loads = recorder.collect()
             record = run.mode.end_iteration(
@@ -374,7 +374,8 @@ def train(args, run: Run) -> History:
                 history.routed.append(loads.routed_LE)
                 history.sources.append(loads.source_routed_LSE)
             if iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite:
-                log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes)
+                log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes,
+                              num_zeros)
             if nonfinite:
                 stop_or_skip(args, history, iteration, loss, update_ok, writer)
             if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
@@ -431,11 +432,12 @@ def stop_or_skip(args, history: History, iteration: int, loss: float, update_ok:
 
 
 def log_iteration(args, run: Run, writer, history: History, iteration: int, loss: float, grad_norm, update_ok, elapsed: float,
-                  loads, record: dict | None, kept_bytes: int) -> None:
+                  loads, record: dict | None, kept_bytes: int, num_zeros) -> None:
     """One metrics record (rank 0 writes it; every rank takes part in the mode's collectives)."""
     element_bytes = 2 if (args.bf16 or args.fp16) else 4
     remote_copies = run.mode.a2a_remote_copies(loads)
     memory = activation_memory(args.use_cuda, kept_bytes)
+    params_norm = mcore.params_norm(run.optimizer) if args.log_params_norm else None  # a collective: every rank
     if record is not None:
         record["memory"] = run.mode.memory_report()
     if writer is None:
@@ -452,6 +454,8 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "dtypes": run.dtypes,
         "tokens_per_s": args.global_batch_size * args.seq_length / elapsed,
         "iteration_time_s": elapsed,
+        **({"params_norm": params_norm} if args.log_params_norm else {}),
+        **({"num_zeros_in_grad": int(num_zeros)} if args.log_num_zeros_in_grad else {}),
         # --log-throughput: Megatron-LM's model FLOPs over this iteration's time, per rank
         **({"tflops_per_gpu": run.flops_per_iteration / (elapsed * 1e12 * args.world_size)} if args.log_throughput else {}),
         "moe_layers": metrics.moe_layer_records(

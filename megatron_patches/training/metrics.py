@@ -232,7 +232,9 @@ class MetricsWriter:
         print(
             f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
-            + (f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | " if "tflops_per_gpu" in record else "") +
+            + (f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | " if "tflops_per_gpu" in record else "")
+            + (f"params norm {record['params_norm']:.3f} | " if "params_norm" in record else "")
+            + (f"zeros in grad {record['num_zeros_in_grad']} | " if "num_zeros_in_grad" in record else "") +
             f"imbalance(max layer) {worst:.2f}{placed} | survival(min layer) {survival:.3f} | "
             f"{_scaling_text(record)}elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
             flush=True,
@@ -241,7 +243,7 @@ class MetricsWriter:
             self._json.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         if self._tb is not None:
             for key in ("loss", "lr", "tokens_per_s", "iteration_time_s", "loss_scale", "skipped_iterations",
-                        "tflops_per_gpu"):
+                        "tflops_per_gpu", "params_norm", "num_zeros_in_grad"):
                 if key in record:
                     self._tb.add_scalar(f"train/{key}", record[key], iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)

@@ -389,6 +389,10 @@ def _resolve_mode_flags(args):
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
     if mode.name != "ep":
+        for flag, given in (("--log-params-norm", args.log_params_norm), ("--log-num-zeros-in-grad", args.log_num_zeros_in_grad)):
+            if given:
+                fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
+                     "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
         parser_defaults = build_parser()
         for dest in EP_ONLY_ROUTING:
             if getattr(args, dest) != parser_defaults.get_default(dest):
