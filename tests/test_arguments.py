@@ -1280,3 +1280,8 @@ def test_params_norm_and_zero_count_run_in_ep_only(parse):
     for flag in ("--log-params-norm", "--log-num-zeros-in-grad"):
         expect_error(parse("--moe-parallel-mode", "fssdp", "--expert-model-parallel-size", "4", flag), 4,
                      f"{flag}=True", "fssdp keeps expert weights and gradients outside Megatron's optimizer")
+
+
+def test_timing_log_level_zero_only(parse):
+    assert validate_args(parse("--timing-log-level", "0"), 1).timing_log_level == 0
+    expect_error(parse("--timing-log-level", "1"), 1, "--timing-log-level=1", "valid: 0")

@@ -39,6 +39,9 @@ def runs(workdir):
         "resumed": [*COMMON, *SAMPLES, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100"],
         "straight": [*COMMON, *SAMPLES, "--log-throughput", "--log-params-norm", "--log-num-zeros-in-grad"],
         "finetune": [*COMMON, *SAMPLES, "--load", str(ckpt), "--finetune"],
+        # the embedded corpus (a real indexed dataset), its index files in --data-cache-path
+        "data_cache": ["--train-iters", "1", "--eval-iters", "0", "--expert-model-parallel-size", "2",
+                       "--data-cache-path", str(workdir / "index_cache")],
     }, workdir), ckpt
 
 
@@ -172,3 +175,10 @@ def test_exit_conditions_decide_by_signal_duration_and_interval(world_of_one):
         assert exits.reason(1).startswith("--exit-duration-in-mins 0 reached (0.0 minutes of training)")
     with conditions(exit_duration_in_mins=60, exit_interval=3) as exits:
         assert [exits.reason(i) for i in (1, 2, 3)] == [None, None, "--exit-interval 3"]
+
+
+@pytest.mark.e2e
+def test_dataset_indices_go_to_the_data_cache_path(runs, workdir):
+    assert [r["iteration"] for r in runs[0]["data_cache"].records if "loss" in r] == [1]
+    cached = sorted(p.name for p in (workdir / "index_cache").rglob("*.npy"))
+    assert cached and any(name.endswith("document_index.npy") for name in cached), cached

@@ -98,6 +98,7 @@ def build_datasets(args, tokenizer):
             reset_attention_mask=False,
             eod_mask_loss=False,
             mid_level_dataset_surplus=0.005,
+            path_to_cache=args.data_cache_path,
         )
         dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     else:
@@ -113,6 +114,7 @@ def build_datasets(args, tokenizer):
             masking_do_full_word=True,
             masking_do_permutation=False,
             masking_use_longer_ngrams=False,
+            path_to_cache=args.data_cache_path,
             masking_use_geometric_distribution=False,
             classification_head=args.bert_binary_head,
             mid_level_dataset_surplus=0.005,

@@ -687,6 +687,9 @@ def _add_data_args(parser):
                        help="Train on synthetic tokens (Megatron-Core's mock datasets); no "
                        "--data-path needed. The tokenizer defaults to NullTokenizer with "
                        "--vocab-size.")
+    group.add_argument("--data-cache-path", default=None,
+                       help="Path to a directory to hold cached index files (Megatron-Core's dataset "
+                       "indices; default: a cache folder beside the data).")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Dataloader number of workers. Only 0 (Megatron-LM's default: 2): the "
                        "memory-mapped dataset is read in the training process; worker processes are "
@@ -797,6 +800,10 @@ def _add_logging_args(parser):
     group.add_argument("--log-num-zeros-in-grad", action="store_true",
                        help="If set, calculate and log the number of zeros in gradient (Megatron's optimizer "
                        "counts them; num_zeros_in_grad in the records). ep only for now, as --log-params-norm.")
+    group.add_argument("--timing-log-level", type=int, default=0,
+                       help="Granularity level to measure and report timing: 0 only, the iteration time of "
+                       "every progress line and record (Megatron-LM's levels 1 and 2 time the schedule's "
+                       "phases with Megatron-LM's timers, which are not built here).")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="If set, write validation perplexity to tensorboard (eval/ppl; exp(20) where the "
                        "loss exceeds 20, as Megatron-LM).")

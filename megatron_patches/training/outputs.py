@@ -61,8 +61,8 @@ def _check_writable(flag: str, path: Path, is_dir: bool) -> None:
 
 
 def check_outputs(args) -> None:
-    """Every output path (run folder, JSONL, TensorBoard, load trace) is writable."""
-    outputs = [("--run-dir", args.run_dir, True)]
+    """Every output path (run folder, JSONL, TensorBoard, load trace, dataset index cache) is writable."""
+    outputs = [("--run-dir", args.run_dir, True), ("--data-cache-path", args.data_cache_path, True)]
     outputs += [(f"--{dest.replace('_', '-')}", getattr(args, dest), is_dir) for dest, (_, is_dir) in RUN_FILES.items()]
     for flag, value, is_dir in outputs:
         if value:

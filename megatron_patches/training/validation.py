@@ -66,6 +66,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_learning_rate(args)
     _check_intervals(args)
     _check_manual_gc(args)
+    _check_timing(args)
     _resolve_device(args)
     _check_precision(args)
     _check_recompute(args)
@@ -520,6 +521,12 @@ def _check_manual_gc(args):
     if given and not args.manual_gc:
         fail(given[0], True if given[0] == "--no-manual-gc-eval" else args.manual_gc_interval,
              "is read only with --manual-gc; add it or leave this out")
+
+
+def _check_timing(args):
+    if args.timing_log_level != 0:
+        fail("--timing-log-level", args.timing_log_level, "levels 1 and 2 time the schedule's phases with Megatron-LM's "
+             "timers, which are not built here; valid: 0 (the iteration time of every progress line and record)")
 
 
 def _check_intervals(args):
