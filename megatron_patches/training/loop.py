@@ -406,6 +406,8 @@ def train(args, run: Run) -> History:
 
         if args.save and saved_at != args.train_iters and history.exit_reason is None and args.train_iters > history.start_iteration:
             save(args, run, args.train_iters)
+    if args.manual_gc:
+        gc.enable()  # the collector as it was, for what follows the loop (and the next run in this process)
     if writer is not None:
         writer.close()
     return history
