@@ -53,6 +53,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_patches.compat import fixes
+from megatron_patches.config.models import moe_layer_pattern
 from megatron_patches.config.run import ParallelConfig, RunSettings
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -244,17 +245,9 @@ def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[M
     return bert_with_mlp_of(dense), bert_with_mlp_of(moe)
 
 
-def moe_layer_pattern(config: TransformerConfig) -> list[int]:
-    """1 for an MoE layer, 0 for a dense one, per layer (Megatron's --moe-layer-freq rule)."""
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-    return list(freq)
-
-
 def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, use_te: bool) -> TransformerBlockSubmodules:
     """The layers of this pipeline stage: MoE where the pattern says so, dense elsewhere."""
-    specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config)]
+    specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
     offset = get_transformer_layer_offset(config)
     local = specs[offset : offset + get_num_layers_to_build(config)]
     if use_te:

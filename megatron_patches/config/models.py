@@ -31,6 +31,7 @@ __all__ = [
     "available_models",
     "load_model_config",
     "model_config_from_dict",
+    "moe_layer_pattern",
     "padded_vocab_size",
     "vocab_padding_multiple",
     "count_parameters",
@@ -159,9 +160,7 @@ class ModelConfig:
         """One flag per layer, True where the layer is MoE (Megatron's moe_layer_freq rule)."""
         if self.num_experts is None:
             return (False,) * self.num_layers
-        if isinstance(self.moe_layer_freq, int):
-            return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
-        return tuple(bool(x) for x in self.moe_layer_freq)
+        return tuple(bool(x) for x in moe_layer_pattern(self.moe_layer_freq, self.num_layers))
 
     @property
     def num_moe_layers(self) -> int:
@@ -178,6 +177,14 @@ class ModelConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 _REQUIRED = tuple(n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING)
+
+
+def moe_layer_pattern(moe_layer_freq: Union[int, list, tuple], num_layers: int) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer (Megatron's --moe-layer-freq rule: an
+    int k makes layers 0, k, 2k, ... MoE; a list gives one 0/1 per layer)."""
+    if isinstance(moe_layer_freq, int):
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    return list(moe_layer_freq)
 
 
 def _is_int(value) -> bool:

@@ -10,11 +10,12 @@ Model FLOPs: a recomputed forward is not counted, so throughput / peak is the MF
 
 from __future__ import annotations
 
+from megatron_patches.config.models import moe_layer_pattern
+
 
 def model_flops_per_iteration(args, padded_vocab_size: int) -> float:
     """FLOPs of one iteration of `args.global_batch_size` sequences of `args.seq_length`."""
-    freq = args.moe_layer_freq  # Megatron-LM's rule: layers 0, k, 2k, ... are MoE, or one 0/1 per layer
-    moe_layers = sum(freq) if isinstance(freq, (list, tuple)) else len(range(0, args.num_layers, freq))
+    moe_layers = sum(moe_layer_pattern(args.moe_layer_freq, args.num_layers))
     dense_layers = args.num_layers - moe_layers
     query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     passes_x_fma = 3 * 2  # forward + two backward GEMMs, 2 FLOPs per multiply-add

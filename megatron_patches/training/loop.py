@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_patches.compat import activations, mcore, prepare_megatron
-from megatron_patches.config.models import padded_vocab_size
+from megatron_patches.config.models import moe_layer_pattern, padded_vocab_size
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
@@ -39,7 +39,7 @@ from megatron_patches.training import checkpoint, checkpoint_dirs, metrics, mode
 from megatron_patches.training.exits import ExitConditions
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.flops import model_flops_per_iteration
-from megatron_patches.training.model import build_model, transformer_config
+from megatron_patches.training.model import build_model
 from megatron_patches.training.steps import forward_step_for, mean_loss_over_world
 from megatron_patches.training.watchdog import StallWatchdog
 
@@ -204,7 +204,7 @@ def build(args) -> Run:
     seed_everything(args)
     tokenizer, vocab, train_ds, valid_ds = build_data(args)
 
-    pattern = mcore.moe_layer_pattern(transformer_config(args, args.use_cuda))
+    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
     model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)

@@ -14,12 +14,13 @@ import math
 from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
-from megatron_patches.config.run import router_pre_softmax
+from megatron_patches.config.run import RUN_DEFAULTS, router_pre_softmax
 from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import checkpoint_dirs, outputs, resume
 from megatron_patches.training.arguments import (
     ATTENTION_BACKENDS,
     DEFAULT_SPLIT,
+    DEPRECATED_NO_EFFECT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
     EP_ONLY_ROUTING,
@@ -65,7 +66,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_batch(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
-    _check_manual_gc(args)
+    _check_partnered_flags(args)
     _check_timing(args)
     _resolve_device(args)
     _check_precision(args)
@@ -394,9 +395,8 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
-        parser_defaults = build_parser()
         for dest in EP_ONLY_ROUTING:
-            if getattr(args, dest) != parser_defaults.get_default(dest):
+            if getattr(args, dest) != parser.get_default(dest):
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
                      f"{mode.name} reaches the router's outputs its own way and does not take this routing "
                      "option yet (not built in fssdp, replicate and zebra); valid: --moe-parallel-mode ep, or "
@@ -413,13 +413,6 @@ def _check_routing(args):
              f"needs --moe-router-score-function sigmoid (is {args.moe_router_score_function})")
     if not args.moe_router_bias_update_rate >= 0.0:
         fail("--moe-router-bias-update-rate", args.moe_router_bias_update_rate, "must be 0 or more")
-    # flags Megatron-Core reads only beside another one (it ignores them alone; here they are refused)
-    defaults = build_parser()
-    alone = (("moe_router_bias_update_rate", args.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
-             ("moe_token_drop_policy", args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"))
-    for dest, partner_given, partner in alone:
-        if getattr(args, dest) != defaults.get_default(dest) and not partner_given:
-            fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"is read only with {partner}; add it or leave this out")
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         given, missing = ("--moe-router-num-groups", "--moe-router-group-topk") if group_topk is None else \
@@ -470,7 +463,7 @@ def _resolve_train_samples(args):
                 fail(flag, value, "counts samples, which only a --train-samples run reads; with --train-iters "
                      f"use {flag.replace('samples', 'iters')}")
         args.lr_warmup_steps = args.lr_warmup_iters
-        args.lr_decay_steps = args.lr_decay_iters
+        args.lr_decay_steps = args.lr_decay_iters = args.lr_decay_iters or args.train_iters
         return
     for flag, value, unset in (("--lr-warmup-iters", args.lr_warmup_iters, 0),
                                ("--lr-decay-iters", args.lr_decay_iters, None)):
@@ -497,10 +490,6 @@ def _resolve_learning_rate(args):
         fail("--use-checkpoint-opt_param-scheduler", True, "excludes --override-opt_param-scheduler (as in "
              "Megatron-LM); give one")
     _resolve_train_samples(args)
-    if args.lr_decay_iters is None and args.train_samples is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_decay_steps is None:
-        args.lr_decay_steps = args.lr_decay_iters
     unit = "samples" if args.train_samples is not None else "iters"
     if args.lr_warmup_fraction is not None:
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
@@ -510,17 +499,27 @@ def _resolve_learning_rate(args):
                  "give one")
         args.lr_warmup_steps = args.lr_warmup_fraction * args.lr_decay_steps
     if args.lr_warmup_steps >= args.lr_decay_steps:
+        decay = getattr(args, f"lr_decay_{unit}") or args.train_samples
         fail(f"--lr-warmup-{unit}", getattr(args, f"lr_warmup_{unit}"),
-             f"must be below --lr-decay-{unit}={getattr(args, f'lr_decay_{unit}') or args.train_samples} (Megatron-Core's "
-             f"scheduler requires warmup < decay); valid: 0..{(getattr(args, f'lr_decay_{unit}') or args.train_samples) - 1}")
+             f"must be below --lr-decay-{unit}={decay} (Megatron-Core's scheduler requires warmup < decay); "
+             f"valid: 0..{decay - 1}")
 
 
-def _check_manual_gc(args):
-    given = [flag for flag, value in (("--manual-gc-interval", args.manual_gc_interval),
-                                      ("--no-manual-gc-eval", not args.manual_gc_eval)) if value]
-    if given and not args.manual_gc:
-        fail(given[0], True if given[0] == "--no-manual-gc-eval" else args.manual_gc_interval,
-             "is read only with --manual-gc; add it or leave this out")
+def _check_partnered_flags(args):
+    """Flags Megatron-LM reads only beside another one: it ignores them alone, here they are refused."""
+    partnered = (  # (flag, its value, given, partner given, partner)
+        ("--moe-router-bias-update-rate", args.moe_router_bias_update_rate,
+         args.moe_router_bias_update_rate != RUN_DEFAULTS.moe_router_bias_update_rate,
+         args.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+        ("--moe-token-drop-policy", args.moe_token_drop_policy,
+         args.moe_token_drop_policy != RUN_DEFAULTS.moe_token_drop_policy,
+         args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
+        ("--manual-gc-interval", args.manual_gc_interval, args.manual_gc_interval != 0, args.manual_gc, "--manual-gc"),
+        ("--no-manual-gc-eval", True, not args.manual_gc_eval, args.manual_gc, "--manual-gc"),
+    )
+    for flag, value, given, partner_given, partner in partnered:
+        if given and not partner_given:
+            fail(flag, value, f"is read only with {partner}; add it or leave this out")
 
 
 def _check_timing(args):
@@ -573,14 +572,14 @@ def _resolve_kernel_choices(args, have_te: bool) -> None:
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         fail("--no-position-embedding", True, "deprecated, and refused by Megatron-LM except with rope (where it "
              "changes nothing); use --position-embedding-type none")
-    defaults = build_parser()
-    given = [action.option_strings[0] for action in defaults._actions
-             if action.dest in KERNEL_CHOICES and getattr(args, action.dest) != action.default]
+    actions = build_parser()._actions
+
+    def given(dests) -> list[str]:  # the flags of `dests` set away from their defaults, in parser order
+        return [a.option_strings[0] for a in actions if a.dest in dests and getattr(args, a.dest) != a.default]
+
     # a second validation of the same namespace sees --moe-grouped-gemm already switched off below
     grouped_not_applied = "--moe-grouped-gemm" in getattr(args, "kernel_choices_not_applied", [])
-    args.flags_without_effect = [flag for flag, given_ in (("--use-mcore-models", args.deprecated_use_mcore_models),
-                                                           ("--no-position-embedding", not args.add_position_embedding))
-                                 if given_]
+    args.flags_without_effect = given(DEPRECATED_NO_EFFECT)
     args.kernel_choices_not_applied = []
     if args.use_cuda:
         needs_te = [flag for flag, on in (("--moe-permute-fusion", args.moe_permute_fusion),
@@ -592,7 +591,7 @@ def _resolve_kernel_choices(args, have_te: bool) -> None:
             fail("--moe-permute-fusion", True, f"{args.moe_parallel_mode} permutes the token copies itself; valid "
                  "with --moe-parallel-mode ep")
         return
-    args.kernel_choices_not_applied = given
+    args.kernel_choices_not_applied = given(KERNEL_CHOICES)
     if grouped_not_applied or (args.moe_grouped_gemm and not MODES[args.moe_parallel_mode].grouped_gemm_on_instances):
         # Megatron's GroupedMLP needs CUDA; the experts' arithmetic is the same one after another
         args.moe_grouped_gemm = False
