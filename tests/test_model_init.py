@@ -19,16 +19,16 @@ SMALL = [
 ]
 
 
-def expert_weights(flags: list[str]) -> dict:
-    """Worker: build the model on this rank; return its experts' fc1/fc2 shards by global id."""
+def built(flags: list[str]):
+    """In a worker: (args, model, config) of SMALL + `flags` on this rank's groups, seeded as the
+    training loop seeds (the same dense weights on every rank)."""
+    import torch
     import torch.distributed as dist
-
-    from megatron.core import parallel_state
 
     from megatron_patches.compat import mcore, prepare_megatron
     from megatron_patches.training.arguments import parse_args
     from megatron_patches.training.validation import validate_args
-    from megatron_patches.training.model import build_model, moe_layers
+    from megatron_patches.training.model import build_model
 
     args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
     prepare_megatron(use_cuda=False)
@@ -36,8 +36,20 @@ def expert_weights(flags: list[str]) -> dict:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.expert_model_parallel_size, args.expert_tensor_parallel_size,
     )
+    torch.manual_seed(args.seed)
     mcore.seed_model_parallel_rng(args.seed)
-    model, _ = build_model(args, vocab_size=128, on_gpu=False)
+    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    return args, model, config
+
+
+def expert_weights(flags: list[str]) -> dict:
+    """Worker: build the model on this rank; return its experts' fc1/fc2 shards by global id."""
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore
+    from megatron_patches.training.model import moe_layers
+
+    _, model, _ = built(flags)
     out = {"etp_rank": parallel_state.get_expert_tensor_parallel_rank(), "experts": {}}
     for number, layer in moe_layers(model):
         for expert_id, expert in mcore.local_experts(layer):
@@ -102,21 +114,12 @@ def shaped_models(flag_sets: list[list[str]]) -> list[dict]:
 def shaped_model(flags: list[str]) -> dict:
     """Build the model with `flags`; what each flag should have changed, and one loss."""
     import torch
-    import torch.distributed as dist
 
     from megatron.core import parallel_state
 
-    from megatron_patches.compat import mcore, prepare_megatron
     from megatron_patches.config.models import count_parameters, model_config_from_args
-    from megatron_patches.training.arguments import parse_args
-    from megatron_patches.training.validation import validate_args
-    from megatron_patches.training.model import build_model
 
-    args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
-    prepare_megatron(use_cuda=False)
-    mcore.initialize_model_parallel(1, 1, 1, 1)
-    mcore.seed_model_parallel_rng(args.seed)
-    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    args, model, config = built(flags)
     attention = model.decoder.layers[0].self_attention
     tokens = torch.arange(16).reshape(2, 8) % 100
     position_ids = torch.arange(8).expand(2, 8)
@@ -169,16 +172,10 @@ def routed_model(flags: list[str]) -> dict:
 
     from megatron.core import parallel_state
 
-    from megatron_patches.compat import mcore, prepare_megatron
-    from megatron_patches.training.arguments import parse_args
-    from megatron_patches.training.validation import validate_args
-    from megatron_patches.training.model import build_model, moe_layers
+    from megatron_patches.compat import mcore
+    from megatron_patches.training.model import moe_layers
 
-    args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
-    prepare_megatron(use_cuda=False)
-    mcore.initialize_model_parallel(1, 1, args.expert_model_parallel_size, 1)
-    mcore.seed_model_parallel_rng(args.seed)
-    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    args, model, config = built(flags)
     ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
     generator = torch.Generator().manual_seed(dist.get_rank())
     biases = []
@@ -228,19 +225,11 @@ def params_norms(flag_sets: list[list[str]]) -> list[list[float]]:
 
     from megatron.core import parallel_state
 
-    from megatron_patches.compat import mcore, prepare_megatron
-    from megatron_patches.training.arguments import parse_args
-    from megatron_patches.training.validation import validate_args
-    from megatron_patches.training.model import build_model
+    from megatron_patches.compat import mcore
 
     out = []
     for flags in flag_sets:
-        args = validate_args(parse_args(SMALL + flags), dist.get_world_size())
-        prepare_megatron(use_cuda=False)
-        mcore.initialize_model_parallel(1, 1, args.expert_model_parallel_size, 1)
-        torch.manual_seed(args.seed)  # as the loop's seed_everything: the same dense weights on every rank
-        mcore.seed_model_parallel_rng(args.seed)
-        model, config = build_model(args, vocab_size=128, on_gpu=False)
+        args, model, config = built(flags)
         ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
         optimizer = mcore.optimizer(args, [ddp])
         # every rank holds the dense weights, each its own experts: dense once, experts summed
