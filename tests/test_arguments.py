@@ -564,7 +564,7 @@ def test_fp16_with_expert_parallelism_and_loss_scaling_flags(parse):
           "--recompute-modules", "mlp"], ["--recompute-modules=mlp", "selective"]),
         (["--recompute-granularity", "selective", "--recompute-num-layers", "1"], ["--recompute-num-layers=1", "full"]),
         (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mla_up_proj"],
-         ["--recompute-modules=core_attn mla_up_proj", "valid modules: core_attn"]),
+         ["--recompute-modules=mla_up_proj", "needs --multi-latent-attention"]),
         (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"], ["moe_act", "--moe-grouped-gemm"]),
     ],
 )
@@ -1273,6 +1273,20 @@ def test_model_flops_are_megatron_lm_s_count():
     attention = 6 * (128 * (128 + 2 * 32 * 2) + 128 * 32 + 128 * 128)
     mlp = 6 * 128 * (256 * 3 * 1 + 64 * 2 * 3 * 1)  # one dense SwiGLU layer, one MoE layer of top-2
     assert model_flops_per_iteration(gqa, 1024) == 2 * 32 * (2 * attention + mlp + 6 * 128 * 1024)
+    # DeepSeek-V3's kind: multi-latent attention with a query latent, a shared expert, a dense first
+    # layer, one MTP layer (it repeats the last, MoE, layer and adds norms, a 2h -> h projection and logits)
+    deepseek = validate_args(parse_args([
+        "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--multi-latent-attention",
+        "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+        "--v-head-dim", "8", "--position-embedding-type", "rope", "--swiglu", "--ffn-hidden-size", "192",
+        "--moe-ffn-hidden-size", "32", "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1]",
+        "--moe-shared-expert-intermediate-size", "48", "--disable-bias-linear", "--mtp-num-layers", "1",
+        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-4"]), 1)
+    attention = 6 * (24 * (64 + 4 * 12 + 1) + 16 * (64 + 4 * (8 + 8) + 1) + 64 * 4 + 4 * 8 * 64
+                     + 32 * 4 * 12 / 2 + 32 * 4 * 8 / 2)
+    mlp = 6 * 64 * (192 * 3 * 1 + (32 * 2 + 48) * 3 * 3)  # one dense layer; two MoE layers and the MTP layer
+    mtp = 6 * (3 * 64 + 2 * 64 * 64)
+    assert model_flops_per_iteration(deepseek, 1024) == 2 * 32 * (4 * attention + mlp + mtp + 2 * 6 * 64 * 1024)
 
 
 def test_params_norm_and_zero_count_run_in_ep_only(parse):

@@ -86,9 +86,12 @@ def test_refusal_reasons_by_kind():
     assert reason("--attention-backend").startswith("a GPU kernel")
     assert reason("--mamba-state-dim").startswith("a model kind")
     assert reason("--grpo-group-size").startswith("reinforcement-learning")
-    assert reason("--context-parallel-size") == megatron_lm.NOT_BUILT
+    assert reason("--moe-latent-size") == megatron_lm.NOT_BUILT
     # not built yet: leaving the flag out keeps Megatron-LM's default, which the message names
-    assert megatron_lm.refusal("--context-parallel-size").instead == "leave it out (Megatron-LM's default: 1)"
+    assert megatron_lm.refusal("--moe-latent-size").instead == "leave it out (Megatron-LM's default: None)"
+    # context parallelism and virtual pipelines: their own reasons
+    assert "Transformer Engine's attention" in reason("--context-parallel-size")
+    assert "one model chunk per pipeline stage" in reason("--num-layers-per-virtual-pipeline-stage")
     assert megatron_lm.refusal("--use-flash-attn").instead == "leave it out (Megatron-LM's default: False)"
     assert megatron_lm.refusal("--num-layers") is not None  # a table flag; only asked for unknown options
     assert megatron_lm.refusal("--no-such-flag") is None
@@ -108,9 +111,9 @@ def test_every_refusal_category_names_real_flags():
 
 def test_several_refused_flags_are_named_together_and_before_typos():
     with pytest.raises(ArgumentError) as caught:
-        parse_args(["--context-parallel-size", "2", "--mtp-num-layers", "1", "--num-layer", "2"])
+        parse_args(["--context-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layer", "2"])
     message = str(caught.value)
-    assert message.count("is refused") == 2 and "--context-parallel-size" in message and "--mtp-num-layers" in message
+    assert message.count("is refused") == 2 and "--context-parallel-size" in message and "--num-layers-per-virtual-pipeline-stage" in message
 
 
 def test_did_you_mean_offers_only_close_names():

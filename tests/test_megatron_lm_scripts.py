@@ -11,6 +11,7 @@ validates (unit) and trains 2 iterations in ep on 2 gloo ranks (e2e), one spawn 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,40 @@ def test_the_published_scripts_train_two_iterations_in_ep(workdir):
         assert "accepted without effect (deprecated in Megatron-LM, no effect there either): --use-mcore-models" in run.output
     assert "--no-masked-softmax-fusion, --moe-grouped-gemm" in runs["mixtral_8x7b"].output
     assert "--no-masked-softmax-fusion, --no-bias-swiglu-fusion, --no-rope-fusion" in runs["qwen3_30b_a3b"].output
+    # DeepSeek-V2-Lite: multi-latent attention, a shared expert, a dense first layer, seq_aux_loss
+    deepseek = runs["deepseek_v2_lite"]
+    assert "--no-masked-softmax-fusion, --no-rope-fusion, --moe-grouped-gemm" in deepseek.output
+    assert [layer["layer"] for layer in deepseek.records[-1]["moe_layers"]] == [2]
+
+
+# DeepSeek-V3's features on the embedded tiny job (Megatron's default dropout 0.1), in the precision
+# and recompute users run them with, through the pipeline: MLA with a query latent, a gated shared
+# expert, two MTP layers on the last of 2 pipeline stages.
+DEEPSEEK_FEATURES = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                     "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--position-embedding-type",
+                     "rope", "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64",
+                     "--moe-shared-expert-gate", "--mtp-num-layers", "2", "--train-iters", "3", "--log-interval", "1"]
+
+
+@pytest.mark.e2e
+def test_deepseek_features_train_in_ep_with_half_precision_recompute_and_pipelines(workdir):
+    runs = launch_many(RANKS, {
+        "bf16_full_recompute_pp2": [*DEEPSEEK_FEATURES, "--bf16", "--pipeline-model-parallel-size", "2",
+                                    "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"],
+        "fp16_selective_ep2": [*DEEPSEEK_FEATURES, "--fp16", "--recompute-granularity", "selective",
+                               "--recompute-modules", "mla_up_proj", "shared_experts", "core_attn"],
+    }, workdir)
+    for name, run in runs.items():
+        records = [r for r in run.records if "loss" in r]
+        assert [r["iteration"] for r in records] == [1, 2, 3], name
+        # one MTP loss per depth, near the LM loss at initialisation (ln 50,304 = 10.83)
+        assert all(len(r["mtp_loss"]) == 2 and all(10.0 < v < 11.5 for v in r["mtp_loss"]) for r in records), name
+        assert "mtp_1 loss" in run.output and "mtp_2 loss" in run.output, name
+        # MoE layers 1 and 2 of the decoder, 3 and 4 the MTP layers (they repeat the last, MoE, layer)
+        assert [layer["layer"] for layer in records[-1]["moe_layers"]] == [1, 2, 3, 4], name
+        assert all(math.isfinite(r["loss"]) for r in records), name
+    # bf16 steps every iteration; fp16's dynamic loss scale may skip its first steps (2**32 halved)
+    bf16 = [r for r in runs["bf16_full_recompute_pp2"].records if "loss" in r]
+    assert bf16[-1]["loss"] < bf16[0]["loss"] and bf16[-1]["skipped_iterations"] == 0
+    assert [r for r in runs["fp16_selective_ep2"].records if "loss" in r][-1]["loss_scale"] < 2**32

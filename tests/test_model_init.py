@@ -251,3 +251,79 @@ def test_params_norm_counts_every_weight_once():
     ranks = run_ranks(2, __file__, "params_norms", 180, args=(flag_sets,))
     for (ours, reference), again in zip(ranks[0], ranks[1]):
         assert ours == pytest.approx(reference, rel=1e-6) and again[0] == pytest.approx(ours, rel=1e-12)
+
+
+# Today's MoE models in ep (Megatron-Core's own modules): a gated shared expert, multi-latent
+# attention with and without a query latent (its YaRN flags), multi-token prediction, and all
+# of them together (DeepSeek-V3's shape, shrunk).
+SHARED = ["--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate"]
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6", "--qk-layernorm", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+       "--rotary-scaling-factor", "40", "--mscale", "0.707", "--mscale-all-dim", "0.707"]
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+MODERN = {"shared": SHARED, "mla": MLA, "mla_q_latent": [*MLA, "--q-lora-rank", "12"], "mtp": MTP,
+          "all": [*SHARED, *MLA, "--q-lora-rank", "12", *MTP]}
+
+
+def modern_models(named: dict[str, list[str]]) -> dict[str, dict]:
+    """Worker: each model built, one training forward/backward with Megatron's loss mask; its
+    parameter count against count_parameters, the modules each flag builds, the MTP losses
+    Megatron tracked, and the MTP layers' experts by global id."""
+    import torch
+
+    from megatron.core import parallel_state
+
+    from megatron_patches.compat import mcore
+    from megatron_patches.config.models import count_parameters, model_config_from_args
+    from megatron_patches.training.model import moe_layers
+
+    out = {}
+    for name, flags in named.items():
+        args, model, config = built(flags)
+        tokens = torch.arange(32).reshape(4, 8) % 100
+        position_ids = torch.arange(8).expand(4, 8)
+        model.train()
+        loss = model(tokens, position_ids, None, labels=tokens, loss_mask=torch.ones(4, 8)).float().mean()
+        loss.backward()
+        layers = mcore.transformer_layers(model)
+        shared = getattr(layers[0].mlp, "shared_experts", None)
+        out[name] = {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "counted": count_parameters(model_config_from_args(args))["total"],
+            "config": type(config).__name__,
+            "attention": [type(layers[0].self_attention).__name__, type(layers[0].self_attention.core_attention).__name__],
+            "shared": None if shared is None else [shared.linear_fc1.weight.shape[0], shared.gate_weight is not None],
+            "moe_layers": [number for number, _ in moe_layers(model)],
+            "mtp_loss": mcore.take_mtp_losses(args.mtp_num_layers, 1) if args.mtp_num_layers else None,
+            "loss_finite": bool(torch.isfinite(loss)),
+            "grads_finite": all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None),
+            "mtp_experts": {f"{number}:{expert_id}": expert.linear_fc1.weight.detach().tolist()
+                            for number, layer in moe_layers(model) if number > args.num_layers
+                            for expert_id, expert in mcore.local_experts(layer)},
+        }
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.multirank
+def test_shared_experts_mla_and_mtp_build_in_ep():
+    built_1, = run_ranks(1, __file__, "modern_models", 240, args=(MODERN,))
+    for name, model in built_1.items():
+        assert model["parameters"] == model["counted"], name
+        assert model["loss_finite"] and model["grads_finite"], name
+    assert built_1["shared"]["shared"] == [24, True] and built_1["mla"]["shared"] is None
+    assert built_1["shared"]["attention"] == ["SelfAttention", "DotProductAttention"]
+    assert built_1["mla"]["config"] == "MLATransformerConfig" and built_1["shared"]["config"] == "TransformerConfig"
+    assert built_1["mla"]["attention"] == ["MLASelfAttention", "LatentDotProductAttention"]
+    # the query latent adds a down projection, an up projection and its norm (RMSNorm, 12 wide)
+    q_heads = 2 * (8 + 4)
+    assert built_1["mla_q_latent"]["parameters"] - built_1["mla"]["parameters"] == \
+        2 * (16 * 12 + 12 * q_heads + 12 - 16 * q_heads)
+    # MTP layers repeat the last (MoE) layer: layers 3 and 4 carry experts, one loss per depth
+    assert built_1["mtp"]["moe_layers"] == [1, 2, 3, 4] and built_1["shared"]["moe_layers"] == [1, 2]
+    assert len(built_1["mtp"]["mtp_loss"]) == 2 and all(4.0 < value < 5.5 for value in built_1["mtp"]["mtp_loss"])
+    # the MTP layers' experts are seeded by global id too: the same weights under EP 2
+    ep2 = run_ranks(2, __file__, "modern_models", 240, args=({"all": [*MODERN["all"], "--expert-model-parallel-size", "2"]},))
+    assert sorted(ep2[0]["all"]["mtp_experts"]) == ["3:0", "3:1", "4:0", "4:1"]
+    merged = {**ep2[0]["all"]["mtp_experts"], **ep2[1]["all"]["mtp_experts"]}
+    assert merged == built_1["all"]["mtp_experts"]

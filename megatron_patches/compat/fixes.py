@@ -196,13 +196,33 @@ def _fix_bert_token_lookup_order() -> None:
     bert_dataset.BERTMaskedWordPieceDataset.__init__ = __init__
 
 
+# ----------------------------------------------------------------------------------------
+# Fix 8: multi-latent attention believes Transformer Engine is installed when it is not
+# ----------------------------------------------------------------------------------------
+# multi_latent_attention.py:53-65 sets HAVE_TE = True when `megatron.core.extensions.
+# transformer_engine` imports, which it does without Transformer Engine too (that module then
+# binds its TE classes to MagicMock stand-ins and its own HAVE_TE to False, :60-77). The first
+# MLASelfAttention then runs `isinstance(self.linear_proj, TELinear)` (:185) against a MagicMock
+# instance: TypeError "isinstance() arg 2 must be a type", so MLA cannot be built without TE
+# (seen on CPU). The extension module's own flag is the truth.
+
+
+def _fix_mla_te_detection() -> None:
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
+
+
 def apply_global_fixes() -> None:
-    """Install the module-level fixes (1, 4, 5, 6 and 7). Fixes 2-3 apply per model / optimizer."""
+    """Install the module-level fixes (1, 4, 5, 6, 7 and 8). Fixes 2-3 apply per model / optimizer."""
     _fix_single_rank_reduce()
     _fix_torch_adam_step_on_load()
     _fix_checkpoint_without_output_fp8()
     _fix_te_general_gemm_without_te()
     _fix_bert_token_lookup_order()
+    _fix_mla_te_detection()
 
 
 __all__ = [

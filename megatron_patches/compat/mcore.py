@@ -32,6 +32,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     LNImpl,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
@@ -41,10 +42,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import checkpoint as _checkpoint
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module, param_is_not_shared
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -121,7 +124,18 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
     (config/run.py)."""
     dtype = torch.bfloat16 if run.bf16 else torch.float16 if run.fp16 else torch.float32
     freq = model.moe_layer_freq
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if model.multi_latent_attention:
+        # Megatron-LM's core_transformer_config_from_args: MLATransformerConfig takes the MLA flags
+        # and the rotary ones; rope_type None keeps MLA's default (yarn)
+        config_class = MLATransformerConfig
+        mla = dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+                   qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+                   rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+                   rotary_scaling_factor=model.rotary_scaling_factor, mscale=model.mscale,
+                   mscale_all_dim=model.mscale_all_dim, **({"rope_type": model.rope_type} if model.rope_type else {}))
+    return config_class(
+        **mla,
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -162,6 +176,10 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         moe_input_jitter_eps=run.moe_input_jitter_eps,
         moe_token_drop_policy=run.moe_token_drop_policy,
         moe_token_dispatcher_type=run.moe_token_dispatcher_type,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=model.moe_shared_expert_gate,
+        mtp_num_layers=model.mtp_num_layers,
+        mtp_loss_scaling_factor=run.mtp_loss_scaling_factor,
         moe_expert_capacity_factor=model.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=run.moe_pad_expert_input_to_capacity,
         moe_grouped_gemm=run.moe_grouped_gemm,
@@ -180,7 +198,8 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         # the other GPU kernel choices (config/run.py); on CPU validation lists them instead
         **({"attention_backend": AttnBackend[run.attention_backend], "cross_entropy_loss_fusion": run.cross_entropy_loss_fusion,
             "cross_entropy_fusion_impl": run.cross_entropy_fusion_impl, "moe_permute_fusion": run.moe_permute_fusion,
-            "moe_router_fusion": run.moe_router_fusion, "deterministic_mode": run.deterministic_mode} if on_gpu else {}),
+            "moe_router_fusion": run.moe_router_fusion, "deterministic_mode": run.deterministic_mode,
+            "moe_shared_expert_overlap": run.moe_shared_expert_overlap} if on_gpu else {}),
         persist_layer_norm=False,  # needs Apex's FusedLayerNorm (Megatron-LM: --no-persist-layer-norm)
         apply_rope_fusion=False,
         attention_softmax_in_fp32=run.attention_softmax_in_fp32,
@@ -220,20 +239,48 @@ def _seed_isolated_experts(moe_layer_spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(moe_layer_spec, submodules=dataclasses.replace(moe_layer_spec.submodules, mlp=mlp))
 
 
+class LatentDotProductAttention(DotProductAttention):
+    """Megatron's local DotProductAttention for multi-latent attention, whose heads are wider for
+    queries and keys (qk_head_dim + qk_pos_emb_head_dim) than for values (v_head_dim).
+
+    MLASelfAttention builds its core attention with `k_channels` and `v_channels`
+    (multi_latent_attention.py:155-166), which only TEDotProductAttention takes; the local class
+    computes the same scores (the softmax scale comes from MLA) and sizes its output from
+    kv_channels x heads (dot_product_attention.py:65-78). Here the output width is v_channels x
+    heads, so MLA runs without Transformer Engine (on CPU). Attention's base class first builds
+    the core attention once without either argument (attention.py:318) and MLA replaces it."""
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+
+def _latent_attention_core(layer_spec: ModuleSpec) -> ModuleSpec:
+    attention = layer_spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=LatentDotProductAttention))
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attention))
+
+
 def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[ModuleSpec, ModuleSpec]:
     """(dense layer spec, MoE layer spec) of one transformer layer.
 
-    GPT: Megatron's own GPT layer specs (TE on GPU when available, local modules otherwise).
+    GPT: Megatron's own GPT layer specs (TE on GPU when available, local modules otherwise;
+    multi-latent attention on local modules through LatentDotProductAttention).
     BERT: Megatron's BERT local layer spec (padding attention mask) with the MLP taken from
     the GPT spec of the same kind (dense MLP or Megatron's MoE block).
     """
+    attention = dict(qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention)
     kwargs = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if use_te:
-        dense = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-        moe = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **kwargs)
+        dense = get_gpt_layer_with_transformer_engine_spec(**attention)
+        moe = get_gpt_layer_with_transformer_engine_spec(**attention, **kwargs)
     else:
-        dense = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
-        moe = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm, **kwargs)
+        dense = get_gpt_layer_local_spec(normalization=config.normalization, **attention)
+        moe = get_gpt_layer_local_spec(normalization=config.normalization, **attention, **kwargs)
+        if config.multi_latent_attention:
+            dense, moe = _latent_attention_core(dense), _latent_attention_core(moe)
     moe = _seed_isolated_experts(moe)
     if family == "gpt":
         return dense, moe
@@ -257,7 +304,10 @@ def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, us
     return TransformerBlockSubmodules(layer_specs=local, layer_norm=LNImpl)
 
 
-def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_process: bool, post_process: bool):
+def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_process: bool, post_process: bool,
+                   mtp_layer_spec: ModuleSpec | None = None, use_te: bool = False):
+    """GPTModel or BertModel of this stage. `mtp_layer_spec`: the decoder's last layer's spec, which
+    each multi-token-prediction layer repeats (Megatron-LM's gpt_builders.py), with --mtp-num-layers."""
     common = dict(
         config=config,
         transformer_layer_spec=spec,
@@ -269,8 +319,10 @@ def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_p
         position_embedding_type=args.position_embedding_type,
     )
     if args.model_family == "gpt":
+        mtp = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=use_te) if config.mtp_num_layers else None
         return GPTModel(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, **common)
+                        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, mtp_block_spec=mtp,
+                        **common)
     return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head, **common)
 
 
@@ -300,8 +352,12 @@ def pipeline_stage_flags() -> tuple[bool, bool]:
 
 
 def transformer_layers(model) -> list:
-    """The TransformerLayer modules of an (unwrapped) GPT/BERT model on this stage."""
-    return list(model.decoder.layers) if hasattr(model, "decoder") else list(model.encoder.layers)
+    """The TransformerLayer modules of an (unwrapped) GPT/BERT model on this stage: the decoder's
+    (BERT: encoder's), then the multi-token-prediction layers' (numbered num_layers + 1, ...)."""
+    if not hasattr(model, "decoder"):
+        return list(model.encoder.layers)
+    mtp = getattr(model, "mtp", None)
+    return list(model.decoder.layers) + ([layer.transformer_layer for layer in mtp.layers] if mtp is not None else [])
 
 
 def local_experts(moe_layer) -> list:
@@ -511,6 +567,24 @@ class WorldFiniteCheck:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
         torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_megatron) or bool(found_inf.item() > 0)
+
+
+def take_mtp_losses(num_mtp_layers: int, num_micro_batches: int) -> list[float]:
+    """This iteration's multi-token-prediction loss per MTP layer, the mean over micro-batches and
+    data-parallel ranks (Megatron-LM's "mtp_k loss"), and the tracker emptied. A collective.
+
+    GPTModel adds each micro-batch's MTP loss to MTPLossLoggingHelper's tracker on the last
+    pipeline stage (models/gpt/gpt_model.py:643-650) and Megatron-LM's training_log reads and
+    clears it; here every last-stage TP-rank-0 rank contributes once and the world averages."""
+    tracker = MTPLossLoggingHelper.tracker
+    sums = torch.zeros(num_mtp_layers + 1, dtype=torch.float64)
+    if "values" in tracker:
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel_state.get_tensor_model_parallel_rank() == 0:
+            sums[:num_mtp_layers] = tracker["values"].detach().double().cpu() / num_micro_batches
+            sums[-1] = 1.0
+        tracker["values"].zero_()
+    torch.distributed.all_reduce(sums)
+    return (sums[:-1] / sums[-1]).tolist() if sums[-1] > 0 else [float("nan")] * num_mtp_layers
 
 
 def params_norm(opt) -> float:

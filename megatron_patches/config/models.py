@@ -31,6 +31,7 @@ __all__ = [
     "available_models",
     "load_model_config",
     "model_config_from_dict",
+    "moe_layer_numbers",
     "moe_layer_pattern",
     "padded_vocab_size",
     "vocab_padding_multiple",
@@ -131,6 +132,39 @@ class ModelConfig:
     moe_layer_freq: Union[int, tuple[int, ...]] = 1
     """Which layers are MoE (`--moe-layer-freq`): an int k makes layers 0, k, 2k, ... MoE; a
     list gives one 0 (dense) / 1 (MoE) per layer."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert every token of an MoE layer also passes through
+    (`--moe-shared-expert-intermediate-size`; n shared experts of width f are one of n x f);
+    None = none. A dense, data-parallel MLP without biases (Megatron-Core has none there)."""
+    moe_shared_expert_gate: bool = False
+    """A learned sigmoid gate (one h-wide weight row) scaling the shared expert's output
+    (`--moe-shared-expert-gate`)."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, `--multi-latent-attention`): queries, keys and values
+    projected through low-rank latents; kv_channels and query groups are then unused. GPT only."""
+    q_lora_rank: int | None = None
+    """MLA: the query latent's width (`--q-lora-rank`); None = queries projected directly."""
+    kv_lora_rank: int = 32
+    """MLA: the key/value latent's width (`--kv-lora-rank`)."""
+    qk_head_dim: int = 128
+    """MLA: each head's query/key width without the rotary part (`--qk-head-dim`)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: each head's rotary query/key width (`--qk-pos-emb-head-dim`), shared by the heads for keys."""
+    v_head_dim: int = 128
+    """MLA: each head's value width (`--v-head-dim`)."""
+    rope_type: str | None = None
+    """MLA's rotary embedding: "yarn" (None: MLA's default) or "rope" (`--rope-type`); other
+    attention takes only "rope"."""
+    rotary_scaling_factor: float = 1.0
+    """MLA's YaRN scaling factor (`--rotary-scaling-factor`)."""
+    mscale: float = 1.0
+    """MLA's YaRN attention-scale term (`--mscale`)."""
+    mscale_all_dim: float = 0.0
+    """MLA's YaRN attention-scale term over all dimensions (`--mscale-all-dim`)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depth (`--mtp-num-layers`): each MTP layer (two norms, a 2h -> h
+    projection, one transformer layer like the decoder's last, a final norm) predicts one token
+    further, sharing the embedding and output layer; None = none. GPT only."""
 
     def __post_init__(self) -> None:
         _check_model(self)
@@ -187,6 +221,15 @@ def moe_layer_pattern(moe_layer_freq: Union[int, list, tuple], num_layers: int) 
     return list(moe_layer_freq)
 
 
+def moe_layer_numbers(moe_layer_freq: Union[int, list, tuple], num_layers: int, mtp_num_layers: int | None = None) -> list[int]:
+    """Megatron's (1-based, global) layer numbers of the MoE layers: the decoder's, then the
+    multi-token-prediction layers' (num_layers + 1, ...), which repeat the decoder's last layer and
+    so are MoE when it is."""
+    pattern = moe_layer_pattern(moe_layer_freq, num_layers)
+    mtp = list(range(num_layers + 1, num_layers + 1 + (mtp_num_layers or 0))) if pattern[-1] else []
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe] + mtp
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -235,6 +278,7 @@ def _check_model(cfg: ModelConfig) -> None:
         if value != default and cfg.position_embedding_type != "rope":
             _fail(key, value, f"it shapes rotary embeddings, which position_embedding_type="
                   f"{cfg.position_embedding_type!r} does not use; set position_embedding_type: rope, or leave it out")
+    _check_modern(cfg)
     if cfg.qk_layernorm and cfg.model_family == "bert":
         _fail("qk_layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm; valid: false with bert")
     if cfg.model_family == "bert" and cfg.position_embedding_type == "none":
@@ -272,6 +316,59 @@ def _check_model(cfg: ModelConfig) -> None:
             _fail("moe_layer_freq", freq, "an MoE model needs at least one 1 (MoE layer) in the pattern")
     else:
         _fail("moe_layer_freq", freq, "expected an integer or a list of 0/1 per layer")
+
+
+MLA_ONLY = {"q_lora_rank": None, "rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""MLA's fields whose non-default values only MLA reads, with those defaults (the widths kv_lora_rank ...
+v_head_dim have Megatron-LM's non-None defaults and are simply unused without MLA)."""
+ROPE_TYPES = ("rope", "yarn")
+
+
+def _check_modern(cfg: ModelConfig) -> None:
+    """Shared experts, multi-latent attention and multi-token prediction, as Megatron-Core 0.16.1
+    checks them (transformer_config.py, moe/shared_experts.py), with the field names."""
+    for key in ("q_lora_rank", "mtp_num_layers", "moe_shared_expert_intermediate_size"):
+        value = getattr(cfg, key)
+        if value is not None and (not _is_int(value) or value < 1):
+            _fail(key, value, "expected a positive integer or null")
+    for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        if not _is_int(getattr(cfg, key)) or getattr(cfg, key) < 1:
+            _fail(key, getattr(cfg, key), "expected a positive integer")
+    for key in ("rotary_scaling_factor", "mscale", "mscale_all_dim"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            _fail(key, value, "expected a number")
+    for key in ("moe_shared_expert_gate", "multi_latent_attention"):
+        if not isinstance(getattr(cfg, key), bool):
+            _fail(key, getattr(cfg, key), "expected true or false")
+    if cfg.rope_type is not None and cfg.rope_type not in ROPE_TYPES:
+        _fail("rope_type", cfg.rope_type, f"expected one of {list(ROPE_TYPES)} or null")
+    if cfg.moe_shared_expert_intermediate_size is not None:
+        if cfg.num_experts is None:
+            _fail("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
+                  "a shared expert belongs to an MoE layer; it needs num_experts")
+        if cfg.add_bias_linear:
+            _fail("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
+                  "Megatron-Core's shared expert has no biases; it needs add_bias_linear: false "
+                  "(--disable-bias-linear)")
+    elif cfg.moe_shared_expert_gate:
+        _fail("moe_shared_expert_gate", True, "it gates the shared expert; it needs moe_shared_expert_intermediate_size")
+    if cfg.multi_latent_attention:
+        if cfg.model_family != "gpt":
+            _fail("multi_latent_attention", True, "Megatron-Core builds MLA in GPT layers only; valid: false with bert")
+        if cfg.group_query_attention:
+            _fail("multi_latent_attention", True, "MLA and group_query_attention exclude each other (Megatron-LM "
+                  "refuses both); drop --group-query-attention")
+    else:
+        if cfg.rope_type not in (None, "rope"):
+            _fail("rope_type", cfg.rope_type, "attention other than MLA takes only 'rope' (Megatron-LM's rule); "
+                  "valid: rope, or multi_latent_attention: true")
+        for key, default in MLA_ONLY.items():
+            if key != "rope_type" and getattr(cfg, key) != default:
+                _fail(key, getattr(cfg, key), "it shapes multi-latent attention, which this model does not use; "
+                      f"set multi_latent_attention: true, or leave it out (default {default})")
+    if cfg.mtp_num_layers is not None and cfg.model_family != "gpt":
+        _fail("mtp_num_layers", cfg.mtp_num_layers, "multi-token prediction is built for GPT models only")
 
 
 def model_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> ModelConfig:
@@ -360,6 +457,46 @@ def _mlp_params(cfg: ModelConfig, ffn: int) -> int:
     return fc1_out * h + (fc1_out if bias else 0) + h * ffn + (h if bias else 0)
 
 
+def _router_params(cfg: ModelConfig) -> int:
+    return cfg.num_experts * cfg.hidden_size + (cfg.num_experts if cfg.add_bias_linear else 0) if cfg.num_experts else 0
+
+
+def _shared_expert_params(cfg: ModelConfig) -> int:
+    """The shared expert of one MoE layer: an MLP without biases, and the gate's weight row."""
+    if cfg.moe_shared_expert_intermediate_size is None:
+        return 0
+    return _mlp_params(cfg, cfg.moe_shared_expert_intermediate_size) + (cfg.hidden_size if cfg.moe_shared_expert_gate else 0)
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    """One layer's self-attention: projections, their biases and the query/key norms."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    bias = cfg.add_bias_linear
+
+    def norm(width: int) -> int:
+        return 2 * width if cfg.normalization == "LayerNorm" else width
+
+    if cfg.multi_latent_attention:
+        # Megatron-Core 0.16.1's MLASelfAttention: only the output projection has a bias; the
+        # query and key/value latents carry the norms (with qk_layernorm).
+        q_head = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+        if cfg.q_lora_rank is None:
+            query = h * heads * q_head
+        else:
+            query = h * cfg.q_lora_rank + cfg.q_lora_rank * heads * q_head
+            query += norm(cfg.q_lora_rank) if cfg.qk_layernorm else 0
+        key_value = h * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        key_value += norm(cfg.kv_lora_rank) if cfg.qk_layernorm else 0
+        return query + key_value + heads * cfg.v_head_dim * h + (h if bias else 0)
+    query_width = cfg.kv_channels * heads
+    qkv_out = query_width + 2 * cfg.kv_channels * cfg.query_groups
+    qkv_bias = bias or cfg.add_qkv_bias
+    params = qkv_out * h + (qkv_out if qkv_bias else 0) + h * query_width + (h if bias else 0)
+    if cfg.qk_layernorm:
+        params += 2 * norm(cfg.kv_channels)  # one norm over each head's queries and one over its keys
+    return params
+
+
 def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[str, int]:
     """Parameter count of the Megatron-Core model this config builds, by component, plus totals.
 
@@ -367,10 +504,12 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
     (local spec) or BertModel (local spec, MoE MLPs) built at TP = PP = EP = 1, i.e. the
     whole model. `tensor_parallel_size` only changes the vocabulary padding.
 
-    Keys: embeddings (word + position + BERT token types), attention (QKV + output projection + query/key norms),
-    router, experts, dense_mlp (MLPs of non-MoE layers), norms (per-layer, final and BERT head
-    norms), output_layer (untied output projection, BERT output bias), bert_heads (BERT LM-head
-    dense, pooler, binary head), non_embedding (total minus embeddings and output_layer) and total.
+    Keys: embeddings (word + position + BERT token types), attention (QKV or MLA's latent
+    projections + output projection + query/key norms), router, experts, shared_experts,
+    dense_mlp (MLPs of non-MoE layers), norms (per-layer, final and BERT head norms), mtp (the
+    multi-token-prediction layers, their experts included), output_layer (untied output
+    projection, BERT output bias), bert_heads (BERT LM-head dense, pooler, binary head),
+    non_embedding (total minus embeddings and output_layer) and total.
     """
     h = cfg.hidden_size
     vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tensor_parallel_size)
@@ -378,26 +517,26 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
     # torch LayerNorm has weight and bias, torch RMSNorm only a weight.
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
 
-    query_width = cfg.kv_channels * cfg.num_attention_heads
-    qkv_out = query_width + 2 * cfg.kv_channels * cfg.query_groups
-    qkv_bias = bias or cfg.add_qkv_bias
-    attention_per_layer = qkv_out * h + (qkv_out if qkv_bias else 0) + h * query_width + (h if bias else 0)
-    if cfg.qk_layernorm:
-        # one norm over each head's queries and one over its keys, kv_channels wide
-        attention_per_layer += 2 * (2 * cfg.kv_channels if cfg.normalization == "LayerNorm" else cfg.kv_channels)
-
+    attention_per_layer = _attention_params(cfg)
     pattern = cfg.moe_layer_pattern
     moe_layers = sum(pattern)
     dense_layers = cfg.num_layers - moe_layers
-    router = 0
-    experts = 0
-    if moe_layers:
-        router = moe_layers * (cfg.num_experts * h + (cfg.num_experts if bias else 0))
-        experts = moe_layers * cfg.num_experts * expert_parameter_count(cfg)
+    router = moe_layers * _router_params(cfg)
+    experts = moe_layers * cfg.num_experts * expert_parameter_count(cfg) if moe_layers else 0
+    shared_experts = moe_layers * _shared_expert_params(cfg)
     dense_mlp = dense_layers * _mlp_params(cfg, cfg.ffn_hidden_size)
 
     # Two norms per layer (input, pre-MLP) and the final norm of the block.
     norms = (2 * cfg.num_layers + 1) * norm
+
+    # Each MTP layer: its two input norms and final norm, the 2h -> h projection (no bias) and one
+    # transformer layer built from the decoder's last layer's spec (Megatron-Core 0.16.1,
+    # transformer/multi_token_prediction.py); the embedding and output layer are the model's.
+    mtp = 0
+    if cfg.mtp_num_layers:
+        last_mlp = (_router_params(cfg) + cfg.num_experts * expert_parameter_count(cfg) + _shared_expert_params(cfg)
+                    if pattern[-1] else _mlp_params(cfg, cfg.ffn_hidden_size))
+        mtp = cfg.mtp_num_layers * (3 * norm + 2 * h * h + attention_per_layer + 2 * norm + last_mlp)
 
     embeddings = vocab * h
     if cfg.position_embedding_type == "learned_absolute":
@@ -415,13 +554,15 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
             bert_heads += 2 * h + 2  # binary (sentence-order) head
     attention = cfg.num_layers * attention_per_layer
 
-    total = embeddings + attention + router + experts + dense_mlp + norms + output_layer + bert_heads
+    total = embeddings + attention + router + experts + shared_experts + dense_mlp + norms + output_layer + bert_heads + mtp
     return {
         "embeddings": embeddings,
         "attention": attention,
         "router": router,
         "experts": experts,
+        "shared_experts": shared_experts,
         "dense_mlp": dense_mlp,
+        "mtp": mtp,
         "norms": norms,
         "output_layer": output_layer,
         "bert_heads": bert_heads,

@@ -106,8 +106,12 @@ class RunSettings:
     """`--moe-permute-fusion`: GPU only, Transformer Engine's permutation (ep)."""
     moe_router_fusion: bool = False
     """`--moe-router-fusion`: GPU only, Transformer Engine's fused top-k and aux loss."""
+    moe_shared_expert_overlap: bool = False
+    """`--moe-shared-expert-overlap`: GPU only, the shared expert on a side stream during the dispatch."""
     deterministic_mode: bool = False
     """`--deterministic-mode`: GPU only (CPU runs are bit-identical anyway)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """`--mtp-loss-scaling-factor`: the multi-token-prediction loss's weight (the mean over MTP layers)."""
     recompute_granularity: str | None = None
     """`--recompute-granularity`: None (keep every activation), `full` (keep only each
     recomputed layer's input and run its forward again in the backward) or `selective` (recompute

@@ -68,16 +68,18 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
 
 # Megatron-Core's recompute_modules that a GPT/BERT MoE model of this product has (mla_up_proj
-# needs multi-latent attention, shared_experts needs shared experts; neither is offered).
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe")
+# needs multi-latent attention, shared_experts needs shared experts).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "mla_up_proj", "shared_experts")
 
 # Megatron-LM's --moe-router-score-function, --moe-router-dtype and --moe-token-drop-policy choices.
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
-# The routing flags of today's MoE models (DeepSeek-V3, Qwen3) run in ep, Megatron's own MoE layer;
-# fssdp, replicate and zebra reach the router's outputs their own way and refuse them for now.
+# The shared experts, multi-latent attention, multi-token prediction and routing flags of today's MoE
+# models (DeepSeek-V3, Qwen3) run in ep, Megatron's own MoE layer; fssdp, replicate and zebra reach
+# the router's outputs and the layers their own way and refuse them for now.
+EP_ONLY_MODEL = ("moe_shared_expert_intermediate_size", "multi_latent_attention", "mtp_num_layers")
 EP_ONLY_ROUTING = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
                    "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
                    "moe_input_jitter_eps", "moe_token_drop_policy")
@@ -295,6 +297,38 @@ def _add_model_args(parser):
                        "start-up line of flags without effect).")
     group.add_argument("--seed", type=int, default=1234,
                        help="Random seed used for python, numpy, pytorch, and cuda.")
+    group.add_argument("--multi-latent-attention", action="store_true",
+                       help=f"Whether to use multi-latent attention (DeepSeek-V2/V3). GPT only; excludes "
+                       f"--group-query-attention. On CPU through Megatron's local attention. {EP_ONLY}")
+    group.add_argument("--q-lora-rank", type=int, default=None,
+                       help="Rank of Query tensor's low rank representation (MLA; default: none, queries "
+                       "projected directly).")
+    group.add_argument("--kv-lora-rank", type=int, default=32,
+                       help="Rank of Key and Value tensors' low rank representation (MLA).")
+    group.add_argument("--qk-head-dim", type=int, default=128,
+                       help="Dimension of the head in the QK projection. q_head_dim = qk_head_dim + "
+                       "qk_pos_emb_head_dim (MLA).")
+    group.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                       help="Dimension of the position embedding in the QK projection (MLA).")
+    group.add_argument("--v-head-dim", type=int, default=128,
+                       help="Dimension of the head in the V projection (MLA).")
+    group.add_argument("--rope-type", type=str, default=None,
+                       help="Type of rope to use: rope or yarn. Note that MLA takes yarn by default, and "
+                       "common attention takes rope by default (and only rope).")
+    group.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                       help="Rotary scaling factor for the rotary embeddings (MLA's YaRN; refused without MLA).")
+    group.add_argument("--mscale", type=float, default=1.0,
+                       help="Mscale for YaRN RoPE in multi-latent attention (refused without MLA).")
+    group.add_argument("--mscale-all-dim", type=float, default=0.0,
+                       help="Mscale all dimensions for YaRN RoPE in multi-latent attention (refused without MLA).")
+    group.add_argument("--mtp-num-layers", type=int, default=None,
+                       help="Number of Multi-Token Prediction (MTP) Layers. Each predicts one token further "
+                       "through one transformer layer like the decoder's last, sharing the embedding and "
+                       f"output layer. GPT only; on the last pipeline stage. {EP_ONLY}")
+    group.add_argument("--mtp-loss-scaling-factor", type=float, default=RUN_DEFAULTS.mtp_loss_scaling_factor,
+                       help="Weighting factor of Multi-Token Prediction (MTP) loss. We compute the average "
+                       "of the MTP losses across all depths, and multiply it the scaling factor to obtain "
+                       "the overall MTP loss, which serves as an additional training objective.")
 
 
 def _add_moe_args(parser):
@@ -315,6 +349,14 @@ def _add_moe_args(parser):
                        "top-k selection. Switched on automatically with --moe-router-topk 1 "
                        "(Megatron-Core refuses top-1 without it: a softmax over one selected expert "
                        "is always 1, so the router would get no gradient).")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="Shared expert total ffn hidden size. It should be equal to 'num_shared_experts * "
+                       "ffn_size_of_each_shared_expert' if there are multiple shared experts. Every token "
+                       "passes through it beside its routed experts; needs --disable-bias-linear. "
+                       f"{EP_ONLY}")
+    group.add_argument("--moe-shared-expert-gate", action="store_true",
+                       help="Enable gate for shared expert. Only effective when "
+                       "moe-shared-expert-intermediate-size is set (refused without it).")
     group.add_argument("--moe-router-score-function", type=str, default=RUN_DEFAULTS.moe_router_score_function,
                        help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}. "
                        f"{EP_ONLY}")
@@ -625,7 +667,7 @@ ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 KERNEL_CHOICES = ("masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion",
                   "apply_rope_fusion", "gradient_accumulation_fusion", "no_persist_layer_norm", "attention_backend",
                   "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "moe_permute_fusion", "moe_router_fusion",
-                  "deterministic_mode")
+                  "moe_shared_expert_overlap", "deterministic_mode")
 
 
 # Deprecated Megatron-LM flags accepted without effect, as in Megatron-LM (named at start-up).
@@ -662,6 +704,10 @@ def _add_kernel_choice_args(parser):
     group.add_argument("--moe-router-fusion", action="store_true",
                        help="Enable fusion for MoE TopK routing and aux-loss computation (Transformer "
                        "Engine).")
+    group.add_argument("--moe-shared-expert-overlap", action="store_true",
+                       help="Enable overlapping between shared expert computations and dispatcher "
+                       "communications (a side CUDA stream). Without this, the shared experts execute "
+                       "before the router. Needs --moe-shared-expert-intermediate-size.")
     group.add_argument("--deterministic-mode", action="store_true",
                        help="Choose code that has deterministic execution (GPU kernels; on CPU every run is "
                        "bit-identical anyway: README, Reproducibility).")

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_patches.compat import activations, mcore, prepare_megatron
-from megatron_patches.config.models import moe_layer_pattern, padded_vocab_size
+from megatron_patches.config.models import moe_layer_numbers, padded_vocab_size
 from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
@@ -204,8 +204,7 @@ def build(args) -> Run:
     seed_everything(args)
     tokenizer, vocab, train_ds, valid_ds = build_data(args)
 
-    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
-    layer_numbers = [i + 1 for i, is_moe in enumerate(pattern) if is_moe]
+    layer_numbers = moe_layer_numbers(args.moe_layer_freq, args.num_layers, args.mtp_num_layers)
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
     model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)
     ddp, optimizer = mode.wrap(model, config, args)
@@ -440,6 +439,7 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
     remote_copies = run.mode.a2a_remote_copies(loads)
     memory = activation_memory(args.use_cuda, kept_bytes)
     params_norm = mcore.params_norm(run.optimizer) if args.log_params_norm else None  # a collective: every rank
+    mtp_loss = mcore.take_mtp_losses(args.mtp_num_layers, args.num_micro_batches) if args.mtp_num_layers else None
     if record is not None:
         record["memory"] = run.mode.memory_report()
     if writer is None:
@@ -448,6 +448,7 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         "iteration": iteration,
         "start_iteration": history.start_iteration,
         "loss": loss,
+        **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
         "lr": run.scheduler.get_lr(run.optimizer.param_groups[0]),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "update_successful": bool(update_ok),

@@ -230,7 +230,9 @@ class MetricsWriter:
         layers = record["moe_layers"]
         worst = max((layer["imbalance"] for layer in layers), default=1.0)
         print(
-            f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+            f"iter {iteration:6d}/{self.train_iters} | loss {record['loss']:.4f} | "
+            + ("".join(f"mtp_{k + 1} loss {value:.4f} | " for k, value in enumerate(record.get("mtp_loss", [])))) +
+            f"lr {record['lr']:.3e} | "
             f"{record['tokens_per_s']:9.0f} tok/s | {record['iteration_time_s'] * 1e3:7.1f} ms/it | "
             + (f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | " if "tflops_per_gpu" in record else "")
             + (f"params norm {record['params_norm']:.3f} | " if "params_norm" in record else "")
@@ -246,6 +248,8 @@ class MetricsWriter:
                         "tflops_per_gpu", "params_norm", "num_zeros_in_grad"):
                 if key in record:
                     self._tb.add_scalar(f"train/{key}", record[key], iteration)
+            for k, value in enumerate(record.get("mtp_loss", [])):
+                self._tb.add_scalar(f"train/mtp_{k + 1}_loss", value, iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
             self._tb.add_scalar("moe/survival_min_layer", survival, iteration)
             for layer in layers:

@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_patches.compat import mcore
+from megatron_patches.config.models import moe_layer_pattern
 from megatron_patches.config.run import ParallelConfig, RunSettings
 from megatron_patches.mode.runtime import ModeRuntime
 
@@ -37,8 +38,10 @@ def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = 
     moe_spec = mode.moe_spec(moe_spec)
     # BertModel takes one layer spec for all layers (every layer MoE; arguments enforce it).
     spec = moe_spec if args.model_family == "bert" else mcore.block_spec(config, dense_spec, moe_spec, use_te)
+    # multi-token prediction repeats the decoder's last layer (Megatron-LM's gpt_builders.py)
+    last_spec = moe_spec if moe_layer_pattern(args.moe_layer_freq, args.num_layers)[-1] else dense_spec
     pre_process, post_process = mcore.pipeline_stage_flags()
-    model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process)
+    model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process, last_spec, use_te)
     init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
     if on_gpu:
         model.cuda(torch.cuda.current_device())

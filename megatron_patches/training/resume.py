@@ -31,6 +31,8 @@ MODEL_SHAPE = (
     "num_query_groups", "kv_channels", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "swiglu",
     "normalization", "position_embedding_type", "max_position_embeddings", "add_bias_linear",
     "untie_embeddings_and_output_weights", "tokenizer_type", "vocab_size", "qk_layernorm", "add_qkv_bias",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank",
+    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
 )
 OPTIMIZER_FORM = ("use_distributed_optimizer",)
 """The optimizer state's form: the distributed optimizer's and the plain one's do not load into

@@ -46,7 +46,9 @@ def _on_model_device(batch: dict, model) -> dict:
 def gpt_forward_step(data_iterator, model):
     batch = _on_model_device(datasets.gpt_batch(next(data_iterator)), model)
     with activations.measure():
-        output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        # the loss mask also weighs the multi-token-prediction losses (GPTModel, --mtp-num-layers)
+        output_BS = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                          loss_mask=batch["loss_mask"])
     return output_BS, partial(gpt_loss, batch["loss_mask"])
 
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
+from megatron_patches.config.models import ROPE_TYPES
 from megatron_patches.config.run import RUN_DEFAULTS, router_pre_softmax
 from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import checkpoint_dirs, outputs, resume
@@ -23,6 +24,7 @@ from megatron_patches.training.arguments import (
     DEPRECATED_NO_EFFECT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
+    EP_ONLY_MODEL,
     EP_ONLY_ROUTING,
     KERNEL_CHOICES,
     LOAD_BALANCING_TYPES,
@@ -122,7 +124,8 @@ def _check_sizes(args):
         "expert_tensor_parallel_size", "make_vocab_size_divisible_by", "vocab_size",
         "lr_decay_iters", "tiktoken_num_special_tokens", "kv_channels", "num_query_groups",
         "rotary_base", "train_samples", "lr_decay_samples", "exit_interval", "exit_duration_in_mins",
-        "distributed_timeout_minutes", "rotary_seq_len_interpolation_factor",
+        "distributed_timeout_minutes", "rotary_seq_len_interpolation_factor", "moe_shared_expert_intermediate_size",
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
     )
     for dest in positive:
         value = getattr(args, dest)
@@ -249,8 +252,45 @@ def _check_attention_flags(args):
              "pretrain_bert.py ignores the flag); valid with --model-family gpt")
 
 
+# MLA's flags read only with --multi-latent-attention, with Megatron-LM's defaults.
+MLA_ONLY_FLAGS = {"--q-lora-rank": "q_lora_rank", "--rotary-scaling-factor": "rotary_scaling_factor",
+                  "--mscale": "mscale", "--mscale-all-dim": "mscale_all_dim"}
+
+
+def _check_modern_model(args):
+    """Shared experts, multi-latent attention and multi-token prediction: Megatron-Core's own
+    rules (transformer_config.py, moe/shared_experts.py, Megatron-LM's arguments.py), with the
+    flags' names, before any process group."""
+    if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
+        fail("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size,
+             "Megatron-Core's shared expert has no biases (moe/shared_experts.py refuses add_bias_linear); add "
+             "--disable-bias-linear, as the published shared-expert recipes do")
+    if args.rope_type is not None and args.rope_type not in ROPE_TYPES:
+        fail("--rope-type", args.rope_type, f"unknown value; valid: {', '.join(ROPE_TYPES)}, or leave it out")
+    if args.multi_latent_attention:
+        if args.model_family != "gpt":
+            fail("--multi-latent-attention", True, "Megatron-Core builds multi-latent attention in GPT layers only; "
+                 "valid with --model-family gpt")
+        if args.group_query_attention:
+            fail("--multi-latent-attention", True, "group-query attention is mutually exclusive with multi latent "
+                 "attention (Megatron-LM's rule); drop --group-query-attention")
+    else:
+        if args.rope_type not in (None, "rope"):
+            fail("--rope-type", args.rope_type, "common attention only supports rope_type rope (Megatron-LM's rule); "
+                 "valid: rope, or add --multi-latent-attention")
+        defaults = build_parser()
+        for flag, dest in MLA_ONLY_FLAGS.items():
+            if getattr(args, dest) != defaults.get_default(dest):
+                fail(flag, getattr(args, dest), "it shapes multi-latent attention, which this model does not use "
+                     "(Megatron-LM ignores it there); add --multi-latent-attention or leave it out")
+    if args.mtp_num_layers is not None and args.model_family != "gpt":
+        fail("--mtp-num-layers", args.mtp_num_layers, "multi-token prediction is built for GPT models only "
+             "(Megatron-Core's GPTModel); valid with --model-family gpt")
+
+
 def _resolve_model_shape(args):
     _check_attention_flags(args)
+    _check_modern_model(args)
     tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
     if args.kv_channels is None:
         if args.hidden_size % heads != 0:
@@ -395,6 +435,12 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
+        for dest in EP_ONLY_MODEL:
+            if getattr(args, dest) != parser.get_default(dest):
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
+                     f"{mode.name} builds its own MoE layers and placement around Megatron's GPT/BERT/Mixtral layers "
+                     "and does not take this model feature yet (not built in fssdp, replicate and zebra); valid: "
+                     "--moe-parallel-mode ep, or leave it out")
         for dest in EP_ONLY_ROUTING:
             if getattr(args, dest) != parser.get_default(dest):
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
@@ -514,6 +560,13 @@ def _check_partnered_flags(args):
         ("--moe-token-drop-policy", args.moe_token_drop_policy,
          args.moe_token_drop_policy != RUN_DEFAULTS.moe_token_drop_policy,
          args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
+        ("--moe-shared-expert-gate", True, args.moe_shared_expert_gate,
+         args.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size"),
+        ("--moe-shared-expert-overlap", True, args.moe_shared_expert_overlap,
+         args.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size"),
+        ("--mtp-loss-scaling-factor", args.mtp_loss_scaling_factor,
+         args.mtp_loss_scaling_factor != RUN_DEFAULTS.mtp_loss_scaling_factor, args.mtp_num_layers is not None,
+         "--mtp-num-layers"),
         ("--manual-gc-interval", args.manual_gc_interval, args.manual_gc_interval != 0, args.manual_gc, "--manual-gc"),
         ("--no-manual-gc-eval", True, not args.manual_gc_eval, args.manual_gc, "--manual-gc"),
     )
@@ -687,6 +740,11 @@ def _check_recompute(args):
         if "moe_act" in modules and not args.moe_grouped_gemm:
             fail("--recompute-modules", "moe_act", "needs --moe-grouped-gemm (Megatron-Core "
                  "recomputes the activation of grouped experts only)")
+        if "mla_up_proj" in modules and not args.multi_latent_attention:
+            fail("--recompute-modules", "mla_up_proj", "recomputes multi-latent attention's up-projections; "
+                 "needs --multi-latent-attention")
+        if "shared_experts" in modules and args.moe_shared_expert_intermediate_size is None:
+            fail("--recompute-modules", "shared_experts", "needs --moe-shared-expert-intermediate-size")
 
 
 def _data_prefixes(data_path: list[str]) -> list[str]:
