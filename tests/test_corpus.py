@@ -460,3 +460,28 @@ def test_prepare_data_cli_reports_what_it_built(bert_slice):
         capture_output=True, text=True, env=env, check=False,
     )
     assert bad.returncode == 1 and "exceeds the 269 chapters" in bad.stderr
+
+
+def test_gpt_end_of_document_flags_shape_the_samples():
+    """--reset-position-ids, --reset-attention-mask, --eod-mask-loss and
+    --no-create-attention-mask-in-dataloader reach Megatron-Core's GPT dataset (mock documents end
+    in the NullTokenizer's EOD, id 1000 here)."""
+    from megatron_patches.data import datasets
+    from megatron_patches.training.arguments import parse_args
+    from megatron_patches.training.validation import validate_args
+
+    def first_sample_with_eod(*flags):
+        args = validate_args(parse_args(["--mock-data", "--vocab-size", "1000", "--train-iters", "2", *flags]), 1)
+        tokenizer = datasets.build_tokenizer(args)
+        train, _, _ = datasets.build_datasets(args, tokenizer)
+        sample = next(train[i] for i in range(32) if (train[i]["tokens"] == tokenizer.eod).any())
+        return sample, int((sample["tokens"] == tokenizer.eod).nonzero()[0])
+
+    plain, eod = first_sample_with_eod()
+    assert plain["position_ids"][eod + 1] == eod + 1 and plain["loss_mask"][eod] == 1.0
+    assert not plain["attention_mask"][0, eod + 1, eod - 1]  # the next document sees the previous one
+    reset, eod = first_sample_with_eod("--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss")
+    assert reset["position_ids"][eod + 1] == 0 and reset["loss_mask"][eod] == 0.0
+    assert reset["attention_mask"][0, eod + 1, eod - 1] and not reset["attention_mask"][0, eod + 1, eod + 1]
+    no_mask, _ = first_sample_with_eod("--no-create-attention-mask-in-dataloader")
+    assert "attention_mask" not in no_mask and datasets.gpt_batch({**no_mask})["attention_mask"] is None

@@ -14,6 +14,25 @@ from megatron_patches.compat.known_warnings import known_line, show_once
 from megatron_patches.training.metrics import MetricsWriter, read_records, strict_json
 
 
+@pytest.mark.parametrize("flags", [(1, False, False), (2, True, True)])
+def test_tensorboard_interval_timers_and_memory_follow_their_flags(tmp_path, flags):
+    """--tensorboard-log-interval, --log-timers-to-tensorboard, --log-memory-to-tensorboard."""
+    from support.training import tensorboard_scalars
+
+    interval, timers, memory = flags
+    writer = MetricsWriter(None, str(tmp_path), train_iters=4, tensorboard_interval=interval, log_timers=timers,
+                           log_memory=memory)
+    for iteration in range(1, 5):
+        writer.log({"iteration": iteration, "loss": 5.0 - iteration, "lr": 1e-3, "tokens_per_s": 10.0,
+                    "iteration_time_s": 0.5, "loss_scale": 1.0, "skipped_iterations": 0, "bytes": {"a2a": 0},
+                    "moe_layers": [{"layer": 1, "imbalance": 1.5, "device_tokens": [1, 2], "survival": 1.0}],
+                    "memory": {"activation_bytes": [1, 2]}}, "", 1.0, {})
+    writer.close()
+    scalars = tensorboard_scalars(tmp_path)
+    assert sorted(scalars["train/loss"]) == list(range(interval, 5, interval))
+    assert ("train/iteration_time_s" in scalars) == timers and ("memory/activation_bytes_max_rank" in scalars) == memory
+
+
 def _refuse(constant: str):
     raise ValueError(f"non-standard JSON constant {constant}")
 

@@ -94,9 +94,11 @@ def build_datasets(args, tokenizer):
             blend=blend,
             split=args.split,
             tokenizer=tokenizer,
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=False,
+            reset_position_ids=args.reset_position_ids,
+            reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss,
+            create_attention_mask=args.create_attention_mask_in_dataloader,
+            mmap_bin_files=args.mmap_bin_files,
             mid_level_dataset_surplus=0.005,
             path_to_cache=args.data_cache_path,
         )
@@ -117,6 +119,7 @@ def build_datasets(args, tokenizer):
             path_to_cache=args.data_cache_path,
             masking_use_geometric_distribution=False,
             classification_head=args.bert_binary_head,
+            mmap_bin_files=args.mmap_bin_files,
             mid_level_dataset_surplus=0.005,
         )
         dataset_class = BERTMaskedWordPieceDataset

@@ -736,6 +736,19 @@ def _add_data_args(parser):
     group.add_argument("--data-cache-path", default=None,
                        help="Path to a directory to hold cached index files (Megatron-Core's dataset "
                        "indices; default: a cache folder beside the data).")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Reset posistion ids after end-of-document token (GPT).")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Reset self attention mask after end-of-document token (GPT; needs the "
+                       "data loader's attention mask).")
+    group.add_argument("--eod-mask-loss", action="store_true",
+                       help="Mask loss for the end of document tokens (GPT).")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="If set, do not create attention_masks in dataloader (GPT; the model's "
+                       "causal mask then applies).")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Disable mmap-ing of .bin files (they are read into memory instead).")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Dataloader number of workers. Only 0 (Megatron-LM's default: 2): the "
                        "memory-mapped dataset is read in the training process; worker processes are "
@@ -839,6 +852,18 @@ def _add_logging_args(parser):
                        "runs/local-<time>. New flag.")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write TensorBoard logs to this directory.")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1,
+                       help="Report to tensorboard interval (the training scalars of every this-many-th "
+                       "iteration).")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true",
+                       help="If set, write timers to tensorboard: train/iteration_time_s (the iteration time, "
+                       "the one timer of --timing-log-level 0).")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true",
+                       help="Enable memory logging to tensorboard (memory/<kind>_max_rank: the activation "
+                       "memory figures every record holds).")
+    group.add_argument("--logging-level", type=int, default=None,
+                       help="Set default logging level (Python's logging levels: 10 debug ... 50 critical; "
+                       "Megatron-Core logs through Python's logging).")
     group.add_argument("--log-params-norm", action="store_true",
                        help="If set, calculate and log parameters norm (the weights the optimizer steps, each "
                        "counted once; params_norm in the records). ep only for now: the other modes keep "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import math
 import os
 import socket
@@ -83,6 +84,8 @@ def pretrain(args) -> Summary:
 
 def set_up(args) -> None:
     init_distributed(args.use_cuda, args.distributed_backend, args.distributed_timeout_minutes)
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)  # Megatron-LM's setup_logging: the root logger
     shims = prepare_megatron(args.use_cuda)
     if args.run_dir:
         # a person reads a short summary; every value stays in the run folder
@@ -308,7 +311,8 @@ def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
     recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
                                        compute_device(args.use_cuda))
-    writer = (metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters, args.log_validation_ppl_to_tensorboard)
+    writer = (metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters, args.log_validation_ppl_to_tensorboard,
+                                    args.tensorboard_log_interval, args.log_timers_to_tensorboard, args.log_memory_to_tensorboard)
               if dist.get_rank() == 0 else None)
     if writer is not None:
         writer.log_text("run/precision", run.precision)

@@ -205,6 +205,13 @@ class MetricsWriter:
     train_iters: int
     validation_ppl: bool = False
     """--log-validation-ppl-to-tensorboard: the evaluation's perplexity as eval/ppl too."""
+    tensorboard_interval: int = 1
+    """--tensorboard-log-interval: the training scalars go to TensorBoard every this many iterations."""
+    log_timers: bool = False
+    """--log-timers-to-tensorboard: train/iteration_time_s too (Megatron-LM's iteration-time, the one
+    timer of --timing-log-level 0)."""
+    log_memory: bool = False
+    """--log-memory-to-tensorboard: the activation memory figures too (memory/<kind>_max_rank)."""
     _json: object = field(default=None, init=False)
     _tb: object = field(default=None, init=False)
     _start: float = field(default_factory=time.time, init=False)
@@ -243,9 +250,9 @@ class MetricsWriter:
         )
         if self._json is not None:
             self._json.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-        if self._tb is not None:
-            for key in ("loss", "lr", "tokens_per_s", "iteration_time_s", "loss_scale", "skipped_iterations",
-                        "tflops_per_gpu", "params_norm", "num_zeros_in_grad"):
+        if self._tb is not None and iteration % self.tensorboard_interval == 0:
+            for key in ("loss", "lr", "tokens_per_s", "loss_scale", "skipped_iterations", "tflops_per_gpu",
+                        "params_norm", "num_zeros_in_grad") + (("iteration_time_s",) if self.log_timers else ()):
                 if key in record:
                     self._tb.add_scalar(f"train/{key}", record[key], iteration)
             for k, value in enumerate(record.get("mtp_loss", [])):
@@ -256,7 +263,7 @@ class MetricsWriter:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)
             for kind, value in record["bytes"].items():
                 self._tb.add_scalar(f"bytes/{kind}", value, iteration)
-            for kind, per_rank in record.get("memory", {}).items():  # zebra's own loop does not measure it yet
+            for kind, per_rank in (record.get("memory", {}) if self.log_memory else {}).items():
                 self._tb.add_scalar(f"memory/{kind}_max_rank", max(per_rank), iteration)
             for tag, value in mode_scalars.items():
                 self._tb.add_scalar(tag, value, iteration)

@@ -70,6 +70,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_intervals(args)
     _check_partnered_flags(args)
     _check_timing(args)
+    _check_gpt_data_flags(args)
+    _check_logging_level(args)
     _resolve_device(args)
     _check_precision(args)
     _check_recompute(args)
@@ -126,6 +128,7 @@ def _check_sizes(args):
         "rotary_base", "train_samples", "lr_decay_samples", "exit_interval", "exit_duration_in_mins",
         "distributed_timeout_minutes", "rotary_seq_len_interpolation_factor", "moe_shared_expert_intermediate_size",
         "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
+        "tensorboard_log_interval",
     )
     for dest in positive:
         value = getattr(args, dest)
@@ -251,6 +254,9 @@ def _check_attention_flags(args):
         fail("--qk-layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm (Megatron-LM's "
              "pretrain_bert.py ignores the flag); valid with --model-family gpt")
 
+
+# Python's logging levels (what --logging-level takes).
+LOGGING_LEVELS = {0: "NOTSET", 10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
 
 # MLA's flags read only with --multi-latent-attention, with Megatron-LM's defaults.
 MLA_ONLY_FLAGS = {"--q-lora-rank": "q_lora_rank", "--rotary-scaling-factor": "rotary_scaling_factor",
@@ -573,6 +579,27 @@ def _check_partnered_flags(args):
     for flag, value, given, partner_given, partner in partnered:
         if given and not partner_given:
             fail(flag, value, f"is read only with {partner}; add it or leave this out")
+
+
+def _check_gpt_data_flags(args):
+    """The GPT dataset's end-of-document options (Megatron-Core's GPTDatasetConfig)."""
+    gpt_only = (("--reset-position-ids", args.reset_position_ids), ("--reset-attention-mask", args.reset_attention_mask),
+                ("--eod-mask-loss", args.eod_mask_loss),
+                ("--no-create-attention-mask-in-dataloader", not args.create_attention_mask_in_dataloader))
+    for flag, given in gpt_only:
+        if given and args.model_family != "gpt":
+            fail(flag, True, "it shapes Megatron-Core's GPT dataset; BERT's masked-LM dataset has no such option "
+                 "(Megatron-LM's pretrain_bert.py ignores it); valid with --model-family gpt")
+    if args.reset_attention_mask and not args.create_attention_mask_in_dataloader:
+        fail("--reset-attention-mask", True, "the reset mask is the data loader's attention mask, which "
+             "--no-create-attention-mask-in-dataloader leaves out (the model's causal mask would attend across "
+             "documents); drop one of the two")
+
+
+def _check_logging_level(args):
+    if args.logging_level is not None and args.logging_level not in LOGGING_LEVELS:
+        fail("--logging-level", args.logging_level, "not one of Python's logging levels; valid: "
+             + ", ".join(f"{level} ({name})" for level, name in LOGGING_LEVELS.items()))
 
 
 def _check_timing(args):
