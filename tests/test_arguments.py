@@ -20,7 +20,7 @@ import yaml
 from megatron_patches.config.flags import fail, moe_layer_freq
 from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.training import arguments as A
-from megatron_patches.training import flag_docs, modes
+from megatron_patches.training import checkpoint_dirs, flag_docs, modes
 from megatron_patches.training.arguments import ArgumentError, build_parser, parse_args
 from megatron_patches.training.flag_docs import describe_args, flag_reference_markdown
 from megatron_patches.training.validation import validate_args
@@ -923,6 +923,7 @@ def test_load_directory_missing(parse, tmp_path):
     expect_error(parse("--load", str(missing)), 1, f"--load={missing}",
                  f"no checkpoint verifies: {missing / 'iter_0000020'} does not exist")
     (missing / "iter_0000020").mkdir()  # as Megatron-LM writes it: no manifest, loaded unverified
+    (missing / "iter_0000020" / checkpoint_dirs.DIST_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
     args = validate_args(parse("--load", str(missing)), 1)
     assert args.load_iteration == 20 and args.load_notes == [
         f"{missing / 'iter_0000020'} has no manifest.json (not written by this version): loaded without verification"]
@@ -937,6 +938,7 @@ def test_a_resume_refuses_another_model_shape_and_reports_every_other_change(par
 
     ckpt = tmp_path / "ckpt"
     (ckpt / "iter_0000020").mkdir(parents=True)
+    (ckpt / "iter_0000020" / checkpoint_dirs.DIST_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
     (ckpt / "latest_checkpointed_iteration.txt").write_text("20\n")
     saving = validate_args(parse("--train-iters", "20"), 4)
     # the loop fills these for the embedded corpus after validation (resolve_default_corpus)

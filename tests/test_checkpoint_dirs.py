@@ -24,6 +24,7 @@ def write_partial(root, iteration: int, world: int = 2) -> None:
         (partial / "rng" / f"rank_{rank:05d}.pt").write_bytes(b"rng")
     (partial / "common.pt").write_bytes(COMMON + bytes([iteration]))
     (partial / ".metadata").write_bytes(b"index")
+    (partial / C.DIST_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
     (partial / "flags.json").write_text("{}\n")
 
 
@@ -43,7 +44,7 @@ def test_publish_renames_the_partial_directory_writes_the_manifest_then_moves_th
     manifest = json.loads((final / C.MANIFEST_FILE).read_text())
     assert manifest["iteration"] == 5 and manifest["world_size"] == 2
     files = manifest["files"]
-    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "flags.json",
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "flags.json", "metadata.json",
                              "rng/rank_00000.pt", "rng/rank_00001.pt"]
     # every size; checksums of the common state, not of the shards or RNG files
     assert files["__0_0.distcp"] == {"bytes": len(SHARD) + 2}
@@ -104,6 +105,7 @@ def test_fallback_skips_every_damaged_checkpoint_and_names_them_all_when_none_ve
 
 def test_a_checkpoint_without_manifest_loads_unverified_with_a_note(tmp_path):
     (tmp_path / "iter_0000003").mkdir()  # Megatron-LM's, or this project's before manifests
+    (tmp_path / "iter_0000003" / C.DIST_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
     assert C.problem(tmp_path, 3) is None
     assert C.choose(tmp_path, 3) == (3, [f"{tmp_path / 'iter_0000003'} has no manifest.json (not written by this "
                                          "version): loaded without verification"])
@@ -129,3 +131,16 @@ def test_a_tracker_that_is_not_a_number_is_an_error(tmp_path):
     (tmp_path / C.TRACKER_FILE).write_text("release\n")
     with pytest.raises(ValueError, match="holds 'release', expected an iteration number"):
         C.latest_iteration(tmp_path)
+
+
+def test_a_checkpoint_in_another_format_is_named_up_front(tmp_path):
+    """Megatron-LM's legacy torch form and other sharded backends are refused with their format."""
+    (tmp_path / "iter_0000003" / "mp_rank_00").mkdir(parents=True)
+    assert "is not a torch_dist checkpoint (its format: torch;" in C.problem(tmp_path, 3)
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / C.DIST_METADATA_FILE).write_text('{"sharded_backend": "fsdp_dtensor"}')
+    assert "(its format: fsdp_dtensor;" in C.problem(tmp_path, 4)
+    (tmp_path / "iter_0000005").mkdir()
+    assert "(its format: unknown;" in C.problem(tmp_path, 5) and "--ckpt-convert-format torch_dist" in C.problem(tmp_path, 5)
+    with pytest.raises(ValueError, match="no checkpoint verifies: .*its format: unknown.*its format: fsdp_dtensor"):
+        C.choose(tmp_path, 5)

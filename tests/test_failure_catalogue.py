@@ -193,6 +193,7 @@ def write_inputs(work: Path) -> None:
             resume.write_flags(partial, saving)
             (partial / "common.pt").write_bytes(b"common")
             (partial / "__0_0.distcp").write_bytes(b"shard")
+            (partial / checkpoint_dirs.DIST_METADATA_FILE).write_text('{"sharded_backend": "torch_dist"}')
             checkpoint_dirs.publish(inputs / name, iteration, world_size=1)
     (inputs / "ckpt_damaged" / "iter_0000020" / "common.pt").write_bytes(b"COMMON")
     (inputs / "ckpt_damaged" / "iter_0000010" / "__0_0.distcp").write_bytes(b"sha")
@@ -378,6 +379,28 @@ def test_an_fp16_checkpoint_saved_before_any_step_resumes(tmp_path):
     assert "checkpoint: loaded" in resumed.output
     assert [r["iteration"] for r in resumed.records] == [3]
     assert resumed.records[0]["loss_scale"] == saved.records[-1]["loss_scale"] / 2
+
+
+@pytest.mark.e2e
+def test_dist_ckpt_strictness_reports_or_refuses_keys_the_load_leaves_out(tmp_path):
+    """--no-load-optim reads the model only, so the checkpoint's optimizer tensors are keys the load
+    leaves out (dist_checkpointing's "missing" keys): Megatron-LM's default ignores them, log_all
+    names them, raise_all stops the load with the flag and the keys (exit 2, no traceback);
+    raise_unexpected (keys asked for that the checkpoint lacks) has none to raise on."""
+    ckpt = tmp_path / "ckpt"
+    tiny = [*MOCK, "--global-batch-size", "2"]
+    launch(1, [*tiny, "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2"], tmp_path, "save")
+    resume = [*tiny, "--train-iters", "3", "--load", str(ckpt), "--no-load-optim"]
+    missing = "Some keys found in the checkpoint are missing in the provided sharded state dict"
+    quiet = launch(1, resume, tmp_path, "default")
+    logged = launch(1, [*resume, "--dist-ckpt-strictness", "log_all"], tmp_path, "log_all")
+    unexpected_only = launch(1, [*resume, "--dist-ckpt-strictness", "raise_unexpected"], tmp_path, "raise_unexpected")
+    assert missing not in quiet.output and missing in logged.output and "optimizer." in logged.output
+    assert [r["iteration"] for r in logged.records] == [r["iteration"] for r in unexpected_only.records] == [3]
+    output = finish(torchrun(1, [str(ENTRY), *resume, "--dist-ckpt-strictness", "raise_all"], tmp_path))
+    assert "exitcode  : 2" in output and "CheckpointingException" not in output, output[-6000:]  # the rank's own message
+    assert f"pretrain_gpt_moe.py: error: --load {ckpt / 'iter_0000002'} with --dist-ckpt-strictness raise_all: " \
+           f"{missing}" in output
 
 
 @pytest.mark.e2e

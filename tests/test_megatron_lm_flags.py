@@ -92,6 +92,8 @@ def test_refusal_reasons_by_kind():
     # context parallelism and virtual pipelines: their own reasons
     assert "Transformer Engine's attention" in reason("--context-parallel-size")
     assert "one model chunk per pipeline stage" in reason("--num-layers-per-virtual-pipeline-stage")
+    assert reason("--wandb-project").startswith("Weights & Biases") and "strategies" in reason("--ckpt-fully-parallel-load")
+    assert "--max-nonfinite-steps" in megatron_lm.refusal("--no-check-for-nan-in-loss-and-grad").instead
     assert megatron_lm.refusal("--use-flash-attn").instead == "leave it out (Megatron-LM's default: False)"
     assert megatron_lm.refusal("--num-layers") is not None  # a table flag; only asked for unknown options
     assert megatron_lm.refusal("--no-such-flag") is None

@@ -66,7 +66,7 @@ def test_the_published_scripts_train_two_iterations_in_ep(workdir):
         logged = [r["iteration"] for r in run.records if "loss" in r]
         assert logged == ([1, 2] if "--log-interval" in scripts[name]["argv"] else [2]), name
         assert "GPU kernel choices, not applied on CPU" in run.output, name
-        assert "accepted without effect (deprecated in Megatron-LM, no effect there either): --use-mcore-models" in run.output
+        assert "accepted without effect: --use-mcore-models (deprecated in Megatron-LM, no effect there either)" in run.output
     assert "--no-masked-softmax-fusion, --moe-grouped-gemm" in runs["mixtral_8x7b"].output
     assert "--no-masked-softmax-fusion, --no-bias-swiglu-fusion, --no-rope-fusion" in runs["qwen3_30b_a3b"].output
     # DeepSeek-V2-Lite: multi-latent attention, a shared expert, a dense first layer, seq_aux_loss

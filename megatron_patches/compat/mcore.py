@@ -20,6 +20,8 @@ import torch
 import megatron.core
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -764,9 +766,13 @@ def save_sharded(state: dict, directory: str) -> None:
     dist_checkpointing.save(state, directory)
 
 
-def load_sharded(state: dict, directory: str) -> dict:
-    """`dist_checkpointing.load`: the checkpoint's values for the sharded template `state`."""
-    return dist_checkpointing.load(state, directory)
+def load_sharded(state: dict, directory: str, strictness: str) -> dict:
+    """`dist_checkpointing.load`: the checkpoint's values for the sharded template `state`.
+    `strictness` (a StrictHandling value) says what a key the template and the checkpoint do not
+    share does: assume_ok_unexpected (Megatron-LM's default) skips the check, log_* log the keys,
+    raise_* raise, ignore_all drops them quietly. The return_* values, which make the call return
+    the keys as well, are refused by validation."""
+    return dist_checkpointing.load(state, directory, strict=StrictHandling(strictness))
 
 
 def saved_tensor_keys(directory: str) -> set[str]:
@@ -791,7 +797,7 @@ def load_common_state(directory: str) -> dict:
     return dist_checkpointing.load_common_state_dict(str(directory))
 
 
-def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> dict:
+def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict, strictness: str) -> dict:
     model_sd = model_chunks[0].sharded_state_dict()
     state = {"model": model_sd}
     if opt is not None:
@@ -800,7 +806,7 @@ def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict) -> 
             model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
     state.update(extra_template)
-    loaded = dist_checkpointing.load(state, directory)
+    loaded = load_sharded(state, directory, strictness)
     model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
     if opt is not None:
         optimizer_state = loaded.pop("optimizer")

@@ -841,11 +841,12 @@ class FSSDPRuntime(ModeRuntime):
         the placement under "fssdp" (`placement_state_dict`)."""
         mcore.save_checkpoint(directory, model_chunks, optimizer, {**common, "fssdp": self.placement_state_dict()})
 
-    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool,
+                        strictness: str) -> tuple[dict, list[str]]:
         """Adopts the saved placement first: the slot table decides which slot module each
         expert's weights and optimizer state are read into."""
         notes = self.load_placement_state_dict(mcore.load_common_state(directory).get("fssdp"))
-        loaded, more = super().load_checkpoint(directory, model_chunks, optimizer, template, load_optim)
+        loaded, more = super().load_checkpoint(directory, model_chunks, optimizer, template, load_optim, strictness)
         return loaded, notes + more
 
     def placement_state_dict(self) -> dict:

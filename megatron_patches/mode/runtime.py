@@ -169,11 +169,13 @@ class ModeRuntime:
         """Write model, optimizer and `common` (loop state, scheduler) as one torch_dist checkpoint."""
         mcore.save_checkpoint(directory, model_chunks, optimizer, common)
 
-    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool,
+                        strictness: str) -> tuple[dict, list[str]]:
         """Read a checkpoint into the model (and the optimizer with `load_optim`); returns the
         loaded common entries named by `template` and notes for the log. Raises
-        CheckpointRefused for a checkpoint the mode cannot use."""
-        loaded = mcore.load_checkpoint(directory, model_chunks, optimizer if load_optim else None, template)
+        CheckpointRefused for a checkpoint the mode cannot use. `strictness`: --dist-ckpt-strictness,
+        how the read from storage treats keys the template and the checkpoint do not share."""
+        loaded = mcore.load_checkpoint(directory, model_chunks, optimizer if load_optim else None, template, strictness)
         return loaded, []
 
 

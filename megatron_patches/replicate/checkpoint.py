@@ -33,7 +33,8 @@ def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> No
     mcore.save_sharded(state, directory)
 
 
-def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bool, replicate, notes: list[str]) -> dict:
+def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bool, strictness: str, replicate,
+         notes: list[str]) -> dict:
     """Loads an ep-form checkpoint into replicate mode: dense parts as ep, experts into the slices."""
     model_sd = model_chunks[0].sharded_state_dict()
     state = {"model": model_sd, **template}
@@ -55,7 +56,7 @@ def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bo
             del state["optimizer"][moe.EXPERT_INDEX]
             notes.append(f"replicate: the experts' optimizer state is not in the checkpoint ({len(missing)} keys missing, "
                          f"e.g. {missing[0]}); their Adam moments start at zero")
-    loaded = mcore.load_sharded(state, directory)
+    loaded = mcore.load_sharded(state, directory, strictness)
     model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
     expert_state, step = {}, None
     if load_optim:

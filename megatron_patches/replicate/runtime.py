@@ -423,9 +423,10 @@ class ReplicateRuntime(ModeRuntime):
     def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
         checkpoint.save(directory, model_chunks, optimizer, common, self)
 
-    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool,
+                        strictness: str) -> tuple[dict, list[str]]:
         notes: list[str] = []
-        loaded = checkpoint.load(directory, model_chunks, optimizer, template, load_optim, self, notes)
+        loaded = checkpoint.load(directory, model_chunks, optimizer, template, load_optim, strictness, self, notes)
         return loaded, notes
 
     def expert_params(self) -> list[torch.nn.Parameter]:

@@ -133,7 +133,7 @@ DERIVED_VALUES = {
     "lr_decay_steps": "the scheduler's decay in iterations: --lr-decay-iters (default --train-iters), or "
                       "--lr-decay-samples (default --train-samples) / global batch",
     "kernel_choices_not_applied": "GPU kernel choices given on a CPU run (listed at start-up, not applied)",
-    "flags_without_effect": "deprecated Megatron-LM flags that change nothing, there or here (listed at start-up)",
+    "flags_without_effect": "Megatron-LM flags given that change nothing here, each with why (listed at start-up)",
     "model_source": "where the model's values came from: --config files, the command line (Megatron-LM's defaults "
                     "for the rest), or the embedded tiny job",
 }
@@ -670,8 +670,21 @@ KERNEL_CHOICES = ("masked_softmax_fusion", "bias_gelu_fusion", "bias_swiglu_fusi
                   "moe_shared_expert_overlap", "deterministic_mode")
 
 
-# Deprecated Megatron-LM flags accepted without effect, as in Megatron-LM (named at start-up).
-DEPRECATED_NO_EFFECT = ("deprecated_use_mcore_models", "add_position_embedding")
+# Megatron-LM flags accepted without effect, each with why (named at start-up with it).
+FLAGS_WITHOUT_EFFECT = {
+    "deprecated_use_mcore_models": "deprecated in Megatron-LM, no effect there either",
+    "add_position_embedding": "deprecated in Megatron-LM, no effect there either with rope",
+    "auto_detect_ckpt_format": "the format of --load is always detected here: torch_dist is read, any other "
+                               "refused up front naming it",
+    "dist_ckpt_optim_fully_reshardable": "the distributed optimizer's state is always saved fully reshardable here, "
+                                         "so a checkpoint resumes under another TP, PP, EP, DP or mode",
+}
+
+
+def without_effect(flags: list[str]) -> list[str]:
+    """Each flag of FLAGS_WITHOUT_EFFECT given (its option string) with why, for the start-up line."""
+    dests = {action.option_strings[0]: action.dest for action in build_parser()._actions if action.option_strings}
+    return [f"{flag} ({FLAGS_WITHOUT_EFFECT[dests[flag]]})" for flag in flags]
 
 
 def _add_kernel_choice_args(parser):
@@ -812,6 +825,18 @@ def _add_checkpointing_args(parser):
                        help="Checkpoint format: torch_dist, Megatron-Core's distributed checkpoint, the "
                        "only one written and read here (Megatron-LM also has torch, torch_dcp, zarr and "
                        "fsdp_dtensor).")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="Determine if the checkpoint format is in legacy or distributed format. Here "
+                       "the format of --load is always detected: torch_dist is read, any other refused up "
+                       "front naming it (accepted without effect).")
+    group.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                       help="Determine handling of key mismatch during checkpoint load (dist_checkpointing's "
+                       "StrictHandling): assume_ok_unexpected, log_unexpected, log_all, raise_unexpected, "
+                       "raise_all, ignore_all (return_unexpected and return_all are refused: they hand the keys "
+                       "to Megatron-LM's own loader). It controls only the read from storage.")
+    group.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                       help="Make optimizer distributed checkpoint fully reshardable (TP/PP/EP/DP) as opposed to "
+                       "plain DP reshardability. Always so here (accepted without effect).")
     group.add_argument("--no-load-optim", action="store_true",
                        help="Do not load optimizer when loading checkpoint.")
     group.add_argument("--no-load-rng", action="store_true",

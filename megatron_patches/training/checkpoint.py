@@ -165,9 +165,9 @@ def check_shard_index(directory: Path) -> None:
 
 
 def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, load_optim: bool, load_rng: bool,
-         mode) -> tuple[dict | None, list[str]]:
+         mode, strictness: str) -> tuple[dict | None, list[str]]:
     """Loads the checkpoint of `iteration` under `root` (validation chose it: checkpoint_dirs.choose);
-    returns (loop_state, notes for the log).
+    returns (loop_state, notes for the log). `strictness`: --dist-ckpt-strictness.
 
     `iteration` None is the --save directory of a job's first start (validation refuses any
     other): loop_state is None and nothing is loaded."""
@@ -183,9 +183,11 @@ def load(root: str, iteration: int | None, model_chunks, optimizer, scheduler, l
     check_shard_index(directory)
     template = {"loop_state": None, "scheduler": None}
     try:
-        loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim)
+        loaded, mode_notes = mode.load_checkpoint(str(directory), model_chunks, optimizer, template, load_optim, strictness)
     except CheckpointRefused as error:
         raise CheckpointUnreadable(str(error)) from None
+    except mcore.CheckpointingException as error:  # --dist-ckpt-strictness raise_*: keys not shared
+        raise CheckpointUnreadable(f"--load {directory} with --dist-ckpt-strictness {strictness}: {error}") from None
     notes = [f"loaded {directory}", *mode_notes]
     if load_optim:
         if scheduler.override_opt_param_scheduler:

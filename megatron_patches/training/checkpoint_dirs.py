@@ -36,6 +36,7 @@ from pathlib import Path
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
+DIST_METADATA_FILE = "metadata.json"  # dist_checkpointing's, beside the shards (its sharded backend and version)
 PARTIAL_SUFFIX = ".partial"
 MANIFEST_FORMAT = 1
 _ITERATION_DIR = re.compile(r"iter_(\d{7})")
@@ -172,13 +173,30 @@ def prune(root: str | Path, newest: int, keep: int) -> list[Path]:
 # ----------------------------------------------------------------------------------------
 
 
+def checkpoint_format(directory: Path) -> str:
+    """The format a Megatron checkpoint directory is in: its dist_checkpointing metadata.json's
+    sharded backend (torch_dist, fsdp_dtensor, ...), "torch" for Megatron-LM's legacy form
+    (mp_rank_XX/model_optim_rng.pt), or "unknown"."""
+    try:
+        return str(json.loads((directory / DIST_METADATA_FILE).read_text())["sharded_backend"])
+    except FileNotFoundError:
+        return "torch" if any(directory.glob("mp_rank_*")) else "unknown"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "unknown"
+
+
 def problem(root: str | Path, iteration: int) -> str | None:
-    """Why the checkpoint of `iteration` cannot be loaded (missing, incomplete, altered), or
-    None when it verifies. A checkpoint without a manifest (written before they were kept, or by
-    Megatron-LM) is not verifiable and is loaded as it is: see `unverified`."""
+    """Why the checkpoint of `iteration` cannot be loaded (missing, in another format than
+    torch_dist, incomplete, altered), or None when it verifies. A checkpoint without a manifest
+    (written before they were kept, or by Megatron-LM) is not verifiable and is loaded as it is:
+    see `unverified`."""
     directory = iteration_dir(root, iteration)
     if not directory.is_dir():
         return f"{directory} does not exist"
+    found = checkpoint_format(directory)
+    if found != "torch_dist":
+        return (f"{directory} is not a torch_dist checkpoint (its format: {found}; this entry point reads Megatron-Core's "
+                "torch_dist only: convert it with Megatron-LM's checkpoint converter, --ckpt-convert-format torch_dist)")
     manifest_path = directory / MANIFEST_FILE
     if not manifest_path.exists():
         return None

@@ -9,7 +9,7 @@ import enum
 
 from megatron_patches.training import megatron_lm
 from megatron_patches.training.arguments import (
-    DEPRECATED_NO_EFFECT,
+    FLAGS_WITHOUT_EFFECT,
     DERIVED_VALUES,
     EMBEDDED_JOB,
     KERNEL_CHOICES,
@@ -102,15 +102,16 @@ def _megatron_lm_kinds(parser) -> list[str]:
     honoured, refused_flags = megatron_lm.kinds(option for action in parser._actions for option in action.option_strings)
     refused = [megatron_lm.refusal(flag.flags[0]) for flag in refused_flags]
     kernels = [flag for flag in honoured if flag.dest in KERNEL_CHOICES]
-    unread = [flag for flag in honoured if flag.dest in DEPRECATED_NO_EFFECT]
+    unread = [flag for flag in honoured if flag.dest in FLAGS_WITHOUT_EFFECT]
     lines = ["", "## Megatron-LM's flags: honoured, GPU kernel choices and refused", "",
              f"Megatron-LM {source['tag']} (commit {source['commit'][:12]}, `{source['path']}`) defines {len(table)} "
              f"flags (`megatron_patches/training/megatron_lm_arguments.json`). "
              f"{len(honoured) - len(kernels) - len(unread)} are honoured: they are in the tables above, with "
              f"Megatron-LM's meaning. {len(kernels)} are GPU kernel choices (the group of that name above: on GPU "
              "they reach Megatron-Core, on CPU the ones given are listed in one start-up line), and "
-             f"{len(unread)} are deprecated flags that change nothing in Megatron-LM either "
-             f"({', '.join(f'`{flag.flags[0]}`' for flag in unread)}; named in a start-up line). {len(refused)} are "
+             f"{len(unread)} are accepted without effect, each for its reason "
+             f"({'; '.join(f'`{flag.flags[0]}`: {FLAGS_WITHOUT_EFFECT[flag.dest]}' for flag in unread)}; named in a "
+             f"start-up line). {len(refused)} are "
              "refused: given on the command line or as a `--config` key, the run stops before any work with the "
              "reason and what to do instead. None is unknown, and none is ignored.", "",
              "### Honoured with another type or default", "", "| Flag | Why |", "|---|---|"]

@@ -37,6 +37,7 @@ from megatron_patches.data import datasets
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.trace import write_trace
 from megatron_patches.training import checkpoint, checkpoint_dirs, metrics, modes, outputs
+from megatron_patches.training.arguments import without_effect
 from megatron_patches.training.exits import ExitConditions
 from megatron_patches.training.flag_docs import describe_args
 from megatron_patches.training.flops import model_flops_per_iteration
@@ -99,7 +100,7 @@ def set_up(args) -> None:
         log0(f"GPU kernel choices, not applied on CPU (same arithmetic, no such kernels here): "
              f"{', '.join(args.kernel_choices_not_applied)}")
     if args.flags_without_effect:
-        log0(f"accepted without effect (deprecated in Megatron-LM, no effect there either): {', '.join(args.flags_without_effect)}")
+        log0(f"accepted without effect: {', '.join(without_effect(args.flags_without_effect))}")
     log0(f"device: {'cuda' if args.use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
 
 
@@ -224,7 +225,7 @@ def build(args) -> Run:
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     if args.load:
         loaded, notes = checkpoint.load(args.load, args.load_iteration, [ddp], optimizer, scheduler, not args.no_load_optim,
-                                        not args.no_load_rng, mode)
+                                        not args.no_load_rng, mode, args.dist_ckpt_strictness)
         if loaded is not None and args.finetune:
             log0(f"checkpoint: --finetune: the model of iteration {args.load_iteration}, training from iteration 0")
         elif loaded is not None:

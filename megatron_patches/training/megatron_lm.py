@@ -131,6 +131,8 @@ _GPU_CHOICE = ("a GPU kernel, communication or memory choice with no CPU meaning
                "not pass to Megatron-Core yet")
 _OTHER_MODEL = "a model kind this entry point does not build (it trains GPT and BERT MoE models)"
 _LOW_PRECISION = "fp8 / fp4 training needs Transformer Engine on GPUs of Hopper or later; not built here yet"
+_CKPT_IO = ("checkpoint I/O strategies are not built: every rank writes and reads its own shards with "
+            "dist_checkpointing's default torch_dist strategy")
 _UNREAD = ("Megatron-Core 0.16.1's models never read it (only Megatron-LM's legacy models did), so Megatron-LM's "
            "pretrain_gpt.py ignores it too")
 CATEGORIES: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -161,6 +163,10 @@ CATEGORIES: tuple[tuple[tuple[str, ...], str], ...] = (
       "--no-pin-cpu-grads", "--no-pin-cpu-params", "--use-ring-exchange-p2p", "--flash-decode",
       "--inference-fuse-tp-communication", "--empty-unused-memory-level", "--record-memory-history",
       "--memory-snapshot-path", "--moe-pad-experts-for-cuda-graph-inference", "--tp-comm-overlap"), _GPU_CHOICE),
+    (("--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+      "--ckpt-assume-constant-structure"), _CKPT_IO),
+    (("--wandb-",), "Weights & Biases logging is not built (wandb is not a dependency); the same scalars go to "
+                    "TensorBoard and the JSON records"),
 )
 NOT_BUILT = "not built in this entry point yet"
 
@@ -177,6 +183,15 @@ SPECIFIC = {
     "--num-virtual-stages-per-pipeline-rank": ("interleaved (virtual) pipelines are not built yet: the loop and the "
                                                "modes hold one model chunk per pipeline stage",
                                                "--pipeline-model-parallel-size alone"),
+    "--no-check-for-nan-in-loss-and-grad": ("the world-wide non-finite check is how a NaN loss or gradient stops a run "
+                                            "cleanly here (the step skipped, no checkpoint of it written); it is not "
+                                            "switched off", "--max-nonfinite-steps N: skip up to N such steps, then stop"),
+    "--use-checkpoint-args": ("a checkpoint's flags are not taken over: --load compares them with the command line's "
+                              "(another model shape is refused, every other change listed)",
+                              "give the run's flags; the resume names what differs"),
+    "--no-use-tokenizer-model-from-checkpoint-args": ("it qualifies --use-checkpoint-args, which is not built (a "
+                                                      "checkpoint's flags are compared, not taken over)",
+                                                      "give the tokenizer flags"),
     "--async-save": ("not built yet: a checkpoint here is published (manifest, then tracker) only once every rank's "
                      "files are complete, which the asynchronous writer would finish after the call returns",
                      "leave it out (saves are synchronous)"),

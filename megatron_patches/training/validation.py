@@ -21,7 +21,7 @@ from megatron_patches.training import checkpoint_dirs, outputs, resume
 from megatron_patches.training.arguments import (
     ATTENTION_BACKENDS,
     DEFAULT_SPLIT,
-    DEPRECATED_NO_EFFECT,
+    FLAGS_WITHOUT_EFFECT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
     EP_ONLY_MODEL,
@@ -254,6 +254,11 @@ def _check_attention_flags(args):
         fail("--qk-layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm (Megatron-LM's "
              "pretrain_bert.py ignores the flag); valid with --model-family gpt")
 
+
+# dist_checkpointing's StrictHandling values, Megatron-LM's --dist-ckpt-strictness choices (a test
+# compares them with megatron.core's enum; this module stays torch-free).
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all")
 
 # Python's logging levels (what --logging-level takes).
 LOGGING_LEVELS = {0: "NOTSET", 10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
@@ -643,8 +648,8 @@ def _resolve_device(args):
 
 def _resolve_kernel_choices(args, have_te: bool) -> None:
     """GPU kernel choices reach Megatron-Core on GPU; on CPU the ones given are listed in
-    `args.kernel_choices_not_applied` (one start-up line). Deprecated flags that change nothing
-    here, as in Megatron-LM, are listed in `args.flags_without_effect`."""
+    `args.kernel_choices_not_applied` (one start-up line). Flags that change nothing here
+    (FLAGS_WITHOUT_EFFECT) are listed in `args.flags_without_effect`."""
     if args.attention_backend not in ATTENTION_BACKENDS:
         fail("--attention-backend", args.attention_backend, f"unknown value; valid: {', '.join(ATTENTION_BACKENDS)}")
     if args.cross_entropy_fusion_impl not in ("native", "te"):
@@ -659,7 +664,7 @@ def _resolve_kernel_choices(args, have_te: bool) -> None:
 
     # a second validation of the same namespace sees --moe-grouped-gemm already switched off below
     grouped_not_applied = "--moe-grouped-gemm" in getattr(args, "kernel_choices_not_applied", [])
-    args.flags_without_effect = given(DEPRECATED_NO_EFFECT)
+    args.flags_without_effect = given(FLAGS_WITHOUT_EFFECT)
     args.kernel_choices_not_applied = []
     if args.use_cuda:
         needs_te = [flag for flag, on in (("--moe-permute-fusion", args.moe_permute_fusion),
@@ -905,6 +910,12 @@ def _check_checkpointing(args):
     if args.ckpt_format != "torch_dist":
         fail("--ckpt-format", args.ckpt_format, "this entry point writes and reads Megatron-Core's distributed "
              "checkpoints with its own manifest (training/checkpoint.py) only; valid: torch_dist")
+    if args.dist_ckpt_strictness not in DIST_CKPT_STRICTNESS:
+        fail("--dist-ckpt-strictness", args.dist_ckpt_strictness,
+             f"unknown value; valid: {', '.join(DIST_CKPT_STRICTNESS)}")
+    if args.dist_ckpt_strictness.startswith("return_"):
+        fail("--dist-ckpt-strictness", args.dist_ckpt_strictness, "it makes the load return the mismatched keys to "
+             "Megatron-LM's own loader, which logs them; here use log_unexpected or log_all for the same report")
     if args.finetune:
         if args.load is None:
             fail("--finetune", True, "loads a checkpoint's model to start from; add --load DIR")

@@ -78,7 +78,7 @@ def save(directory: str, engine: ZebraEngine, common: dict) -> None:
     mcore.save_sharded(state, directory)
 
 
-def load(directory: str, engine: ZebraEngine, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+def load(directory: str, engine: ZebraEngine, template: dict, load_optim: bool, strictness: str) -> tuple[dict, list[str]]:
     """Loads an ep-form checkpoint into this run's layout; returns the loaded common entries named
     by `template` and notes for the log."""
     model_sd = _model_sharded_state_dict(engine)
@@ -97,7 +97,7 @@ def load(directory: str, engine: ZebraEngine, template: dict, load_optim: bool) 
             "checkpoint of another model, or of ep with --expert-model-parallel-size 1, whose optimizer keeps the "
             "experts with the dense parameters); valid: a checkpoint of this model from zebra, fssdp, replicate or "
             "ep with --expert-model-parallel-size > 1, or --no-load-optim where only the optimizer state differs")
-    loaded = mcore.load_sharded(state, directory)
+    loaded = mcore.load_sharded(state, directory, strictness)
     weights = loaded.pop("model")
     result = engine.model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:

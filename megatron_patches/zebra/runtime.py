@@ -212,6 +212,7 @@ class ZebraRuntime(ModeRuntime):
         """ep's form (zebra/checkpoint.py): each rank writes what it owns."""
         checkpoint.save(directory, self.engine, common)
 
-    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool) -> tuple[dict, list[str]]:
+    def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool,
+                        strictness: str) -> tuple[dict, list[str]]:
         """Any ep-form checkpoint (zebra, ep with EP > 1, fssdp, replicate) into this run's layout."""
-        return checkpoint.load(directory, self.engine, template, load_optim)
+        return checkpoint.load(directory, self.engine, template, load_optim, strictness)
