@@ -89,8 +89,7 @@ def test_refusal_reasons_by_kind():
     assert reason("--moe-latent-size") == megatron_lm.NOT_BUILT
     # not built yet: leaving the flag out keeps Megatron-LM's default, which the message names
     assert megatron_lm.refusal("--moe-latent-size").instead == "leave it out (Megatron-LM's default: None)"
-    # context parallelism and virtual pipelines: their own reasons
-    assert "Transformer Engine's attention" in reason("--context-parallel-size")
+    # virtual pipelines: their own reason
     assert "one model chunk per pipeline stage" in reason("--num-layers-per-virtual-pipeline-stage")
     assert reason("--wandb-project").startswith("Weights & Biases") and "strategies" in reason("--ckpt-fully-parallel-load")
     assert "--max-nonfinite-steps" in megatron_lm.refusal("--no-check-for-nan-in-loss-and-grad").instead
@@ -113,9 +112,9 @@ def test_every_refusal_category_names_real_flags():
 
 def test_several_refused_flags_are_named_together_and_before_typos():
     with pytest.raises(ArgumentError) as caught:
-        parse_args(["--context-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layer", "2"])
+        parse_args(["--moe-latent-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layer", "2"])
     message = str(caught.value)
-    assert message.count("is refused") == 2 and "--context-parallel-size" in message and "--num-layers-per-virtual-pipeline-stage" in message
+    assert message.count("is refused") == 2 and "--moe-latent-size" in message and "--num-layers-per-virtual-pipeline-stage" in message
 
 
 def test_did_you_mean_offers_only_close_names():
@@ -126,17 +125,17 @@ def test_did_you_mean_offers_only_close_names():
         parse_args(["--expert-tensor-parallel", "2"])  # not Megatron-LM's; close to --expert-tensor-parallel-size
     assert "did you mean --expert-tensor-parallel-size" in str(caught.value)
     with pytest.raises(ArgumentError) as caught:
-        parse_args(["--context-parallelism", "2"])  # far from every flag
+        parse_args(["--sequence-sharding", "2"])  # far from every flag
     assert "did you mean" not in str(caught.value)
 
 
 def test_a_refused_flag_s_dest_in_a_config_file_is_refused(tmp_path):
-    config = tmp_path / "cp.yaml"
-    config.write_text(yaml.safe_dump({"context_parallel_size": 2}))
+    config = tmp_path / "latent.yaml"
+    config.write_text(yaml.safe_dump({"moe_latent_size": 2}))
     with pytest.raises(ArgumentError) as caught:
         parse_args(["--config", str(config)])
     message = str(caught.value)
-    assert message.startswith(f"--config {config}: key 'context_parallel_size': --context-parallel-size "
+    assert message.startswith(f"--config {config}: key 'moe_latent_size': --moe-latent-size "
                               "(Megatron-LM's flag, group 'transformer configuration') is refused: ")
 
 

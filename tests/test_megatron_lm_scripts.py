@@ -2,10 +2,13 @@
 and paths.
 
 tests/data/megatron_lm_scripts/*.json holds each script's flags as Megatron-LM's authors wrote them
-(source path and commit in the file), the sizes shrunk to 2 CPU ranks (`shrink`, with the reason
-in `why`) and the flags a recipe leaves to its caller (`add`). Their data and tokenizer paths
-become the mock dataset, their checkpoint and TensorBoard paths a work folder. Each then
-validates (unit) and trains 2 iterations in ep on 2 gloo ranks (e2e), one spawn for all.
+(source path and commit in the file: example recipes, and functional-test configurations of
+Megatron-LM's CI), the sizes shrunk to CPU ranks (`shrink`, with the reason in `why`; `ranks`, 2
+unless given) and the flags a recipe leaves to its caller (`add`). Their data and tokenizer paths
+become the mock dataset, their checkpoint, cache and TensorBoard paths a work folder; NCCL becomes
+gloo and Transformer Engine Megatron's local modules (device choices).
+Each then validates (unit) and trains 2 iterations in ep on its gloo ranks (e2e), one spawn per
+rank count.
 """
 
 from __future__ import annotations
@@ -24,21 +27,22 @@ from megatron_patches.training.validation import validate_args
 SCRIPTS = sorted((Path(__file__).parent / "data" / "megatron_lm_scripts").glob("*.json"))
 RANKS = 2
 
-# The scripts' path flags -> what they become here (None: left out).
-PATHS = {"--tokenizer-type": "NullTokenizer", "--tokenizer-model": None, "--data-path": None,
-         "--save": "{work}/ckpt", "--load": "{work}/ckpt", "--tensorboard-dir": "{work}/tensorboard"}
+# The scripts' path and device flags -> what they become here (None: left out).
+PATHS = {"--tokenizer-type": "NullTokenizer", "--tokenizer-model": None, "--data-path": None, "--vocab-file": None,
+         "--merge-file": None, "--data-cache-path": "{work}/cache", "--save": "{work}/ckpt", "--load": "{work}/ckpt",
+         "--tensorboard-dir": "{work}/tensorboard", "--distributed-backend": "gloo", "--transformer-impl": None}
 MOCK = ["--mock-data", "--vocab-size", "1000"]
 
 
 def shrunk_argv(script: dict, work: Path) -> list[str]:
-    """The script's flags with `shrink`'s sizes and PATHS' paths, then `add` and MOCK."""
+    """The script's flags with `shrink`'s sizes and PATHS' paths (under `work`), then `add` and MOCK."""
     argv, tokens = [], list(script["argv"])
     while tokens:
         flag = tokens.pop(0)
         value = tokens.pop(0) if tokens and not tokens[0].startswith("--") else None
         if flag in PATHS:
             if PATHS[flag] is not None:
-                argv += [flag, PATHS[flag].format(work=work / Path(script["source"]["path"]).stem)]
+                argv += [flag, PATHS[flag].format(work=work)]
             continue
         value = script.get("shrink", {}).get(flag, value)
         argv += [flag] if value is None else [flag, value]
@@ -51,15 +55,20 @@ def test_a_published_script_validates_unchanged_but_for_sizes(path, tmp_path):
     assert script["source"]["commit"].startswith("55ac7082517c") and script["source"]["tag"] == "core_v0.16.1"
     for flag in script.get("shrink", {}):
         assert flag in script["argv"], f"{path.name}: shrinks {flag}, which the script does not give"
-    args = validate_args(parse_args(shrunk_argv(script, tmp_path)), RANKS)
+    argv = shrunk_argv(script, tmp_path / path.stem)
+    args = validate_args(parse_args(argv), script.get("ranks", RANKS))
     assert "the command line" in args.model_source  # Megatron-LM's defaults for what the script leaves out
-    assert args.moe_parallel_mode == "ep" and args.expert_model_parallel_size == RANKS
+    given_ep = int(argv[len(argv) - 1 - argv[::-1].index("--expert-model-parallel-size") + 1])  # the last one given
+    assert args.moe_parallel_mode == "ep" and args.expert_model_parallel_size == given_ep
 
 
 @pytest.mark.e2e
 def test_the_published_scripts_train_two_iterations_in_ep(workdir):
     scripts = {path.stem: json.loads(path.read_text()) for path in SCRIPTS}
-    runs = launch_many(RANKS, {name: shrunk_argv(script, workdir) for name, script in scripts.items()}, workdir)
+    runs = {}
+    for ranks in sorted({script.get("ranks", RANKS) for script in scripts.values()}):
+        runs.update(launch_many(ranks, {name: shrunk_argv(script, workdir / name) for name, script in scripts.items()
+                                        if script.get("ranks", RANKS) == ranks}, workdir))
     for name, run in runs.items():
         # the last iteration is always logged; Mixtral's script logs every one, Qwen's recipe keeps
         # Megatron-LM's --log-interval 100
@@ -73,6 +82,14 @@ def test_the_published_scripts_train_two_iterations_in_ep(workdir):
     deepseek = runs["deepseek_v2_lite"]
     assert "--no-masked-softmax-fusion, --no-rope-fusion, --moe-grouped-gemm" in deepseek.output
     assert [layer["layer"] for layer in deepseek.records[-1]["moe_layers"]] == [2]
+    # Megatron-LM's CI configuration: PP 2 x EP 2, sinkhorn top-1, bf16, the logging and checkpoint flags
+    functional = runs["functional_gpt3_mcore_tp2_pp2_ep2_te_4experts2parallel"]
+    assert "world 4 = TP 1 x PP 2 x DP 2 | EP 2 x ETP 1" in functional.output
+    assert all("params_norm" in r and "num_zeros_in_grad" in r for r in functional.records if "loss" in r)
+    assert "--dist-ckpt-optim-fully-reshardable (the distributed optimizer's state is always saved fully" in functional.output
+    etp1 = runs["functional_gpt3_mcore_te_tp2_pp1_te_8experts_etp1_ep4"]
+    assert "world 4 = TP 2 x PP 1 x DP 2 | EP 4 x ETP 1" in etp1.output and "--moe-grouped-gemm" in etp1.output
+    assert "warning (rank" not in etp1.output  # Megatron's known warnings of TP 2 + SP with ETP 1: once, from rank 0
 
 
 # DeepSeek-V3's features on the embedded tiny job (Megatron's default dropout 0.1), in the precision

@@ -32,6 +32,13 @@ KNOWN = (
     (r"`load_state_dict` is deprecated and will be removed|we are deprecating ShardedTensor",
      "torch: megatron-core 0.16.1's dist checkpointing calls APIs that torch 2.13 deprecates (load_state_dict, "
      "ShardedTensor); harmless"),
+    (r"`sequence_parallel` is set to `True`, but tensor model parallel size is 1",
+     "megatron-core: with --sequence-parallel and --expert-tensor-parallel-size 1 the experts' linear layers turn "
+     "sequence parallelism off for themselves (their tokens arrive whole from the dispatcher), as intended; harmless"),
+    (r"it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1",
+     "megatron-core: with sequence parallelism on GPUs it recommends CUDA_DEVICE_MAX_CONNECTIONS=1 (its TP "
+     "communication then keeps kernel order); left to the user, since one hardware queue also serialises fssdp's "
+     "side-stream copies; no meaning on CPU"),
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
      "megatron-core: its distributed optimizer's zero_grad reads .grad of parameter-shard views, which torch "
      "warns are not leaves; harmless (the optimizer copies those gradients itself)"),

@@ -458,6 +458,10 @@ def _add_parallel_args(parser):
         "the largest divisor of --num-experts that divides the data-parallel size, so "
         "`torchrun --nproc-per-node 4` with 8 experts uses EP=4 and a single process EP=1.",
     )
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Degree of context parallelism. Only 1 (no context parallelism): Megatron-Core "
+                       "0.16.1 splits attention over the sequence only in Transformer Engine's attention, and "
+                       "the placement modes plan expert loads per full sequence; not built yet.")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                        help="Degree of tensor model parallelism of the experts. Default is None, "
                        "which will be set to the value of --tensor-model-parallel-size.")

@@ -174,9 +174,6 @@ NOT_BUILT = "not built in this entry point yet"
 SPECIFIC = {
     "--rampup-batch-size": ("a global batch that grows during training is not built: the placement modes plan "
                             "each iteration's expert loads for one fixed global batch", "a fixed --global-batch-size"),
-    "--context-parallel-size": ("context parallelism is not built yet: Megatron-Core 0.16.1 splits attention over the "
-                                "sequence only in Transformer Engine's attention (its local attention refuses it), and "
-                                "the placement modes plan expert loads per full sequence", "leave it out (1)"),
     "--num-layers-per-virtual-pipeline-stage": ("interleaved (virtual) pipelines are not built yet: the loop and the "
                                                 "modes hold one model chunk per pipeline stage",
                                                 "--pipeline-model-parallel-size alone"),

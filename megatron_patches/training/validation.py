@@ -208,6 +208,10 @@ def _check_choices(args):
 
 
 def _resolve_parallel_layout(args, world_size):
+    if args.context_parallel_size != 1:
+        fail("--context-parallel-size", args.context_parallel_size, "context parallelism is not built yet: Megatron-Core "
+             "0.16.1 splits attention over the sequence only in Transformer Engine's attention (its local attention "
+             "refuses it), and the placement modes plan expert loads per full sequence; valid: 1")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
         fail("--tensor-model-parallel-size", tp,
