@@ -98,7 +98,7 @@ def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, 
     actual_DE = source_DE.copy()
     cold, second = np.argsort(predicted_E)[0], np.argsort(-predicted_E)[1]
     actual_DE[:, cold] = source_DE[:, second]
-    cost = fssdp.CalibrationCost(seconds_per_token=1.4e-7, expert_bytes=4718592.0, reduce_ratio=1.0)
+    cost = fssdp.FSSDPCostModel(seconds_per_token=1.4e-7, expert_bytes=4718592.0, reduce_ratio=1.0)
     placement = fssdp.materialize(shard, predicted_E, 8, 3, topology)
     remaining_D = 4 - placement.extra_copies_D(shard)
 

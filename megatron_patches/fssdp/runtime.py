@@ -204,7 +204,7 @@ class FSSDPRuntime(ModeRuntime):
         self.m: int | None = config.memory_capacity
         self._memory_base: int | None = None
         """GPU, auto m: bytes held when the measuring (first) iteration started."""
-        self.cost: planner.CalibrationCost | None = None
+        self.cost: planner.FSSDPCostModel | None = None
         """The cost model of calibration and auto t, from the first iteration's measured times."""
         self._iteration = 0
         """The iteration being run (begin_iteration's)."""
@@ -581,7 +581,7 @@ class FSSDPRuntime(ModeRuntime):
         self.stats.non_moe_s.extend(times.get("fssdp.non_moe", []))
         self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
 
-    def _measured_cost(self, t_non_moe: float) -> planner.CalibrationCost:
+    def _measured_cost(self, t_non_moe: float) -> planner.FSSDPCostModel:
         """The cost model (t by cost, calibration) from the first iteration's measurements, the
         same on every rank: expert time per token (slowest rank) and per instance
         (`_probe_instance_seconds`), the gather and the all-to-all over the probed bandwidth with
@@ -609,7 +609,7 @@ class FSSDPRuntime(ModeRuntime):
         runs 2 tokens as one instance and as two (`run_instances`, per instance or grouped as the
         run computes), the smallest of 5 runs each after a warm-up (the host clock; synchronised
         on GPU); the difference, at least 0. Copies split an expert's tokens but each adds this,
-        which on small batches outweighs the split (`CalibrationCost.seconds_per_instance`)."""
+        which on small batches outweighs the split (`FSSDPCostModel.seconds_per_instance`)."""
         if not self.layers:
             return 0.0
         layer = self.layers[0]
@@ -633,12 +633,12 @@ class FSSDPRuntime(ModeRuntime):
         return max(best[2] - best[1], 0.0)
 
     def _cost_model(self, seconds_per_token: float, hidden_bwd: float,
-                    seconds_per_instance: float) -> planner.CalibrationCost:
+                    seconds_per_instance: float) -> planner.FSSDPCostModel:
         """The cost model from the three measured figures (kept in checkpoints)."""
         reduce_ratio = (4 if self.config.reduce_in_fp32 else self.element_size) / self.element_size
         topology, algorithm, expert_bytes = self.topology, self.config.collectives, float(self.expert_bytes)
         token_bytes = self.hidden_size * self.element_size
-        return planner.CalibrationCost(
+        return planner.FSSDPCostModel(
             seconds_per_token=seconds_per_token,
             seconds_per_instance=seconds_per_instance,
             expert_bytes=expert_bytes,
@@ -656,7 +656,7 @@ class FSSDPRuntime(ModeRuntime):
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
         return float(local.item())
 
-    def _auto_overlap_degree(self, cost: planner.CalibrationCost) -> int:
+    def _auto_overlap_degree(self, cost: planner.FSSDPCostModel) -> int:
         """Auto t at the end of this iteration, by cost (`planner.choose_overlap_degree`): t = 0,
         the powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides
         at the probed bandwidth) priced on this iteration's loads, with calibration's copies when

@@ -42,7 +42,7 @@ from megatron_patches.placement.baselines import (
     static_replication,
 )
 from megatron_patches.placement.fssdp import (
-    CalibrationCost,
+    FSSDPCostModel,
     balanced_quotas,
     calibrate,
     dispatch,
@@ -105,7 +105,7 @@ from megatron_patches.placement.types import (
 
 __all__ = [
     "ByteModel",
-    "CalibrationCost",
+    "FSSDPCostModel",
     "CommBytes",
     "DispatchPlan",
     "EPLayout",

@@ -124,17 +124,17 @@ class ReplayConfig:
     calibrate: bool = False
     """FSSDP: run the calibration step after the gate (DESIGN 4.2 step 4)."""
     gather_seconds: Callable[[ShardLayout, InstancePlacement], float] | None = None
-    """FSSDP calibration's price of an extra gather (`fssdp.CalibrationCost.gather_seconds`; the
+    """FSSDP calibration's price of an extra gather (`fssdp.FSSDPCostModel.gather_seconds`; the
     simulator passes its link model); None: the topology's point-to-point model."""
     dispatch_seconds: Callable[[DispatchPlan], float] | None = None
-    """FSSDP calibration's price of a layer's all-to-alls (`fssdp.CalibrationCost.dispatch_seconds`);
+    """FSSDP calibration's price of a layer's all-to-alls (`fssdp.FSSDPCostModel.dispatch_seconds`);
     None: calibration weighs expert compute only."""
     reduce_hidden_s: float = 0.0
     """FSSDP's cost model: backward time outside the MoE blocks that a layer's spRS hides behind
-    (its attention backward); `fssdp.CalibrationCost.reduce_hidden_s`."""
+    (its attention backward); `fssdp.FSSDPCostModel.reduce_hidden_s`."""
     instance_overhead_s: float = 0.0
     """FSSDP's cost model: fixed time of one expert instance with tokens on a device, forward and
-    backward (`fssdp.CalibrationCost.seconds_per_instance`)."""
+    backward (`fssdp.FSSDPCostModel.seconds_per_instance`)."""
     collectives: str = "flat"
     """FSSDP's sparse-collective algorithm for the byte counts ("flat" or "hierarchical")."""
     device_flops: float = 100e12
@@ -163,12 +163,12 @@ class ReplayConfig:
         """The load predictor every policy plans from (`load_predictor`)."""
         return LoadTracker.for_predictor(num_layers, num_experts, window, self.load_predictor)
 
-    def fssdp_cost(self) -> fssdp.CalibrationCost:
+    def fssdp_cost(self) -> fssdp.FSSDPCostModel:
         """FSSDP's cost model (calibration and t by cost) from these figures: an expert's forward
         and backward at `device_flops` (6 FLOPs per parameter and token) plus
         `instance_overhead_s` per instance, the gather and all-to-all prices, the reduce's
         gradient-over-weight bytes."""
-        return fssdp.CalibrationCost(
+        return fssdp.FSSDPCostModel(
             seconds_per_token=6.0 * self.byte_model.params_per_expert / self.device_flops,
             expert_bytes=self.byte_model.expert_weight_bytes,
             seconds_per_instance=self.instance_overhead_s,

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_patches.placement import (
-    CalibrationCost,
+    FSSDPCostModel,
     InstancePlacement,
     ModelShardLayout,
     PlacementError,
@@ -292,19 +292,19 @@ def test_calibrate_worked_example():
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)
     loads = [800, 100, 100, 100]
-    placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6))
+    placement, extra = calibrate(current, shard, loads, 1, topo, FSSDPCostModel(1e-5, 1e6))
     assert extra
     assert placement.holders(0).tolist() == [0, 1, 2]
     assert placement.replicas_E()[1:].tolist() == [1, 1, 1]
     # 5 us per token: 4 ms now, 2.25 + 1 with one copy, 1.67 + 2 with two: one copy
-    placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(5e-6, 1e6))
+    placement, extra = calibrate(current, shard, loads, 1, topo, FSSDPCostModel(5e-6, 1e6))
     assert extra and placement.holders(0).tolist() == [0, 1]
     # 1 us per token: 0.8 ms now, 0.45 + 1 with one copy: keep the current placement
-    placement, extra = calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-6, 1e6))
+    placement, extra = calibrate(current, shard, loads, 1, topo, FSSDPCostModel(1e-6, 1e6))
     assert not extra and placement == current
     # the latency tips it: 8 ms > 5.34 + 2.6 ms, but not > 5.34 + 2.7 ms
-    assert calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.6e-3))[1]
-    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, latency_s=2.7e-3))[1]
+    assert calibrate(current, shard, loads, 1, topo, FSSDPCostModel(1e-5, 1e6, latency_s=2.6e-3))[1]
+    assert not calibrate(current, shard, loads, 1, topo, FSSDPCostModel(1e-5, 1e6, latency_s=2.7e-3))[1]
 
 
 def test_calibration_reserve_keeps_the_misplaced_share_of_the_slots():
@@ -322,7 +322,7 @@ def test_calibrate_relieves_a_spike_with_a_copy_beside_its_owner():
     topo = Topology(2, 2, 1e11, 1e9)
     shard = ShardLayout([0, 1, 2, 3], 4)
     current = InstancePlacement.from_shard(shard)
-    cost = CalibrationCost(1e-5, 1e7)
+    cost = FSSDPCostModel(1e-5, 1e7)
     placement, extra = calibrate(current, shard, [200, 3000, 200, 200], 1, topo, cost)
     assert extra
     assert placement.holders(1).tolist() == [0, 1]
@@ -337,7 +337,7 @@ def test_calibrate_invariants(case, t, m, free, spt):
     rng = np.random.default_rng(int(predicted.sum()))
     actual = rng.permutation(predicted)
     current = materialize(shard, predicted, t, m, topo)
-    placement, extra = calibrate(current, shard, actual, free, topo, CalibrationCost(spt, 1.0))
+    placement, extra = calibrate(current, shard, actual, free, topo, FSSDPCostModel(spt, 1.0))
     added = placement.holds_ED() & ~current.holds_ED()
     assert np.all(placement.holds_ED() >= current.holds_ED())  # only adds copies
     assert np.all(added.sum(axis=0) <= free)  # within the remaining memory
@@ -359,9 +359,9 @@ def test_calibrate_prices_the_unhidden_part_of_the_reduce():
     current = InstancePlacement.from_shard(shard)
     loads = [800, 100, 100, 100]
     placement, extra = calibrate(current, shard, loads, 1, topo,
-                                 CalibrationCost(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.6e-3))
+                                 FSSDPCostModel(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.6e-3))
     assert extra and placement.holders(0).tolist() == [0, 1]
-    assert not calibrate(current, shard, loads, 1, topo, CalibrationCost(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.4e-3))[1]
+    assert not calibrate(current, shard, loads, 1, topo, FSSDPCostModel(1e-5, 1e6, reduce_ratio=6.0, reduce_hidden_s=0.4e-3))[1]
 
 
 def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():
@@ -373,7 +373,7 @@ def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():
     current = InstancePlacement.from_shard(shard)
     source_DE = np.array([[300, 10, 10, 10]] * 4)
     remote = lambda plan: 1e-6 * float(plan.tokens_K[plan.source_K != plan.dest_K].sum())  # noqa: E731
-    cost = CalibrationCost(1e-5, 1e3, dispatch_seconds=remote)
+    cost = FSSDPCostModel(1e-5, 1e3, dispatch_seconds=remote)
     placement, extra = calibrate(current, shard, source_DE.sum(axis=0), 1, topo, cost, source_DE)
     assert extra and placement.holders(0).tolist() == [0, 1, 2, 3]
     plan = dispatch(placement, source_DE, topo)
@@ -396,7 +396,7 @@ def test_calibrate_is_never_priced_above_fastermoe_shadowing(case, free, seed):
     actual = source_DE.sum(axis=0)
     current = InstancePlacement.from_shard(shard)
     remote = lambda plan: 1e-7 * float(plan.tokens_K[plan.source_K != plan.dest_K].sum())  # noqa: E731
-    cost = CalibrationCost(1e-6, 1e3, dispatch_seconds=remote)
+    cost = FSSDPCostModel(1e-6, 1e3, dispatch_seconds=remote)
 
     def price(holds_ED):
         plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_DE, topo)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_patches.placement import (
-    CalibrationCost,
+    FSSDPCostModel,
     InstancePlacement,
     PlacementError,
     ShardLayout,
@@ -30,12 +30,12 @@ def test_candidates_are_ep_the_powers_of_two_and_the_hidden_t():
     assert overlap_candidates(9, 6) == [0, 1, 2, 4, 6]  # clamped to E
 
 
-def two_devices(seconds_per_instance: float = 0.0) -> CalibrationCost:
+def two_devices(seconds_per_instance: float = 0.0) -> FSSDPCostModel:
     # 1 us per token copy, 1 ms per copy gathered (1 MB at 1 GB/s), no reduce priced
-    return CalibrationCost(seconds_per_token=1e-6, expert_bytes=1e6, seconds_per_instance=seconds_per_instance)
+    return FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1e6, seconds_per_instance=seconds_per_instance)
 
 
-def choose(cost: CalibrationCost, t_non_moe_s: float, hidden_t: int = 0):
+def choose(cost: FSSDPCostModel, t_non_moe_s: float, hidden_t: int = 0):
     """One node of 2 devices, expert 0 on device 0 with 1500 tokens, expert 1 on device 1 with 500.
     t = 0: device 0 computes 1500 tokens + 1 instance. t = 1 (expert 0 on both): the split
     1000 / 500 + 500 puts 2 instances on device 1 and gathers one copy (1 ms)."""
@@ -71,12 +71,12 @@ def test_the_per_instance_time_keeps_copies_that_split_small_batches_away():
 
 def test_layer_seconds_counts_instances_with_tokens_only():
     topo = Topology(1, 2, 1e9, 1e9)
-    cost = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS)
+    cost = FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS)
     holds_ED = ShardLayout([0, 0, 1, 1], 2).holds_ED()
     # device 0: 20 tokens in 2 instances; device 1's experts get none
     assert cost.layer_seconds(holds_ED, np.array([10, 10, 0, 0]), None, topo) == (pytest.approx(2.02 * MS), 0.0)
     # the same through a dispatch plan (per-source loads and an all-to-all price)
-    priced = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS,
+    priced = FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS,
                              dispatch_seconds=lambda plan: 5 * MS)
     compute, a2a = priced.layer_seconds(holds_ED, np.array([10, 10, 0, 0]), np.array([[5, 5, 0, 0], [5, 5, 0, 0]]), topo)
     assert (compute, a2a) == (pytest.approx(2.02 * MS), 5 * MS)
@@ -85,7 +85,7 @@ def test_layer_seconds_counts_instances_with_tokens_only():
 def test_the_reduce_hides_behind_attention_and_the_moe_backward():
     """spRS(l) runs from layer l's MoE backward to layer l-1's: the attention backward and 2/3 of
     the expert compute and half the all-to-all (the backward's) hide it."""
-    cost = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0, reduce_ratio=2.0, reduce_hidden_s=1 * MS)
+    cost = FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1.0, reduce_ratio=2.0, reduce_hidden_s=1 * MS)
     # gather 3 ms, 1 ms hidden: 2 ms; reduce 6 ms against 1 + 2 + 1 ms: 2 ms
     assert cost.exposed_seconds(3 * MS, 1 * MS, 3 * MS, 2 * MS) == pytest.approx(4 * MS)
     assert cost.exposed_reduce_seconds(3 * MS, 3 * MS, 2 * MS) == pytest.approx(2 * MS)
@@ -101,7 +101,7 @@ def test_the_choice_is_the_cheapest_candidate_and_prices_are_sums_of_layers(seed
     D = nodes * per_node
     E = D * experts_per
     topo = Topology(nodes, per_node, 50e9, 5e9)
-    cost = CalibrationCost(seconds_per_token=2e-6, expert_bytes=4e6, seconds_per_instance=instance, reduce_ratio=2.0,
+    cost = FSSDPCostModel(seconds_per_token=2e-6, expert_bytes=4e6, seconds_per_instance=instance, reduce_ratio=2.0,
                            reduce_hidden_s=1e-3, dispatch_seconds=lambda plan: 1e-9 * plan.tokens_K.sum())
     shards = [ShardLayout(np.repeat(np.arange(D), experts_per), D) for _ in range(2)]
     sources_LDE = rng.poisson(rng.zipf(1.5, size=(2, 1, E)).clip(max=200) * 20, size=(2, D, E))
@@ -133,8 +133,8 @@ def test_calibration_counts_the_instances_a_copy_adds():
     topo = Topology(1, 2, 1e12, 1e12)
     shard = ShardLayout([0, 1], 2)
     current = InstancePlacement.from_shard(shard)
-    cheap = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0)
-    costly = CalibrationCost(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS)
+    cheap = FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1.0)
+    costly = FSSDPCostModel(seconds_per_token=1e-6, expert_bytes=1.0, seconds_per_instance=1 * MS)
     assert calibrate(current, shard, [100, 50], 1, topo, cheap)[1]
     assert not calibrate(current, shard, [100, 50], 1, topo, costly)[1]
 
@@ -147,7 +147,7 @@ def test_with_calibration_each_t_is_priced_with_the_copies_calibration_adds():
     topo = Topology(1, 2, 1e9, 1e9)
     shards = [ShardLayout([0, 1], 2)]
     sources_LDE = np.array([[[750, 250], [750, 250]]])
-    cost = CalibrationCost(seconds_per_token=1e-5, expert_bytes=1e6)
+    cost = FSSDPCostModel(seconds_per_token=1e-5, expert_bytes=1e6)
     candidates = overlap_candidates(0, 2)
     plain = overlap_prices(shards, sources_LDE, candidates, 2, topo, cost, 0.8 * MS)
     calibrated = overlap_prices(shards, sources_LDE, candidates, 2, topo, cost, 0.8 * MS, calibrated=True)

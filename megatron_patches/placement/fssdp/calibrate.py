@@ -1,0 +1,362 @@
+"""Calibration (DESIGN 4.2 step 4): one more gather after the gate when it pays off
+(`calibrate`), priced by FSSDP's cost model (`FSSDPCostModel`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from megatron_patches.placement.fssdp.dispatch import dispatch
+from megatron_patches.placement.fssdp.inputs import descending, largest_first
+from megatron_patches.placement.fssdp.quotas import fill_holders, balanced_quotas
+from megatron_patches.placement.types import (
+    DispatchPlan,
+    InstancePlacement,
+    PlacementError,
+    ShardLayout,
+    Topology,
+    check_loads,
+)
+
+
+@dataclass(frozen=True)
+class FSSDPCostModel:
+    """FSSDP's cost model: whether calibration's gather pays off, and which t (`choose_overlap_degree`).
+
+    MoE time of a layer is modelled as (max device load) * seconds_per_token: the slowest
+    device decides when the combine all-to-all can finish; with per-source loads and
+    `dispatch_seconds`, plus the all-to-all of the dispatch plan (`layer_seconds`). A gather
+    costs what the work running beside it does not hide (`exposed_seconds`); its time is the
+    busiest device's transfer time (the larger of what it receives and what it sends, each link
+    at its topology bandwidth) plus a fixed latency, or `gather_seconds` when given.
+    """
+
+    seconds_per_token: float
+    """Expert compute time of one routed token on one device, seconds (fwd, or fwd+bwd if the copy
+    also serves the backward)."""
+    expert_bytes: float
+    """Bytes of one expert's parameters (what one extra copy moves)."""
+    latency_s: float = 0.0
+    """Fixed cost of launching one more sparse all-gather, seconds."""
+    gather_seconds: Callable[[ShardLayout, InstancePlacement], float] | None = None
+    """Time of spAG(shard -> placement) when given (the simulator passes its own link model and
+    collective algorithm, so that calibration decides on the times it is priced at); None: the
+    busiest device's transfers over the topology's point-to-point bandwidths, plus `latency_s`."""
+    seconds_per_instance: float = 0.0
+    """Fixed expert time of one instance that gets tokens on a device, seconds (forward and
+    backward: kernel launches, the GEMMs' small-batch inefficiency, streaming the weights): a copy
+    splits an expert's tokens but adds one of these, so on small batches copies stop paying."""
+    reduce_ratio: float = 0.0
+    """Bytes of a copy's gradient over its weights' (spRS moves gradients back the way spAG moved
+    weights): the extra copies' reduce takes this many times their gather. 0: not priced."""
+    reduce_hidden_s: float = 0.0
+    """Backward time outside the MoE blocks that the copies' reduce hides behind (the layer's
+    attention backward); with the MoE backward (`exposed_seconds`) only what exceeds it is priced."""
+    dispatch_seconds: Callable[[DispatchPlan], float] | None = None
+    """All-to-all time of a dispatch plan (dispatch and combine, forward and backward), when given
+    with the per-source loads: copies near the tokens shorten it, so calibration counts it
+    (FasterMoE's cost model does); None: the MoE time is the expert compute alone."""
+
+    def __post_init__(self) -> None:
+        for name in ("seconds_per_token", "expert_bytes", "latency_s", "seconds_per_instance", "reduce_ratio",
+                     "reduce_hidden_s"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise PlacementError(f"FSSDPCostModel.{name} must be finite and >= 0, got {value!r}")
+
+    def spag_seconds(self, shard: ShardLayout, placement: InstancePlacement, topology: Topology) -> float:
+        """Time of spAG(shard -> placement): `gather_seconds`, or the busiest device's transfers
+        over the topology's point-to-point bandwidths plus `latency_s` (0 without copies)."""
+        if self.gather_seconds is not None:
+            return float(self.gather_seconds(shard, placement))
+        return self._copies_seconds(placement.holds_ED() & ~shard.holds_ED().astype(bool), shard, topology)
+
+    def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
+                             topology: Topology) -> float:
+        """Time of gathering the copies in `holds_ED` that `current` lacks (on the critical path).
+        `current` contains `shard`, so without `gather_seconds` the new copies are holds_ED minus
+        current's holdings, priced without building calibration's gather placement (calibrate
+        prices up to a few candidates per layer per iteration)."""
+        if self.gather_seconds is not None:
+            return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
+        return self._copies_seconds((np.asarray(holds_ED) > 0) & ~current.holds_ED(), shard, topology)
+
+    def _copies_seconds(self, new_ED: np.ndarray, shard: ShardLayout, topology: Topology) -> float:
+        """The point-to-point model's gather of the copies new_ED (bool [E, D]) from their owners:
+        the busiest device's transfers plus `latency_s`, 0 without copies."""
+        if not new_ED.any():
+            return 0.0
+        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+
+    def layer_seconds(self, holds_ED, tokens_E: np.ndarray, source_loads_DE: np.ndarray | None,
+                      topology: Topology) -> tuple[float, float]:
+        """(expert compute, all-to-all) of one layer on the placement `holds_ED`: the busiest
+        device's tokens x seconds_per_token + its instances with tokens x seconds_per_instance,
+        with device loads as `dispatch` makes them, and the dispatch plan's all-to-all. Without
+        per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all."""
+        holds_ED = np.asarray(holds_ED) > 0
+        if source_loads_DE is None or self.dispatch_seconds is None:
+            quota_ED = balanced_quotas(holds_ED, tokens_E)
+            return self.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0)), 0.0
+        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
+        D = holds_ED.shape[1]
+        busy = np.unique(plan.expert_K[plan.tokens_K > 0] * D + plan.dest_K[plan.tokens_K > 0])
+        instances_D = np.bincount(busy % D, minlength=D)
+        return self.compute_seconds(plan.device_loads_D(), instances_D), float(self.dispatch_seconds(plan))
+
+    def compute_seconds(self, tokens_D: np.ndarray, instances_D: np.ndarray) -> float:
+        """The busiest device's expert time, from tokens and instances with tokens per device."""
+        return float((tokens_D * self.seconds_per_token + instances_D * self.seconds_per_instance).max())
+
+    def exposed_seconds(self, gather_s: float, gather_hidden_s: float, compute_s: float, a2a_s: float) -> float:
+        """What a gather of `gather_s` costs beyond the work that runs beside it.
+
+        The gather past `gather_hidden_s` (0 for calibration's gather after the gate, which is on
+        the critical path; the non-MoE forward for the spAG launched before the attention), plus
+        its gradients' reduce (`reduce_ratio` x the gather) past the backward that runs while it
+        is in flight: spRS(l) starts when layer l's MoE backward is done and is waited for when
+        layer l-1's is (`FSSDPRuntime.drain`), so the attention backward (`reduce_hidden_s`) and
+        one MoE backward hide it, modelled as this layer's: 2/3 of its expert compute (forward
+        + backward = 3 forwards) and half its all-to-all (two of its four)."""
+        return max(0.0, gather_s - gather_hidden_s) + self.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
+
+    def least_exposed_seconds(self, gather_s: float, best_s: float) -> float:
+        """A lower bound of `exposed_seconds(gather_s, 0, c, a)` for any placement that can beat
+        `best_s` (c + a < best_s, so the MoE backward hides at most 2/3 of best_s): lets
+        calibration skip a candidate before pricing its dispatch."""
+        return gather_s + max(0.0, self.reduce_ratio * gather_s - self.reduce_hidden_s - MOE_BACKWARD_SHARE * best_s)
+
+    def exposed_reduce_seconds(self, gather_s: float, compute_s: float, a2a_s: float) -> float:
+        """The reduce part of `exposed_seconds`."""
+        backward_s = self.reduce_hidden_s + MOE_BACKWARD_SHARE * compute_s + 0.5 * a2a_s
+        return max(0.0, self.reduce_ratio * gather_s - backward_s)
+
+
+BACKWARD_OVER_FORWARD = 2.0
+"""A GEMM layer's backward time over its forward time: two GEMMs (the input's and the weights'
+gradients) per forward GEMM. The one figure the runtime's cost model (`FSSDPRuntime`), this
+module's windows and the simulator's compute model (`sim.costs.ComputeModel.BACKWARD`) use."""
+MOE_BACKWARD_SHARE = BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
+"""Share of an expert's forward + backward compute that is its backward (2/3)."""
+
+
+def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
+    """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
+    [E, D]) that `current` lacks."""
+    return InstancePlacement((shard.holds_ED() > 0) | ((np.asarray(holds_ED) > 0) & ~current.holds_ED()))
+
+
+def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology, expert_bytes: float) -> float:
+    """Transfer time of gathering the new copies new_ED from their owners (busiest device)."""
+    e_idx, d_idx = np.nonzero(new_ED)
+    if e_idx.size == 0:
+        return 0.0
+    src = owner_E[e_idx]
+    bw = np.where(topology.same_node(src, d_idx), topology.intra_node_bw, topology.inter_node_bw)
+    seconds = expert_bytes / bw
+    D = topology.num_devices
+    recv_D = np.bincount(d_idx, weights=seconds, minlength=D)
+    send_D = np.bincount(src, weights=seconds, minlength=D)
+    return float(max(recv_D.max(), send_D.max()))
+
+
+def calibrate(
+    current: InstancePlacement,
+    shard: ShardLayout,
+    actual_loads_E,
+    remaining_m,
+    topology: Topology,
+    cost: FSSDPCostModel,
+    source_loads_DE=None,
+) -> tuple[InstancePlacement, bool]:
+    """Calibration after the gate (DESIGN 4.2 step 4), as a pure function.
+
+    With the actual loads and the memory still free, considers adding copies to the current
+    placement (copies already gathered cost nothing to keep) and keeps the cheapest choice,
+    which may be adding none. Candidates:
+
+    - relief (`_relief_candidate`): copies added one at a time where the busiest device needs
+      them, each to the device where it is cheapest (load plus transfer), cut at the cheapest
+      prefix. This is DESIGN's step 4 ("rerun with the actual loads and the remaining memory")
+      made marginal: DESIGN re-splits the free slots in proportion to the actual loads, which
+      gathers copies for every expert off its proportion, while what pays is the copy or two
+      that takes the peak off the one expert the prediction missed (a load spike). Measured on
+      drifting traces (4 x 8 devices, E = 64, t = 8, m = 4; docs/benchmarks.md, "Drift"): the
+      proportional re-split never won over relief and cost 0.3 ms per layer to price;
+    - FasterMoE's shadowing, for every k: the k experts with the most tokens copied to every
+      device that has a free slot (its policy space, so calibration can choose what it would).
+
+    Price of a candidate: MoE time = max device load * seconds_per_token, with device loads as
+    `dispatch` will make them (`balanced_quotas` of the actual loads), plus the extra gather's
+    time (`FSSDPCostModel.extra_gather_seconds`), which is on the critical path, and the part
+    of their gradients' reduction that the backward does not hide (`FSSDPCostModel.
+    exposed_seconds`). With the per-source loads and `cost.dispatch_seconds`, the plan is
+    `dispatch`'s itself and its all-to-all time is added (`FSSDPCostModel.layer_seconds`). The
+    current placement costs its MoE time alone. A candidate is taken only when strictly
+    cheaper; ties go to the earlier candidate (relief, then fewer shadows). A candidate whose
+    least exposed gather and reduce (`FSSDPCostModel.least_exposed_seconds`), added to the best
+    balance any placement can reach (ceil(total / D) tokens on the busiest device), cost no less
+    than the best so far is not priced further.
+
+    Args:
+        current: placement materialized from the prediction (must contain `shard`).
+        shard: owners of the layer's experts.
+        actual_loads_E: tokens per expert measured after the gate, int [E], >= 0.
+        remaining_m: extra copies that still fit per device, int or int [D], >= 0.
+        topology: the devices.
+        cost: the cost model.
+        source_loads_DE: tokens per (source device, expert), int [D, E] summing to actual_loads_E,
+            or None (then the all-to-all is not priced).
+    Returns:
+        (placement, do_extra_gather): the calibrated placement and True if it pays off, else
+        (current, False).
+    """
+    if shard.num_devices != topology.num_devices:
+        raise PlacementError(
+            f"shard layout spans {shard.num_devices} devices but the topology has {topology.num_devices}"
+        )
+    tokens_E = check_loads(actual_loads_E, "actual_loads_E", 1)
+    if tokens_E.size != shard.num_experts:
+        raise PlacementError(
+            f"actual_loads_E has {tokens_E.size} entries but the layer has {shard.num_experts} experts"
+        )
+    current.require_contains(shard)
+    D = topology.num_devices
+    free_D = np.broadcast_to(np.asarray(remaining_m, dtype=np.int64), (D,)).copy()
+    if np.any(free_D < 0):
+        d = int(np.flatnonzero(free_D < 0)[0])
+        raise PlacementError(f"remaining memory capacity of device {d} is {int(free_D[d])}; it must be >= 0")
+    total = int(tokens_E.sum())
+    if total == 0 or free_D.sum() == 0:
+        return current, False
+    held_ED = current.holds_ED()
+    with_a2a = source_loads_DE is not None and cost.dispatch_seconds is not None
+    if with_a2a:
+        source_loads_DE = check_loads(source_loads_DE, "source_loads_DE", 2)
+        if not np.array_equal(source_loads_DE.sum(axis=0), tokens_E):
+            raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
+
+    quota_ED = balanced_quotas(held_ED, tokens_E)
+    if with_a2a:
+        best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology))
+    else:
+        best_s = cost.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0))
+    best = None
+    floor_s = np.ceil(total / D) * cost.seconds_per_token  # no placement computes faster
+    candidates = (
+        _relief_candidate(held_ED, quota_ED, shard.owner_E, tokens_E, free_D, topology, cost),
+        *_shadow_candidates(held_ED, tokens_E, free_D),
+    )
+    for holds_ED in candidates:
+        if not (holds_ED & ~held_ED).any():
+            continue
+        gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
+        if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
+            continue  # its copies cost more than any balance could save
+        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology)
+        seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s, a2a_s)
+        if seconds < best_s:
+            best_s, best = seconds, holds_ED
+    if best is None:
+        return current, False
+    return InstancePlacement(current.counts_ED + (best & ~held_ED).astype(np.int64)), True
+
+
+def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.ndarray,
+                      free_D: np.ndarray, topology: Topology, cost: FSSDPCostModel) -> np.ndarray:
+    """Copies that relieve the busiest device one at a time, as few as pay (`calibrate`).
+
+    A load spike the prediction missed (an expert that was cold last iteration) overloads its
+    few holders; what fixes it is a copy or two of that expert, near its owner, not a re-split
+    of every expert's copies in proportion to the loads (DESIGN's step 4) or a copy on every
+    device (the shadow candidates), whose gathers cost more than the spike. Greedy: take the
+    busiest device (device loads as `balanced_quotas` makes them), its expert with the largest
+    quota that can still get a copy, and copy it to the device where its transfer time from the
+    owner plus that device's load is least (a same-node device first when loads are alike);
+    refill that expert's tokens over its holders (`fill_holders`) and repeat while the peak falls.
+    Each prefix of the chain is priced like `calibrate` prices a candidate, with the
+    point-to-point gather model (busiest sender or receiver); the cheapest prefix is returned
+    (possibly none of the copies: then `held_ED` itself).
+    """
+    D = held_ED.shape[1]
+    holds_ED = held_ED.copy()
+    free_D = free_D.copy()
+    has_free_D = free_D > 0
+    open_slots = int(has_free_D.sum())  # devices with a free slot
+    quota_ED = quota_ED.copy()  # `balanced_quotas(held_ED, tokens_E)`, refilled expert by expert below
+    load_D = quota_ED.sum(axis=0)
+    floor = -(-int(tokens_E.sum()) // D)  # no placement gets the peak below this
+    spt = cost.seconds_per_token
+    copy_s_DD = cost.expert_bytes / np.where(topology.same_node_DD(), topology.intra_node_bw, topology.inter_node_bw)
+    send_D = np.zeros(D)
+    recv_D = np.zeros(D)
+    gather_s = 0.0  # busiest sender or receiver so far
+    instances_D = (quota_ED > 0).sum(axis=0)
+    d = int(load_D.argmax())
+    best_s, best_n, chain = cost.compute_seconds(load_D, instances_D), 0, []
+    while open_slots:
+        peak = int(load_D[d])
+        if peak <= floor:
+            break
+        picked = None
+        for e in largest_first(quota_ED[:, d]):
+            if quota_ED[e, d] == 0:
+                break
+            targets = np.flatnonzero(~holds_ED[e] & has_free_D & (load_D < peak - 1))
+            if targets.size:
+                src = int(owner_E[e])
+                price = load_D[targets] * spt + copy_s_DD[src, targets]
+                picked = e, int(targets[price.argmin()]), src
+                break
+        if picked is None:
+            break
+        e, target, src = picked
+        holds_ED[e, target] = True
+        free_D[target] -= 1
+        if free_D[target] == 0:
+            has_free_D[target] = False
+            open_slots -= 1
+        send_D[src] += copy_s_DD[src, target]
+        recv_D[target] += copy_s_DD[src, target]
+        gather_s = max(gather_s, send_D[src], recv_D[target])
+        chain_gather_s = gather_s + cost.latency_s
+        if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
+            break  # the gather only grows along the chain: no longer prefix can be cheaper
+        chain.append((e, target))
+        holders = np.flatnonzero(holds_ED[e])
+        old_H = quota_ED[e, holders]
+        base_H = load_D[holders] - old_H
+        new = fill_holders(base_H.tolist(), int(tokens_E[e]))
+        quota_ED[e, holders] = new
+        load_D[holders] = base_H + new
+        instances_D[holders] += [(x > 0) - (y > 0) for x, y in zip(new, old_H.tolist())]
+        d = int(load_D.argmax())
+        compute_s = cost.compute_seconds(load_D, instances_D)
+        seconds = compute_s + cost.exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0)
+        if seconds < best_s:
+            best_s, best_n = seconds, len(chain)
+    out = held_ED.copy()
+    for e, target in chain[:best_n]:
+        out[e, target] = True
+    return out
+
+
+def _shadow_candidates(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray):
+    """FasterMoE's choices: the top-k experts by tokens on every device with a free slot, k = 1, 2, ...
+    (while some device still has a slot); yields bool [E, D] holdings. Only experts with more
+    tokens than a device's fair share (total / D) are shadowed: a lighter one cannot by itself make
+    a device the busiest, and pricing every prefix (E of them) costs a balanced split each."""
+    holds_ED = held_ED.copy()
+    free_D = free_D.copy()
+    share = tokens_E.sum() / held_ED.shape[1]
+    for e in descending(tokens_E.astype(np.float64)):
+        if tokens_E[e] <= share or not free_D.any():
+            return
+        new_D = ~holds_ED[e] & (free_D > 0)
+        if not new_D.any():
+            continue
+        holds_ED[e] |= new_D
+        free_D -= new_D
+        yield holds_ED.copy()

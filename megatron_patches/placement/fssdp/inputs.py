@@ -1,0 +1,32 @@
+"""Input checks and orderings shared by FSSDP's planners."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_patches.placement.types import PlacementError
+
+
+def check_weights(weights, name: str, size: int | None = None) -> np.ndarray:
+    """Non-negative finite float loads (predictions may be fractional); float64 1-D."""
+    arr = np.asarray(weights, dtype=np.float64)
+    if arr.ndim != 1:
+        raise PlacementError(f"{name} must be 1-D (one load per expert), got shape {arr.shape}")
+    if size is not None and arr.size != size:
+        raise PlacementError(f"{name} has {arr.size} entries but the layer has {size} experts")
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+    if bad.size:
+        raise PlacementError(f"{name}[{int(bad[0])}] = {arr[bad[0]]!r}; loads must be finite and >= 0")
+    return arr
+
+
+def descending(weights: np.ndarray) -> np.ndarray:
+    """Indices by descending weight, ties towards the lower index."""
+    return np.argsort(-weights, kind="stable")
+
+
+def largest_first(x: np.ndarray):
+    """Yields the indices of `descending(x)` in order, the first from one argmax (callers that
+    usually stop at the first skip the sort)."""
+    yield int(x.argmax())
+    yield from descending(x).tolist()[1:]
