@@ -80,7 +80,7 @@ BAD_INPUTS = [
     ("mla_with_gqa", [*TINY_JOB, "--multi-latent-attention", "--group-query-attention", "--num-query-groups", "2"], 1,
      ["--multi-latent-attention=True", "mutually exclusive", "--group-query-attention"]),
     ("mla_flag_without_mla", ["--mscale", "0.707"], 1, ["--mscale=0.707", "multi-latent attention", "--multi-latent-attention"]),
-    ("yarn_without_mla", ["--rope-type", "yarn"], 1, ["--rope-type=yarn", "only supports rope_type rope"]),
+    ("yarn_without_mla", ["--rope-type", "yarn"], 1, ["--rope-type=yarn", "takes only rope"]),
     ("mla_in_replicate", ["--moe-parallel-mode", "replicate", "--multi-latent-attention"], 2,
      ["--multi-latent-attention=True", "replicate", "--moe-parallel-mode ep"]),
     ("mtp_in_zebra", ["--moe-parallel-mode", "zebra", "--mtp-num-layers", "1"], 2,

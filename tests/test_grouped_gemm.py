@@ -22,7 +22,7 @@ from support.mp import single_rank_group
 from megatron_patches.comm.virtual import virtual_routing
 from megatron_patches.compat import prepare_megatron
 from megatron_patches.compat.grouped import grouped_mm_problem
-from megatron_patches.compat.moe import InstanceMoELayer
+from megatron_patches.mode.layer import InstanceMoELayer
 
 HIDDEN, FFN, EXPERTS = 16, 32, 4
 

@@ -1,6 +1,6 @@
 """Token copies to the instance holders a plan chose, as Megatron routing over virtual experts.
 
-`compat.moe.InstanceTokenDispatcher` runs Megatron's all-to-all over virtual experts
+`mode.layer.InstanceTokenDispatcher` runs Megatron's all-to-all over virtual experts
 v = d * E + e ("expert e, processed on rank d"). A mode decides per source how many token
 copies of each expert go to each rank (`tokens_from_source` of a `placement` DispatchPlan);
 `virtual_routing` turns that split into a `VirtualRouting`: the routed (token, expert) copies
@@ -56,7 +56,7 @@ class VirtualRouting:
 
     def size(self, dim: int) -> int:
         """Shape of the dense routing map this stands for, [T, D*E] (what Megatron's dispatcher
-        reads of a routing map besides its column sums; `compat.moe.InstanceTokenDispatcher`)."""
+        reads of a routing map besides its column sums; `mode.layer.InstanceTokenDispatcher`)."""
         return (self.num_tokens, self.counts_V.numel())[dim]
 
     def sum(self, dim: int) -> torch.Tensor:

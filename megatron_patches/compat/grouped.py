@@ -3,7 +3,7 @@
 
 Megatron-Core's GroupedMLP calls the `grouped_gemm` package (CUDA only, packed expert weights
 [H, E x F]); the instance modes keep each expert's weights in a packed row of their own
-buffers (`compat.moe.ExpertLayout`), so they call torch's grouped matmul on strided views of
+buffers (`mode.layer.ExpertLayout`), so they call torch's grouped matmul on strided views of
 those rows instead, with autograd. What runs (torch's support matrix, pytorch#161407/#161717;
 not measured here, no GPU in the session that built this): on CUDA SM90+ in bf16 one fused
 CUTLASS kernel per call; on CUDA SM80+ in other dtypes, and on CPU, torch's fallback, one

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import yaml
 
@@ -318,15 +318,14 @@ def _check_model(cfg: ModelConfig) -> None:
         _fail("moe_layer_freq", freq, "expected an integer or a list of 0/1 per layer")
 
 
-MLA_ONLY = {"q_lora_rank": None, "rope_type": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-"""MLA's fields whose non-default values only MLA reads, with those defaults (the widths kv_lora_rank ...
-v_head_dim have Megatron-LM's non-None defaults and are simply unused without MLA)."""
+MLA_ONLY = {"q_lora_rank": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""MLA's fields whose values only MLA reads, with their defaults (Megatron-LM's; the widths
+kv_lora_rank ... v_head_dim keep Megatron-LM's non-None defaults and are simply unused without MLA)."""
 ROPE_TYPES = ("rope", "yarn")
 
 
 def _check_modern(cfg: ModelConfig) -> None:
-    """Shared experts, multi-latent attention and multi-token prediction, as Megatron-Core 0.16.1
-    checks them (transformer_config.py, moe/shared_experts.py), with the field names."""
+    """Shared experts, multi-latent attention and multi-token prediction: types, then the rules."""
     for key in ("q_lora_rank", "mtp_num_layers", "moe_shared_expert_intermediate_size"):
         value = getattr(cfg, key)
         if value is not None and (not _is_int(value) or value < 1):
@@ -341,34 +340,44 @@ def _check_modern(cfg: ModelConfig) -> None:
     for key in ("moe_shared_expert_gate", "multi_latent_attention"):
         if not isinstance(getattr(cfg, key), bool):
             _fail(key, getattr(cfg, key), "expected true or false")
+    check_modern_rules(cfg, _fail)
+
+
+def check_modern_rules(cfg, fail: Callable[[str, Any, str], None]) -> None:
+    """The rules Megatron-Core 0.16.1 and Megatron-LM set for shared experts, multi-latent attention
+    and multi-token prediction (transformer_config.py, moe/shared_experts.py, Megatron-LM's
+    arguments.py). `cfg`: a ModelConfig or the training flags (the same names); `fail(key, value,
+    why)` raises in the caller's words (a config key, or the flag of that dest)."""
     if cfg.rope_type is not None and cfg.rope_type not in ROPE_TYPES:
-        _fail("rope_type", cfg.rope_type, f"expected one of {list(ROPE_TYPES)} or null")
-    if cfg.moe_shared_expert_intermediate_size is not None:
-        if cfg.num_experts is None:
-            _fail("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
-                  "a shared expert belongs to an MoE layer; it needs num_experts")
-        if cfg.add_bias_linear:
-            _fail("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
-                  "Megatron-Core's shared expert has no biases; it needs add_bias_linear: false "
-                  "(--disable-bias-linear)")
-    elif cfg.moe_shared_expert_gate:
-        _fail("moe_shared_expert_gate", True, "it gates the shared expert; it needs moe_shared_expert_intermediate_size")
+        fail("rope_type", cfg.rope_type, f"unknown value; valid: {', '.join(ROPE_TYPES)}, or leave it out")
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared is not None and cfg.num_experts is None:
+        fail("moe_shared_expert_intermediate_size", shared, "a shared expert belongs to an MoE layer; it needs experts")
+    if shared is not None and cfg.add_bias_linear:
+        fail("moe_shared_expert_intermediate_size", shared, "Megatron-Core's shared expert has no biases "
+             "(moe/shared_experts.py refuses add_bias_linear); it needs --disable-bias-linear (add_bias_linear: "
+             "false), as the published shared-expert recipes give")
+    if shared is None and cfg.moe_shared_expert_gate:
+        fail("moe_shared_expert_gate", True, "it gates the shared expert; it needs a shared expert size "
+             "(--moe-shared-expert-intermediate-size)")
     if cfg.multi_latent_attention:
         if cfg.model_family != "gpt":
-            _fail("multi_latent_attention", True, "Megatron-Core builds MLA in GPT layers only; valid: false with bert")
+            fail("multi_latent_attention", True, "Megatron-Core builds multi-latent attention in GPT layers only")
         if cfg.group_query_attention:
-            _fail("multi_latent_attention", True, "MLA and group_query_attention exclude each other (Megatron-LM "
-                  "refuses both); drop --group-query-attention")
+            fail("multi_latent_attention", True, "group-query attention is mutually exclusive with multi-latent "
+                 "attention (Megatron-LM's rule); drop --group-query-attention")
     else:
         if cfg.rope_type not in (None, "rope"):
-            _fail("rope_type", cfg.rope_type, "attention other than MLA takes only 'rope' (Megatron-LM's rule); "
-                  "valid: rope, or multi_latent_attention: true")
+            fail("rope_type", cfg.rope_type, "attention other than MLA takes only rope (Megatron-LM's rule); valid: "
+                 "rope, or multi-latent attention")
         for key, default in MLA_ONLY.items():
-            if key != "rope_type" and getattr(cfg, key) != default:
-                _fail(key, getattr(cfg, key), "it shapes multi-latent attention, which this model does not use; "
-                      f"set multi_latent_attention: true, or leave it out (default {default})")
+            if getattr(cfg, key) != default:
+                fail(key, getattr(cfg, key), "it shapes multi-latent attention, which this model does not use "
+                     f"(Megatron-LM ignores it there); add --multi-latent-attention (multi_latent_attention: true), or leave it out "
+                     f"(default {default})")
     if cfg.mtp_num_layers is not None and cfg.model_family != "gpt":
-        _fail("mtp_num_layers", cfg.mtp_num_layers, "multi-token prediction is built for GPT models only")
+        fail("mtp_num_layers", cfg.mtp_num_layers, "multi-token prediction is built for GPT models only "
+             "(Megatron-Core's GPTModel)")
 
 
 def model_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> ModelConfig:

@@ -51,7 +51,8 @@ import torch
 from megatron_patches.comm.timing import nvtx_range
 from megatron_patches.comm.virtual import tokens_from_source, virtual_routing
 from megatron_patches.compat import activations, mcore
-from megatron_patches.compat.moe import InstanceMoELayer, held_experts_sharded_state_dict
+from megatron_patches.compat.moe import held_experts_sharded_state_dict
+from megatron_patches.mode.layer import InstanceMoELayer
 from megatron_patches.placement import fssdp as planner
 
 __all__ = ["FSSDPMoELayer", "LayerCopies", "LayerPass"]

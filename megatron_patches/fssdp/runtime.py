@@ -57,15 +57,11 @@ from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
-from megatron_patches.compat.moe import (
-    OptimizerStateMissing,
-    expert_optimizer_shard,
-    shards_over_data_parallel,
-    with_moe_layer,
-)
+from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
 from megatron_patches.fssdp.reshard import ReshardMoves, ShardedSlotState, SlotTable, exchange_slots, plan_reshard
+from megatron_patches.mode.layer import with_moe_layer
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import dispatch_bytes, imbalance, sparse_all_gather_seconds, transfer_seconds

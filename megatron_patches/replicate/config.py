@@ -103,7 +103,7 @@ class ReplicateConfig:
     the k-th backward through it, when its gradient reduce starts."""
     grouped_gemm: bool = False
     """Run the instances a rank computes in one MoE layer pass as one grouped GEMM over their
-    weight rows (`--moe-grouped-gemm`; `compat.moe.InstanceMoELayer.run_instances`); Megatron's
+    weight rows (`--moe-grouped-gemm`; `mode.layer.InstanceMoELayer.run_instances`); Megatron's
     own experts stay SequentialMLP modules, the parameters this mode owns."""
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from megatron_patches.comm.virtual import virtual_routing
-from megatron_patches.compat.moe import InstanceMoELayer
+from megatron_patches.mode.layer import InstanceMoELayer
 
 __all__ = ["ReplicateMoELayer", "drop_routes"]
 

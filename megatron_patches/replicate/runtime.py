@@ -48,7 +48,7 @@ from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_r
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
-from megatron_patches.compat.moe import with_moe_layer
+from megatron_patches.mode.layer import with_moe_layer
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.loads import LoadTracker

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
-from megatron_patches.config.models import ROPE_TYPES
+from megatron_patches.config.models import check_modern_rules
 from megatron_patches.config.run import RUN_DEFAULTS, router_pre_softmax
 from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import checkpoint_dirs, outputs, resume
@@ -267,40 +267,11 @@ DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "ra
 # Python's logging levels (what --logging-level takes).
 LOGGING_LEVELS = {0: "NOTSET", 10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
 
-# MLA's flags read only with --multi-latent-attention, with Megatron-LM's defaults.
-MLA_ONLY_FLAGS = {"--q-lora-rank": "q_lora_rank", "--rotary-scaling-factor": "rotary_scaling_factor",
-                  "--mscale": "mscale", "--mscale-all-dim": "mscale_all_dim"}
-
-
 def _check_modern_model(args):
-    """Shared experts, multi-latent attention and multi-token prediction: Megatron-Core's own
-    rules (transformer_config.py, moe/shared_experts.py, Megatron-LM's arguments.py), with the
-    flags' names, before any process group."""
-    if args.moe_shared_expert_intermediate_size is not None and args.add_bias_linear:
-        fail("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size,
-             "Megatron-Core's shared expert has no biases (moe/shared_experts.py refuses add_bias_linear); add "
-             "--disable-bias-linear, as the published shared-expert recipes do")
-    if args.rope_type is not None and args.rope_type not in ROPE_TYPES:
-        fail("--rope-type", args.rope_type, f"unknown value; valid: {', '.join(ROPE_TYPES)}, or leave it out")
-    if args.multi_latent_attention:
-        if args.model_family != "gpt":
-            fail("--multi-latent-attention", True, "Megatron-Core builds multi-latent attention in GPT layers only; "
-                 "valid with --model-family gpt")
-        if args.group_query_attention:
-            fail("--multi-latent-attention", True, "group-query attention is mutually exclusive with multi latent "
-                 "attention (Megatron-LM's rule); drop --group-query-attention")
-    else:
-        if args.rope_type not in (None, "rope"):
-            fail("--rope-type", args.rope_type, "common attention only supports rope_type rope (Megatron-LM's rule); "
-                 "valid: rope, or add --multi-latent-attention")
-        defaults = build_parser()
-        for flag, dest in MLA_ONLY_FLAGS.items():
-            if getattr(args, dest) != defaults.get_default(dest):
-                fail(flag, getattr(args, dest), "it shapes multi-latent attention, which this model does not use "
-                     "(Megatron-LM ignores it there); add --multi-latent-attention or leave it out")
-    if args.mtp_num_layers is not None and args.model_family != "gpt":
-        fail("--mtp-num-layers", args.mtp_num_layers, "multi-token prediction is built for GPT models only "
-             "(Megatron-Core's GPTModel); valid with --model-family gpt")
+    """Shared experts, multi-latent attention and multi-token prediction: config.models' rules
+    (Megatron-Core's and Megatron-LM's), each naming the flag."""
+    flags = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.option_strings}
+    check_modern_rules(args, lambda dest, value, why: fail(flags[dest], value, why))
 
 
 def _resolve_model_shape(args):
@@ -450,18 +421,14 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
-        for dest in EP_ONLY_MODEL:
-            if getattr(args, dest) != parser.get_default(dest):
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
-                     f"{mode.name} builds its own MoE layers and placement around Megatron's GPT/BERT/Mixtral layers "
-                     "and does not take this model feature yet (not built in fssdp, replicate and zebra); valid: "
-                     "--moe-parallel-mode ep, or leave it out")
-        for dest in EP_ONLY_ROUTING:
-            if getattr(args, dest) != parser.get_default(dest):
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest),
-                     f"{mode.name} reaches the router's outputs its own way and does not take this routing "
-                     "option yet (not built in fssdp, replicate and zebra); valid: --moe-parallel-mode ep, or "
-                     "leave it out")
+        ep_only = ((EP_ONLY_MODEL, "builds its own MoE layers and placement around Megatron's GPT/BERT/Mixtral "
+                                   "layers and does not take this model feature yet"),
+                   (EP_ONLY_ROUTING, "reaches the router's outputs its own way and does not take this routing option yet"))
+        for dests, why in ep_only:
+            for dest in dests:
+                if getattr(args, dest) != parser.get_default(dest):
+                    fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} {why} (not built in fssdp, "
+                         "replicate and zebra); valid: --moe-parallel-mode ep, or leave it out")
     mode.validate(args)
 
 
@@ -575,8 +542,6 @@ def _check_partnered_flags(args):
         ("--moe-token-drop-policy", args.moe_token_drop_policy,
          args.moe_token_drop_policy != RUN_DEFAULTS.moe_token_drop_policy,
          args.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
-        ("--moe-shared-expert-gate", True, args.moe_shared_expert_gate,
-         args.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size"),
         ("--moe-shared-expert-overlap", True, args.moe_shared_expert_overlap,
          args.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size"),
         ("--mtp-loss-scaling-factor", args.mtp_loss_scaling_factor,

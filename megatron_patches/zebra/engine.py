@@ -86,6 +86,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_patches.comm.streams import CommStream
 from megatron_patches.compat import activations, mcore, moe
+from megatron_patches.mode.layer import set_aux_loss_scale
 from megatron_patches.placement.zebra import AsymEAPlan, Task, expert_owners, task_order
 from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, ZebraConfig, recompute_refusals
 from megatron_patches.zebra.pools import ZebraLayout
@@ -614,7 +615,7 @@ class ZebraEngine:
             scale = torch.ones(1, device=self.device) / (len(self.layout.attention_dp_group) * self.config.microbatches)
             if self.precision.grad_scaler is not None:
                 scale = scale * self.precision.grad_scaler.scale.to(self.device)
-            moe.set_aux_loss_scale(scale)
+            set_aux_loss_scale(scale)
         self._run_schedule(self.order)
         self._reduce_gradients()
         self.last_loss = self._mean_loss()
