@@ -28,6 +28,7 @@ ALLOWED = {
     "zebra": {"placement", "config", "comm", "compat", "data", "mode"},  # data: attention ranks read their micro-batches
     "sim": {"placement", "config"},
     "training": {"placement", "config", "comm", "compat", "data", "mode", "fssdp", "replicate", "zebra"},
+    "jobs": {"placement", "config", "comm", "compat", "data", "mode", "fssdp", "replicate", "zebra", "sim", "training"},
 }
 """Package -> the packages it may import (docs/architecture.md, section 2)."""
 

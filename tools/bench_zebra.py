@@ -59,7 +59,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 MODES = ("naive", "zebra", "zebra + Asym-EA")
 ENTRY = REPO / "pretrain_gpt_moe.py"

@@ -12,18 +12,15 @@ span (first start to last end over all ranks), as ``zebra.timeline.bubble_fracti
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
-from megatron_patches.zebra.timeline import bubble_fractions, read_timeline  # noqa: E402
+from megatron_patches.zebra.timeline import bubble_fractions, read_timeline
 
 COLOURS = {"A_F": "#4C72B0", "A_B": "#8FAADC", "E_F": "#DD8452", "E_B": "#F4B183", "D": "#7F7F7F", "C": "#BFBFBF"}
 LEGEND = {"A_F": "attention forward", "A_B": "attention backward", "E_F": "experts forward",

@@ -16,11 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_patches.data.common import CorpusError  # noqa: E402
-from megatron_patches.data.corpus import default_cache_dir, ensure_default_corpus  # noqa: E402
-from megatron_patches.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megatron_patches.data.common import CorpusError
+from megatron_patches.data.corpus import default_cache_dir, ensure_default_corpus
+from megatron_patches.data.tokenizers import TOKENIZER_TYPES
 
 
 def main(argv: list[str] | None = None) -> int:

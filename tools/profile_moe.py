@@ -23,14 +23,10 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from megatron_patches.config import ConfigError, load_model_config  # noqa: E402
-from megatron_patches.zebra.profiler import (  # noqa: E402
+from megatron_patches.config import ConfigError, load_model_config
+from megatron_patches.zebra.profiler import (
     DTYPES,
     ROLES,
     ProfileError,

@@ -62,7 +62,6 @@ from megatron_patches.sim import (
 from megatron_patches.sim.systems import check_memory, ep_layout_problem, simulate_all
 from megatron_patches.sim.scenario import SPARSE_COLLECTIVES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SYNTHETIC_ITERATIONS = 10
 """Iterations of the synthetic trace `--run` makes without `--trace` (enough for the load
@@ -162,21 +161,19 @@ def _key_values(items: list[str], flag: str) -> dict[str, float]:
 def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
     """What a run config says, as {setting: (value, where it came from)}.
 
-    The run is read and checked as the launcher does (launch/submit.py: load_run_config and
-    plan_job, with --model / --cluster as the launcher's overrides), so the values are the
+    The run is read and checked as the launcher does (megatron_patches/jobs/plan.py: load_run_config
+    and plan_job, with --model / --cluster as the launcher's overrides), so the values are the
     training flags the job would run with: the run's `train` and `mode_flags` over the model
     config. Settings the simulator cannot model faithfully are refused, not approximated.
     """
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    from launch import submit
+    from megatron_patches.jobs import plan as jobs
 
     from megatron_patches.config.models import model_config_from_args
 
     try:
-        run = submit.load_run_config(args.run)
-        job = submit.plan_job(run, submit.Overrides(model=args.model, cluster=args.cluster))
-    except submit.SubmitError as err:
+        run = jobs.load_run_config(args.run)
+        job = jobs.plan_job(run, jobs.Overrides(model=args.model, cluster=args.cluster))
+    except jobs.SubmitError as err:
         raise SimError(f"--run {args.run}: {err}") from None
     a, where = job.args, "run"
     model = model_config_from_args(a)

@@ -20,20 +20,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import sys
 import tempfile
 
+from megatron_patches.config import ConfigError
+from megatron_patches.sim import SimError
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TOOLS)
-sys.path.insert(0, TOOLS)
 
-import simulate  # noqa: E402  (tools/simulate.py, the command line this table runs)
 
-from megatron_patches.config import ConfigError  # noqa: E402
-from megatron_patches.sim import SimError  # noqa: E402
+def _load_simulate():
+    """tools/simulate.py, the command line this table runs (loaded from its path: tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("simulate", os.path.join(TOOLS, "simulate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+simulate = _load_simulate()
 
 BASELINES = {
     "fssdp": "fastermoe,smartmoe,flexmoe-50",

@@ -1,6 +1,6 @@
 """launch/submit.py for tests: the module (loaded from its path: launch/ is not a package), jobs
-planned from run files or inline runs, and the training command line a rendered job script
-passes to pretrain_gpt_moe.py."""
+planned from run files or inline runs (megatron_patches.jobs.plan), and the training command line
+a rendered job script passes to pretrain_gpt_moe.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from megatron_patches.jobs import plan as jobs
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_DATA = REPO / "tests" / "data" / "slurm"
@@ -29,13 +31,13 @@ submit = load_module("launch_submit", REPO / "launch" / "submit.py")
 
 def plan(run: str | Path | dict, **overrides):
     """plan_job for a run file or an inline run config."""
-    config = submit.run_config_from_dict(run, "inline") if isinstance(run, dict) else submit.load_run_config(run)
+    config = jobs.run_config_from_dict(run, "inline") if isinstance(run, dict) else jobs.load_run_config(run)
     training = tuple(overrides.pop("training", ()))
-    return submit.plan_job(config, submit.Overrides(training=training, **overrides))
+    return jobs.plan_job(config, jobs.Overrides(training=training, **overrides))
 
 
 def refused(run, **overrides) -> str:
-    with pytest.raises(submit.SubmitError) as info:
+    with pytest.raises(jobs.SubmitError) as info:
         plan(run, **overrides)
     return str(info.value)
 
