@@ -167,6 +167,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
     config. Settings the simulator cannot model faithfully are refused, not approximated.
     """
     from megatron_patches.jobs import plan as jobs
+    from megatron_patches.training import modes
 
     from megatron_patches.config.models import model_config_from_args
 
@@ -213,27 +214,11 @@ def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
     out["recompute"] = (granularity, f"{where}: train.recompute_granularity" if a.recompute_granularity
                         else f"{where}: no recompute_granularity")
     mode = job.mode
-    systems = []
-    if mode == "fssdp":
-        systems = ["fssdp-remat" if a.fssdp_rematerialize else "fssdp"]
-        out["reshard_interval"] = (a.fssdp_reshard_interval, f"{where}: fssdp_reshard_interval")
-        for key, option in (("fssdp_overlap_degree", "overlap_degree"), ("fssdp_memory_capacity", "memory_capacity")):
-            value = getattr(a, key)
-            if value != "auto":
-                out[option] = (int(value), f"{where}: {key}")
-        out["fssdp_calibrate"] = (a.fssdp_calibrate, f"{where}: fssdp_calibrate")
-        out["sparse_collectives"] = (a.fssdp_collectives, f"{where}: fssdp_collectives")
-    elif mode == "replicate":
-        systems = [{"adaptive": "replicate", "static": "static",
-                    "periodic": f"flexmoe-{a.replicate_rebalance_interval}"}[a.replicate_policy]]
-        out["slots_per_rank"] = (a.replicate_slots_per_rank, f"{where}: replicate_slots_per_rank")
-    elif mode == "zebra":
-        if job.zp_groups != 1:
-            raise SimError(f"--run {args.run}: {job.zp_groups} ZP groups; the simulator models one (every attention "
-                           "GPU and every expert GPU of the pool in one group)")
-        systems = ["zebra" if a.zebra_asym_ea == "off" else "zebra-asym"]
-        out["zebra_microbatches"] = (a.zebra_microbatches, f"{where}: zebra_microbatches, {a.zebra_attention_ranks} "
-                                     f"attention + {a.zebra_expert_ranks} expert ranks")
+    try:
+        systems, settings = modes.spec(mode).simulated(a, where, job.zp_groups)
+    except ValueError as err:
+        raise SimError(f"--run {args.run}: {err}") from None
+    out.update(settings)
     out["systems"] = (",".join(["ep"] + systems), f"{where}: mode {mode}")
     sequences = job.world_size * a.micro_batch_size
     if a.global_batch_size not in (None, sequences):

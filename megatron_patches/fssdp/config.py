@@ -151,6 +151,19 @@ class FSSDPConfig:
         )
 
 
+def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tuple]]:
+    """The simulator's FSSDP system (with re-materialisation when the run asks for it) and the
+    run's t, m, re-shard interval, calibration and collectives."""
+    settings = {"reshard_interval": (args.fssdp_reshard_interval, f"{where}: fssdp_reshard_interval")}
+    for key, option in (("fssdp_overlap_degree", "overlap_degree"), ("fssdp_memory_capacity", "memory_capacity")):
+        value = getattr(args, key)
+        if value != "auto":
+            settings[option] = (int(value), f"{where}: {key}")
+    settings["fssdp_calibrate"] = (args.fssdp_calibrate, f"{where}: fssdp_calibrate")
+    settings["sparse_collectives"] = (args.fssdp_collectives, f"{where}: fssdp_collectives")
+    return ["fssdp-remat" if args.fssdp_rematerialize else "fssdp"], settings
+
+
 MODE = ModeSpec(
     name="fssdp",
     summary="fully sharded sparse data parallelism: experts sharded once, copies materialised by load",
@@ -159,4 +172,5 @@ MODE = ModeSpec(
     validate=validate,
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
+    simulated=simulated,
 )

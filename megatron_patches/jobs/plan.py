@@ -46,7 +46,7 @@ from megatron_patches.config.models import (
     resolve_config_path,
 )
 from megatron_patches.sim.costs import Precision
-from megatron_patches.training import arguments, validation
+from megatron_patches.training import arguments, modes, validation
 
 REPO = Path(__file__).resolve().parents[2]
 """The repository (the package is installed in editable mode): configs/, launch/, the entry point."""
@@ -630,11 +630,9 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
         _flags_from_mapping(run.train, actions, model_values, f"{run.source} train"),
         _flags_from_mapping(run.mode_flags.get(mode, {}), actions, model_values, f"{run.source} mode_flags.{mode}"),
         [Flag("moe_parallel_mode", ("--moe-parallel-mode", mode), "run config mode")],
-        # Zebra's pool checks (attention ranks on the faster GPU type, devices per role) and its
-        # profile lookup (by GPU type) read the cluster the job runs on; without the flag
-        # training would assume one local pool of identical devices.
-        [Flag("zebra_cluster", ("--zebra-cluster", _cluster_reference(cluster_path)), "the run's cluster")]
-        if mode == "zebra" else [],
+        # what the mode needs from the launcher (zebra: the cluster its pool checks read)
+        [Flag(dest, (option, value), "the run's cluster")
+         for dest, option, value in modes.spec(mode).launch_flags(_cluster_reference(cluster_path))],
         _flags_from_command_line(list(overrides.training), parser),
     )
     outputs = [Flag("log_json", ("--log-json", "$RUN_DIR/metrics.jsonl"), "launcher")]

@@ -28,6 +28,16 @@ def _nothing_to_validate(args: argparse.Namespace) -> None:
     """ep has nothing beyond Megatron-LM's own rules."""
 
 
+def _ep_only_simulated(args: argparse.Namespace, where: str, zp_groups: int) -> tuple[list[str], dict[str, tuple]]:
+    """ep is the simulator's baseline, simulated for every run: nothing more."""
+    return [], {}
+
+
+def _no_launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
+    """ep needs nothing from the launcher beyond Megatron-LM's flags."""
+    return []
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     """One MoE parallel mode, as the flag layer and the loop see it."""
@@ -55,6 +65,14 @@ class ModeSpec:
     default_expert_parallel_size: int | None = None
     """--expert-model-parallel-size when not given; None: the largest valid one (Megatron
     expert parallelism over as many ranks as the experts allow)."""
+    simulated: Callable[[argparse.Namespace, str, int], tuple[list[str], dict[str, tuple]]] = _ep_only_simulated
+    """tools/simulate.py --run: (the simulator systems a run of this mode maps to, beside ep,
+    which is always simulated; the simulator settings the run's flags give, as {setting: (value,
+    where it came from)}) from the validated training flags, `where` (the run file, for those
+    notes) and the job's ZP groups. Raises ValueError for a run the simulator cannot model."""
+    launch_flags: Callable[[str], list[tuple[str, str, str]]] = _no_launch_flags
+    """launch/submit.py: training flags the launcher adds for this mode, as (dest, option, value),
+    given the run's cluster config reference (zebra reads the pool it runs on)."""
 
     def runtime_class(self):
         return import_target(self.runtime)

@@ -138,6 +138,14 @@ class ReplicateConfig:
         )
 
 
+def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tuple]]:
+    """The simulator's system for the run's policy (adaptive replication, static, or FlexMoE's
+    periodic rebalance at the run's interval) and its slots per rank."""
+    system = {"adaptive": "replicate", "static": "static",
+              "periodic": f"flexmoe-{args.replicate_rebalance_interval}"}[args.replicate_policy]
+    return [system], {"slots_per_rank": (args.replicate_slots_per_rank, f"{where}: replicate_slots_per_rank")}
+
+
 MODE = ModeSpec(
     name="replicate",
     summary="adaptive per-iteration expert replication with a decoupled optimizer",
@@ -146,4 +154,5 @@ MODE = ModeSpec(
     validate=validate,
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
+    simulated=simulated,
 )

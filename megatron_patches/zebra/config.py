@@ -257,6 +257,23 @@ def validate(args: argparse.Namespace) -> None:
              "(or leave it unset)")
 
 
+def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tuple]]:
+    """The simulator's zebra system (with Asym-EA when the run asks for it) over one ZP group."""
+    if zp_groups != 1:
+        raise ValueError(f"{zp_groups} ZP groups; the simulator models one (every attention GPU and every expert GPU "
+                         "of the pool in one group)")
+    settings = {"zebra_microbatches": (args.zebra_microbatches, f"{where}: zebra_microbatches, "
+                                       f"{args.zebra_attention_ranks} attention + {args.zebra_expert_ranks} expert ranks")}
+    return ["zebra" if args.zebra_asym_ea == "off" else "zebra-asym"], settings
+
+
+def launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
+    """Zebra's pool checks (attention ranks on the faster GPU type, devices per role) and its
+    profile lookup (by GPU type) read the cluster the job runs on; without the flag training would
+    assume one local pool of identical devices."""
+    return [("zebra_cluster", "--zebra-cluster", cluster_reference)]
+
+
 MODE = ModeSpec(
     name="zebra",
     summary="attention/expert disaggregation over a pool of mixed GPU generations",
@@ -264,4 +281,6 @@ MODE = ModeSpec(
     add_args=add_args,
     validate=validate,
     default_expert_parallel_size=1,  # the whole model on every rank; zebra's own EP is --zebra-expert-ranks
+    simulated=simulated,
+    launch_flags=launch_flags,
 )
