@@ -1152,10 +1152,10 @@ def test_describe_args_lists_every_dest_grouped(parse):
         line = next(line for line in text.splitlines() if line.startswith(f"  {dest} ."))
         assert line.endswith(flag_docs._show(value))
     titles = [line for line in text.splitlines() if line and not line.startswith((" ", "-"))]
-    assert titles[:3] == ["config:", "model:", "moe:"]
+    assert titles[:4] == ["config:", "model:", "multi-latent attention and multi-token prediction:", "moe:"]
     assert titles[-2:] == ["derived (validate_args):", "other:"]
     # Sorted within a group.
-    model_lines = text.split("model:\n")[1].split("\nmoe:")[0].splitlines()
+    model_lines = text.split("model:\n")[1].split("\nmulti-latent attention")[0].splitlines()
     names = [line.split()[0] for line in model_lines]
     assert names == sorted(names)
 

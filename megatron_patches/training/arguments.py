@@ -182,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(parser)
     _add_model_args(parser)
+    _add_latent_attention_args(parser)
     _add_moe_args(parser)
     for mode in MODES.values():
         mode.add_args(parser)
@@ -297,6 +298,10 @@ def _add_model_args(parser):
                        "start-up line of flags without effect).")
     group.add_argument("--seed", type=int, default=1234,
                        help="Random seed used for python, numpy, pytorch, and cuda.")
+
+
+def _add_latent_attention_args(parser):
+    group = parser.add_argument_group(title="multi-latent attention and multi-token prediction")
     group.add_argument("--multi-latent-attention", action="store_true",
                        help=f"Whether to use multi-latent attention (DeepSeek-V2/V3). GPT only; excludes "
                        f"--group-query-attention. On CPU through Megatron's local attention. {EP_ONLY}")
