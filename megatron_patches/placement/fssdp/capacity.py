@@ -27,9 +27,9 @@ def gather_bandwidth(topology: Topology, algorithm: str = "flat") -> float:
     100 Gbps NIC per node of G = 8 devices, 1.56 GB/s, so G x inter is the NIC's 12.5 GB/s and,
     with 300 GB/s inside the node, bw = 12.1 GB/s (flat: 1.56, so t is 7.7x larger). Given the
     NIC rate of one pair alone (12.5 GB/s), the formula would claim 77 GB/s through a 12.5 GB/s
-    NIC: the simulator passes the probe's figures (`sim.costs.Hardware.probed_topology`; it did
-    not before 2026-11-27, which overstated its t 6x on cluster A). One bandwidth for both
-    classes gives that bandwidth: t is unchanged.
+    NIC: the simulator passes the probe's figures (`sim.costs.Hardware.probed_topology`;
+    docs/benchmarks.md, "Gather bandwidth"). One bandwidth for both classes gives that
+    bandwidth: t is unchanged.
     """
     if topology.nodes == 1:
         return topology.intra_node_bw
