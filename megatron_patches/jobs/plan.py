@@ -564,29 +564,16 @@ def check_model_memory(args: argparse.Namespace, mode: str, components: list[Com
     """Refuse a job whose model state alone exceeds a GPU's memory; notes for the script header.
 
     A lower bound: the average rank's weights, gradients and Adam state (max >= mean), no
-    activations, no materialised expert copies (fssdp) or extra slots (replicate). ep-style
-    sharding: non-expert parameters over TP x PP, experts over EP x ETP x PP. zebra: non-expert
-    parameters on every attention rank, the experts over the N expert ranks of a ZP group."""
+    activations, no materialised expert copies (fssdp) or extra slots (replicate). What a rank
+    holds is the mode's (`ModeSpec.model_state_shares`: Megatron's sharding, or zebra's roles)."""
     if args.vocab_size is None:
         return ["model state not estimated: --vocab-size is unknown"]
     counts = count_parameters(model_config_from_args(args), args.tensor_model_parallel_size)
     experts = counts["experts"]
-    dense = counts["total"] - experts
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if mode == "zebra":
-        attention = dense * _bytes_per_parameter(args, 1)
-        expert = experts / (components[1].ranks // zp_groups) * _bytes_per_parameter(args, 1)
-        if getattr(args, "zebra_asym_ea", "off") != "off":
-            # Asym-EA moves experts onto the attention GPUs by a plan made at start-up; only the
-            # attention ranks' own share is known here.
-            per_rank = [attention, None]
-        else:
-            per_rank = [attention, expert]
-    else:
-        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
-        both = (dense / (tp * pp) * _bytes_per_parameter(args, args.data_parallel_size)
-                + experts / (ep * etp * pp) * _bytes_per_parameter(args, args.expert_data_parallel_size))
-        per_rank = [both] * len(components)
+    shares = modes.spec(mode).model_state_shares(args, [c.ranks for c in components], zp_groups,
+                                                 counts["total"] - experts, experts)
+    per_rank = [None if share is None else share[0] * _bytes_per_parameter(args, share[1])
+                + share[2] * _bytes_per_parameter(args, share[3]) for share in shares]
     notes = []
     for component, need in zip(components, per_rank):
         have = component.gpu.memory_gb * 1e9

@@ -38,6 +38,16 @@ def _no_launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
     return []
 
 
+def ep_model_state_shares(args: argparse.Namespace, component_ranks: list[int], zp_groups: int, dense: float,
+                          experts: float) -> list[tuple[float, int, float, int] | None]:
+    """Megatron's sharding, the same on every rank: non-expert parameters over TP x PP (their
+    optimizer state over DP), experts over EP x ETP x PP (theirs over expert DP)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    share = (dense / (tp * pp), args.data_parallel_size, experts / (ep * etp * pp), args.expert_data_parallel_size)
+    return [share] * len(component_ranks)
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     """One MoE parallel mode, as the flag layer and the loop see it."""
@@ -73,6 +83,11 @@ class ModeSpec:
     launch_flags: Callable[[str], list[tuple[str, str, str]]] = _no_launch_flags
     """launch/submit.py: training flags the launcher adds for this mode, as (dest, option, value),
     given the run's cluster config reference (zebra reads the pool it runs on)."""
+    model_state_shares: Callable[..., list[tuple[float, int, float, int] | None]] = ep_model_state_shares
+    """jobs/plan.py's model-state check: per launch component (given each one's ranks, the ZP
+    groups and the model's non-expert and expert parameter counts), what one rank holds on
+    average as (non-expert parameters, the ranks their optimizer state shards over, expert
+    parameters, theirs), or None where only start-up knows it."""
 
     def runtime_class(self):
         return import_target(self.runtime)

@@ -267,6 +267,15 @@ def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tu
     return ["zebra" if args.zebra_asym_ea == "off" else "zebra-asym"], settings
 
 
+def model_state_shares(args, component_ranks: list[int], zp_groups: int, dense: float,
+                       experts: float) -> list[tuple[float, int, float, int] | None]:
+    """Non-expert parameters on every attention rank (component 0), the experts over the expert
+    ranks of a ZP group (component 1); under Asym-EA the expert ranks' share is decided at start-up."""
+    attention = (dense, 1, 0.0, 1)
+    expert = None if args.zebra_asym_ea != "off" else (0.0, 1, experts / (component_ranks[1] // zp_groups), 1)
+    return [attention, expert]
+
+
 def launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
     """Zebra's pool checks (attention ranks on the faster GPU type, devices per role) and its
     profile lookup (by GPU type) read the cluster the job runs on; without the flag training would
@@ -283,4 +292,5 @@ MODE = ModeSpec(
     default_expert_parallel_size=1,  # the whole model on every rank; zebra's own EP is --zebra-expert-ranks
     simulated=simulated,
     launch_flags=launch_flags,
+    model_state_shares=model_state_shares,
 )
