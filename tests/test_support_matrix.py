@@ -60,8 +60,8 @@ def refusal(words: str) -> Cell:
     return Cell("refused", words)
 
 
-COMPOSITION = "test_composition.py::"
-PRECISION = "test_precision_training.py::"
+COMPOSITION = "training/test_composition.py::"
+PRECISION = "training/test_precision_training.py::"
 MATRIX = (
     Row("more ranks than one expert group (EDP 2)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),

@@ -5,7 +5,7 @@ Megatron-Core is written for GPUs. On a CPU-only torch build a handful of calls 
 exactly one such assumption, names the Megatron-Core call sites it covers, and is applied
 only by `apply_cpu_shims()`, which refuses to run when CUDA is available: GPU behaviour is
 never changed. Every shim is idempotent and registered in `SHIMS` so that tests can check
-each one individually (tests/test_compat_cpu.py).
+each one individually (tests/compat/test_compat_cpu.py).
 
 The approach is narrow patching of the exact functions Megatron calls (not a global
 TorchFunctionMode device redirect, which was measured 13-20% slower per iteration, see

@@ -1,7 +1,7 @@
 """Fixes for device-independent Megatron-Core 0.16.1 bugs (applied on CPU and GPU alike).
 
 Each fix is documented with the Megatron file:line it corrects, why the stock behaviour is
-wrong, and is covered by a test that fails without it (tests/test_compat_fixes.py and the
+wrong, and is covered by a test that fails without it (tests/compat/test_compat_fixes.py and the
 multi-rank equivalence tests). They are version-specific on purpose: `mcore.py` refuses to
 run with any other megatron-core version.
 """

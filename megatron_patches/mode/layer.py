@@ -1,6 +1,6 @@
 """The placement modes' shared MoE layer: Megatron-Core's MoE layer and all-to-all dispatcher
 extended for expert *instances* (they subclass Megatron's classes, so they are re-verified with
-compat/ on an upgrade: tests/test_mode_interface.py, tests/test_grouped_gemm.py).
+compat/ on an upgrade: tests/training/test_mode_interface.py, tests/compat/test_grouped_gemm.py).
 
 Megatron's MoE layer sends every token of expert e to the one EP rank that hosts e. The
 placement modes (fssdp, replicate) run several instances of an expert on several ranks and
@@ -69,7 +69,7 @@ class InstanceTokenDispatcher(MoEAlltoAllTokenDispatcher):
         Megatron's `preprocess` reads a routing map's size(0) and sum(dim=0) only, which the
         routing provides; permutation 1 is the index_select Megatron's `permute` does with
         the sorted indices it derives from the dense map, which the routing holds already
-        (`token_K`; tests/test_fssdp_routing.py checks the two agree). The combine's unpermute
+        (`token_K`; tests/fssdp/test_fssdp_routing.py checks the two agree). The combine's unpermute
         uses those indices alone (it reads the map only to apply probs, which it is not given)."""
         if not hasattr(routing_map, "token_K"):
             raise TypeError(f"InstanceTokenDispatcher routes a comm.virtual.VirtualRouting, got {type(routing_map).__name__}")

@@ -14,7 +14,7 @@ the source commit. Each of its flags is, for `pretrain_gpt_moe.py`, one of:
   Megatron-Core yet, other model kinds, features not built yet), each naming Megatron-LM's
   default, which leaving the flag out keeps.
 
-tests/test_megatron_lm_flags.py fails when a flag of the table is neither, or both, or an
+tests/training/test_megatron_lm_flags.py fails when a flag of the table is neither, or both, or an
 honoured flag's dest, type or default differs from the table without an entry in `DIFFERS`.
 """
 

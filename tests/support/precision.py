@@ -6,7 +6,7 @@ bound of the form "mode-half against ep-half below ep-half's distance from ep-fp
 sample of that noise with another sample of the same size, and fails by chance on another
 machine: on the machine of issue 49, zebra-fp16 against ep-fp16 came out at 7.5e-5 where the one
 noise sample was 3.4e-5, while here (2026-11-27) the same pair is 4.4e-5 against 7.1e-5. The
-arithmetic of a run does not depend on load (every run of tests/test_precision_training.py is
+arithmetic of a run does not depend on load (every run of tests/training/test_precision_training.py is
 bit-identical idle and beside 6 busy loops) but does depend on the CPU's kernels: ATen picks its
 vectorised kernels by CPU capability, and ATEN_CPU_CAPABILITY=avx2 or =default change every
 half-precision loss of that file (the earlier docstrings' figures were an AVX2 machine's).

@@ -211,8 +211,8 @@ def test_checkpoints_move_between_ep_and_fssdp(ep_run, runs):
 
     Both checkpoints are Megatron's per-expert sharded tensors (FSSDP's owners are Megatron's
     local experts), so the other mode loads them as they are. The other direction, fssdp saved
-    and resumed in ep, is tests/test_fssdp_reshard.py's (saved after a re-shard, the harder case),
-    and bf16 checkpoints cross every pair of modes in tests/test_precision_training.py."""
+    and resumed in ep, is tests/fssdp/test_fssdp_reshard.py's (saved after a re-shard, the harder case),
+    and bf16 checkpoints cross every pair of modes in tests/training/test_precision_training.py."""
     resumed = runs["load_fssdp_from_ep"]
     assert resumed.records[0]["iteration"] == HALF + 1
     assert_same_losses(resumed, ep_run, first=HALF)

@@ -13,7 +13,7 @@ import pytest
 from megatron_patches.mode.runtime import ModeRuntime
 from megatron_patches.training.modes import MODES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = [name for name, member in vars(ModeRuntime).items()
          if not name.startswith("_") and (inspect.isfunction(member) or isinstance(member, classmethod))]
 

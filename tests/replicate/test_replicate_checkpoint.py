@@ -11,7 +11,7 @@ the placement (slots per layer, popularity history) as common state. One spawn r
                                                    moments: every later loss, not only the first)
     D  replicate resumed from C's ep checkpoint at 2K  -> C's iterations 2K+1..3K
 
-Dropless replicate equals ep within 1e-5 (tests/test_replicate_training.py); Adam restarted
+Dropless replicate equals ep within 1e-5 (tests/replicate/test_replicate_training.py); Adam restarted
 from zero moments would move the weights differently from the second step after a resume on,
 so matching losses over K iterations show the moments crossed the checkpoint.
 

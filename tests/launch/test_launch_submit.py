@@ -1,7 +1,7 @@
 """launch/submit.py without Slurm: every run config dry-runs, scripts are well formed, bad
 requests are refused with messages that name the value, and the hetjob rank order.
 
-The real-Slurm side (submitting these scripts) is tests/test_slurm_real.py.
+The real-Slurm side (submitting these scripts) is tests/launch/test_slurm_real.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatron_patches.placement.zebra import DeviceProfile, ZebraShape, save_dev
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
 from support.submit import TEST_DATA, expanded_argv, jobs, load_module, plan, refused, submit, tiny_run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUN_FILES = sorted((REPO / "configs" / "runs").glob("*.yaml"))
 ZEBRA_RUN_FILES = [path for path in RUN_FILES if path.stem.startswith("zebra_")]
 
@@ -601,7 +601,7 @@ def test_zebra_profile_is_read_for_the_pools_gpu_types(tmp_path):
 
 def test_exit_signal_handler_asks_slurm_for_its_signal_before_the_time_limit():
     """--exit-signal-handler pairs with #SBATCH --signal: Slurm signals every task before the time
-    limit, the ranks save and exit 0 (tests/test_exits.py); a signal without the handler, or another
+    limit, the ranks save and exit 0 (tests/training/test_exits.py); a signal without the handler, or another
     signal than --exit-signal, would end the ranks without a checkpoint: refused."""
     train = tiny_run()["train"]
     script = submit.render_script(plan(tiny_run(train={**train, "exit_signal_handler": True})))

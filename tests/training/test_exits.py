@@ -85,7 +85,7 @@ def test_sample_based_schedule_is_megatron_lm_s(runs):
         expected = 8 * 64 * per_token / (record["iteration_time_s"] * 1e12 * 2)
         assert record["tflops_per_gpu"] == pytest.approx(expected, rel=1e-9)
     assert "TFLOP/s/GPU" in straight.output and "params norm" in straight.output
-    # --log-params-norm (tests/test_model_init.py checks its value) and --log-num-zeros-in-grad
+    # --log-params-norm (tests/training/test_model_init.py checks its value) and --log-num-zeros-in-grad
     norms = [r["params_norm"] for r in straight.records if "loss" in r]
     assert all(n > 0 for n in norms) and norms[0] != norms[-1]  # the weights move
     assert all(isinstance(r["num_zeros_in_grad"], int) and r["num_zeros_in_grad"] >= 0 for r in straight.records if "loss" in r)

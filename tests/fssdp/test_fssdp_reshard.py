@@ -7,7 +7,7 @@ Two levels here:
   the content of the (layer, expert) its table names, and the bytes are moved x row bytes.
 End to end (training re-shards on real text, equals ep's losses, counts the bytes, owners become
 heterogeneous per layer, a checkpoint saved after a re-shard resumes in fssdp bit for bit with the
-same decisions, in ep, in replicate, and at another world size) is tests/test_composition.py's.
+same decisions, in ep, in replicate, and at another world size) is tests/training/test_composition.py's.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from support.training import launch_many
 from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.validation import validate_args
 
-SCRIPTS = sorted((Path(__file__).parent / "data" / "megatron_lm_scripts").glob("*.json"))
+SCRIPTS = sorted((Path(__file__).parents[1] / "data" / "megatron_lm_scripts").glob("*.json"))
 RANKS = 2
 
 # The scripts' path and device flags -> what they become here (None: left out).

@@ -312,7 +312,7 @@ def test_count_matches_a_real_megatron_build(tmp_path):
         dict(bert, bert_binary_head=False, untie_embeddings_and_output_weights=True, add_bias_linear=False),
     ]
     port = str(29500 + (os.getpid() % 1000) + 200)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     result = subprocess.run([sys.executable, "-c", BUILD_SCRIPT, port], input=json.dumps(variants),
                             capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -3,7 +3,7 @@ against the per-instance path (Megatron's own expert MLP module once per instanc
 Megatron MoE layer: outputs and the gradients of the weight rows, tokens and probabilities, for
 gated (SwiGLU) and plain (GELU) experts, fp32 and bf16, groups in and out of row order, rows
 without tokens, and a rank without any token; and the whole layer (router, dispatch, instances,
-combine) against Megatron's own MoELayer. Training with it is in tests/test_composition.py.
+combine) against Megatron's own MoELayer. Training with it is in tests/training/test_composition.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ranges, and the GPU memory figures auto m reads.
 
 The CPU tests run everywhere. The GPU tests run where CUDA is (the device machine:
-`python3 -m pytest -q tests/test_timing.py`); they show why the host clock cannot time GPU
+`python3 -m pytest -q tests/training/test_timing.py`); they show why the host clock cannot time GPU
 work: it measures the enqueueing of a GEMM and returns at once from a wait on another stream,
 while the events measure the stream's busy and stalled time.
 """

@@ -35,7 +35,7 @@ import yaml
 from megatron_patches.training.arguments import MOE_PARALLEL_MODES
 from support.slurm_cluster import SLURM_PACKAGES, SlurmUnavailable, missing_programs, start_cluster
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEST_DATA = REPO / "tests" / "data" / "slurm"
 
 pytestmark = pytest.mark.slurm
