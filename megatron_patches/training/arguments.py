@@ -690,10 +690,15 @@ FLAGS_WITHOUT_EFFECT = {
 }
 
 
+def flag_of_dest() -> dict[str, str]:
+    """Each flag's dest -> the option string messages name it by (its first)."""
+    return {action.dest: action.option_strings[0] for action in build_parser()._actions if action.option_strings}
+
+
 def without_effect(flags: list[str]) -> list[str]:
     """Each flag of FLAGS_WITHOUT_EFFECT given (its option string) with why, for the start-up line."""
-    dests = {action.option_strings[0]: action.dest for action in build_parser()._actions if action.option_strings}
-    return [f"{flag} ({FLAGS_WITHOUT_EFFECT[dests[flag]]})" for flag in flags]
+    reasons = {flag: FLAGS_WITHOUT_EFFECT[dest] for dest, flag in flag_of_dest().items() if dest in FLAGS_WITHOUT_EFFECT}
+    return [f"{flag} ({reasons[flag]})" for flag in flags]
 
 
 def _add_kernel_choice_args(parser):

@@ -12,7 +12,7 @@ not counted, so throughput / peak is the MFU.
 
 from __future__ import annotations
 
-from megatron_patches.config.models import moe_layer_pattern
+from megatron_patches.config.models import moe_layer_numbers
 
 
 def _attention_flops(args) -> float:
@@ -36,9 +36,9 @@ def _attention_flops(args) -> float:
 
 def model_flops_per_iteration(args, padded_vocab_size: int) -> float:
     """FLOPs of one iteration of `args.global_batch_size` sequences of `args.seq_length`."""
-    pattern = moe_layer_pattern(args.moe_layer_freq, args.num_layers)
     mtp_layers = args.mtp_num_layers or 0
-    moe_layers = sum(pattern) + pattern[-1] * mtp_layers  # MTP layers repeat the decoder's last layer
+    # the decoder's MoE layers and the MTP layers, which repeat the decoder's last layer
+    moe_layers = len(moe_layer_numbers(args.moe_layer_freq, args.num_layers, args.mtp_num_layers))
     dense_layers = args.num_layers + mtp_layers - moe_layers
     passes_x_fma = 3 * 2  # forward + two backward GEMMs, 2 FLOPs per multiply-add
     ffn_gemms = 3 if args.swiglu else 2  # h -> (2 x) ffn and ffn -> h

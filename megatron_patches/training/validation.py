@@ -44,6 +44,7 @@ from megatron_patches.training.arguments import (
     TOKEN_DROP_POLICIES,
     TRANSFORMER_IMPLS,
     build_parser,
+    flag_of_dest,
 )
 from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training.modes import MODES
@@ -270,7 +271,7 @@ LOGGING_LEVELS = {0: "NOTSET", 10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERRO
 def _check_modern_model(args):
     """Shared experts, multi-latent attention and multi-token prediction: config.models' rules
     (Megatron-Core's and Megatron-LM's), each naming the flag."""
-    flags = {action.dest: action.option_strings[0] for action in build_parser()._actions if action.option_strings}
+    flags = flag_of_dest()
     check_modern_rules(args, lambda dest, value, why: fail(flags[dest], value, why))
 
 

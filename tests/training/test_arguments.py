@@ -1301,3 +1301,12 @@ def test_params_norm_and_zero_count_run_in_ep_only(parse):
 def test_timing_log_level_zero_only(parse):
     assert validate_args(parse("--timing-log-level", "0"), 1).timing_log_level == 0
     expect_error(parse("--timing-log-level", "1"), 1, "--timing-log-level=1", "valid: 0")
+
+
+def test_dist_ckpt_strictness_choices_are_megatron_core_s():
+    """validation's torch-free copy of dist_checkpointing's StrictHandling values."""
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_patches.training.validation import DIST_CKPT_STRICTNESS
+
+    assert DIST_CKPT_STRICTNESS == tuple(handling.value for handling in StrictHandling)
