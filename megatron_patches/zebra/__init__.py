@@ -7,8 +7,13 @@
   merged into the profile file that Asym-EA (`placement.zebra`) reads.
 - `config`: ZebraConfig and the `--zebra-*` flags (`add_zebra_args`).
 - `engine`: ZebraEngine, the zig-zag forward/backward schedule over Megatron-Core's own
-  modules (attention ranks: embedding, attention, router, head; expert ranks: the experts),
-  Asym-EA owners, the AdamW step with Megatron's groups and clipping.
+  modules, a thin front over three parts:
+  - `ownership`: what this rank trains (attention ranks: embedding, attention, router, head and
+    Asym-EA's offloaded experts; expert ranks: the experts), the gradient sums, the AdamW step with
+    Megatron's groups and clipping, the expert moves of a re-plan;
+  - `tasks`: the attention, expert and head forward/backward and the dispatch/combine all-to-alls;
+  - `executor`: the host thread that polls the compute, dispatch and combine queues; the
+    timeline clock.
 - `timeline`: start/end of every task per rank and stream, bubble fractions
   (tools/plot_timeline.py draws them).
 

@@ -32,7 +32,8 @@ from megatron_patches.placement.zebra import expert_owners
 from megatron_patches.placement.zebra.replan import replan
 from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
-from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine, ZebraEngineError
+from megatron_patches.zebra.engine import ZebraEngine, ZebraEngineError
+from megatron_patches.zebra.ownership import AdamSettings, MixedPrecision, ZebraOwnership
 from megatron_patches.zebra.pools import ZebraLayout
 
 
@@ -42,25 +43,26 @@ class ZebraOptimizer:
 
     def __init__(self, engine: ZebraEngine):
         self.engine = engine
-        self.param_groups = engine.optimizer.param_groups
+        self.ownership: ZebraOwnership = engine.ownership
+        self.param_groups = self.ownership.optimizer.param_groups
         """torch AdamW's groups with Megatron's keys (max_lr, min_lr, lr_mult, wd_mult): the LR
         schedule sets lr and weight_decay in them."""
 
     def zero_grad(self) -> None:
-        self.engine.zero_grad()
+        self.ownership.zero_grad()
 
     def step(self) -> tuple[bool, float, None]:
         """(update successful, grad norm before clipping, zeros: not counted). The step is skipped on
         every rank when the loss or the norm is not finite (both world-wide values)."""
-        grad_norm, stepped = self.engine.step(skip=not math.isfinite(self.engine.last_loss))
+        grad_norm, stepped = self.ownership.step(skip=not math.isfinite(self.engine.last_loss))
         return stepped, grad_norm, None
 
     def get_loss_scale(self) -> torch.Tensor:
-        return torch.tensor([self.engine.loss_scale()])
+        return torch.tensor([self.ownership.loss_scale()])
 
     def reload_model_params(self) -> None:
         """After the model was loaded without optimizer state: main weights from the parameters."""
-        self.engine.reload_main_weights()
+        self.ownership.reload_main_weights()
 
 
 class ZebraRuntime(ModeRuntime):
@@ -97,7 +99,7 @@ class ZebraRuntime(ModeRuntime):
         mcore.half_precision(config, model)  # casts in place; the engine runs the modules directly
         grad_dtype = torch.float32 if (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)) else (
             next(model.parameters()).dtype)
-        precision = Precision(grad_dtype=grad_dtype, grad_scaler=mcore.grad_scaler(args))
+        precision = MixedPrecision(grad_dtype=grad_dtype, grad_scaler=mcore.grad_scaler(args))
         self.engine = ZebraEngine(model, self.config, self.layout, self.adam, precision=precision)
         layout = self.layout
         self._log.append(
@@ -158,7 +160,7 @@ class ZebraRuntime(ModeRuntime):
         engine = self.engine
         started = time.perf_counter()
         decision = replan(self.layout.profile, engine.plan, self._loads_LE, self.config.microbatches,
-                          horizon=self.config.replan_interval, bytes_per_expert=engine.move_bytes_per_expert(),
+                          horizon=self.config.replan_interval, bytes_per_expert=engine.ownership.move_bytes_per_expert(),
                           link_bytes_per_s=self.layout.link_bytes_per_s)
         entry = {"adopted": decision.adopted, "predicted_s": [decision.current_s, decision.best_s],
                  "moved_experts": decision.moved_experts, "predicted_move_bytes": decision.move_bytes,
@@ -176,9 +178,10 @@ class ZebraRuntime(ModeRuntime):
         if decision.adopted:
             started = time.perf_counter()
             sent, received = engine.adopt_plan(decision.plan)
-            if engine.device.type == "cuda":
+            device = engine.ownership.device
+            if device.type == "cuda":
                 torch.cuda.synchronize()
-            busiest = torch.tensor([max(sent, received)], dtype=torch.int64, device=engine.device)
+            busiest = torch.tensor([max(sent, received)], dtype=torch.int64, device=device)
             dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
             entry.update(move_bytes=int(busiest[0]), move_s=time.perf_counter() - started,
                          offload_chunks=list(decision.plan.offload_chunks_L))
@@ -210,9 +213,9 @@ class ZebraRuntime(ModeRuntime):
 
     def save_checkpoint(self, directory: str, model_chunks, optimizer, common: dict) -> None:
         """ep's form (zebra/checkpoint.py): each rank writes what it owns."""
-        checkpoint.save(directory, self.engine, common)
+        checkpoint.save(directory, self.engine.ownership, common)
 
     def load_checkpoint(self, directory: str, model_chunks, optimizer, template: dict, load_optim: bool,
                         strictness: str) -> tuple[dict, list[str]]:
         """Any ep-form checkpoint (zebra, ep with EP > 1, fssdp, replicate) into this run's layout."""
-        return checkpoint.load(directory, self.engine, template, load_optim, strictness)
+        return checkpoint.load(directory, self.engine.ownership, template, load_optim, strictness)

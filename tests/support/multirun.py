@@ -60,21 +60,21 @@ def delayed(run: dict, rank: int):
     if delay is None or delay["rank"] != rank:
         yield
         return
-    from megatron_patches.zebra.engine import ZebraEngine
+    from megatron_patches.zebra.tasks import ZebraTasks
 
-    pauses, compute = random.Random(delay["seed"]), ZebraEngine._compute
+    pauses, compute = random.Random(delay["seed"]), ZebraTasks.compute
     paused_ms: list[float] = []
 
-    def late_compute(engine, task):
+    def late_compute(tasks, task):
         paused_ms.append(pauses.uniform(0.0, delay["max_ms"]))
         time.sleep(paused_ms[-1] / 1e3)
-        return compute(engine, task)
+        return compute(tasks, task)
 
-    ZebraEngine._compute = late_compute
+    ZebraTasks.compute = late_compute
     try:
         yield
     finally:
-        ZebraEngine._compute = compute
+        ZebraTasks.compute = compute
         print(f"{MARKER}-delay rank {rank}: {len(paused_ms)} pauses, {sum(paused_ms):.0f} ms", flush=True)
 
 

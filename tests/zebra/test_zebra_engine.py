@@ -150,7 +150,8 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
     from megatron_patches.compat import mcore
     from megatron_patches.config import load_cluster_config
     from megatron_patches.zebra.config import ZebraConfig
-    from megatron_patches.zebra.engine import AdamSettings, ZebraEngine, ZebraEngineError
+    from megatron_patches.zebra.engine import ZebraEngine, ZebraEngineError
+    from megatron_patches.zebra.ownership import AdamSettings
     from megatron_patches.zebra.pools import zebra_layout
 
     args = _megatron_setup()
@@ -181,20 +182,20 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
                              AdamSettings.from_args(args))
         # this attention rank's share of every iteration's M x R micro-batches
         share = layout.attention_dp_group.index(rank) if engine.role == "attention" else None
-        scheduler = mcore.scheduler(args, engine.optimizer)
+        scheduler = mcore.scheduler(args, engine.ownership.optimizer)
         names = {id(p): name for name, p in model.named_parameters()}
-        owned = engine.dense_params + engine.expert_params
+        owned = engine.ownership.dense_params + engine.ownership.expert_params
         losses, norms, kept = [], [], []
         for it in range(ITERS):
             mine = batches[it][share * R : (share + 1) * R] if share is not None else None
-            engine.zero_grad()
+            engine.ownership.zero_grad()
             with HostReads() as reads:
                 losses.append(engine.forward_backward(mine))
             kept.append(activations.take_peak())
             if it == 0:
-                torch.save({names[id(p)]: engine.gradient(p).clone() for p in owned},
+                torch.save({names[id(p)]: engine.ownership.gradient(p).clone() for p in owned},
                            Path(out_dir) / f"{variant}_grads_{rank}.pt")
-            norm, stepped = engine.step()
+            norm, stepped = engine.ownership.step()
             assert stepped
             norms.append(norm)
             scheduler.step(increment=1)
@@ -206,9 +207,9 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
             "norms": norms,
             "host_reads": reads,  # of the last iteration's forward_backward
             "activation_bytes": kept,  # what one micro-batch's forward tasks keep for the backward
-            "experts": engine.my_experts_L,
+            "experts": engine.ownership.my_experts_L,
             "planned": {stream: [t.label for t in tasks] for stream, tasks in engine.order.items()},
-            "executed": {stream: engine.timeline.executed_order(stream) for stream in engine.order},
+            "executed": {stream: engine.executor.timeline.executed_order(stream) for stream in engine.order},
         }
         # forward only, on the first iteration's data with the trained weights
         first = batches[0][share * R : (share + 1) * R] if share is not None else None
@@ -228,7 +229,8 @@ def _fp16_overflow(args, batches, cluster) -> dict:
 
     from megatron_patches.compat import mcore
     from megatron_patches.zebra.config import ZebraConfig
-    from megatron_patches.zebra.engine import AdamSettings, Precision, ZebraEngine
+    from megatron_patches.zebra.engine import ZebraEngine
+    from megatron_patches.zebra.ownership import AdamSettings, MixedPrecision
     from megatron_patches.zebra.pools import zebra_layout
 
     model = _fresh_model(args).half()
@@ -236,22 +238,22 @@ def _fp16_overflow(args, batches, cluster) -> dict:
                                                   loss_scale_window=1000, hysteresis=1))
     layout = zebra_layout(cluster, M, N, 4, num_layers=2, num_experts=4)
     engine = ZebraEngine(model, ZebraConfig(M, N, R), layout, AdamSettings.from_args(args),
-                         precision=Precision(torch.float32, scaler))
+                         precision=MixedPrecision(torch.float32, scaler))
     share = layout.attention_dp_group.index(dist.get_rank()) if engine.role == "attention" else None
-    owned = engine.dense_params + engine.expert_params
-    result = {"stepped": [], "scales": [], "dtype": str(engine.dtype), "finite_losses": []}
+    owned = engine.ownership.dense_params + engine.ownership.expert_params
+    result = {"stepped": [], "scales": [], "dtype": str(engine.ownership.dtype), "finite_losses": []}
     for it in range(2):
-        engine.zero_grad()
+        engine.ownership.zero_grad()
         loss = engine.forward_backward(batches[it][share * R : (share + 1) * R] if share is not None else None)
         result["finite_losses"].append(math.isfinite(loss))
         if it == 1 and dist.get_rank() == 2:
-            engine.gradient(engine.expert_params[0]).view(-1)[0] = float("inf")
-        before = [(p.detach().clone(), engine.main[id(p)].detach().clone()) for p in owned]
-        _, stepped = engine.step()
+            engine.ownership.gradient(engine.ownership.expert_params[0]).view(-1)[0] = float("inf")
+        before = [(p.detach().clone(), engine.ownership.main[id(p)].detach().clone()) for p in owned]
+        _, stepped = engine.ownership.step()
         result["stepped"].append(stepped)
-        result["scales"].append(engine.loss_scale())
+        result["scales"].append(engine.ownership.loss_scale())
         if it == 1:
-            result["unchanged"] = all(torch.equal(p, old) and torch.equal(engine.main[id(p)], old_main)
+            result["unchanged"] = all(torch.equal(p, old) and torch.equal(engine.ownership.main[id(p)], old_main)
                                       for p, (old, old_main) in zip(owned, before))
     return result
 
@@ -395,7 +397,7 @@ def test_no_host_reads_in_the_tasks(runs, variant):
             # Megatron's core-attention checkpoint passes the mask type as a tensor made on the host
             # and reads it back (attention.py): a host value, no device sync; forward and recompute
             assert reads.pop("attention.py:custom_forward") == 2 * layers * R
-        assert reads == {"engine.py:_mean_loss": 1, "engine.py:_split_sizes": layers * R}, result["rank"]
+        assert reads == {"engine.py:_mean_loss": 1, "tasks.py:_split_sizes": layers * R}, result["rank"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -448,7 +450,7 @@ def test_bad_configs_fail_early(runs):
 def test_naive_order_runs_one_micro_batch_at_a_time():
     """The benchmark's no-overlap baseline: deadlock-free, micro-batch-major on every stream."""
     from megatron_patches.placement.zebra import check_deadlock_free
-    from megatron_patches.zebra.engine import naive_order
+    from megatron_patches.placement.zebra import naive_order
 
     for offloaded in ((), (1,)):
         schedule = {(role, stream): tasks for role in ("attention", "expert")
@@ -466,7 +468,7 @@ def test_permute_routed_is_megatrons_permute_without_a_host_read():
     routed count to the host."""
     from megatron.core.transformer.moe.moe_utils import permute
 
-    from megatron_patches.zebra.engine import permute_routed
+    from megatron_patches.zebra.tasks import permute_routed
 
     generator = torch.Generator().manual_seed(0)
     for tokens, experts, topk in ((7, 4, 2), (32, 8, 2), (5, 6, 3), (16, 8, 1)):

@@ -9,7 +9,7 @@ experts of every MoE layer, expert-parallel). This package holds the pure planni
    into, one entry per device type.
 2. `asym_ea`: ``asym_ea`` / ``resolve_asym_ea``: how many experts of each layer move from the expert ranks
    to the attention ranks ("chunks" per layer), and ``expert_owners`` for the concrete owners.
-3. `schedule`: ``task_order`` / ``build_schedule``: the Theorem-1 order of compute and communication tasks per
+3. `schedule`: ``task_order`` (and its no-overlap baseline ``naive_order``) / ``build_schedule``: the Theorem-1 order of compute and communication tasks per
    stream for both roles, as data with explicit dependencies; ``check_deadlock_free`` and a
    tiny discrete-event ``simulate_schedule``.
 4. `cost`: ``zebra_durations`` / ``iteration_time``: an exact cost model of one iteration of the zig-zag
@@ -61,10 +61,12 @@ from megatron_patches.placement.zebra.profile import (  # noqa: F401
     save_device_profile,
 )
 from megatron_patches.placement.zebra.schedule import (  # noqa: F401
+    ORDERS,
     Schedule,
     Task,
     build_schedule,
     check_deadlock_free,
+    naive_order,
     simulate_schedule,
     task_order,
 )

@@ -4,7 +4,7 @@ discrete-event simulation."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
@@ -170,6 +170,23 @@ def task_order(
         "dispatch": [_tasks_of_step("D", ph, l, j, L, offloaded)["group"] for ph, l, j in comm_order],
         "combine": [_tasks_of_step("C", ph, l, j, L, offloaded)["group"] for ph, l, j in comm_order],
     }
+
+
+def naive_order(num_layers: int, num_microbatches: int, role: str, offloaded_layers: Sequence[int] = ()) -> dict[str, list[Task]]:
+    """The no-overlap baseline of ``task_order`` (tools/bench_zebra.py): per stream, the
+    one-micro-batch Theorem-1 order repeated R times, so a rank never works on two micro-batches
+    at once."""
+    single = task_order(num_layers, 1, role, offloaded_layers)
+
+    def relabel(task: Task, mb: int) -> Task:
+        return replace(task, microbatch=mb, deps=tuple(d.replace(",0)", f",{mb})") for d in task.deps))
+
+    return {stream: [relabel(t, mb) for mb in range(num_microbatches) for t in tasks] for stream, tasks in single.items()}
+
+
+ORDERS: dict[str, Callable[..., dict[str, list[Task]]]] = {"zebra": task_order, "naive": naive_order}
+"""The task orders a zebra engine can run, by name: "zebra" the Theorem-1 order, "naive" one
+micro-batch at a time (its whole forward and backward before the next one starts)."""
 
 
 def _insert_attention_experts(
