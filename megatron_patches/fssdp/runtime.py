@@ -18,12 +18,9 @@ iterations the heterogeneous sharding of the predicted loads is adopted when it 
 mean imbalance bound, moving weights and optimizer state between ranks
 (`reshard.exchange_slots`). Non-expert parameters are untouched.
 
-Checkpoints keep the experts under ep's per-expert keys (placement-independent), and the
-placement as common state under "fssdp": every rank's slot table, the load history, t and the
-calibration cost model (both measured, so not reproducible by a resumed run). A resume in
-fssdp adopts them before the weights are read into the slots, so it continues exactly as the
-uninterrupted run; a checkpoint from another mode (or another group size) starts from EP's
-layout with no load history, and says so.
+Checkpoints keep the experts under ep's per-expert keys and the placement as common state
+(`fssdp/checkpoint.py`). What the runtime measures and chooses from it (bandwidths, m, the cost
+model, t) is `fssdp/tuning.py`; its per-iteration figures are `fssdp/metrics.py`.
 
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
@@ -42,7 +39,6 @@ their point-to-point traffic never interleaves with Megatron's all-to-alls on th
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,34 +47,27 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import node_layout, record_ring_allreduce, sum_over_groups
+from megatron_patches.comm.groups import node_layout, record_ring_allreduce
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
-from megatron_patches.comm.timing import DeviceMemory, DeviceTimer, nvtx_range
+from megatron_patches.comm.timing import DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
 from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
+from megatron_patches.fssdp import metrics
+from megatron_patches.fssdp.checkpoint import placement_state_dict, restore_placement
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
+from megatron_patches.fssdp.metrics import IterationStats
 from megatron_patches.fssdp.reshard import ReshardMoves, ShardedSlotState, SlotTable, exchange_slots, plan_reshard
+from megatron_patches.fssdp.tuning import FSSDPTuning, probe_bandwidths
 from megatron_patches.mode.layer import with_moe_layer
-from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
+from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement import fssdp as planner
-from megatron_patches.placement.accounting import dispatch_bytes, imbalance, sparse_all_gather_seconds, transfer_seconds
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology
 
 __all__ = ["FSSDPRuntime", "LayerPlan"]
-
-TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "reshard_edp")
-"""spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
-the backward with re-materialization; spag_calibrate: calibration's extra copies; reshard:
-experts (weights and optimizer state) moved to new owners; reshard_edp: with the distributed
-optimizer over several expert groups, the departing experts' optimizer state made whole over
-the expert-data-parallel group first. Counted apart so that spag + spag_calibrate = sprs holds."""
-EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
-"""Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
-
 
 @dataclass
 class LayerPlan:
@@ -100,50 +89,6 @@ class LayerPlan:
     def __post_init__(self) -> None:
         self.held_row_E = np.full(self.shard.num_experts, -1, dtype=np.int64)
         self.held_row_E[self.gather.held_chunks] = np.arange(self.gather.held_chunks.size)
-
-
-@dataclass
-class IterationStats:
-    """What this rank measured in one iteration."""
-
-    device_tokens_LD: np.ndarray
-    """Token copies processed per layer and device under the dispatch plans (every rank
-    computes every plan, so this is global without communication)."""
-    t: int
-    """Overlap degree the iteration's plans used."""
-    m: int = 0
-    """Memory capacity the iteration's plans used (0 while auto m measures on GPU)."""
-    exposed_s: dict = field(default_factory=lambda: defaultdict(float))
-    """Seconds the compute stream stalled in wait() per collective kind (not hidden by compute);
-    this and the other times are the runtime's `DeviceTimer` spans (CUDA events on GPU)."""
-    non_moe_s: list = field(default_factory=list)
-    """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
-    expert_s: float = 0.0
-    """Seconds of expert forward compute on the stream (for the cost model)."""
-    expert_tokens: int = 0
-    """Token copies those seconds processed."""
-    calibrations: int = 0
-    """Layer forwards in which calibration gathered extra copies."""
-    reserved: dict = field(default_factory=dict)
-    """Per MoE layer number, the copy slots per device materialization left free for
-    calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""
-    reshard: dict | None = None
-    """The re-shard decision taken before this iteration (None when none was due)."""
-    reshard_s: float = 0.0
-    """Seconds this rank spent moving experts (packing, transfers, unpacking)."""
-
-    remote_copies: int = 0
-    """Token copies the dispatch plans send to another rank (all sources, all layers)."""
-    source_loads_LDE: np.ndarray | None = None
-    """Routed tokens per layer of this stage, source device and expert, summed over the
-    micro-batches (what auto t prices at the iteration's end); int64 [L, D, E], kept only in the
-    iterations auto t is chosen after: the first, and those before a re-shard check (None otherwise)."""
-
-    def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
-        self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
-        self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
-        if self.source_loads_LDE is not None:
-            self.source_loads_LDE[layer_index] += counts_DE
 
 
 class FSSDPRuntime(ModeRuntime):
@@ -196,12 +141,8 @@ class FSSDPRuntime(ModeRuntime):
         self.hidden_size = 0
         """The model's hidden size (bytes per dispatched token = hidden size x element size)."""
         self.element_size = 0
-        self.t: int | None = config.overlap_degree
-        self.m: int | None = config.memory_capacity
-        self._memory_base: int | None = None
-        """GPU, auto m: bytes held when the measuring (first) iteration started."""
-        self.cost: planner.FSSDPCostModel | None = None
-        """The cost model of calibration and auto t, from the first iteration's measured times."""
+        self.tuning = FSSDPTuning(config, num_experts, self.device, lambda line: self._log.append(line))
+        """t, m and the cost model: measured and chosen at run time."""
         self._iteration = 0
         """The iteration being run (begin_iteration's)."""
         self.stats: IterationStats | None = None
@@ -275,8 +216,10 @@ class FSSDPRuntime(ModeRuntime):
         self.slot_modules = [expert for layer in self.layers for expert in layer.experts.local_experts]
         self.layout = ModelShardLayout.even(len(self.layers), self.num_experts, self.num_devices)
         self.table = SlotTable.identity(len(self.layers), self.num_experts, self.num_devices, self.rank)
-        intra, inter = self._probe_bandwidths()
+        intra, inter = probe_bandwidths(self.group, self.rank, self.nodes, self.devices_per_node, self.expert_numel,
+                                        self.device)
         self.topology = Topology(self.nodes, self.devices_per_node, intra, inter)
+        self.tuning.attach(self.topology, self.expert_numel, self.element_size, self.hidden_size, len(self.layers))
         self._log.append(
             f"fssdp: probed point-to-point bandwidth {intra / 1e9:.2f} GB/s inside a node, {inter / 1e9:.2f} GB/s "
             f"between nodes ({self.nodes} node(s) x {self.devices_per_node} ranks; slowest rank of the job)"
@@ -326,64 +269,19 @@ class FSSDPRuntime(ModeRuntime):
 
         return hook
 
-    def _probe_bandwidths(self) -> tuple[float, float]:
-        """(intra-node, inter-node) point-to-point bytes/s: a ring exchange of 8 experts' bytes
-        among the ranks of each node, then among the same-position ranks of every node; median
-        of 5 after a warm-up, minimum over every rank of the job (every FSSDP group must derive
-        the same t and plans). One node: both are the intra-node figure; one rank per node: both
-        the inter-node one. The two figures let t (`gather_bandwidth` with the node-aware
-        collectives) and calibration's gather price see that a copy within a node is cheaper."""
-        G, N = self.devices_per_node, self.nodes
-        node, local = divmod(self.rank, G)
-        rings = {}
-        if G > 1:
-            rings["intra"] = (node * G + (local + 1) % G, node * G + (local - 1) % G)
-        if N > 1:
-            rings["inter"] = (((node + 1) % N) * G + local, ((node - 1) % N) * G + local)
-        measured = {kind: self._ring_bandwidth(*peers) for kind, peers in rings.items()}
-        bw = torch.tensor([measured.get("intra", measured.get("inter")), measured.get("inter", measured.get("intra"))],
-                          dtype=torch.float64)
-        dist.all_reduce(bw, op=dist.ReduceOp.MIN)  # the world: every FSSDP group plans with the same topology
-        intra, inter = bw.tolist()
-        return intra, inter
-
-    def _ring_bandwidth(self, right: int, left: int) -> float:
-        """Bytes/s of sending 8 experts' bytes to group position `right` while receiving from `left`."""
-        send = torch.ones(8 * self.expert_numel, dtype=torch.float32, device=self.device)
-        recv = torch.empty_like(send)
-        ranks = dist.get_process_group_ranks(self.group)
-        samples = []
-        for _ in range(6):
-            started = time.perf_counter()
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, ranks[right], group=self.group),
-                                            dist.P2POp(dist.irecv, recv, ranks[left], group=self.group)])
-            for work in works:
-                work.wait()
-            if self.on_gpu:
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - started)
-        return send.numel() * send.element_size() / float(np.median(samples[1:]))
-
     # ---- per iteration ---------------------------------------------------------------------
 
     def begin_iteration(self, iteration: int) -> None:
         """Plan every layer of this stage for the iteration (same plan on every rank)."""
-        if self.m is None and not self.on_gpu:
-            self.m = self._budget_memory_capacity()
-        if self.m is None and self._memory_base is None:
-            # auto m on GPU: this iteration runs without copies and measures its activation peak
-            DeviceMemory.reset_peak(self.device)
-            self._memory_base = DeviceMemory.read(self.device).allocated
-        m = 0 if self.m is None else self.m
-        t = 0 if self.t is None else self.t  # auto t: the first iteration runs without copies and measures
+        t, m = self.tuning.begin_iteration()  # auto t: the first iteration runs without copies and measures
         predicted_LE = self.tracker.predict()
         # calibration (once its cost model exists) gets the slots the predictor would misplace
-        misprediction_L = self.tracker.misprediction() if self.config.calibrate and self.cost is not None else None
+        misprediction_L = self.tracker.misprediction() if self.config.calibrate and self.tuning.cost is not None else None
         self.traffic.reset()
         self._iteration = iteration
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
         rechoose = self.config.overlap_degree is None and planner.reshard_due(iteration, self.config.reshard_interval)
-        if self.t is None or rechoose:  # auto t prices this iteration's loads at its end
+        if self.tuning.t is None or rechoose:  # auto t prices this iteration's loads at its end
             shape_LDE = (len(self.layers), self.num_devices, self.num_experts)
             self.stats.source_loads_LDE = np.zeros(shape_LDE, dtype=np.int64)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
@@ -533,12 +431,13 @@ class FSSDPRuntime(ModeRuntime):
         """DESIGN 4.2 step 4 after the gate: with the actual loads (tokens per source rank and
         expert) and the memory left, add copies when the cost model says the extra
         (critical-path) gather pays off, and launch it."""
-        if self.cost is None:
+        cost = self.tuning.cost
+        if cost is None:
             return  # the first iteration measures the expert time the cost model needs
         plan = copies.plan
-        remaining_D = np.maximum((self.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
+        remaining_D = np.maximum((self.tuning.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
         placement, gathered = planner.calibrate(plan.placement, plan.shard, counts_DE.sum(axis=0), remaining_D,
-                                                self.topology, self.cost, counts_DE)
+                                                self.topology, cost, counts_DE)
         if not gathered:
             return
         delta = planner.calibration_gather(plan.shard, plan.placement, placement.holds_ED())
@@ -556,56 +455,24 @@ class FSSDPRuntime(ModeRuntime):
         """
         if self.pending:
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
-        self._collect_times()
+        stats = self.stats
+        stats.add_times(self.timer.collect())  # one device synchronisation on GPU
         self.tracker.observe(step.processed_LE)
-        if self.m is None:
-            self.m = self._measured_memory_capacity()
-        if self.cost is None and (self.config.calibrate or self.config.overlap_degree is None):
-            self.cost = self._measured_cost(self._min_non_moe_seconds())
-        if self.stats.source_loads_LDE is not None:
-            # auto t: chosen after the first iteration, chosen again before every re-shard check
-            # (loads drift as the router trains: the first iteration's are near even)
-            self.t = self._auto_overlap_degree(self.cost)
-        return self._metrics()
-
-    def _collect_times(self) -> None:
-        """The iteration's timed spans into its stats (one device synchronisation on GPU)."""
-        times = self.timer.collect()
-        for kind in EXPOSED_KINDS:
-            self.stats.exposed_s[kind] += sum(times.get(f"fssdp.wait.{kind}", []))
-        self.stats.expert_s += sum(times.get("fssdp.experts", []))
-        self.stats.non_moe_s.extend(times.get("fssdp.non_moe", []))
-        self.stats.reshard_s += sum(times.get("fssdp.reshard", []))
-
-    def _measured_cost(self, t_non_moe: float) -> planner.FSSDPCostModel:
-        """The cost model (t by cost, calibration) from the first iteration's measurements, the
-        same on every rank: expert time per token (slowest rank) and per instance
-        (`_probe_instance_seconds`), the gather and the all-to-all over the probed bandwidth with
-        this run's collective algorithm, and the copies' reduce beyond what attention backward
-        (estimated as twice `t_non_moe`, the measured non-MoE forward time) and the MoE backward
-        hide."""
-        local = torch.tensor([self.stats.expert_s / max(self.stats.expert_tokens, 1), self._probe_instance_seconds()],
-                             dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        # a copy serves the forward and the backward (two GEMMs per forward GEMM): 3x the measured
-        # forward; the layer's backward outside the experts (twice its forward) hides the reduce
-        seconds, instance_s = ((1.0 + planner.BACKWARD_OVER_FORWARD) * float(v) for v in local.tolist())
-        cost = self._cost_model(seconds, planner.BACKWARD_OVER_FORWARD * t_non_moe, instance_s)
-        self._log.append(
-            f"fssdp: cost model: {seconds * 1e6:.2f} us per token copy (measured) and {instance_s * 1e6:.1f} us per "
-            f"expert instance (probed; expert forward + backward), {self.expert_bytes} bytes per extra copy over "
-            f"{self.topology.intra_node_bw / 1e9:.2f} GB/s ({self.config.collectives} collectives), its reduce "
-            f"{cost.reduce_ratio:g}x that beyond {cost.reduce_hidden_s * 1e3:.2f} ms of attention backward and the MoE "
-            f"backward, the all-to-all at {self.hidden_size * self.element_size} bytes per token"
-        )
-        return cost
+        self.tuning.end_iteration(self._iteration, stats.expert_s, stats.expert_tokens, stats.non_moe_s,
+                                  self._probe_instance_seconds,
+                                  [self.layout.layer(index) for index in range(len(self.layers))],
+                                  stats.source_loads_LDE)
+        groups = {"fssdp": self.group, "edp": self.edp_group, "etp": parallel_state.get_expert_tensor_parallel_group()}
+        return metrics.iteration_record(stats, self.traffic, self.layers, self.plans, groups, self.config.rematerialize,
+                                        self.expert_numel, self.expert_bytes)
 
     def _probe_instance_seconds(self) -> float:
         """Forward time one more expert instance adds on this rank: the stage's first MoE layer
         runs 2 tokens as one instance and as two (`run_instances`, per instance or grouped as the
         run computes), the smallest of 5 runs each after a warm-up (the host clock; synchronised
         on GPU); the difference, at least 0. Copies split an expert's tokens but each adds this,
-        which on small batches outweighs the split (`FSSDPCostModel.seconds_per_instance`)."""
+        which on small batches outweighs the split (`FSSDPCostModel.seconds_per_instance`). The
+        runtime's, not the tuning's: it runs this stage's layer on its slot modules."""
         if not self.layers:
             return 0.0
         layer = self.layers[0]
@@ -627,100 +494,6 @@ class FSSDPRuntime(ModeRuntime):
                     if repeat:
                         best[instances] = min(best[instances], time.perf_counter() - started)
         return max(best[2] - best[1], 0.0)
-
-    def _cost_model(self, seconds_per_token: float, hidden_bwd: float,
-                    seconds_per_instance: float) -> planner.FSSDPCostModel:
-        """The cost model from the three measured figures (kept in checkpoints)."""
-        reduce_ratio = (4 if self.config.reduce_in_fp32 else self.element_size) / self.element_size
-        topology, algorithm, expert_bytes = self.topology, self.config.collectives, float(self.expert_bytes)
-        token_bytes = self.hidden_size * self.element_size
-        return planner.FSSDPCostModel(
-            seconds_per_token=seconds_per_token,
-            seconds_per_instance=seconds_per_instance,
-            expert_bytes=expert_bytes,
-            gather_seconds=lambda shard, placement: sparse_all_gather_seconds(shard, placement, expert_bytes, topology,
-                                                                              algorithm),
-            reduce_ratio=reduce_ratio,
-            reduce_hidden_s=hidden_bwd,
-            dispatch_seconds=lambda plan: 4.0 * transfer_seconds(dispatch_bytes(plan, topology, token_bytes), topology),
-        )
-
-    def _min_non_moe_seconds(self) -> float:
-        """The mean non-MoE time of a layer this iteration, the minimum over every rank of the job."""
-        samples = self.stats.non_moe_s
-        local = torch.tensor([float(np.mean(samples)) if samples else 0.0], dtype=torch.float64)
-        dist.all_reduce(local, op=dist.ReduceOp.MIN)
-        return float(local.item())
-
-    def _auto_overlap_degree(self, cost: planner.FSSDPCostModel) -> int:
-        """Auto t at the end of this iteration, by cost (`planner.choose_overlap_degree`): t = 0,
-        the powers of two up to E and DESIGN 4.2's hidden t (what the measured non-MoE time hides
-        at the probed bandwidth) priced on this iteration's loads, with calibration's copies when
-        the run calibrates; the cheapest is kept. The prices are summed over every rank (each
-        prices its pipeline stage's layers), so every rank takes the same t. The times are the
-        first iteration's (the cost model's); the loads are this iteration's, so a later choice
-        follows the router."""
-        t_non_moe = cost.reduce_hidden_s / planner.BACKWARD_OVER_FORWARD  # `_measured_cost` set it from it
-        bw = planner.gather_bandwidth(self.topology, self.config.collectives)
-        hidden_t = planner.overlap_degree(t_non_moe, bw, self.expert_bytes, self.num_experts)
-        candidates = planner.overlap_candidates(hidden_t, self.num_experts)
-        shards = [self.layout.layer(index) for index in range(len(self.layers))]
-        local = planner.overlap_prices(shards, self.stats.source_loads_LDE, candidates, self.m, self.topology, cost,
-                                       t_non_moe, calibrated=self.config.calibrate)
-        prices = torch.from_numpy(local)
-        dist.all_reduce(prices)
-        choice = planner.choose_overlap_degree(candidates, prices.numpy() / dist.get_world_size(), hidden_t)
-        change = "" if self.t is None else " (unchanged)" if choice.t == self.t else f" (was {self.t})"
-        self._log.append(
-            f"fssdp: auto overlap degree t = {choice.t}{change} from iteration {self._iteration + 1} (hidden t = "
-            f"{hidden_t}: non-MoE time {t_non_moe * 1e3:.2f} ms per layer, bandwidth {bw / 1e9:.2f} GB/s, expert "
-            f"{self.expert_bytes} bytes, {self.num_experts} experts; priced on iteration {self._iteration}'s loads with "
-            f"m = {self.m}, per rank's stage: {choice.table()})"
-        )
-        return choice.t
-
-    @property
-    def _layers_alive(self) -> int:
-        """MoE layers whose copies are alive at once (re-materialization: the one in use and the
-        one being re-gathered)."""
-        return min(2 if self.config.rematerialize else len(self.layers), len(self.layers))
-
-    def _budget_memory_capacity(self) -> int:
-        """CPU, auto m: --fssdp-memory-budget-mb over the layers alive and the bytes of one copy."""
-        budget = torch.tensor([self.config.memory_budget_bytes / self._layers_alive], dtype=torch.float64)
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-        copy_bytes = 2 * self.expert_bytes
-        m = planner.memory_capacity(float(budget.item()), copy_bytes)
-        self._log.append(
-            f"fssdp: auto memory capacity m = {m} (--fssdp-memory-budget-mb: {budget.item() / 2**20:.1f} MiB per "
-            f"layer with copies alive, {self._layers_alive} such layers, {copy_bytes} bytes per copy: weights "
-            "and gradient)"
-        )
-        return m
-
-    def _measured_memory_capacity(self) -> int:
-        """GPU, auto m, after the first iteration (run without copies): free memory minus its
-        activation peak x (1 + margin), per layer alive, over the bytes of one copy; the
-        minimum over every rank of the job, so every FSSDP group plans with the same m."""
-        memory = DeviceMemory.read(self.device)
-        peak = max(memory.peak - self._memory_base, 0)
-        figures = torch.tensor([memory.free, peak], dtype=torch.float64)  # host tensors: the group's gloo side
-        every = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, figures)
-        copy_bytes = 2 * self.expert_bytes
-        margin = self.config.memory_margin
-        per_rank = [planner.memory_capacity_after_activations(float(f), float(p), margin, self._layers_alive, copy_bytes)
-                    for f, p in (e.tolist() for e in every)]
-        m = min(per_rank)
-        r = per_rank.index(m)
-        free, peak = (float(x) for x in every[r].tolist())
-        self._log.append(
-            f"fssdp: auto memory capacity m = {m} (rank {r}, the tightest: {free / 2**20:.0f} MiB free after "
-            f"iteration 1 - activation peak {peak / 2**20:.0f} MiB x (1 + --fssdp-memory-margin {margin}) = "
-            f"{(free - peak * (1 + margin)) / 2**20:.0f} MiB over {self._layers_alive} layers with copies alive, "
-            f"{copy_bytes} bytes per copy: weights and gradient)"
-        )
-        return m
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -846,183 +619,35 @@ class FSSDPRuntime(ModeRuntime):
         return loaded, notes + more
 
     def placement_state_dict(self) -> dict:
-        """Every rank's slot table with its stage's shard layout, the load history, t and the
-        calibration cost model, as plain numbers (Megatron reads common state with
-        torch.load(weights_only=True)). Collective over the world: each rank adds its table."""
-        mine = {
-            "layers": [layer.layer_number for layer in self.layers],
-            "rank": self.rank,
-            "held": self.table.held_S2.tolist(),
-            "owners": self.layout.owners_LE.tolist(),
-        }
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        stages: dict[tuple, dict] = {}
-        for entry in every:
-            stage = stages.setdefault(tuple(entry["layers"]), {"layers": entry["layers"], "owners": entry["owners"],
-                                                                "tables": [None] * self.num_devices})
-            stage["tables"][entry["rank"]] = entry["held"]
-        tracker = self.tracker.state_dict()
-        return {
-            "num_devices": self.num_devices,
-            "stages": list(stages.values()),
-            "observed": int(tracker["observed"]),
-            "history_loads": tracker["history_loads"].tolist(),
-            "overlap_degree": self.t,
-            "calibration_seconds_per_token": None if self.cost is None else self.cost.seconds_per_token,
-            "calibration_hidden_backward_s": None if self.cost is None else self.cost.reduce_hidden_s,
-            "calibration_seconds_per_instance": None if self.cost is None else self.cost.seconds_per_instance,
-        }
+        """The placement as common state (`fssdp/checkpoint.py`); collective over the world."""
+        return placement_state_dict([layer.layer_number for layer in self.layers], self.rank, self.table, self.layout,
+                                    self.num_devices, self.tracker, self.tuning)
 
     def load_placement_state_dict(self, state: dict | None) -> list[str]:
-        """Adopts a saved placement (after attach, before the weights are read); log notes.
-
-        A placement saved in another mode, with another group size or other MoE layers does not
-        apply: the run starts from EP's layout with no load history and says so. A saved t
-        applies when --fssdp-overlap-degree is auto (the flag wins otherwise)."""
-        if state is None:
-            return ["fssdp: the checkpoint holds no fssdp placement (saved in another mode); experts start "
-                    "from EP's layout with no load history"]
-        layers = [layer.layer_number for layer in self.layers]
-        stage = next((s for s in state["stages"] if s["layers"] == layers), None)
-        history = np.asarray(state["history_loads"], dtype=np.int64)
-        if history.size == 0:
-            history = history.reshape(0, len(self.moe_layer_numbers), self.num_experts)
-        if (state["num_devices"] != self.num_devices or stage is None
-                or history.shape[1:] != (len(self.moe_layer_numbers), self.num_experts)):
-            return [f"fssdp: the saved placement ({state['num_devices']} ranks) does not fit {self.num_devices} "
-                    f"ranks and MoE layers {layers}; experts start from EP's layout with no load history"]
-        layout = ModelShardLayout(np.asarray(stage["owners"], dtype=np.int64), self.num_devices)
-        table = SlotTable(np.asarray(stage["tables"][self.rank], dtype=np.int64), self.table.slots_per_layer)
-        table.check(layout, self.rank)
-        self.layout, self.table = layout, table
-        self.tracker.load_state_dict({"observed": state["observed"], "history_loads": history})
-        notes = [f"fssdp: restored the shard layout (experts owned per layer and rank {layout.counts_LD().tolist()}) "
-                 f"and {self.tracker.num_observed} observed iterations of loads"]
-        if self.config.overlap_degree is None and state["overlap_degree"] is not None:
-            self.t = int(state["overlap_degree"])
-            notes.append(f"fssdp: overlap degree t = {self.t} from the checkpoint (auto t measured by the saving run)")
-        seconds = state["calibration_seconds_per_token"]
-        if (self.config.calibrate or self.config.overlap_degree is None) and seconds is not None:
-            # the measured times; the copy's bytes are this run's (its dtype may differ)
-            self.cost = self._cost_model(float(seconds), float(state.get("calibration_hidden_backward_s") or 0.0),
-                                         float(state.get("calibration_seconds_per_instance") or 0.0))
+        """Adopts a saved placement (after attach, before the weights are read); log notes
+        (`fssdp/checkpoint.py` `restore_placement`)."""
+        layout, table, notes = restore_placement(
+            state, self.config, [layer.layer_number for layer in self.layers], self.moe_layer_numbers, self.rank,
+            self.table, self.num_devices, self.num_experts, self.tracker, self.tuning)
+        if layout is not None:
+            self.layout, self.table = layout, table
         return notes
 
     # ---- metrics ---------------------------------------------------------------------------
-
-    def _metrics(self) -> dict:
-        """The iteration's FSSDP figures: tokens per device position and remote copies summed over
-        the FSSDP groups, those of other expert-data-parallel and expert-tensor-parallel ranks
-        (like the common record's ep figures; ETP ranks route their own tokens and process the
-        union); bytes, times and copies are this group's (every group runs the same plans),
-        identical on every rank of the group."""
-        self.stats.device_tokens_LD, remote = sum_over_groups(
-            (self.edp_group, parallel_state.get_expert_tensor_parallel_group()), self.stats.device_tokens_LD,
-            self.stats.remote_copies)
-        self.stats.remote_copies = int(remote)
-        snapshot = self.traffic.snapshot()
-        fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
-        local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
-        bytes_sum = torch.tensor(local, dtype=torch.float64)
-        dist.all_reduce(bytes_sum, group=self.group)
-        exposed = torch.tensor([self.stats.exposed_s[k] for k in EXPOSED_KINDS] + [self.stats.reshard_s], dtype=torch.float64)
-        dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=self.group)
-        *exposed_s, reshard_s = exposed.tolist()
-        values = bytes_sum.tolist()
-        traffic = {}
-        for i, kind in enumerate(TRAFFIC_KINDS):
-            sent_intra, sent_inter = values[4 * i], values[4 * i + 1]
-            traffic[kind] = {"intra": int(sent_intra), "inter": int(sent_inter)}
-        layers = []
-        for layer in self.layers:
-            plan = self.plans[layer.layer_number]
-            device_D = self.stats.device_tokens_LD[plan.index]
-            layers.append(
-                {
-                    "layer": layer.layer_number,
-                    "device_tokens": device_D.tolist(),
-                    "imbalance": imbalance(device_D),
-                    "replicas": plan.placement.replicas_E().tolist(),
-                    "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
-                    # experts every rank held whose gradients went back by ring reduce (and copies
-                    # out by ring broadcast; placement.collectives.copy_sources)
-                    "ring_experts": int(plan.reduce.relay.ring_chunks.size) if isinstance(plan.reduce, RelayReduceScatter) else 0,
-                    "owned": plan.shard.counts_D().tolist(),
-                    "calibration_reserve": self.stats.reserved[layer.layer_number],
-                }
-            )
-        copies_D = np.stack([np.asarray(r["copies"]) for r in layers])
-        alive_D = copies_D.sum(axis=0) if not self.config.rematerialize else copies_D[-1] + copies_D[:-1].max(axis=0, initial=0)
-        return {
-            "t": self.stats.t,
-            "m": self.stats.m,
-            "layers": layers,
-            "bytes": traffic,
-            "exposed_s": dict(zip(EXPOSED_KINDS, exposed_s)),
-            # seconds: the slowest rank's (packing, transfers, unpacking)
-            "reshard": None if self.stats.reshard is None else {**self.stats.reshard, "seconds": reshard_s},
-            "calibrations": self.stats.calibrations,
-            # every rank computes every plan: this is already the global count
-            "a2a_remote_copies": self.stats.remote_copies,
-            "copies_bytes_peak": (alive_D * self.expert_bytes).tolist(),
-            # one copy in the compute dtype: what spAG moves and spRS returns per copy
-            "expert_elements": self.expert_numel,
-            "expert_bytes": self.expert_bytes,
-        }
 
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
 
     def progress(self, record: dict) -> tuple[str, float]:
-        fssdp = record[self.name]
-        # The common record's imbalance is EP's (the owners'); this one is after FSSDP's copies and dispatch.
-        placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
-        spag = sum(fssdp["bytes"]["spag"].values())
         _, survival = super().progress(record)
-        return f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)", survival
+        return metrics.progress_suffix(record[self.name]), survival
 
     def tensorboard_scalars(self, record: dict) -> dict[str, float]:
-        fssdp = record[self.name]
-        scalars = {"fssdp/overlap_degree": fssdp["t"]}
-        for layer in fssdp["layers"]:
-            scalars[f"fssdp/imbalance_layer{layer['layer']}"] = layer["imbalance"]
-            scalars[f"fssdp/replicas_layer{layer['layer']}"] = sum(layer["replicas"])
-        scalars.update(traffic_scalars("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s"))
-        for name in ("shard_bytes", "optimizer_state_bytes"):
-            if name in fssdp.get("memory", {}):
-                scalars[f"fssdp/{name}_max_rank"] = max(fssdp["memory"][name])
-        scalars["fssdp/copies_bytes_peak_max_rank"] = max(fssdp["copies_bytes_peak"])
-        if fssdp.get("reshard"):
-            scalars["fssdp/reshard_moved"] = fssdp["reshard"]["moved"]
-            scalars["fssdp/reshard_seconds"] = fssdp["reshard"]["seconds"]
-        return scalars
+        return metrics.tensorboard_scalars(record[self.name])
 
     def memory_report(self) -> dict:
-        """Bytes per rank (gathered over the group): owned expert shards (in the compute dtype)
-        and their optimizer state (Adam's moments, and in mixed precision the fp32 main weights)."""
-        shards = [p for layer in self.layers for p in layer.experts.parameters()]
-        owned = sum(p.numel() * p.element_size() for p in shards)
-        # a main weight sharing the model parameter's memory (fp32 with the distributed
-        # optimizer: a view of the parameter's range) is not counted twice
-        model_storage = {p.untyped_storage().data_ptr() for p in shards}
-        state = 0
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                if not group.get("is_expert_parallel", False):
-                    continue
-                for p in group["params"]:
-                    if p.untyped_storage().data_ptr() not in model_storage:  # mixed precision's fp32 main weight
-                        state += p.numel() * p.element_size()
-                    for value in inner.state.get(p, {}).values():
-                        if torch.is_tensor(value) and value.dim() > 0:
-                            state += value.numel() * value.element_size()
-        local = torch.tensor([owned, state], dtype=torch.float64)
-        parts = [torch.zeros_like(local) for _ in range(self.num_devices)]
-        dist.all_gather(parts, local, group=self.group)
-        stacked = torch.stack(parts).to(torch.int64)
-        return {"shard_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
+        """Owned expert shards and their optimizer state, bytes per rank of the group."""
+        return metrics.memory_report(self.layers, self.optimizer, self.group, self.num_devices)
 
 
 def _check_same_node_layout(nodes: int, per_node: int, ranks: list[int]) -> None:

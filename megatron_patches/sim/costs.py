@@ -325,7 +325,7 @@ class Hardware:
     @property
     def probed_topology(self) -> Topology:
         """The topology as the FSSDP runtime's bandwidth probe measures it, which sets its t
-        (`FSSDPRuntime._probe_bandwidths`): every rank exchanges with its node-mate and, at the
+        (`fssdp.tuning.probe_bandwidths`): every rank exchanges with its node-mate and, at the
         same time as every other position, with its same-position peer on the next node, so a
         node's G devices share its NIC: inter-node = the slowest NIC / G (at most the slowest
         intra-node link), intra-node = the slowest link. `topology` keeps the NIC rate a single

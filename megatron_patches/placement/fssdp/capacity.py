@@ -23,7 +23,7 @@ def gather_bandwidth(topology: Topology, algorithm: str = "flat") -> float:
     bw = 1 / (1 / (G inter) + (G - 1) / (G intra)).
 
     `inter_node_bw` must be what a device gets while every device of its node uses the network
-    at once, as the runtime's probe measures it (`FSSDPRuntime._probe_bandwidths`): with one
+    at once, as the runtime's probe measures it (`fssdp.tuning.probe_bandwidths`): with one
     100 Gbps NIC per node of G = 8 devices, 1.56 GB/s, so G x inter is the NIC's 12.5 GB/s and,
     with 300 GB/s inside the node, bw = 12.1 GB/s (flat: 1.56, so t is 7.7x larger). Given the
     NIC rate of one pair alone (12.5 GB/s), the formula would claim 77 GB/s through a 12.5 GB/s

@@ -1,0 +1,192 @@
+"""fssdp's per-iteration figures: what a rank measures during an iteration (IterationStats), the
+record it becomes at the iteration's end (tokens, imbalance, copies, bytes, exposed waits,
+re-shards), its progress-line and TensorBoard forms, and the memory report."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.comm.groups import sum_over_groups
+from megatron_patches.comm.relay import RelayReduceScatter
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.mode.runtime import traffic_scalars
+from megatron_patches.placement.accounting import imbalance
+
+__all__ = ["EXPOSED_KINDS", "TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress_suffix",
+           "tensorboard_scalars"]
+
+TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "reshard_edp")
+"""spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
+the backward with re-materialization; spag_calibrate: calibration's extra copies; reshard:
+experts (weights and optimizer state) moved to new owners; reshard_edp: with the distributed
+optimizer over several expert groups, the departing experts' optimizer state made whole over
+the expert-data-parallel group first. Counted apart so that spag + spag_calibrate = sprs holds."""
+EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
+"""Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
+
+
+@dataclass
+class IterationStats:
+    """What this rank measured in one iteration."""
+
+    device_tokens_LD: np.ndarray
+    """Token copies processed per layer and device under the dispatch plans (every rank
+    computes every plan, so this is global without communication)."""
+    t: int
+    """Overlap degree the iteration's plans used."""
+    m: int = 0
+    """Memory capacity the iteration's plans used (0 while auto m measures on GPU)."""
+    exposed_s: dict = field(default_factory=lambda: defaultdict(float))
+    """Seconds the compute stream stalled in wait() per collective kind (not hidden by compute);
+    this and the other times are the runtime's `DeviceTimer` spans (CUDA events on GPU)."""
+    non_moe_s: list = field(default_factory=list)
+    """Seconds from a MoE layer's TransformerLayer start to its MoE start (attention etc.)."""
+    expert_s: float = 0.0
+    """Seconds of expert forward compute on the stream (for the cost model)."""
+    expert_tokens: int = 0
+    """Token copies those seconds processed."""
+    calibrations: int = 0
+    """Layer forwards in which calibration gathered extra copies."""
+    reserved: dict = field(default_factory=dict)
+    """Per MoE layer number, the copy slots per device materialization left free for
+    calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""
+    reshard: dict | None = None
+    """The re-shard decision taken before this iteration (None when none was due)."""
+    reshard_s: float = 0.0
+    """Seconds this rank spent moving experts (packing, transfers, unpacking)."""
+
+    remote_copies: int = 0
+    """Token copies the dispatch plans send to another rank (all sources, all layers)."""
+    source_loads_LDE: np.ndarray | None = None
+    """Routed tokens per layer of this stage, source device and expert, summed over the
+    micro-batches (what auto t prices at the iteration's end); int64 [L, D, E], kept only in the
+    iterations auto t is chosen after: the first, and those before a re-shard check (None otherwise)."""
+
+    def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
+        self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
+        self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
+        if self.source_loads_LDE is not None:
+            self.source_loads_LDE[layer_index] += counts_DE
+
+    def add_times(self, times: dict[str, list[float]]) -> None:
+        """The iteration's timed spans (the runtime's DeviceTimer.collect)."""
+        for kind in EXPOSED_KINDS:
+            self.exposed_s[kind] += sum(times.get(f"fssdp.wait.{kind}", []))
+        self.expert_s += sum(times.get("fssdp.experts", []))
+        self.non_moe_s.extend(times.get("fssdp.non_moe", []))
+        self.reshard_s += sum(times.get("fssdp.reshard", []))
+
+
+def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: list, plans: dict, groups: dict,
+                     rematerialize: bool, expert_numel: int, expert_bytes: int) -> dict:
+    """The iteration's FSSDP figures: tokens per device position and remote copies summed over
+    the FSSDP groups, those of other expert-data-parallel and expert-tensor-parallel ranks
+    (like the common record's ep figures; ETP ranks route their own tokens and process the
+    union); bytes, times and copies are this group's (every group runs the same plans),
+    identical on every rank of the group. ``groups``: "fssdp" (the sparse collectives'), "edp"
+    and "etp" process groups. Collective."""
+    stats.device_tokens_LD, remote = sum_over_groups((groups["edp"], groups["etp"]), stats.device_tokens_LD,
+                                                     stats.remote_copies)
+    stats.remote_copies = int(remote)
+    snapshot = traffic.snapshot()
+    fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
+    local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
+    bytes_sum = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(bytes_sum, group=groups["fssdp"])
+    exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s], dtype=torch.float64)
+    dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=groups["fssdp"])
+    *exposed_s, reshard_s = exposed.tolist()
+    values = bytes_sum.tolist()
+    sent = {kind: {"intra": int(values[4 * i]), "inter": int(values[4 * i + 1])} for i, kind in enumerate(TRAFFIC_KINDS)}
+    rows = []
+    for layer in layers:
+        plan = plans[layer.layer_number]
+        device_D = stats.device_tokens_LD[plan.index]
+        rows.append(
+            {
+                "layer": layer.layer_number,
+                "device_tokens": device_D.tolist(),
+                "imbalance": imbalance(device_D),
+                "replicas": plan.placement.replicas_E().tolist(),
+                "copies": plan.placement.extra_copies_D(plan.shard).tolist(),
+                # experts every rank held whose gradients went back by ring reduce (and copies
+                # out by ring broadcast; placement.collectives.copy_sources)
+                "ring_experts": int(plan.reduce.relay.ring_chunks.size) if isinstance(plan.reduce, RelayReduceScatter) else 0,
+                "owned": plan.shard.counts_D().tolist(),
+                "calibration_reserve": stats.reserved[layer.layer_number],
+            }
+        )
+    copies_D = np.stack([np.asarray(r["copies"]) for r in rows])
+    alive_D = copies_D.sum(axis=0) if not rematerialize else copies_D[-1] + copies_D[:-1].max(axis=0, initial=0)
+    return {
+        "t": stats.t,
+        "m": stats.m,
+        "layers": rows,
+        "bytes": sent,
+        "exposed_s": dict(zip(EXPOSED_KINDS, exposed_s)),
+        # seconds: the slowest rank's (packing, transfers, unpacking)
+        "reshard": None if stats.reshard is None else {**stats.reshard, "seconds": reshard_s},
+        "calibrations": stats.calibrations,
+        # every rank computes every plan: this is already the global count
+        "a2a_remote_copies": stats.remote_copies,
+        "copies_bytes_peak": (alive_D * expert_bytes).tolist(),
+        # one copy in the compute dtype: what spAG moves and spRS returns per copy
+        "expert_elements": expert_numel,
+        "expert_bytes": expert_bytes,
+    }
+
+
+def progress_suffix(fssdp: dict) -> str:
+    """The progress line's fssdp part: the common record's imbalance is EP's (the owners'); this
+    one is after FSSDP's copies and dispatch."""
+    placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
+    spag = sum(fssdp["bytes"]["spag"].values())
+    return f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
+
+
+def tensorboard_scalars(fssdp: dict) -> dict[str, float]:
+    scalars = {"fssdp/overlap_degree": fssdp["t"]}
+    for layer in fssdp["layers"]:
+        scalars[f"fssdp/imbalance_layer{layer['layer']}"] = layer["imbalance"]
+        scalars[f"fssdp/replicas_layer{layer['layer']}"] = sum(layer["replicas"])
+    scalars.update(traffic_scalars("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s"))
+    for name in ("shard_bytes", "optimizer_state_bytes"):
+        if name in fssdp.get("memory", {}):
+            scalars[f"fssdp/{name}_max_rank"] = max(fssdp["memory"][name])
+    scalars["fssdp/copies_bytes_peak_max_rank"] = max(fssdp["copies_bytes_peak"])
+    if fssdp.get("reshard"):
+        scalars["fssdp/reshard_moved"] = fssdp["reshard"]["moved"]
+        scalars["fssdp/reshard_seconds"] = fssdp["reshard"]["seconds"]
+    return scalars
+
+
+def memory_report(layers: list, optimizer, group, num_devices: int) -> dict:
+    """Bytes per rank (gathered over the group): owned expert shards (in the compute dtype)
+    and their optimizer state (Adam's moments, and in mixed precision the fp32 main weights)."""
+    shards = [p for layer in layers for p in layer.experts.parameters()]
+    owned = sum(p.numel() * p.element_size() for p in shards)
+    # a main weight sharing the model parameter's memory (fp32 with the distributed
+    # optimizer: a view of the parameter's range) is not counted twice
+    model_storage = {p.untyped_storage().data_ptr() for p in shards}
+    state = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for param_group in inner.param_groups:
+            if not param_group.get("is_expert_parallel", False):
+                continue
+            for p in param_group["params"]:
+                if p.untyped_storage().data_ptr() not in model_storage:  # mixed precision's fp32 main weight
+                    state += p.numel() * p.element_size()
+                for value in inner.state.get(p, {}).values():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        state += value.numel() * value.element_size()
+    local = torch.tensor([owned, state], dtype=torch.float64)
+    parts = [torch.zeros_like(local) for _ in range(num_devices)]
+    dist.all_gather(parts, local, group=group)
+    stacked = torch.stack(parts).to(torch.int64)
+    return {"shard_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
