@@ -181,7 +181,7 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
     from megatron_patches.training.model import build_model
     from megatron_patches.zebra.config import ZebraConfig
     from megatron_patches.zebra.engine import ZebraEngine
-    from megatron_patches.zebra.ownership import AdamSettings
+    from megatron_patches.mode.adam import AdamSettings
     from megatron_patches.zebra.pools import local_pool, zebra_layout
     from megatron_patches.zebra.timeline import bubble_fractions, read_timeline
 

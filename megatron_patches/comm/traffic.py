@@ -6,8 +6,8 @@ d, node-major). Local copies are free. Summed over ranks, the counters equal the
 `placement.accounting` exactly (tests/comm checks it), so the logged bytes and the planned
 bytes mean the same thing.
 
-A `TrafficCounter` is per process. Metrics code reads `snapshot()` once per iteration and
-`reset()`s it; the mode decides which counter a collective records into (by default the
+A `TrafficCounter` is per process. Metrics code reads it once per iteration (`sent_over`: summed
+over the mode's group) and `reset()`s it; the mode decides which counter a collective records into (by default the
 process-wide `default_counter()`).
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_patches.placement.types import Topology
 
@@ -89,6 +91,15 @@ class TrafficCounter:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """All counters as {kind: {"sent_intra": ..., ...}}, kinds sorted."""
         return {kind: self._kinds[kind].as_dict() for kind in sorted(self._kinds)}
+
+    def sent_over(self, kinds: tuple[str, ...], group) -> dict[str, dict[str, int]]:
+        """Collective over ``group``: the bytes its ranks sent per kind, summed, in the records'
+        form {kind: {"intra": ..., "inter": ...}} (a kind nothing recorded counts 0)."""
+        local = [count for kind in kinds for count in (self.get(kind).sent_intra, self.get(kind).sent_inter)]
+        summed = torch.tensor(local, dtype=torch.float64)  # a host tensor: every group has gloo beside NCCL
+        dist.all_reduce(summed, group=group)
+        values = summed.tolist()
+        return {kind: {"intra": int(values[2 * i]), "inter": int(values[2 * i + 1])} for i, kind in enumerate(kinds)}
 
     def reset(self) -> None:
         """Forget everything recorded so far (e.g. at the start of an iteration)."""

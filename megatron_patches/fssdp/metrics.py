@@ -93,16 +93,10 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
     stats.device_tokens_LD, remote = sum_over_groups((groups["edp"], groups["etp"]), stats.device_tokens_LD,
                                                      stats.remote_copies)
     stats.remote_copies = int(remote)
-    snapshot = traffic.snapshot()
-    fields = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
-    local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
-    bytes_sum = torch.tensor(local, dtype=torch.float64)
-    dist.all_reduce(bytes_sum, group=groups["fssdp"])
+    sent = traffic.sent_over(TRAFFIC_KINDS, groups["fssdp"])
     exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s], dtype=torch.float64)
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=groups["fssdp"])
     *exposed_s, reshard_s = exposed.tolist()
-    values = bytes_sum.tolist()
-    sent = {kind: {"intra": int(values[4 * i]), "inter": int(values[4 * i + 1])} for i, kind in enumerate(TRAFFIC_KINDS)}
     rows = []
     for layer in layers:
         plan = plans[layer.layer_number]

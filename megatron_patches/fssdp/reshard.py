@@ -16,7 +16,8 @@ into a slot its departing experts freed. DDP, the optimizer and gradient clippin
 parameter objects as before, only their contents change; the gradient buffers are not moved
 (re-sharding runs between iterations, when they are zero).
 
-`plan_reshard` is pure planning (the same on every rank); `exchange_slots` runs the transfers.
+`plan_reshard` is pure planning (the same on every rank); `exchange_slots` runs the transfers
+and `move_slots` moves the slots' weights with Megatron's optimizer state.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patches.comm.groups import node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
 from megatron_patches.placement.types import ModelShardLayout, Topology
 
-__all__ = ["ReshardMoves", "ShardedSlotState", "SlotTable", "exchange_slots", "plan_reshard"]
+__all__ = ["ReshardMoves", "ShardedSlotState", "SlotTable", "exchange_slots", "move_slots", "optimizer_state_exists",
+           "plan_reshard"]
 
 
 @dataclass(frozen=True)
@@ -264,3 +268,62 @@ class ShardedSlotState:
         for slot in slots:
             for full, start, part in self._ranges(slot):
                 part.copy_(full[start:start + part.numel()])
+
+
+def move_slots(moves: ReshardMoves, slot_modules: list, optimizer, group, edp_group, topology: Topology,
+               traffic: TrafficCounter, param_sync: Callable | None) -> None:
+    """Moves the slots' weights and Megatron's optimizer state per `moves`. With the distributed
+    optimizer over several expert groups each rank keeps a range of every expert's state: the
+    departing experts' state is made whole over the expert-data-parallel group first
+    (`ShardedSlotState`; its bytes are `reshard_edp`). ``param_sync``: with
+    --overlap-param-gather, waits for a parameter's all-gather (None otherwise)."""
+    sending = [int(s) for _, slots in moves.send for s in slots]
+    receiving = [int(s) for _, slots in moves.recv for s in slots]
+    if param_sync is not None:
+        # the last step's all-gather must land before the weights are read (departing) or
+        # overwritten (arriving; a later wait would write the old ones back)
+        for slot in sending + receiving:
+            for param in slot_modules[slot].parameters():
+                param_sync(param)
+    first = next(slot_modules[0].parameters())
+    if not shards_over_data_parallel(optimizer, first):
+        exchange_slots(moves, lambda slot: _slot_tensors(slot_modules[slot], optimizer), group, topology, traffic)
+        return
+    staged = ShardedSlotState(lambda slot: list(slot_modules[slot].parameters()), len(slot_modules),
+                              lambda param: expert_optimizer_shard(optimizer, param), edp_group)
+    flat = staged.gather(sending)
+    if flat is not None:
+        edp_ranks = dist.get_process_group_ranks(edp_group)
+        record_ring_allreduce(traffic, "reshard_edp", flat, dist.get_rank(edp_group), len(edp_ranks),
+                              Topology(*node_layout(edp_ranks), 1.0, 1.0))
+    exchange_slots(moves, staged.tensors, group, topology, traffic)
+    staged.scatter(receiving)
+
+
+def _slot_tensors(expert, optimizer) -> list[torch.Tensor]:
+    """A slot's content: each parameter, then the optimizer's tensors for it (whole: an optimizer
+    that is not sharded over expert groups keeps every element)."""
+    tensors = []
+    for param in expert.parameters():
+        tensors.append(param.data.view(-1))
+        shard = expert_optimizer_shard(optimizer, param)
+        if shard is None or shard.start or shard.tensors[0].numel() != param.numel():
+            raise RuntimeError(f"fssdp re-shard: the optimizer keeps part of an expert parameter of shape "
+                               f"{tuple(param.shape)} on this rank, but its state was taken as whole")
+        tensors.extend(shard.tensors)
+    return tensors
+
+
+def optimizer_state_exists(slot_modules: list, optimizer) -> bool:
+    """Whether the optimizer holds state for the experts on every rank of the job (the first
+    step that is not skipped creates it everywhere at once; all-reduced all the same, so that
+    every rank takes the same re-shard decision)."""
+    exists = 1.0
+    try:
+        for param in slot_modules[0].parameters():
+            expert_optimizer_shard(optimizer, param)
+    except OptimizerStateMissing:
+        exists = 0.0
+    flag = torch.tensor([exists], dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

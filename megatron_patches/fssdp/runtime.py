@@ -47,19 +47,18 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import node_layout, record_ring_allreduce
+from megatron_patches.comm.groups import node_layout
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.timing import DeviceTimer, nvtx_range
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat import mcore
-from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
 from megatron_patches.fssdp import metrics
 from megatron_patches.fssdp.checkpoint import placement_state_dict, restore_placement
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.fssdp.layer import FSSDPMoELayer, LayerCopies, LayerPass
 from megatron_patches.fssdp.metrics import IterationStats
-from megatron_patches.fssdp.reshard import ReshardMoves, ShardedSlotState, SlotTable, exchange_slots, plan_reshard
+from megatron_patches.fssdp.reshard import SlotTable, move_slots, optimizer_state_exists, plan_reshard
 from megatron_patches.fssdp.tuning import FSSDPTuning, probe_bandwidths
 from megatron_patches.mode.layer import with_moe_layer
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
@@ -305,7 +304,7 @@ class FSSDPRuntime(ModeRuntime):
         fp16 loss-scale overflows at the start of a run): moving weights without it would leave
         the optimizer's lazily created state keyed to the wrong experts.
         """
-        if self.optimizer is not None and not self._optimizer_state_exists():
+        if self.optimizer is not None and not optimizer_state_exists(self.slot_modules, self.optimizer):
             self._log.append(
                 f"fssdp: re-shard check at iteration {iteration} deferred to the next interval: the optimizer has "
                 "no state yet (no step has been taken; every one so far was skipped, e.g. by fp16 loss-scale overflows)"
@@ -330,68 +329,14 @@ class FSSDPRuntime(ModeRuntime):
             )
         with self.timer.span("fssdp.reshard"):
             moves = plan_reshard(self.table, current, proposed, self.rank)
-            self._exchange(moves)
+            move_slots(moves, self.slot_modules, self.optimizer, self.group, self.edp_group, self.topology, self.traffic,
+                       self.expert_param_sync)
         self.layout, self.table = proposed, moves.table
         self._log.append(
             f"fssdp: re-shard at iteration {iteration}: moved {moved} experts (weights and optimizer state), "
             f"mean imbalance bound {now:.3f} -> {then:.3f}; experts owned per layer and rank: "
             f"{proposed.counts_LD().tolist()}"
         )
-
-    def _exchange(self, moves: ReshardMoves) -> None:
-        """Moves the slots' weights and optimizer state per `moves`. With the distributed
-        optimizer over several expert groups each rank keeps a range of every expert's state:
-        the departing experts' state is made whole over the expert-data-parallel group first
-        (`ShardedSlotState`; its bytes are `reshard_edp`)."""
-        sending = [int(s) for _, slots in moves.send for s in slots]
-        receiving = [int(s) for _, slots in moves.recv for s in slots]
-        if self.expert_param_sync is not None:
-            # --overlap-param-gather: the last step's all-gather must land before the weights are
-            # read (departing) or overwritten (arriving; a later wait would write the old ones back)
-            for slot in sending + receiving:
-                for param in self.slot_modules[slot].parameters():
-                    self.expert_param_sync(param)
-        first = next(self.slot_modules[0].parameters())
-        if not shards_over_data_parallel(self.optimizer, first):
-            exchange_slots(moves, self._slot_tensors, self.group, self.topology, self.traffic)
-            return
-        staged = ShardedSlotState(lambda slot: list(self.slot_modules[slot].parameters()), len(self.slot_modules),
-                                  lambda param: expert_optimizer_shard(self.optimizer, param), self.edp_group)
-        flat = staged.gather(sending)
-        if flat is not None:
-            edp_ranks = dist.get_process_group_ranks(self.edp_group)
-            record_ring_allreduce(self.traffic, "reshard_edp", flat, dist.get_rank(self.edp_group), len(edp_ranks),
-                                  Topology(*node_layout(edp_ranks), 1.0, 1.0))
-        exchange_slots(moves, staged.tensors, self.group, self.topology, self.traffic)
-        staged.scatter(receiving)
-
-    def _optimizer_state_exists(self) -> bool:
-        """Whether the optimizer holds state for the experts on every rank of the job (the first
-        step that is not skipped creates it everywhere at once; all-reduced all the same, so
-        that every rank takes the same re-shard decision)."""
-        exists = 1.0
-        try:
-            for param in self.slot_modules[0].parameters():
-                expert_optimizer_shard(self.optimizer, param)
-        except OptimizerStateMissing:
-            exists = 0.0
-        flag = torch.tensor([exists], dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    def _slot_tensors(self, slot: int) -> list[torch.Tensor]:
-        """A slot's content: each parameter, then the optimizer's tensors for it (whole: an
-        optimizer that is not sharded over expert groups keeps every element)."""
-        expert = self.slot_modules[slot]
-        tensors = []
-        for param in expert.parameters():
-            tensors.append(param.data.view(-1))
-            shard = expert_optimizer_shard(self.optimizer, param)
-            if shard is None or shard.start or shard.tensors[0].numel() != param.numel():
-                raise RuntimeError(f"fssdp re-shard: the optimizer keeps part of an expert parameter of shape "
-                                   f"{tuple(param.shape)} on this rank, but its state was taken as whole")
-            tensors.extend(shard.tensors)
-        return tensors
 
     def held_experts(self, layer, prefix: str) -> list[tuple[str, torch.nn.Module, int]]:
         """(state-dict prefix, module, expert id) of every expert of `layer` held on this rank,

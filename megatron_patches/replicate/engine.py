@@ -60,7 +60,8 @@ from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter, default_counter
 from megatron_patches.placement.replicate import expert_rank_ranges, gradient_source_table
 from megatron_patches.placement.types import ElementShardLayout, InstancePlacement, ShardLayout, Topology
-from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
+from megatron_patches.mode.adam import AdamSettings
+from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
 __all__ = ["STATE_NAMES", "PendingReduce", "ReplicatedExperts"]
@@ -110,7 +111,7 @@ class ReplicatedExperts:
         group: dist.ProcessGroup,
         contiguous: ContiguousGroups,
         *,
-        adam: AdamConfig,
+        adam: AdamSettings,
         slot_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         offload: bool = False,

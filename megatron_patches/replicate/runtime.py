@@ -36,7 +36,6 @@ The placement is the same on every rank: it comes from all-reduced counts only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,53 +43,27 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
-from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce, sum_over_groups
+from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
 from megatron_patches.mode.layer import with_moe_layer
-from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
-from megatron_patches.placement.accounting import imbalance
+from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.replicate import popularity_slots, slot_placement, spread_tokens
 from megatron_patches.placement.types import ShardLayout, Topology
-from megatron_patches.replicate import checkpoint
+from megatron_patches.replicate import checkpoint, metrics
 from megatron_patches.replicate.config import ReplicateConfig
 from megatron_patches.replicate.engine import STATE_NAMES, PendingReduce, ReplicatedExperts
 from megatron_patches.replicate.layer import ReplicateMoELayer
-from megatron_patches.replicate.slices import AdamConfig
+from megatron_patches.replicate.metrics import IterationStats
+from megatron_patches.mode.adam import AdamSettings
 
 __all__ = ["ReplicateRuntime"]
-
-TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_grad_edp", "rep_weights", "moved_state")
-"""rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
-gradient steps (b) and (c); rep_grad_edp: the slices' gradient all-reduce across replicate
-groups (ring model; EDP > 1 only); rep_weights: the push of the updated weights into the next slots;
-moved_state: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
 
 # Megatron's clip factor: max_norm / (total_norm + 1e-6), applied when below 1
 # (megatron/core/optimizer/clip_grads.py, clip_grad_by_total_norm_fp32).
 CLIP_EPS = 1.0e-6
-
-
-@dataclass
-class IterationStats:
-    """What the layers routed and processed in one iteration (global: from all-reduced counts)."""
-
-    routed_LE: np.ndarray
-    """Token copies routed per layer and expert, before dropping."""
-    processed_LED: np.ndarray
-    """Token copies processed per layer, expert and rank."""
-    replicas_LE: np.ndarray
-    """Instances per layer and expert class of the placement the iteration ran with."""
-    backwards_L: np.ndarray
-    """Backward passes that reached each layer's slots so far (the reduce starts at k)."""
-    remote_copies: int = 0
-    """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
-    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
-    """This rank's time in the placement planner (scheduler), in spreading and routing tokens
-    (metadata), in the slices' Adam step and weight push (optimizer), and moving the periodic
-    baseline's optimizer state (moved_state)."""
 
 
 class ReplicateRuntime(ModeRuntime):
@@ -98,7 +71,7 @@ class ReplicateRuntime(ModeRuntime):
 
     name = "replicate"
 
-    def __init__(self, config: ReplicateConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool, adam: AdamConfig):
+    def __init__(self, config: ReplicateConfig, num_experts: int, moe_layer_numbers: list[int], on_gpu: bool, adam: AdamSettings):
         super().__init__()
         self.config = config
         self.num_experts = num_experts
@@ -159,8 +132,7 @@ class ReplicateRuntime(ModeRuntime):
     @classmethod
     def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ReplicateRuntime":
         # The experts' optimizer takes Megatron's Adam settings (AdamW: decoupled weight decay).
-        adam = AdamConfig(args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps, args.weight_decay, decoupled_weight_decay=True)
-        return cls(ReplicateConfig.from_args(args), args.num_experts, moe_layer_numbers, on_gpu, adam)
+        return cls(ReplicateConfig.from_args(args), args.num_experts, moe_layer_numbers, on_gpu, AdamSettings.from_args(args))
 
     def transformer_config(self, config):
         """Megatron's per-expert capacity off: replicate applies the capacity per expert instance
@@ -356,7 +328,9 @@ class ReplicateRuntime(ModeRuntime):
             experts.push(next_slots[layer.layer_number])
         seconds["optimizer"] += time.perf_counter() - started - seconds["moved_state"]
         self.grads = {}
-        return self._metrics()
+        groups = {"replicate": self.group, "edp": self.edp_group, "etp": parallel_state.get_expert_tensor_parallel_group()}
+        return metrics.iteration_record(self.stats, self.traffic, self.layers, groups, self.config.policy,
+                                        self.slots_per_rank, self.config.micro_batches)
 
     def _next_slots(self, iteration: int) -> dict[int, np.ndarray]:
         """The slot assignment of every layer for the next iteration, by the policy."""
@@ -542,82 +516,15 @@ class ReplicateRuntime(ModeRuntime):
 
     # ---- metrics ---------------------------------------------------------------------------
 
-    def _metrics(self) -> dict:
-        """The iteration's replicate figures (identical on every rank): tokens summed over the
-        replicate groups of other expert-data-parallel and expert-tensor-parallel ranks; bytes and
-        seconds are this group's."""
-        stats = self.stats
-        stats.routed_LE, stats.processed_LED, remote = sum_over_groups(
-            (self.edp_group, parallel_state.get_expert_tensor_parallel_group()), stats.routed_LE, stats.processed_LED,
-            stats.remote_copies)
-        stats.remote_copies = int(remote)
-        snapshot = self.traffic.snapshot()
-        fields = ("sent_intra", "sent_inter")
-        local = [snapshot.get(kind, {}).get(f, 0) for kind in TRAFFIC_KINDS for f in fields]
-        bytes_sum = torch.tensor(local, dtype=torch.float64)
-        dist.all_reduce(bytes_sum, group=self.group)
-        seconds = torch.tensor(list(self.stats.seconds.values()), dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=self.group)
-        values = bytes_sum.tolist()
-        traffic = {kind: {"intra": int(values[2 * i]), "inter": int(values[2 * i + 1])} for i, kind in enumerate(TRAFFIC_KINDS)}
-        layers = []
-        routed = processed = 0
-        for index, layer in enumerate(self.layers):
-            routed_E = self.stats.routed_LE[index]
-            processed_ED = self.stats.processed_LED[index]
-            device_D = processed_ED.sum(axis=0)
-            routed += int(routed_E.sum())
-            processed += int(processed_ED.sum())
-            layers.append(
-                {
-                    "layer": layer.layer_number,
-                    "routed": int(routed_E.sum()),
-                    "processed": int(processed_ED.sum()),
-                    "survival": float(processed_ED.sum() / routed_E.sum()) if routed_E.sum() else 1.0,
-                    "device_tokens": device_D.tolist(),
-                    "imbalance": imbalance(device_D),
-                    "popularity": routed_E.tolist(),
-                    "replicas": self.stats.replicas_LE[index].tolist(),
-                    "reduce_started_in_backward": bool(self.stats.backwards_L[index] == self.config.micro_batches),
-                }
-            )
-        return {
-            "policy": self.config.policy,
-            "slots_per_rank": self.slots_per_rank,
-            "survival": processed / routed if routed else 1.0,
-            "layers": layers,
-            "bytes": traffic,
-            "a2a_remote_copies": self.stats.remote_copies,
-            "seconds": dict(zip(self.stats.seconds, seconds.tolist())),
-        }
-
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
 
     def progress(self, record: dict) -> tuple[str, float]:
-        replicate = record[self.name]
-        # Megatron's router drops nothing in replicate mode; the instances' capacity does.
-        placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
-        survival = min(layer["survival"] for layer in replicate["layers"])
-        return f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)", survival
+        return metrics.progress(record[self.name])
 
     def tensorboard_scalars(self, record: dict) -> dict[str, float]:
-        replicate = record[self.name]
-        scalars = {"replicate/survival": replicate["survival"]}
-        for layer in replicate["layers"]:
-            scalars[f"replicate/imbalance_layer{layer['layer']}"] = layer["imbalance"]
-            scalars[f"replicate/survival_layer{layer['layer']}"] = layer["survival"]
-            scalars[f"replicate/max_replicas_layer{layer['layer']}"] = max(layer["replicas"])
-        scalars.update(traffic_scalars("replicate", replicate["bytes"], replicate["seconds"], "seconds"))
-        return scalars
+        return metrics.tensorboard_scalars(record[self.name])
 
     def memory_report(self) -> dict:
-        """Bytes per rank (gathered over the group): slots (working weights) and the experts'
-        fp32 master weights + Adam moments (the slices, on the host with offload)."""
-        slots = sum(e.slots.slots_SN.numel() * e.slots.slots_SN.element_size() for e in self.experts.values())
-        state = sum(e.slices.state_bytes() for e in self.experts.values())
-        local = torch.tensor([slots, state], dtype=torch.float64, device=self.device)
-        parts = [torch.zeros_like(local) for _ in range(self.num_devices)]
-        dist.all_gather(parts, local, group=self.group)
-        stacked = torch.stack(parts).cpu().to(torch.int64)
-        return {"slot_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
+        """Slots and the slices' optimizer state, bytes per rank of the group."""
+        return metrics.memory_report(list(self.experts.values()), self.device, self.group, self.num_devices)

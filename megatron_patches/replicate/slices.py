@@ -19,41 +19,13 @@ host and device are the same and the copies cost nothing, but they are the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 from torch.optim.adam import adam
 
+from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.placement.types import ElementShardLayout
 
-__all__ = ["AdamConfig", "ExpertSlices"]
-
-
-@dataclass(frozen=True)
-class AdamConfig:
-    """Hyper-parameters of the expert optimizer, as torch.optim.Adam names them."""
-
-    lr: float = 1e-3
-    """Learning rate used when `ExpertSlices.step` is given none (schedulers pass theirs per step)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Decay rates of the first and second moment."""
-    eps: float = 1e-8
-    """Added to the denominator."""
-    weight_decay: float = 0.0
-    """L2 penalty (added to the gradient), or decoupled decay with `decoupled_weight_decay`."""
-    decoupled_weight_decay: bool = False
-    """True = AdamW's decoupled decay (Megatron's default optimizer is AdamW-style)."""
-
-    def __post_init__(self) -> None:
-        if not (np.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"AdamConfig.lr must be finite and >= 0, got {self.lr!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"AdamConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not self.eps >= 0:
-            raise ValueError(f"AdamConfig.eps must be >= 0, got {self.eps!r}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"AdamConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+__all__ = ["ExpertSlices"]
 
 
 class ExpertSlices:
@@ -77,7 +49,7 @@ class ExpertSlices:
         rank: int,
         num_ranks: int,
         *,
-        adam: AdamConfig,
+        adam: AdamSettings,
         device: torch.device | str,
         offload: bool = False,
         decay_mask_N: torch.Tensor | None = None,

@@ -35,7 +35,8 @@ from megatron_patches.mode.layer import set_aux_loss_scale
 from megatron_patches.placement.zebra import ORDERS, AsymEAPlan
 from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, ZebraConfig, recompute_refusals
 from megatron_patches.zebra.executor import ScheduleExecutor
-from megatron_patches.zebra.ownership import AdamSettings, MixedPrecision, ZebraOwnership
+from megatron_patches.mode.adam import AdamSettings
+from megatron_patches.zebra.ownership import MixedPrecision, ZebraOwnership
 from megatron_patches.zebra.pools import ZebraLayout
 from megatron_patches.zebra.tasks import ZebraTasks, masked_mean_loss
 from megatron_patches.zebra.timeline import gather_timeline, write_timeline

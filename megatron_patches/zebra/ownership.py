@@ -34,35 +34,11 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_patches.compat import activations, moe
+from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.placement.zebra import AsymEAPlan, expert_owners
 from megatron_patches.zebra.pools import ZebraLayout
 
-__all__ = ["AdamSettings", "MixedPrecision", "ZebraOwnership"]
-
-
-@dataclass(frozen=True)
-class AdamSettings:
-    """Adam hyper-parameters, as Megatron-LM's flags name them (the scheduler sets lr and wd later)."""
-
-    lr: float
-    """--lr: peak learning rate (max_lr of every parameter group)."""
-    min_lr: float
-    """--min-lr: floor of the learning-rate schedule."""
-    weight_decay: float
-    """--weight-decay: decoupled (AdamW) weight decay of non-bias, non-1-D parameters."""
-    beta1: float
-    """--adam-beta1."""
-    beta2: float
-    """--adam-beta2."""
-    eps: float
-    """--adam-eps."""
-    clip_grad: float
-    """--clip-grad: global gradient-norm clipping threshold; 0 disables clipping."""
-
-    @classmethod
-    def from_args(cls, args) -> "AdamSettings":
-        return cls(args.lr, args.min_lr, args.weight_decay, args.adam_beta1, args.adam_beta2, args.adam_eps,
-                   args.clip_grad)
+__all__ = ["MixedPrecision", "ZebraOwnership"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +113,7 @@ class ZebraOwnership:
         self._norm_counts_experts = self.zp_group == 0
         self.optimizer = torch.optim.AdamW(
             [dict(params=[self.main[id(p)] for p in params], **fields) for fields, params in self.param_groups],
-            lr=adam.lr, weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+            lr=adam.lr, weight_decay=adam.weight_decay, betas=adam.betas, eps=adam.eps,
         )
         """torch AdamW over this rank's main weights (its parameters in fp32) in ep's groups, with
         Megatron's fields: Megatron's OptimizerParamScheduler drives it (it sets lr and weight_decay

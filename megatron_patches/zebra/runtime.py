@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from megatron_patches.compat import mcore
 from megatron_patches.data import datasets
+from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.mode.runtime import ModeRuntime, StepResult, traffic_scalars
 from megatron_patches.placement.zebra import expert_owners
 from megatron_patches.placement.zebra.replan import replan
 from megatron_patches.zebra import checkpoint
 from megatron_patches.zebra.config import ZebraConfig
 from megatron_patches.zebra.engine import ZebraEngine, ZebraEngineError
-from megatron_patches.zebra.ownership import AdamSettings, MixedPrecision, ZebraOwnership
+from megatron_patches.zebra.ownership import MixedPrecision, ZebraOwnership
 from megatron_patches.zebra.pools import ZebraLayout
 
 

@@ -44,8 +44,9 @@ from megatron_patches.placement import (
     replica_counts,
     slot_placement,
 )
+from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
-from megatron_patches.replicate.slices import AdamConfig, ExpertSlices
+from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
 ITERATIONS = 3
@@ -104,7 +105,7 @@ def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGr
     slots_T = placements(case, world_size, seed)
     rng = np.random.default_rng(seed)
     W_EN = torch.from_numpy(rng.standard_normal((E, N))).float()
-    cfg = AdamConfig(lr=1e-2, **case["adam"])
+    cfg = AdamSettings(lr=1e-2, **case["adam"])
     reference = [torch.nn.Parameter(W_EN[e].clone()) for e in range(E)]
     ref_opt = torch.optim.Adam(
         reference,
@@ -305,7 +306,7 @@ def test_adam_slices_equal_torch_adam_on_full_vectors():
         dict(weight_decay=0.05, decoupled_weight_decay=True, betas=(0.5, 0.9), eps=1e-6),
     ):
         W_EN = torch.from_numpy(rng.standard_normal((E, N))).float()
-        cfg = AdamConfig(lr=3e-3, **options)
+        cfg = AdamSettings(lr=3e-3, **options)
         full = [torch.nn.Parameter(W_EN[e].clone()) for e in range(E)]
         opt = torch.optim.Adam(full, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                decoupled_weight_decay=cfg.decoupled_weight_decay)  # fmt: skip
@@ -337,7 +338,7 @@ def test_adam_slices_with_decay_mask_equal_adamw_param_groups():
     E, N, G, W = 2, 11, 3, 7
     rng = np.random.default_rng(3)
     W_EN = torch.from_numpy(rng.standard_normal((E, N))).float()
-    cfg = AdamConfig(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    cfg = AdamSettings(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
     weights = [torch.nn.Parameter(W_EN[e, :W].clone()) for e in range(E)]
     biases = [torch.nn.Parameter(W_EN[e, W:].clone()) for e in range(E)]
     opt = torch.optim.AdamW(
@@ -386,15 +387,15 @@ def test_slot_weights_assignment_and_in_place_fill():
 
 
 def test_argument_errors():
-    with pytest.raises(ValueError, match=r"AdamConfig.betas must be two numbers in \[0, 1\)"):
-        AdamConfig(betas=(0.9, 1.0))
-    with pytest.raises(ValueError, match="AdamConfig.lr must be finite and >= 0, got -1"):
-        AdamConfig(lr=-1)
+    with pytest.raises(ValueError, match=r"AdamSettings.betas must be two numbers in \[0, 1\)"):
+        AdamSettings(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="AdamSettings.lr must be finite and >= 0, got -1"):
+        AdamSettings(lr=-1)
     with pytest.raises(ValueError, match=r"weights_EN must be a floating-point \[experts, elements\] tensor"):
-        ExpertSlices(torch.zeros(4, dtype=torch.int64), 0, 1, adam=AdamConfig(), device="cpu")
+        ExpertSlices(torch.zeros(4, dtype=torch.int64), 0, 1, adam=AdamSettings(), device="cpu")
     with pytest.raises(PlacementError, match=r"rank 3 is not in \[0, 2\)"):
-        ExpertSlices(torch.zeros(2, 4), 3, 2, adam=AdamConfig(), device="cpu")
-    sl = ExpertSlices(torch.zeros(2, 5), 1, 2, adam=AdamConfig(), device="cpu")
+        ExpertSlices(torch.zeros(2, 4), 3, 2, adam=AdamSettings(), device="cpu")
+    sl = ExpertSlices(torch.zeros(2, 5), 1, 2, adam=AdamSettings(), device="cpu")
     with pytest.raises(ValueError, match=r"rank 1: the gradient slice must have shape \(2, 2\), got \(2, 3\)"):
         sl.step(torch.zeros(2, 3))
 
@@ -406,7 +407,7 @@ def test_world_of_one():
     with single_rank_group():
         world = dist.group.WORLD
         groups = ContiguousGroups([[0]])
-        cfg = AdamConfig(lr=0.1)
+        cfg = AdamSettings(lr=0.1)
         with pytest.raises(ValueError, match="pass the replicate process group explicitly"):
             ReplicatedExperts(W_EN, [[0, 1, 2]], None, groups, adam=cfg)
         with pytest.raises(ValueError, match="the topology has 2 devices but the group 1 ranks"):

@@ -151,7 +151,7 @@ def zebra_worker(out_dir: str, tokens: list[int]) -> dict:
     from megatron_patches.config import load_cluster_config
     from megatron_patches.zebra.config import ZebraConfig
     from megatron_patches.zebra.engine import ZebraEngine, ZebraEngineError
-    from megatron_patches.zebra.ownership import AdamSettings
+    from megatron_patches.mode.adam import AdamSettings
     from megatron_patches.zebra.pools import zebra_layout
 
     args = _megatron_setup()
@@ -230,7 +230,8 @@ def _fp16_overflow(args, batches, cluster) -> dict:
     from megatron_patches.compat import mcore
     from megatron_patches.zebra.config import ZebraConfig
     from megatron_patches.zebra.engine import ZebraEngine
-    from megatron_patches.zebra.ownership import AdamSettings, MixedPrecision
+    from megatron_patches.mode.adam import AdamSettings
+    from megatron_patches.zebra.ownership import MixedPrecision
     from megatron_patches.zebra.pools import zebra_layout
 
     model = _fresh_model(args).half()

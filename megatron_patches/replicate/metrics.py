@@ -1,0 +1,117 @@
+"""replicate's per-iteration figures: what the layers routed and processed in an iteration
+(IterationStats), the record it becomes at the iteration's end (tokens, survival, imbalance,
+replicas, bytes, seconds), its progress-line and TensorBoard forms, and the memory report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_patches.comm.groups import sum_over_groups
+from megatron_patches.comm.traffic import TrafficCounter
+from megatron_patches.mode.runtime import traffic_scalars
+from megatron_patches.placement.accounting import imbalance
+
+__all__ = ["TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress", "tensorboard_scalars"]
+
+TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_grad_edp", "rep_weights", "moved_state")
+"""rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
+gradient steps (b) and (c); rep_grad_edp: the slices' gradient all-reduce across replicate
+groups (ring model; EDP > 1 only); rep_weights: the push of the updated weights into the next slots;
+moved_state: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
+
+
+@dataclass
+class IterationStats:
+    """What the layers routed and processed in one iteration (global: from all-reduced counts)."""
+
+    routed_LE: np.ndarray
+    """Token copies routed per layer and expert, before dropping."""
+    processed_LED: np.ndarray
+    """Token copies processed per layer, expert and rank."""
+    replicas_LE: np.ndarray
+    """Instances per layer and expert class of the placement the iteration ran with."""
+    backwards_L: np.ndarray
+    """Backward passes that reached each layer's slots so far (the reduce starts at k)."""
+    remote_copies: int = 0
+    """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
+    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
+    """This rank's time in the placement planner (scheduler), in spreading and routing tokens
+    (metadata), in the slices' Adam step and weight push (optimizer), and moving the periodic
+    baseline's optimizer state (moved_state)."""
+
+
+def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: list, groups: dict, policy: str,
+                     slots_per_rank: int, micro_batches: int) -> dict:
+    """The iteration's replicate figures (identical on every rank): tokens summed over the
+    replicate groups of other expert-data-parallel and expert-tensor-parallel ranks; bytes and
+    seconds are this group's. ``groups``: "replicate", "edp" and "etp" process groups. Collective."""
+    stats.routed_LE, stats.processed_LED, remote = sum_over_groups(
+        (groups["edp"], groups["etp"]), stats.routed_LE, stats.processed_LED, stats.remote_copies)
+    stats.remote_copies = int(remote)
+    sent = traffic.sent_over(TRAFFIC_KINDS, groups["replicate"])
+    seconds = torch.tensor(list(stats.seconds.values()), dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=groups["replicate"])
+    rows = []
+    routed = processed = 0
+    for index, layer in enumerate(layers):
+        routed_E = stats.routed_LE[index]
+        processed_ED = stats.processed_LED[index]
+        device_D = processed_ED.sum(axis=0)
+        routed += int(routed_E.sum())
+        processed += int(processed_ED.sum())
+        rows.append(
+            {
+                "layer": layer.layer_number,
+                "routed": int(routed_E.sum()),
+                "processed": int(processed_ED.sum()),
+                "survival": float(processed_ED.sum() / routed_E.sum()) if routed_E.sum() else 1.0,
+                "device_tokens": device_D.tolist(),
+                "imbalance": imbalance(device_D),
+                "popularity": routed_E.tolist(),
+                "replicas": stats.replicas_LE[index].tolist(),
+                "reduce_started_in_backward": bool(stats.backwards_L[index] == micro_batches),
+            }
+        )
+    return {
+        "policy": policy,
+        "slots_per_rank": slots_per_rank,
+        "survival": processed / routed if routed else 1.0,
+        "layers": rows,
+        "bytes": sent,
+        "a2a_remote_copies": stats.remote_copies,
+        "seconds": dict(zip(stats.seconds, seconds.tolist())),
+    }
+
+
+def progress(replicate: dict) -> tuple[str, float]:
+    """The progress line's replicate part and the survival it shows: Megatron's router drops
+    nothing in replicate mode; the instances' capacity does."""
+    placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
+    survival = min(layer["survival"] for layer in replicate["layers"])
+    return f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)", survival
+
+
+def tensorboard_scalars(replicate: dict) -> dict[str, float]:
+    scalars = {"replicate/survival": replicate["survival"]}
+    for layer in replicate["layers"]:
+        scalars[f"replicate/imbalance_layer{layer['layer']}"] = layer["imbalance"]
+        scalars[f"replicate/survival_layer{layer['layer']}"] = layer["survival"]
+        scalars[f"replicate/max_replicas_layer{layer['layer']}"] = max(layer["replicas"])
+    scalars.update(traffic_scalars("replicate", replicate["bytes"], replicate["seconds"], "seconds"))
+    return scalars
+
+
+def memory_report(experts: list, device: torch.device, group, num_devices: int) -> dict:
+    """Bytes per rank (gathered over the group): slots (working weights) and the experts'
+    fp32 master weights + Adam moments (the slices, on the host with offload)."""
+    slots = sum(e.slots.slots_SN.numel() * e.slots.slots_SN.element_size() for e in experts)
+    state = sum(e.slices.state_bytes() for e in experts)
+    local = torch.tensor([slots, state], dtype=torch.float64, device=device)
+    parts = [torch.zeros_like(local) for _ in range(num_devices)]
+    dist.all_gather(parts, local, group=group)
+    stacked = torch.stack(parts).cpu().to(torch.int64)
+    return {"slot_bytes": stacked[:, 0].tolist(), "optimizer_state_bytes": stacked[:, 1].tolist()}
