@@ -55,7 +55,7 @@ from megatron_patches.jobs.plan import (
     load_run_config,
     plan_job,
 )
-from megatron_patches.training import arguments
+from megatron_patches.training import arguments, modes
 
 TEMPLATES = REPO / "launch" / "templates"
 
@@ -98,16 +98,12 @@ def _header(job: Job) -> str:
 
 
 def _parallelism_line(job: Job) -> str:
-    """How the world splits; zebra's split is by role, not Megatron's TP x PP x DP grid."""
+    """How the world splits: the mode's own line (`ModeSpec.parallelism_line`: zebra's split is by
+    role), else Megatron's TP x PP x DP grid."""
     args = job.args
-    if job.mode == "zebra":
-        m, n = args.zebra_attention_ranks, args.zebra_expert_ranks
-        moved = "" if str(args.zebra_asym_ea).strip() == "off" else " before Asym-EA moves some"
-        return (f"# Zebra: world {job.world_size} = {job.world_size // (m + n)} ZP group(s) x ({m} attention + {n} "
-                f"expert ranks); attention ranks data-parallel (DP {args.data_parallel_size}), each expert rank holds "
-                f"{args.num_experts // n} of the {args.num_experts} experts of every layer{moved}; global batch "
-                f"{args.global_batch_size} = {args.zebra_microbatches} micro-batches x {args.micro_batch_size} x "
-                f"{args.data_parallel_size} attention ranks.")
+    own = modes.spec(job.mode).parallelism_line(args, job.world_size)
+    if own is not None:
+        return own
     return (f"# Parallelism: world {job.world_size} = TP {args.tensor_model_parallel_size} x PP "
             f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; experts: EP "
             f"{args.expert_model_parallel_size} x ETP {args.expert_tensor_parallel_size} x expert-DP "

@@ -76,3 +76,17 @@ def test_the_entry_point_and_the_parser_import_no_torch():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, check=True, timeout=120)
+
+
+def test_the_runtime_counts_traffic_under_the_one_vocabulary():
+    """fssdp's and replicate's byte counters, fssdp's exposed waits and zebra's all-to-all records
+    are named as placement.accounting.TRAFFIC_KINDS names them (the simulator too:
+    tests/sim/test_sim_validation.py)."""
+    from megatron_patches.zebra.executor import COMM_STREAMS
+    from megatron_patches.fssdp.metrics import EXPOSED_KINDS, TRAFFIC_KINDS as FSSDP_KINDS
+    from megatron_patches.placement.accounting import TRAFFIC_KINDS
+    from megatron_patches.replicate.metrics import TRAFFIC_KINDS as REPLICATE_KINDS
+
+    zebra = {f"a2a_{stream}" for stream in COMM_STREAMS}
+    used = set(FSSDP_KINDS) | set(EXPOSED_KINDS) | set(REPLICATE_KINDS) | zebra
+    assert used <= set(TRAFFIC_KINDS), sorted(used - set(TRAFFIC_KINDS))

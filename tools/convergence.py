@@ -119,8 +119,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             # the smoothed curve's first point averages iterations 1..SMOOTH
             "iterations_to_target": int(crossing[0]) + SMOOTH if crossing.size else None,
             "mean_iteration_s": float(np.mean([r["iteration_time_s"] for r in records[1:]])),
-            "moved_state_bytes": int(sum(sum(x["bytes"]["moved_state"].values()) for x in replicate)),
-            "moved_state_s": float(sum(x["seconds"]["moved_state"] for x in replicate)),
+            "rearrange_bytes": int(sum(sum(x["bytes"]["rearrange"].values()) for x in replicate)),
+            "rearrange_s": float(sum(x["seconds"]["rearrange"] for x in replicate)),
             "scheduler_and_metadata_share": float(
                 np.mean([(r["replicate"]["seconds"]["scheduler"] + r["replicate"]["seconds"]["metadata"]) / r["iteration_time_s"] for r in records])
             ),
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
         reach = row["iterations_to_target"] if row["iterations_to_target"] is not None else "-"
         print(
             f"{policy:<12} {row['tokens_dropped']:>10} {row['mean_survival']:>9.3f} {row['final_loss']:>10.4f} {reach:>16} "
-            f"{row['mean_iteration_s']:>8.3f} {row['moved_state_bytes'] / 2**20:>18.2f} {row['moved_state_s']:>8.3f} "
+            f"{row['mean_iteration_s']:>8.3f} {row['rearrange_bytes'] / 2**20:>18.2f} {row['rearrange_s']:>8.3f} "
             f"{row['scheduler_and_metadata_share']:>10.2%}"
         )
     print(f"\nwrote {args.out / 'summary.json'}, {args.out / 'convergence.png'} and one .jsonl per run")

@@ -295,25 +295,7 @@ def main(argv=None) -> int:
         settings = _settings(args)
         value = {name: v for name, (v, _) in settings.items()}
         specs = resolve_systems(["ep"] + value["systems"].split(","))
-        efficiency = KernelEfficiency().with_overrides(_key_values(args.efficiency, "--efficiency"))
-        links = _key_values(args.link, "--link")
-        valid_links = [f.name for f in dataclasses.fields(LinkParameters)]
-        unknown = sorted(set(links) - set(valid_links))
-        if unknown:
-            raise SimError(f"unknown link parameter(s) {unknown}; valid: {valid_links}")
-        link_params = LinkParameters(**links)
-        options = SimOptions(
-            overlap_degree=value["overlap_degree"],
-            memory_capacity=value["memory_capacity"],
-            reserved_slots=args.reserved_slots,
-            slots_per_rank=value["slots_per_rank"],
-            capacity_factor=value["capacity_factor"],
-            reshard_interval=value["reshard_interval"],
-            zebra_microbatches=value["zebra_microbatches"],
-            memory_reserve_gb=args.memory_reserve_gb,
-            sparse_collectives=value["sparse_collectives"],
-            fssdp_calibrate=value["fssdp_calibrate"],
-        )
+        efficiency, link_params, options = _pricing(args, value)
         model, cluster = value["model"], value["cluster"]
         gpus = cluster.num_devices if value["gpus"] is None else value["gpus"]
         seq_length = value["seq_length"] or model.seq_length
@@ -348,8 +330,41 @@ def main(argv=None) -> int:
         results = simulate_all(scn, specs, args.jobs, progress)
     except (SimError, ConfigError, TraceError, PlacementError, OSError) as err:
         return _fail(str(err))
+    setup = _setup_record(scn, model, settings, trace_label, efficiency, link_params, options)
+    summary = summarize(results, setup, None if ep_problem else "ep")
+    summary["setup"]["wall_s"] = time.perf_counter() - started
+    _report(summary, args)
+    print(f"simulated in {summary['setup']['wall_s']:.1f} s")
+    return 0
+
+
+def _pricing(args, value: dict) -> tuple[KernelEfficiency, LinkParameters, SimOptions]:
+    """The kernel efficiencies, link parameters and simulator options of the command line."""
+    efficiency = KernelEfficiency().with_overrides(_key_values(args.efficiency, "--efficiency"))
+    links = _key_values(args.link, "--link")
+    valid_links = [f.name for f in dataclasses.fields(LinkParameters)]
+    unknown = sorted(set(links) - set(valid_links))
+    if unknown:
+        raise SimError(f"unknown link parameter(s) {unknown}; valid: {valid_links}")
+    options = SimOptions(
+        overlap_degree=value["overlap_degree"],
+        memory_capacity=value["memory_capacity"],
+        reserved_slots=args.reserved_slots,
+        slots_per_rank=value["slots_per_rank"],
+        capacity_factor=value["capacity_factor"],
+        reshard_interval=value["reshard_interval"],
+        zebra_microbatches=value["zebra_microbatches"],
+        memory_reserve_gb=args.memory_reserve_gb,
+        sparse_collectives=value["sparse_collectives"],
+        fssdp_calibrate=value["fssdp_calibrate"],
+    )
+    return efficiency, LinkParameters(**links), options
+
+
+def _setup_record(scn, model, settings: dict[str, tuple], trace_label: str, efficiency, link_params, options) -> dict:
+    """What the simulation ran with, as the JSON summary's "setup" (wall_s set at the end)."""
     wl = scn.workload
-    setup = {
+    return {
         "model": model.to_dict(),
         "model_config": settings["model"][1],
         "cluster": scn.hardware.describe(),
@@ -375,25 +390,25 @@ def main(argv=None) -> int:
         "compute (not a part)",
         "wall_s": None,
     }
-    summary = summarize(results, setup, None if ep_problem else "ep")
-    summary["setup"]["wall_s"] = time.perf_counter() - started
+
+
+def _report(summary: dict, args) -> None:
+    """The table, each system's details and memory warnings; the JSON and plot files asked for."""
     print(format_table(summary))
-    for name, s in summary["systems"].items():
-        details = {k: v for k, v in s["details"].items() if k != "profile"}
+    for name, system in summary["systems"].items():
+        details = {k: v for k, v in system["details"].items() if k != "profile"}
         if details:
             print(f"{name}: " + ", ".join(f"{k}={_short(v)}" for k, v in details.items()))
-    for name, s in summary["systems"].items():
-        if not s["fits_in_memory"]:
-            print(f"warning: {name} needs up to {s['memory_gb_max']:.1f} GB on a device of "
-                  f"{s['memory_gb_capacity']:.0f} GB at its most loaded iteration (see memory_gb_per_device)")
+    for name, system in summary["systems"].items():
+        if not system["fits_in_memory"]:
+            print(f"warning: {name} needs up to {system['memory_gb_max']:.1f} GB on a device of "
+                  f"{system['memory_gb_capacity']:.0f} GB at its most loaded iteration (see memory_gb_per_device)")
     if args.json:
         write_json(summary, args.json)
         print(f"wrote {args.json}")
     if args.plot:
         plot(summary, args.plot)
         print(f"wrote {args.plot}")
-    print(f"simulated in {summary['setup']['wall_s']:.1f} s")
-    return 0
 
 
 def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) -> None:

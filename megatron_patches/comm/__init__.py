@@ -4,9 +4,11 @@
 forms: one copy per node crosses the network), `transfers` (the pure,
 deterministic per-rank plan of who sends which rows and columns to whom), `streams` (the
 dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per rank,
-intra/inter-node). Imports `placement`; never `training` or the modes.
+intra/inter-node), `exchange` (the one point-to-point row exchange the modes move experts,
+state and gradient slices with). Imports `placement`; never `training` or the modes.
 """
 
+from megatron_patches.comm.exchange import exchange
 from megatron_patches.comm.groups import ContiguousGroups, node_layout, ring_allreduce_numel
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
@@ -29,6 +31,7 @@ __all__ = [
     "TrafficCounter",
     "comm_stream",
     "default_counter",
+    "exchange",
     "node_layout",
     "plan_rank_transfers",
     "ring_allreduce_numel",

@@ -118,7 +118,7 @@ class LayerCopies:
         if self.held_HN is None:
             if self.regather is None:
                 self.regather = self.layer.runtime.launch_regather(self)
-            with self.layer.runtime.timer.span("fssdp.wait.regather"):
+            with self.layer.runtime.timer.span("fssdp.wait.spag_remat"):
                 self.held_HN = self.regather.wait()
             self.regather = None
         return self.held_HN

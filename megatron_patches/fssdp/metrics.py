@@ -26,7 +26,7 @@ the backward with re-materialization; spag_calibrate: calibration's extra copies
 experts (weights and optimizer state) moved to new owners; reshard_edp: with the distributed
 optimizer over several expert groups, the departing experts' optimizer state made whole over
 the expert-data-parallel group first. Counted apart so that spag + spag_calibrate = sprs holds."""
-EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "regather")
+EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "spag_remat")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patches.comm.exchange import exchange
 from megatron_patches.comm.groups import node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
@@ -152,28 +153,18 @@ def exchange_slots(
 
     row_bytes = sum(t.numel() * t.element_size() for t in slot_tensors(0))
     device = slot_tensors(0)[0].device
-    ops, received = [], []
     # Rows are packed (copied) before anything is received: a slot may send its old content
     # and receive a new one in the same exchange.
-    for peer, slots in moves.send:
-        ops.append(dist.P2POp(dist.isend, pack(slots), group=group, group_peer=peer))
+    sends = {peer: pack(slots) for peer, slots in moves.send}
+    recvs = {peer: torch.empty((slots.size, row_bytes), dtype=torch.uint8, device=device) for peer, slots in moves.recv}
+    exchange(group, sends, recvs, traffic=traffic, kind=kind, topology=topology)
     for peer, slots in moves.recv:
-        buffer = torch.empty((slots.size, row_bytes), dtype=torch.uint8, device=device)
-        ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
-        received.append((slots, buffer))
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
-    for slots, buffer in received:
-        for slot, row in zip(slots, buffer):
+        for slot, row in zip(slots, recvs[peer]):
             offset = 0
             for tensor in slot_tensors(int(slot)):
                 size = tensor.numel() * tensor.element_size()
                 tensor.view(-1).view(torch.uint8).copy_(row[offset : offset + size])
                 offset += size
-    peers = [peer for peer, _ in moves.send] + [peer for peer, _ in moves.recv]
-    sent = [slots.size * row_bytes for _, slots in moves.send] + [0] * len(moves.recv)
-    recv = [0] * len(moves.send) + [slots.size * row_bytes for _, slots in moves.recv]
-    traffic.record(kind, dist.get_rank(group), topology, peers, sent, recv)
 
 
 class ShardedSlotState:

@@ -418,7 +418,7 @@ class Component:
     gpu: GpuType
     """The group's device type, with its memory."""
     role: str
-    """What its ranks do in zebra mode ("attention pool", "expert pool"); "" otherwise."""
+    """What its ranks do (`ModeSpec.component_roles`: zebra's "attention pool", "expert pool"); "" otherwise."""
     first_rank: int
     """Global rank of its first task in SLURM_PROCID order."""
 
@@ -524,29 +524,11 @@ def _layout(run: RunConfig, cluster: ClusterConfig, nodes: tuple[int, ...] | Non
         if per_node > group.gpus_per_node:
             raise SubmitError(f"gpus_per_node={per_node}: more than the {group.gpus_per_node} {group.gpu} per node of "
                               f"{label}cluster {cluster.name}; valid: 1..{group.gpus_per_node}")
-        role = ("attention pool", "expert pool")[i] if mode == "zebra" and len(groups) == 2 else ""
+        roles = modes.spec(mode).component_roles
+        role = roles[i] if len(roles) == len(groups) else ""
         components.append(Component(i, n, per_node, cluster.gpu_types[group.gpu], role, first))
         first += n * per_node
     return components
-
-
-def zebra_groups(args: argparse.Namespace, components: list[Component]) -> int:
-    """ZP groups G of a zebra hetjob: component 0 = G x M attention ranks, component 1 = G x N expert ranks."""
-    if len(components) != 2:
-        raise SubmitError(f"mode zebra needs a cluster with two node groups (attention GPUs first, then expert GPUs); "
-                          f"this one has {len(components)}")
-    attention, expert = components[0].ranks, components[1].ranks
-    m = getattr(args, "zebra_attention_ranks", None) or attention
-    n = getattr(args, "zebra_expert_ranks", None) or expert
-    if attention % m != 0:
-        raise SubmitError(f"--zebra-attention-ranks={m} does not divide the {attention} attention ranks "
-                          f"(component 0); valid: divisors of {attention}")
-    groups = attention // m
-    if expert != groups * n:
-        raise SubmitError(f"--zebra-expert-ranks={n}: {groups} ZP group(s) of {m} attention rank(s) need "
-                          f"{groups} x {n} = {groups * n} expert ranks, but component 1 has {expert}; valid: "
-                          f"{expert // groups if expert % groups == 0 else 'none (change the node counts)'}")
-    return groups
 
 
 def _bytes_per_parameter(args: argparse.Namespace, data_parallel: int) -> float:
@@ -639,7 +621,10 @@ def plan_job(run: RunConfig, overrides: Overrides = Overrides(), command_line: s
     with _working_directory(REPO):
         args = _parse_training_flags(argv, flags)
         # The hetjob split first: its messages name the components, which is what a launcher user changes.
-        zp_groups = zebra_groups(args, components) if mode == "zebra" else 1
+        try:
+            zp_groups = modes.spec(mode).replica_groups(args, [c.ranks for c in components])
+        except ValueError as error:
+            raise SubmitError(str(error)) from None
         world = sum(c.ranks for c in components)
         try:
             validation.validate_args(args, world_size=world)

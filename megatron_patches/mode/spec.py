@@ -38,6 +38,14 @@ def _no_launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
     return []
 
 
+def _one_replica_group(args: argparse.Namespace, component_ranks: list[int]) -> int:
+    return 1
+
+
+def _grid_line(args: argparse.Namespace, world_size: int) -> str | None:
+    return None
+
+
 def ep_model_state_shares(args: argparse.Namespace, component_ranks: list[int], zp_groups: int, dense: float,
                           experts: float) -> list[tuple[float, int, float, int] | None]:
     """Megatron's sharding, the same on every rank: non-expert parameters over TP x PP (their
@@ -88,6 +96,15 @@ class ModeSpec:
     groups and the model's non-expert and expert parameter counts), what one rank holds on
     average as (non-expert parameters, the ranks their optimizer state shards over, expert
     parameters, theirs), or None where only start-up knows it."""
+    component_roles: tuple[str, ...] = ()
+    """launch/submit.py: what the ranks of each launch component do, for a job whose cluster has
+    exactly that many node groups (zebra: "attention pool", "expert pool"); () none."""
+    replica_groups: Callable[[argparse.Namespace, list[int]], int] = _one_replica_group
+    """jobs/plan.py: the groups the launch components' ranks form (zebra's ZP groups), from the
+    training flags and each component's ranks; raises ValueError naming the flag and what is valid."""
+    parallelism_line: Callable[[argparse.Namespace, int], str | None] = _grid_line
+    """launch/submit.py: the job script's line on how the world splits, given the validated flags
+    and the world size; None: Megatron's TP x PP x DP grid (the launcher's own line)."""
 
     def runtime_class(self):
         return import_target(self.runtime)

@@ -7,7 +7,8 @@ a metric means the same thing everywhere:
   imbalance = max device load / mean device load (1.0 is the physical limit);
 - token survival = tokens processed / tokens routed;
 - bytes sent and received per device, split by link class (intra-node / inter-node), for
-  token all-to-all, sparse all-gather / reduce-scatter and rearrangement.
+  token all-to-all, sparse all-gather / reduce-scatter and rearrangement, under the names of
+  ``TRAFFIC_KINDS``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron_patches.placement.types import (
 )
 
 __all__ = [
+    "TRAFFIC_KINDS",
     "CommBytes",
     "allreduce_equivalent_bytes",
     "apply_capacity",
@@ -44,6 +46,33 @@ __all__ = [
     "survival",
     "transfer_seconds",
 ]
+
+TRAFFIC_KINDS = {
+    "all_to_all": "the token all-to-all of dispatch and combine (every mode; the simulator's name)",
+    "a2a_dispatch": "zebra's dispatch all-to-all (tokens and probabilities, and their gradients)",
+    "a2a_combine": "zebra's combine all-to-all (expert outputs, and their gradients)",
+    "spag": "fssdp: the sparse all-gather of the iteration's expert copies, before the gate",
+    "spag_calibrate": "fssdp: calibration's extra copies, gathered after the gate",
+    "spag_remat": "fssdp with re-materialisation: the copies gathered again for the backward",
+    "sprs": "fssdp: the sparse reduce-scatter of the copies' gradients to the owners",
+    "reshard": "fssdp: experts (weights and optimizer state) moved to new owners by a re-shard",
+    "reshard_edp": "fssdp, distributed optimizer over several expert groups: a departing expert's optimizer "
+                   "state made whole over the expert-data-parallel group first",
+    "popularity": "replicate: the per-micro-batch all-reduce of the routed counts",
+    "grad_allreduce": "the replicas' gradient all-reduce among an expert's holders (replicate's step (b), "
+                      "static replication)",
+    "grad_fetch": "replicate's step (c): each slice owner fetches its slice of every expert's summed gradient",
+    "grad_edp": "replicate: the slices' gradient all-reduce across replicate groups (EDP > 1)",
+    "weight_scatter": "replicate: the updated weights pushed from the slice owners into the next slots",
+    "rearrange": "optimizer state moved with re-placed experts (FlexMoE and SmartMoE, replicate's periodic "
+                 "baseline)",
+    "shadow_broadcast": "FasterMoE: a shadowed expert's weights broadcast to every device",
+    "shadow_reduce": "FasterMoE: the shadows' gradients reduced to the holder",
+    "dense_grad_allreduce": "the dense parameters' data-parallel gradient all-reduce (simulator)",
+}
+"""One name per kind of traffic, shared by the runtime's byte counters and records, the policies'
+traffic and the simulator's timeline labels (tests/placement/test_accounting.py checks that each
+uses only these)."""
 
 
 def device_loads(plan: DispatchPlan) -> np.ndarray:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import numpy as np
 
@@ -71,6 +71,7 @@ from megatron_patches.placement.types import (
 
 __all__ = [
     "ReplayConfig",
+    "replay_steps",
     "LayerPlan",
     "PolicyStep",
     "Policy",
@@ -665,6 +666,23 @@ class ReplayResult:
     """Iterations in which something moved."""
 
 
+def replay_steps(policy: Policy, loads_ILE: np.ndarray, source_LDE: Callable[[int], np.ndarray],
+                 window: int) -> Iterator[tuple[int, PolicyStep, float]]:
+    """The predict -> plan -> observe loop of every replay (`replay` here, the simulator's): per
+    iteration i the policy plans from the loads of the iterations before i only. Yields (i, the
+    plan, seconds in `Policy.plan`); i's loads are observed once the caller has used the plan.
+    ``source_LDE(i)``: iteration i's loads by source device, int [L, D, E]."""
+    I, L, E = loads_ILE.shape
+    tracker = policy.config.tracker(L, E, window)
+    for i in range(I):
+        predicted_LE = tracker.predict()
+        policy.misprediction_L = tracker.misprediction()
+        start = time.perf_counter()
+        step = policy.plan(i, predicted_LE, source_LDE(i))
+        yield i, step, time.perf_counter() - start
+        tracker.observe(loads_ILE[i])
+
+
 def replay(
     policy: Policy,
     loads_ILE,
@@ -694,18 +712,16 @@ def replay(
         if source_loads_ILDE.shape != (I, L, D, E):
             raise PlacementError(f"source loads have shape {source_loads_ILDE.shape}, expected {(I, L, D, E)}")
     w = policy.default_window if window is None else int(window)
-    tracker = policy.config.tracker(L, E, w)
     result = ReplayResult(
         policy.name, w, np.ones((I, L)), np.ones((I, L)), np.ones((I, L)), np.zeros((I, L)), np.zeros(I)
     )
     totals: dict[str, np.ndarray] = {}
-    for i in range(I):
-        src_LDE = even_source_loads(loads_ILE[i], D) if source_loads_ILDE is None else source_loads_ILDE[i]
-        predicted_LE = tracker.predict()
-        policy.misprediction_L = tracker.misprediction()
-        start = time.perf_counter()
-        step = policy.plan(i, predicted_LE, src_LDE)
-        result.planner_s_I[i] = time.perf_counter() - start
+
+    def source_LDE(i: int) -> np.ndarray:
+        return even_source_loads(loads_ILE[i], D) if source_loads_ILDE is None else source_loads_ILDE[i]
+
+    for i, step, planner_s in replay_steps(policy, loads_ILE, source_LDE, w):
+        result.planner_s_I[i] = planner_s
         for l, lp in enumerate(step.layers):
             routed = int(loads_ILE[i, l].sum())
             result.imbalance_IL[i, l] = imbalance(lp.processed_ED.sum(axis=0))
@@ -719,7 +735,6 @@ def replay(
             moved = policy.rearrangement(step)
             result.rearrange = result.rearrange + moved
             result.rearrange_events += 1
-        tracker.observe(loads_ILE[i])
         if progress is not None:
             progress(i + 1, I)
     moved = result.rearrange

@@ -85,18 +85,22 @@ def replica_counts(popularity_E, num_ranks: int, slots_per_rank: int) -> np.ndar
         )
     if p.sum() == 0:
         p = np.ones(E)
-    goal = p / p.sum() * total_slots
+    total = p.sum()
+    goal = p / total * total_slots
     count = np.floor(np.maximum(goal, 1.0)).astype(np.int64)
-    diff = count - goal
+    # diff scaled by sum(p) > 0, count * sum(p) - p * G*s: the same order as count - goal, and
+    # exact for integer popularity (token counts), so equal shares tie exactly and the tie goes to
+    # the lower expert id; count - goal would round 4 - 86/399*21 and 2 - 48/399*21 differently
+    diff = count * total - p * total_slots
     excess = int(count.sum()) - total_slots
     for _ in range(max(excess, 0)):
         i = int(np.argmax(np.where(count > 1, diff, -np.inf)))
         count[i] -= 1
-        diff[i] -= 1
+        diff[i] -= total
     for _ in range(max(-excess, 0)):
         i = int(np.argmin(diff))
         count[i] += 1
-        diff[i] += 1
+        diff[i] += total
     return count
 
 

@@ -25,11 +25,11 @@ straight into the rows of the next placement P'; the old slot contents are overw
 
 Bytes (recorded per rank in a `TrafficCounter`, intra/inter-node by the `Topology`), with
 H_r = distinct classes on rank r, m_e = ranks holding class e, b = bytes per element:
-- "rep_popularity": a ring all-reduce of E counts (`comm.groups.ring_allreduce_numel`);
-- "rep_grad_allreduce": sum over classes of 2 (m_e - 1) N b (ring model);
-- "rep_grad_fetch": sum over ranks of (E - H_r) n_r b (a rank fetches the slices of the
+- "popularity": a ring all-reduce of E counts (`comm.groups.ring_allreduce_numel`);
+- "grad_allreduce": sum over classes of 2 (m_e - 1) N b (ring model);
+- "grad_fetch": sum over ranks of (E - H_r) n_r b (a rank fetches the slices of the
   classes it does not hold; the others are local);
-- "rep_weights": sum over ranks of H_r (N - n_r) b for P' (every held class's other slices).
+- "weight_scatter": sum over ranks of H_r (N - n_r) b for P' (every held class's other slices).
 These are the simulator's formulas (`placement.policies.ReplicatePolicy.traffic`: grad_allreduce,
 grad_fetch, weight_scatter), which tests/replicate checks against the measured counters. When every
 rank's s slots hold distinct classes (H_r = s), the weights move s N (G - 1) elements, static
@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patches.comm.exchange import exchange
 from megatron_patches.comm.groups import ContiguousGroups
 from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter, default_counter
@@ -175,13 +176,13 @@ class ReplicatedExperts:
     def popularity(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Sum this rank's tokens per expert class over the group, in place; returns counts_E.
 
-        counts_E: [E] on the slots' device (int64 for exact counts). Bytes go to "rep_popularity".
+        counts_E: [E] on the slots' device (int64 for exact counts). Bytes go to "popularity".
         """
         if not isinstance(counts_E, torch.Tensor) or tuple(counts_E.shape) != (self.num_experts,):
             got = tuple(counts_E.shape) if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
             raise ValueError(f"counts_E must be a [{self.num_experts}] tensor, got {got}")
         self.contiguous.all_reduce(
-            counts_E, 0, self.contiguous.size, kind="rep_popularity", traffic=self.traffic, topology=self.topology
+            counts_E, 0, self.contiguous.size, kind="popularity", traffic=self.traffic, topology=self.topology
         )
         return counts_E
 
@@ -224,7 +225,7 @@ class ReplicatedExperts:
                 rep_HN[h],
                 int(range_E2[e, 0]),
                 int(range_E2[e, 1]),
-                kind="rep_grad_allreduce",
+                kind="grad_allreduce",
                 traffic=self.traffic,
                 topology=self.topology,
                 async_op=True,
@@ -260,29 +261,19 @@ class ReplicatedExperts:
         local_E = np.flatnonzero(source_ER[:, r] == r)
         if local_E.size:
             out_En[index(local_E)] = rep_HN[index(row_of_E[local_E]), mine]
-        ops, received, peer_P, sent_P, recv_P = [], [], [], [], []
-        for p in np.flatnonzero(np.arange(width_R.size) != r):
+        sends, recvs, rows_of = {}, {}, {}
+        for p in (int(p) for p in np.flatnonzero(np.arange(width_R.size) != r)):
             # Classes p takes from me, and those I take from p; empty slices move nothing.
             send_E = np.flatnonzero(source_ER[:, p] == r) if width_R[p] else np.empty(0, dtype=np.int64)
             recv_E = np.flatnonzero(source_ER[:, r] == p) if width_R[r] else np.empty(0, dtype=np.int64)
             if send_E.size:
-                packed = rep_HN[:, offsets[p] : offsets[p + 1]].index_select(0, index(row_of_E[send_E]))
-                ops.append(dist.P2POp(dist.isend, packed, group=self.group, group_peer=int(p)))
+                sends[p] = rep_HN[:, offsets[p] : offsets[p + 1]].index_select(0, index(row_of_E[send_E]))
             if recv_E.size:
-                buf = rep_HN.new_empty((recv_E.size, width_R[r]))
-                ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=int(p)))
-                received.append((index(recv_E), buf))
-            if send_E.size or recv_E.size:
-                peer_P.append(int(p))
-                sent_P.append(send_E.size * width_R[p])
-                recv_P.append(recv_E.size * width_R[r])
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        for rows, buf in received:
-            out_En[rows] = buf
-        size = rep_HN.element_size()
-        sent_P, recv_P = np.array(sent_P, dtype=np.int64) * size, np.array(recv_P, dtype=np.int64) * size
-        self.traffic.record("rep_grad_fetch", r, self.topology, peer_P, sent_P, recv_P)
+                recvs[p] = rep_HN.new_empty((recv_E.size, width_R[r]))
+                rows_of[p] = index(recv_E)
+        exchange(self.group, sends, recvs, traffic=self.traffic, kind="grad_fetch", topology=self.topology)
+        for p, buf in recvs.items():
+            out_En[rows_of[p]] = buf
         return out_En
 
     def step(self, grad_En: torch.Tensor, lr: float | None = None) -> None:
@@ -294,7 +285,7 @@ class ReplicatedExperts:
 
         Every rank sends its slice of every class to the other ranks that hold the class in
         `slot_expert_RS` (the next iteration's assignment, int [G, s]); the slot buffer is
-        overwritten in place. Bytes go to "rep_weights".
+        overwritten in place. Bytes go to "weight_scatter".
         """
         slots = self.slots
         slots.assign(slot_expert_RS)
@@ -305,7 +296,7 @@ class ReplicatedExperts:
             self.expert_numel,
             topology=self.topology,
             traffic=self.traffic,
-            kind="rep_weights",
+            kind="weight_scatter",
         )
         held = slots.slots_SN.detach()[: slots.held_experts.size]
         gather(self.slices.weights(slots.slots_SN.dtype), out=held).wait()

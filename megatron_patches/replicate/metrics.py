@@ -17,11 +17,11 @@ from megatron_patches.placement.accounting import imbalance
 
 __all__ = ["TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress", "tensorboard_scalars"]
 
-TRAFFIC_KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_grad_edp", "rep_weights", "moved_state")
-"""rep_popularity: the per-micro-batch count all-reduce; rep_grad_allreduce / rep_grad_fetch:
-gradient steps (b) and (c); rep_grad_edp: the slices' gradient all-reduce across replicate
-groups (ring model; EDP > 1 only); rep_weights: the push of the updated weights into the next slots;
-moved_state: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
+TRAFFIC_KINDS = ("popularity", "grad_allreduce", "grad_fetch", "grad_edp", "weight_scatter", "rearrange")
+"""popularity: the per-micro-batch count all-reduce; grad_allreduce / grad_fetch:
+gradient steps (b) and (c); grad_edp: the slices' gradient all-reduce across replicate
+groups (ring model; EDP > 1 only); weight_scatter: the push of the updated weights into the next slots;
+rearrange: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
 
 
 @dataclass
@@ -38,10 +38,10 @@ class IterationStats:
     """Backward passes that reached each layer's slots so far (the reduce starts at k)."""
     remote_copies: int = 0
     """Processed token copies that crossed ranks (all sources, layers, micro-batches)."""
-    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "moved_state": 0.0})
+    seconds: dict = field(default_factory=lambda: {"scheduler": 0.0, "metadata": 0.0, "optimizer": 0.0, "rearrange": 0.0})
     """This rank's time in the placement planner (scheduler), in spreading and routing tokens
     (metadata), in the slices' Adam step and weight push (optimizer), and moving the periodic
-    baseline's optimizer state (moved_state)."""
+    baseline's optimizer state (rearrange)."""
 
 
 def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: list, groups: dict, policy: str,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state
 
+from megatron_patches.comm.exchange import exchange
 from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
@@ -101,7 +102,7 @@ class ReplicateRuntime(ModeRuntime):
         edp_ranks = dist.get_process_group_ranks(self.edp_group)
         self.edp_size, self.edp_rank = len(edp_ranks), dist.get_rank(self.edp_group)
         self.edp_topology = Topology(*node_layout(edp_ranks), 1.0, 1.0)
-        """Nodes of the expert-data-parallel group, for the byte split of rep_grad_edp."""
+        """Nodes of the expert-data-parallel group, for the byte split of grad_edp."""
         if num_experts > self.num_devices * config.slots_per_rank:
             raise ValueError(
                 f"replicate mode: {num_experts} experts need at least one slot each, but {self.num_devices} ranks x "
@@ -236,7 +237,7 @@ class ReplicateRuntime(ModeRuntime):
         """
         counts_GE = torch.zeros((self.num_devices, self.num_experts), dtype=torch.int64, device=self.device)
         counts_GE[self.rank] = counts_E.to(self.device)
-        self.contiguous.all_reduce(counts_GE, 0, self.num_devices, kind="rep_popularity", traffic=self.traffic, topology=self.topology)
+        self.contiguous.all_reduce(counts_GE, 0, self.num_devices, kind="popularity", traffic=self.traffic, topology=self.topology)
         started = time.perf_counter()
         loads_GE = counts_GE.cpu().numpy()
         placement = self.experts[layer.layer_number].slots.placement
@@ -282,7 +283,7 @@ class ReplicateRuntime(ModeRuntime):
             grad_En = experts.finish_reduce(self.pending.pop(layer.layer_number))
             if self.edp_size > 1:  # the other groups' tokens: same slice, same position
                 dist.all_reduce(grad_En, group=self.edp_group)
-                record_ring_allreduce(self.traffic, "rep_grad_edp", grad_En, self.edp_rank, self.edp_size, self.edp_topology)
+                record_ring_allreduce(self.traffic, "grad_edp", grad_En, self.edp_rank, self.edp_size, self.edp_topology)
             self.grads[layer.layer_number] = grad_En.mul_(scale)
 
     def grad_norm_sq(self) -> float:
@@ -324,9 +325,9 @@ class ReplicateRuntime(ModeRuntime):
             if self.config.policy == "periodic":
                 moved = time.perf_counter()
                 self._move_state_with_experts(experts, next_slots[layer.layer_number])
-                seconds["moved_state"] += time.perf_counter() - moved
+                seconds["rearrange"] += time.perf_counter() - moved
             experts.push(next_slots[layer.layer_number])
-        seconds["optimizer"] += time.perf_counter() - started - seconds["moved_state"]
+        seconds["optimizer"] += time.perf_counter() - started - seconds["rearrange"]
         self.grads = {}
         groups = {"replicate": self.group, "edp": self.edp_group, "etp": parallel_state.get_expert_tensor_parallel_group()}
         return metrics.iteration_record(self.stats, self.traffic, self.layers, groups, self.config.policy,
@@ -363,27 +364,19 @@ class ReplicateRuntime(ModeRuntime):
         sl = experts.slices
         state_3En = torch.stack([sl.master_En, sl.exp_avg_En, sl.exp_avg_sq_En]).to(experts.slots.slots_SN.device)
         width = sl.layout.offsets()
-        ops, peers, sent, received = [], [], [], []
+        sends, recvs = {}, {}
+        from_peer = np.flatnonzero(gained_ED[:, self.rank])
         for peer in range(self.num_devices):
             if peer == self.rank:
                 continue
             # ranks with an empty slice (N < G) have nothing to send or receive
             to_peer = np.flatnonzero(gained_ED[:, peer]) if sl.shape[1] else np.empty(0, dtype=np.int64)
-            from_peer = np.flatnonzero(gained_ED[:, self.rank])
             if to_peer.size:
-                message = state_3En[:, torch.from_numpy(to_peer)].contiguous()
-                ops.append(dist.P2POp(dist.isend, message, group=self.group, group_peer=peer))
+                sends[peer] = state_3En[:, torch.from_numpy(to_peer)]
             n_peer = int(width[peer + 1] - width[peer])
             if from_peer.size and n_peer:
-                buffer = state_3En.new_empty((3, from_peer.size, n_peer))
-                ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=peer))
-            if to_peer.size or from_peer.size:
-                peers.append(peer)
-                sent.append(3 * to_peer.size * sl.shape[1] * 4 if to_peer.size else 0)
-                received.append(3 * from_peer.size * n_peer * 4 if from_peer.size and n_peer else 0)
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        self.traffic.record("moved_state", self.rank, self.topology, peers, sent, received)
+                recvs[peer] = state_3En.new_empty((3, from_peer.size, n_peer))
+        exchange(self.group, sends, recvs, traffic=self.traffic, kind="rearrange", topology=self.topology)
 
     # ---- checkpoints -------------------------------------------------------------------------
     #

@@ -62,6 +62,7 @@ from megatron_patches.placement.policies import (
     ReplayConfig,
     calibration_delta,
     make_policy,
+    replay_steps,
 )
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
@@ -574,12 +575,8 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     )
     ring_sparse = scn.options.sparse_collectives == "ring"
     relayed = scn.options.sparse_collectives == "hierarchical"
-    tracker = policy.config.tracker(L, E, policy.default_window)
-    for i in range(I):
-        start = time.perf_counter()
-        policy.misprediction_L = tracker.misprediction()
-        step = policy.plan(i, tracker.predict(), scn.source_ILDE[i])
-        out.planner_s += time.perf_counter() - start
+    for i, step, planner_s in replay_steps(policy, scn.loads_ILE, lambda i: scn.source_ILDE[i], policy.default_window):
+        out.planner_s += planner_s
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])
         out.expert_fwd_ILD[i] = scn.compute.expert_fwd(processed_LED)
         out.processed_ILD[i] = processed_LED.sum(axis=1)
@@ -655,7 +652,6 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                 )
             out.moves_I4D[i] = [getattr(comm, name) for name in _BYTE_FIELDS]
             out.moves_I[i] = len(step.moves)
-        tracker.observe(scn.loads_ILE[i])
     return out
 
 
@@ -668,9 +664,63 @@ _BEFORE_DISPATCH = ("spag", "spag_calibrate", "weight_scatter", "shadow_broadcas
 _GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_fetch")
 
 
+@dataclass
+class _Stages:
+    """Seconds of the program's compute stages per iteration and device, [I, D] (ep-bound: every
+    device takes the device mean), and of the dense gradient all-reduces."""
+
+    att_fwd: np.ndarray
+    att_bwd: np.ndarray
+    """With selective recompute, core attention again right before the attention backward."""
+    other_moe: np.ndarray
+    """Norms and the gate of a MoE layer."""
+    other_dense: np.ndarray
+    """Norms and the dense MLP of a dense layer."""
+    head: np.ndarray
+    """The output head, forward and backward."""
+    expert_fwd: list[np.ndarray]
+    """Per MoE layer."""
+    optimizer: np.ndarray
+    dense_grad_s: list[float]
+    """Per layer: its dense gradients' all-reduce."""
+    outer_grad_s: float
+    """The embeddings' and head's gradient all-reduce."""
+
+
+def _stages(scn: Scenario, spec: SystemSpec, rep: _Replayed) -> _Stages:
+    I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
+    c, wl = scn.compute, scn.workload
+
+    def even(duration):
+        """ep-bound: every device takes the device-mean time."""
+        d = np.broadcast_to(np.asarray(duration, dtype=np.float64), (I, D))
+        return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.bound else d
+
+    dense = wl.dense_params()
+    grad_bytes = wl.byte_model.grad_bytes_per_param
+    optimizer_params = sum(dense["per_layer"]) + dense["outer"]
+    return _Stages(
+        att_fwd=even(c.attention_fwd_D()),
+        att_bwd=even(c.attention_bwd_D() + (c.core_attention_fwd_D() if wl.recompute == "selective" else 0.0)),
+        other_moe=even(c.other_fwd_D(True)),
+        other_dense=even(c.other_fwd_D(False)),
+        head=even(c.head_fwd_D() * (1.0 + c.BACKWARD)),
+        expert_fwd=[even(rep.expert_fwd_ILD[:, k]) for k in range(L)],
+        optimizer=even(c.optimizer_D(optimizer_params / D + rep.optimizer_params_ILD.sum(axis=1))),
+        dense_grad_s=[scn.comm.dense_allreduce(p * grad_bytes)[1] for p in dense["per_layer"]],
+        outer_grad_s=scn.comm.dense_allreduce(dense["outer"] * grad_bytes)[1],
+    )
+
+
+def _span(first, last) -> np.ndarray:
+    """From the first device to start `first` to the last to finish `last`; [I]."""
+    return last.end_ID.max(axis=1) - first.start_ID.min(axis=1)
+
+
 def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[str, np.ndarray],
               a2a_IL: np.ndarray, rearrange_I: np.ndarray):
-    """Run the forward/backward program of every iteration.
+    """Run the forward/backward program of every iteration: the rearrangement, the forward, the
+    head, the backward (with a full recompute's second forward), the optimizer.
 
     Returns (timeline, iteration_s_I, layer_s_IL, moe_s_IL): the time of each MoE layer's whole
     transformer layer, and of its MoE block alone (router, dispatch, experts, combine: forward,
@@ -678,53 +728,42 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
     the last to finish), the per-layer figure the FSSDP paper compares.
     """
     I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
-    c = scn.compute
-    wl = scn.workload
-
-    def even(duration):
-        """ep-bound: every device takes the device-mean time."""
-        d = np.broadcast_to(np.asarray(duration, dtype=np.float64), (I, D))
-        return np.repeat(d.mean(axis=1, keepdims=True), D, axis=1) if spec.bound else d
-
-    recompute = wl.recompute
-    att_fwd = even(c.attention_fwd_D())
-    # selective recompute re-runs core attention right before the attention backward
-    att_bwd = even(c.attention_bwd_D() + (c.core_attention_fwd_D() if recompute == "selective" else 0.0))
-    other_moe, other_dense = even(c.other_fwd_D(True)), even(c.other_fwd_D(False))
-    head = even(c.head_fwd_D() * (1.0 + c.BACKWARD))
-    expert_fwd = [even(rep.expert_fwd_ILD[:, k]) for k in range(L)]
-    dense = wl.dense_params()
-    grad_bytes = wl.byte_model.grad_bytes_per_param
-    dense_grad_s = [scn.comm.dense_allreduce(p * grad_bytes)[1] for p in dense["per_layer"]]
-    outer_grad_s = scn.comm.dense_allreduce(dense["outer"] * grad_bytes)[1]
-    optimizer_params = sum(dense["per_layer"]) + dense["outer"]
-    optimizer = even(c.optimizer_D(optimizer_params / D + rep.optimizer_params_ILD.sum(axis=1)))
-    grad_kinds = [k for k in kind_times if k not in _BEFORE_DISPATCH + ("sprs",)]
-
+    stages = _stages(scn, spec, rep)
     tl = Timeline(I, D)
+    spans = {name: np.zeros((I, L)) for name in ("forward", "backward", "moe")}
     prev = tl.collective("a2a", "rearrangement", rearrange_I) if rearrange_I.any() else None
+    prev = _forward(tl, scn, stages, kind_times, a2a_IL, prev, spans)
+    prev = tl.compute("other", stages.head, after=[prev])
+    prev = _backward(tl, scn, spec, stages, kind_times, a2a_IL, prev, spans)
+    tl.collective("grad", "exposed_collectives", stages.outer_grad_s, after=[prev], label="dense_grad_allreduce")
+    waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
+    tl.compute("optimizer", stages.optimizer, after=waits)
+    total_I = tl.finish()
+    return tl, total_I, spans["forward"] + spans["backward"], spans["moe"]
+
+
+def _forward(tl: Timeline, scn: Scenario, stages: _Stages, kind_times: dict[str, np.ndarray], a2a_IL: np.ndarray,
+             prev, spans: dict[str, np.ndarray]):
+    """Every layer's forward: the weights the system moves before dispatch (replicate's scatter,
+    fssdp's gather, FasterMoE's shadows, calibration's copies), attention, gate, dispatch, experts,
+    combine. Returns the last task."""
+    wl = scn.workload
+    L = scn.num_layers
     scatters = [tl.collective("scatter", "exposed_collectives", kind_times["weight_scatter"][:, k], after=[prev],
                               label="weight_scatter")
                 for k in range(L)] if "weight_scatter" in kind_times else [None] * L
     moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
-    fwd_span = np.zeros((I, L))
-    bwd_span = np.zeros((I, L))
-    moe_span = np.zeros((I, L))
-
-    def span(first, last):
-        return last.end_ID.max(axis=1) - first.start_ID.min(axis=1)
-
     gathers: dict[int, object] = {}
     for j in range(wl.model.num_layers):
         k = moe_index.get(j)
         if k is not None and "spag" in kind_times:
             gathers[k] = tl.collective("sparse", "exposed_collectives", kind_times["spag"][:, k], after=[prev],
                                        label="spag")
-        att = tl.compute("attention", att_fwd, after=[prev])
+        att = tl.compute("attention", stages.att_fwd, after=[prev])
         if k is None:
-            prev = tl.compute("other", other_dense, after=[att])
+            prev = tl.compute("other", stages.other_dense, after=[att])
             continue
-        gate = tl.compute("other", other_moe, after=[att])
+        gate = tl.compute("other", stages.other_moe, after=[att])
         shadow = None
         if "shadow_broadcast" in kind_times:
             shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate],
@@ -736,11 +775,22 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
                                   after=[gate, gathers.get(k)], label="spag_calibrate")
         dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k],
                                  after=[gate, shadow, gathers.get(k), extra, scatters[k]])
-        experts = tl.compute("expert", expert_fwd[k], after=[dispatch])
+        experts = tl.compute("expert", stages.expert_fwd[k], after=[dispatch])
         prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
-        fwd_span[:, k] = span(att, prev)
-        moe_span[:, k] = span(gate, prev)
-    prev = tl.compute("other", head, after=[prev])
+        spans["forward"][:, k] = _span(att, prev)
+        spans["moe"][:, k] = _span(gate, prev)
+    return prev
+
+
+def _backward(tl: Timeline, scn: Scenario, spec: SystemSpec, stages: _Stages, kind_times: dict[str, np.ndarray],
+              a2a_IL: np.ndarray, prev, spans: dict[str, np.ndarray]):
+    """Every layer's backward from the last: a full recompute's forward again, combine, experts,
+    dispatch, the gradient collectives, gate, attention, the dense gradient all-reduce. Returns
+    the last attention backward."""
+    c, wl = scn.compute, scn.workload
+    recompute = wl.recompute
+    moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
+    grad_kinds = [k for k in kind_times if k not in _BEFORE_DISPATCH + ("sprs",)]
     regather: dict[int, object] = {}
     sprs_above = None
     for j in reversed(range(wl.model.num_layers)):
@@ -750,49 +800,46 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
             # gradient arrives: attention, gate, dispatch, experts, combine. The copies (fssdp),
             # replicas and shadows of the first forward serve it; with re-materialization the
             # re-gathered copies do, so its dispatch waits for them. No second gather.
-            prev = start = tl.compute("attention", att_fwd, after=[prev])
+            prev = start = tl.compute("attention", stages.att_fwd, after=[prev])
             if k is None:
-                prev = tl.compute("other", other_dense, after=[prev])
+                prev = tl.compute("other", stages.other_dense, after=[prev])
             else:
-                gate = prev = tl.compute("other", other_moe, after=[prev])
+                gate = prev = tl.compute("other", stages.other_moe, after=[prev])
                 prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev, regather.get(k)])
-                prev = tl.compute("expert", expert_fwd[k], after=[prev])
+                prev = tl.compute("expert", stages.expert_fwd[k], after=[prev])
                 prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
-                moe_span[:, k] += span(gate, prev)
+                spans["moe"][:, k] += _span(gate, prev)
         if k is None:
-            first = tl.compute("other", c.BACKWARD * other_dense, after=[prev])
+            first = tl.compute("other", c.BACKWARD * stages.other_dense, after=[prev])
         else:
             combine_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
             if recompute != "full":
                 start = combine_b
-            experts_b = tl.compute("expert", c.BACKWARD * expert_fwd[k], after=[combine_b, regather.get(k)])
+            experts_b = tl.compute("expert", c.BACKWARD * stages.expert_fwd[k], after=[combine_b, regather.get(k)])
             dispatch_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts_b])
             below = [m for m in moe_index.values() if m < k]
             if spec.remat and below and "spag" in kind_times:
                 # copies of the next MoE layer down were freed after its forward: gather them again
                 regather[below[-1]] = tl.collective(
                     "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b],
-                    label="spag_rematerialize",
+                    label="spag_remat",
                 )
             for kind in grad_kinds:
                 tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b], label=kind)
             # the runtime's spRS(l): launched when the gradient reaches the layer's MoE input, after
             # the wait for spRS of the MoE layer above (`FSSDPRuntime.on_layer_backward` / `drain`)
-            first = tl.compute("other", c.BACKWARD * other_moe, after=[dispatch_b, sprs_above])
+            first = tl.compute("other", c.BACKWARD * stages.other_moe, after=[dispatch_b, sprs_above])
             if "sprs" in kind_times:
                 sprs_above = tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k],
                                            after=[dispatch_b], label="sprs")
-            moe_span[:, k] += span(combine_b, first)
-        attention_b = tl.compute("attention", att_bwd, after=[first])
-        tl.collective("grad", "exposed_collectives", dense_grad_s[j], after=[attention_b], label="dense_grad_allreduce")
+            spans["moe"][:, k] += _span(combine_b, first)
+        attention_b = tl.compute("attention", stages.att_bwd, after=[first])
+        tl.collective("grad", "exposed_collectives", stages.dense_grad_s[j], after=[attention_b],
+                      label="dense_grad_allreduce")
         if k is not None:
-            bwd_span[:, k] = span(start, attention_b)
+            spans["backward"][:, k] = _span(start, attention_b)
         prev = attention_b
-    tl.collective("grad", "exposed_collectives", outer_grad_s, after=[prev], label="dense_grad_allreduce")
-    waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
-    tl.compute("optimizer", optimizer, after=waits)
-    total_I = tl.finish()
-    return tl, total_I, fwd_span + bwd_span, moe_span
+    return prev
 
 
 def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
@@ -846,7 +893,7 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     details["collective_s"].update({kind: float(t.sum(axis=1).mean()) for kind, t in kind_times.items()})
     if spec.remat and "spag" in kind_times:
         # every MoE layer but the top one gathers its copies again for the backward
-        details["collective_s"]["spag_rematerialize"] = float(kind_times["spag"][:, :-1].sum(axis=1).mean())
+        details["collective_s"]["spag_remat"] = float(kind_times["spag"][:, :-1].sum(axis=1).mean())
     details["prediction_window"] = policy.default_window
     if isinstance(policy, FSSDPPolicy):
         details["overlap_degree_changes"] = [list(change) for change in policy.t_changes]

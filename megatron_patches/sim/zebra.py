@@ -245,101 +245,21 @@ def _activation_bytes_ID(scn: Scenario, pools: ZebraPools, R: int, expert_tokens
 
 
 def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
-    """Simulate zebra-naive (R = 1), zebra (ZP) or zebra-asym (ZP + Asym-EA) over the trace."""
+    """Simulate zebra-naive (R = 1), zebra (ZP) or zebra-asym (ZP + Asym-EA) over the trace, in
+    named stages: the plan, the expert and all-to-all task times per iteration, the task order
+    simulated per iteration, the gradient sum and optimizer after it, the memory."""
     pools = ZebraPools(scn)
     R = 1 if spec.zebra_mode == "naive" else scn.options.zebra_microbatches
     plan, profile = _plan(scn, pools, spec.zebra_mode, R)
     I, L, E, D = scn.num_iterations, scn.num_layers, scn.num_experts, scn.num_devices
     c = scn.compute
-    scale = _tokens_per_microbatch(scn, pools, R) / scn.workload.tokens_per_device
-    a_rank = pools.attention
-    attention_f = scale * c.attention_fwd_D()[a_rank].max()
-    att_f = float((scale * (c.attention_fwd_D() + c.other_fwd_D(True)))[a_rank].max())
-    att_b = float((scale * (c.attention_bwd_D() + c.BACKWARD * c.other_fwd_D(True)
-                            + _attention_recompute_D(scn)))[a_rank].max())
-    expert_b = _expert_passes(scn) - 1.0  # an E task's backward in forwards (with its recompute)
-    head = c.head_fwd_D() * scale
-    head_f, head_b = float(head[a_rank].max()), float((c.BACKWARD * head)[a_rank].max())
-    att_share = float(attention_f) / att_f  # attention's part of an A task, the rest is norms and gate
-
     owners_LE = np.stack([zp.expert_owners(plan, l) for l in range(L)])  # group-local rank = device id
     tokens_ILE = scn.loads_ILE / R  # every micro-batch carries 1/R of the iteration's tokens
     tokens_ILED = np.zeros((I, L, E, D))
     tokens_ILED[:, np.arange(L)[:, None], np.arange(E)[None, :], owners_LE] = tokens_ILE
-    expert_ILD = c.expert_fwd(tokens_ILED)  # forward, one micro-batch
-    e_exp_IL = expert_ILD[:, :, pools.expert].max(axis=2)
-    e_att_IL = expert_ILD[:, :, pools.attention].max(axis=2)
-    comm_IL = np.zeros((I, L))
-    a2a_parts = np.zeros(3)  # latency, intra-node link, NIC: seconds per iteration
-    a2a_bytes = np.zeros(2)
-    for l in range(L):
-        per_token_CED = _comm_counters(scn, pools, owners_LE[l], R)
-        counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), per_token_CED)  # [4, I, D]
-        comm_IL[:, l] = scn.comm.transfer_time(*counters)
-        a2a_parts += 4.0 * R * np.array([x.mean() for x in scn.comm.transfer_parts(*counters)])
-        # dispatch and combine, forward and backward, R micro-batches; counted at the sender
-        a2a_bytes += 4.0 * R * np.array([counters[0].sum(axis=1).mean(), counters[1].sum(axis=1).mean()])
-    schedule = zp.build_schedule(L, R, [l for l, o in enumerate(plan.offload_chunks_L) if o > 0])
-    all_ids = list({t.id: None for queue in schedule.values() for t in queue})
-    layer_ids = {(l, ph): [t for t in all_ids if f"_{ph}({l}," in t] for l in range(L) for ph in ("F", "B")}
-
-    iteration_I = np.zeros(I)
-    busy = {name: np.zeros((I, D)) for name in ("attention", "other", "expert")}
-    idle = {name: np.zeros((I, D)) for name in ("all_to_all", "straggler_wait")}
-    layer_IL = np.zeros((I, L))
-    for i in range(I):
-
-        def duration(task: zp.Task) -> float:
-            if task.kind == "A":
-                if task.layer == L:
-                    return head_f if task.phase == "F" else head_b
-                return att_f if task.phase == "F" else att_b
-            if task.kind == "E":
-                t = e_exp_IL[i, task.layer] if task.role == "expert" else e_att_IL[i, task.layer]
-                return t if task.phase == "F" else expert_b * t
-            return comm_IL[i, task.layer]
-
-        times = zp.simulate_schedule(schedule, duration)
-        makespan = max(end for _, end in times.values())
-        iteration_I[i] = makespan
-        for role, ranks in (("attention", pools.attention), ("expert", pools.expert)):
-            free = 0.0
-            for task in schedule[(role, "compute")]:
-                start, end = times[task.id]
-                gap = start - free
-                if gap > 0:
-                    # the dependency that ended last is an all-to-all: the compute stream's own
-                    # predecessor ended at `free`; before the all-to-all started, the other role was busy
-                    comm_start = times[max(task.deps, key=lambda d: times[d][1])][0]
-                    before = min(max(comm_start - free, 0.0), gap)
-                    idle["straggler_wait"][i, ranks] += before
-                    idle["all_to_all"][i, ranks] += gap - before
-                span = end - start
-                if task.kind == "E":
-                    busy["expert"][i, ranks] += span
-                elif task.layer == L:
-                    busy["other"][i, ranks] += span
-                else:
-                    busy["attention"][i, ranks] += span * att_share
-                    busy["other"][i, ranks] += span * (1 - att_share)
-                free = end
-            idle["straggler_wait"][i, ranks] += makespan - free
-        for (l, _), ids in layer_ids.items():
-            layer_IL[i, l] += max(times[t][1] for t in ids) - min(times[t][0] for t in ids)
-
-    # after the schedule: dense gradients of the first layer and the embeddings among the
-    # attention ranks (the other layers' reduction overlaps the backward), then the optimizer
-    dense = scn.workload.dense_params()
-    holders = np.zeros((1, D), dtype=np.int64)
-    holders[0, pools.attention] = 1
-    grad_bytes = (dense["per_layer"][0] + dense["outer"]) * scn.workload.byte_model.grad_bytes_per_param
-    ring = ring_allreduce_bytes(InstancePlacement(holders), grad_bytes, scn.hardware.topology)
-    grad_s = scn.comm.time(ring, steps=2 * (pools.M - 1)) if pools.M > 1 else 0.0
-    P = float(scn.workload.expert_params)
-    owned_D = np.stack([np.bincount(owners_LE[l], minlength=D) for l in range(L)]).sum(axis=0)
-    params_D = owned_D * P
-    params_D[pools.attention] += (sum(dense["per_layer"]) + dense["outer"]) / pools.M
-    optimizer_D = c.optimizer_D(params_D)
+    comm_IL, a2a_parts, a2a_bytes = _all_to_all_times(scn, pools, owners_LE, R)
+    iteration_I, busy, idle, layer_IL = _run_schedules(scn, pools, plan, R, c.expert_fwd(tokens_ILED), comm_IL)
+    grad_s, ring, owned_D, optimizer_D = _after_the_schedule(scn, pools, owners_LE)
     optimizer_s = float(optimizer_D.max())
     iteration_I = iteration_I + grad_s + optimizer_s
 
@@ -399,3 +319,109 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
             "profile": profile.to_dict(),
         },
     )
+
+
+def _all_to_all_times(scn: Scenario, pools: ZebraPools, owners_LE: np.ndarray,
+                      R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per iteration and layer, one all-to-all task's seconds [I, L]; the all-to-all's seconds per
+    iteration split into latency, intra-node link and NIC [3]; its bytes per iteration [intra,
+    inter] (dispatch and combine, forward and backward, R micro-batches; counted at the sender)."""
+    I, L = scn.num_iterations, scn.num_layers
+    comm_IL = np.zeros((I, L))
+    a2a_parts = np.zeros(3)
+    a2a_bytes = np.zeros(2)
+    for l in range(L):
+        per_token_CED = _comm_counters(scn, pools, owners_LE[l], R)
+        counters = np.einsum("ie,ced->cid", scn.loads_ILE[:, l].astype(np.float64), per_token_CED)  # [4, I, D]
+        comm_IL[:, l] = scn.comm.transfer_time(*counters)
+        a2a_parts += 4.0 * R * np.array([x.mean() for x in scn.comm.transfer_parts(*counters)])
+        a2a_bytes += 4.0 * R * np.array([counters[0].sum(axis=1).mean(), counters[1].sum(axis=1).mean()])
+    return comm_IL, a2a_parts, a2a_bytes
+
+
+def _run_schedules(scn: Scenario, pools: ZebraPools, plan, R: int, expert_ILD: np.ndarray,
+                   comm_IL: np.ndarray) -> tuple[np.ndarray, dict, dict, np.ndarray]:
+    """The Theorem-1 task order simulated once per iteration with that iteration's task times:
+    (makespan [I], busy seconds per device {attention, other, expert} [I, D], idle seconds per
+    device {all_to_all, straggler_wait} [I, D], per-layer spans [I, L]). ``expert_ILD``: one
+    micro-batch's expert forward seconds per device."""
+    I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
+    c = scn.compute
+    scale = _tokens_per_microbatch(scn, pools, R) / scn.workload.tokens_per_device
+    a_rank = pools.attention
+    attention_f = scale * c.attention_fwd_D()[a_rank].max()
+    att_f = float((scale * (c.attention_fwd_D() + c.other_fwd_D(True)))[a_rank].max())
+    att_b = float((scale * (c.attention_bwd_D() + c.BACKWARD * c.other_fwd_D(True)
+                            + _attention_recompute_D(scn)))[a_rank].max())
+    expert_b = _expert_passes(scn) - 1.0  # an E task's backward in forwards (with its recompute)
+    head = c.head_fwd_D() * scale
+    head_f, head_b = float(head[a_rank].max()), float((c.BACKWARD * head)[a_rank].max())
+    att_share = float(attention_f) / att_f  # attention's part of an A task, the rest is norms and gate
+    e_exp_IL = expert_ILD[:, :, pools.expert].max(axis=2)
+    e_att_IL = expert_ILD[:, :, pools.attention].max(axis=2)
+    schedule = zp.build_schedule(L, R, [l for l, o in enumerate(plan.offload_chunks_L) if o > 0])
+    all_ids = list({t.id: None for queue in schedule.values() for t in queue})
+    layer_ids = {(l, ph): [t for t in all_ids if f"_{ph}({l}," in t] for l in range(L) for ph in ("F", "B")}
+
+    iteration_I = np.zeros(I)
+    busy = {name: np.zeros((I, D)) for name in ("attention", "other", "expert")}
+    idle = {name: np.zeros((I, D)) for name in ("all_to_all", "straggler_wait")}
+    layer_IL = np.zeros((I, L))
+    for i in range(I):
+
+        def duration(task: zp.Task) -> float:
+            if task.kind == "A":
+                if task.layer == L:
+                    return head_f if task.phase == "F" else head_b
+                return att_f if task.phase == "F" else att_b
+            if task.kind == "E":
+                t = e_exp_IL[i, task.layer] if task.role == "expert" else e_att_IL[i, task.layer]
+                return t if task.phase == "F" else expert_b * t
+            return comm_IL[i, task.layer]
+
+        times = zp.simulate_schedule(schedule, duration)
+        makespan = max(end for _, end in times.values())
+        iteration_I[i] = makespan
+        for role, ranks in (("attention", pools.attention), ("expert", pools.expert)):
+            free = 0.0
+            for task in schedule[(role, "compute")]:
+                start, end = times[task.id]
+                gap = start - free
+                if gap > 0:
+                    # the dependency that ended last is an all-to-all: the compute stream's own
+                    # predecessor ended at `free`; before the all-to-all started, the other role was busy
+                    comm_start = times[max(task.deps, key=lambda d: times[d][1])][0]
+                    before = min(max(comm_start - free, 0.0), gap)
+                    idle["straggler_wait"][i, ranks] += before
+                    idle["all_to_all"][i, ranks] += gap - before
+                span = end - start
+                if task.kind == "E":
+                    busy["expert"][i, ranks] += span
+                elif task.layer == L:
+                    busy["other"][i, ranks] += span
+                else:
+                    busy["attention"][i, ranks] += span * att_share
+                    busy["other"][i, ranks] += span * (1 - att_share)
+                free = end
+            idle["straggler_wait"][i, ranks] += makespan - free
+        for (l, _), ids in layer_ids.items():
+            layer_IL[i, l] += max(times[t][1] for t in ids) - min(times[t][0] for t in ids)
+    return iteration_I, busy, idle, layer_IL
+
+
+def _after_the_schedule(scn: Scenario, pools: ZebraPools, owners_LE: np.ndarray):
+    """After the schedule: the dense gradients of the first layer and the embeddings summed among
+    the attention ranks (the other layers' reduction overlaps the backward), then the optimizer.
+    (the gradient sum's seconds, its ring bytes, experts owned per device [D], optimizer seconds
+    per device [D])."""
+    L, D = scn.num_layers, scn.num_devices
+    dense = scn.workload.dense_params()
+    holders = np.zeros((1, D), dtype=np.int64)
+    holders[0, pools.attention] = 1
+    grad_bytes = (dense["per_layer"][0] + dense["outer"]) * scn.workload.byte_model.grad_bytes_per_param
+    ring = ring_allreduce_bytes(InstancePlacement(holders), grad_bytes, scn.hardware.topology)
+    grad_s = scn.comm.time(ring, steps=2 * (pools.M - 1)) if pools.M > 1 else 0.0
+    owned_D = np.stack([np.bincount(owners_LE[l], minlength=D) for l in range(L)]).sum(axis=0)
+    params_D = owned_D * float(scn.workload.expert_params)
+    params_D[pools.attention] += (sum(dense["per_layer"]) + dense["outer"]) / pools.M
+    return grad_s, ring, owned_D, scn.compute.optimizer_D(params_D)

@@ -276,6 +276,36 @@ def model_state_shares(args, component_ranks: list[int], zp_groups: int, dense: 
     return [attention, expert]
 
 
+def zp_groups(args, component_ranks: list[int]) -> int:
+    """ZP groups G of a zebra hetjob: component 0 = G x M attention ranks, component 1 = G x N expert ranks."""
+    if len(component_ranks) != 2:
+        raise ZebraConfigError(f"mode zebra needs a cluster with two node groups (attention GPUs first, then expert "
+                               f"GPUs); this one has {len(component_ranks)}")
+    attention, expert = component_ranks
+    m = getattr(args, "zebra_attention_ranks", None) or attention
+    n = getattr(args, "zebra_expert_ranks", None) or expert
+    if attention % m != 0:
+        raise ZebraConfigError(f"--zebra-attention-ranks={m} does not divide the {attention} attention ranks "
+                               f"(component 0); valid: divisors of {attention}")
+    groups = attention // m
+    if expert != groups * n:
+        raise ZebraConfigError(f"--zebra-expert-ranks={n}: {groups} ZP group(s) of {m} attention rank(s) need "
+                               f"{groups} x {n} = {groups * n} expert ranks, but component 1 has {expert}; valid: "
+                               f"{expert // groups if expert % groups == 0 else 'none (change the node counts)'}")
+    return groups
+
+
+def parallelism_line(args, world_size: int) -> str:
+    """Zebra's split is by role, not Megatron's TP x PP x DP grid."""
+    m, n = args.zebra_attention_ranks, args.zebra_expert_ranks
+    moved = "" if str(args.zebra_asym_ea).strip() == "off" else " before Asym-EA moves some"
+    return (f"# Zebra: world {world_size} = {world_size // (m + n)} ZP group(s) x ({m} attention + {n} "
+            f"expert ranks); attention ranks data-parallel (DP {args.data_parallel_size}), each expert rank holds "
+            f"{args.num_experts // n} of the {args.num_experts} experts of every layer{moved}; global batch "
+            f"{args.global_batch_size} = {args.zebra_microbatches} micro-batches x {args.micro_batch_size} x "
+            f"{args.data_parallel_size} attention ranks.")
+
+
 def launch_flags(cluster_reference: str) -> list[tuple[str, str, str]]:
     """Zebra's pool checks (attention ranks on the faster GPU type, devices per role) and its
     profile lookup (by GPU type) read the cluster the job runs on; without the flag training would
@@ -293,4 +323,7 @@ MODE = ModeSpec(
     simulated=simulated,
     launch_flags=launch_flags,
     model_state_shares=model_state_shares,
+    component_roles=("attention pool", "expert pool"),
+    replica_groups=zp_groups,
+    parallelism_line=parallelism_line,
 )

@@ -34,7 +34,7 @@ from megatron_patches.compat import mcore
 from megatron_patches.mode.layer import set_aux_loss_scale
 from megatron_patches.placement.zebra import ORDERS, AsymEAPlan
 from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, ZebraConfig, recompute_refusals
-from megatron_patches.zebra.executor import ScheduleExecutor
+from megatron_patches.zebra.executor import COMM_STREAMS, ScheduleExecutor
 from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.zebra.ownership import MixedPrecision, ZebraOwnership
 from megatron_patches.zebra.pools import ZebraLayout
@@ -277,12 +277,11 @@ class ZebraEngine:
         """Collective: of the last schedule run (train_step or evaluate), summed over the world:
         the token rows the forward dispatch sent to another rank, and the all-to-all bytes sent to
         other ranks per stream ({"dispatch", "combine"}; the count all-gather not included)."""
-        streams = ("dispatch", "combine")
-        packed = torch.tensor([self.tasks.remote_rows, *(self.tasks.bytes_sent[s] for s in streams)],
+        packed = torch.tensor([self.tasks.remote_rows, *(self.tasks.bytes_sent[s] for s in COMM_STREAMS)],
                               dtype=torch.int64, device=self.ownership.device)  # NCCL reduces device tensors only
         dist.all_reduce(packed)
         rows, *sent = packed.tolist()
-        return rows, dict(zip(streams, sent))
+        return rows, dict(zip(COMM_STREAMS, sent))
 
     def write_timeline(self, path: str) -> None:
         """Collective: write the last iteration's timeline of every rank to ``path`` (rank 0 writes)."""

@@ -26,13 +26,14 @@ from megatron_patches.comm.streams import CommStream
 from megatron_patches.placement.zebra import Task
 from megatron_patches.zebra.timeline import RankTimeline, TaskSpan
 
-__all__ = ["Arrival", "Collective", "ScheduleExecutor"]
+__all__ = ["COMM_STREAMS", "Arrival", "Collective", "ScheduleExecutor"]
 
 # Backoff of the host thread while every stream waits on other ranks.
 _MIN_IDLE_S = 20e-6
 _MAX_IDLE_S = 1e-3
 
 COMM_STREAMS = ("dispatch", "combine")
+"""The two all-to-all streams (and process groups) of a ZP group; the records count bytes as "a2a_<stream>"."""
 
 
 class Collective:

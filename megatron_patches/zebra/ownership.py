@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_patches.comm.exchange import exchange
 from megatron_patches.compat import activations, moe
 from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.placement.zebra import AsymEAPlan, expert_owners
@@ -216,37 +217,34 @@ class ZebraOwnership:
         that they agree before any rank calls this).
 
         Inside every ZP group, each expert whose owner changes goes from its old owner to its new
-        one by point-to-point (one message per expert: its parameters' _moved_state as fp32);
+        one by point-to-point (``comm.exchange``: one message per pair of ranks, the experts'
+        parameters' _moved_state as fp32, in (layer, expert) order);
         the receiver takes the weights, the fp32 main weights and Adam's moments with the shared
         step count, so training goes on as if the expert had always lived there. Returns the
         bytes this rank (sent, received)."""
         owners_LE = [expert_owners(plan, layer) for layer in range(len(self.layers))]
         group = self.layout.zp_groups[self.zp_group]
         values = self._moved_values
-        ops, arriving, leaving = [], [], []
-        sent = received = 0
+        payloads: dict[int, list[torch.Tensor]] = {}  # global peer rank -> leaving experts' state, in order
+        arriving: dict[int, list[list[torch.nn.Parameter]]] = {}  # global peer rank -> arriving experts' parameters
+        leaving = []
         for layer, (old_E, new_E) in enumerate(zip(self.owners_LE, owners_LE)):
             for e in np.flatnonzero(old_E != new_E):
                 params = list(self.layers[layer].mlp.experts.local_experts[e].parameters())
                 if old_E[e] == self.group_rank:
-                    payload = torch.cat([t.reshape(-1).float() for p in params for t in self._moved_state(p)])
-                    ops.append(dist.P2POp(dist.isend, payload, group[new_E[e]]))
+                    payloads.setdefault(group[new_E[e]], []).append(
+                        torch.cat([t.reshape(-1).float() for p in params for t in self._moved_state(p)]))
                     leaving += params
-                    sent += payload.numel() * 4
                 elif new_E[e] == self.group_rank:
-                    size = values * sum(self._expert_shapes[id(p)].numel() for p in params)
-                    buffer = torch.empty(size, dtype=torch.float32, device=self.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, group[old_E[e]]))
-                    arriving.append((params, buffer))
-                    received += size * 4
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                    arriving.setdefault(group[old_E[e]], []).append(params)
+        recvs = {peer: torch.empty(values * sum(self._expert_shapes[id(p)].numel() for params in experts for p in params),
+                                   dtype=torch.float32, device=self.device) for peer, experts in arriving.items()}
+        sent, received = exchange(None, {peer: torch.cat(parts) for peer, parts in payloads.items()}, recvs)
         for param in leaving:
             self._release(param)
-        for params, buffer in arriving:
-            offset = 0
-            for p in params:
+        for peer, experts in arriving.items():
+            buffer, offset = recvs[peer], 0
+            for p in (p for params in experts for p in params):
                 shape = self._expert_shapes[id(p)]
                 moved = buffer[offset : offset + values * shape.numel()].view(values, *shape)
                 offset += values * shape.numel()

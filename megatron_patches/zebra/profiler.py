@@ -635,10 +635,9 @@ def profile_device(request: ProfileRequest, progress: Callable[[str], None] = la
 
 
 def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> DeviceMeasurement:
-    from megatron.core import tensor_parallel
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    """The measurement in stages: one expert; on attention devices the attention block, then the
+    output head; the slots that fit; the profile. The inputs come from one generator in that order."""
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.mlp import MLP
 
     from megatron_patches.compat import mcore
 
@@ -647,10 +646,8 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
     config = transformer_config(request)
     use_te = request.device == "cuda" and mcore.have_transformer_engine()
     _, layer_spec = mcore.layer_specs(request.model.model_family, config, use_te)
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    dtype = DTYPES[request.dtype]
-    generator = torch.Generator().manual_seed(request.seed)
-    H = config.hidden_size
+    setup = _Setup(config, layer_spec, ProcessGroupCollection.use_mpu_process_groups(), device, DTYPES[request.dtype],
+                   torch.Generator().manual_seed(request.seed))
     progress(
         f"profiling {request.device_type} ({request.device}, {request.dtype}, {'TE' if use_te else 'local'} modules), "
         f"role {request.role}: L={request.model.num_layers} n={request.model.num_experts} "
@@ -658,107 +655,12 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
         f"M={request.attention_ranks} N={request.expert_ranks} R={request.microbatches}, "
         f"micro-batch {request.micro_batch_size} x {request.seq_length} tokens"
     )
-
-    # One expert, as SequentialMLP builds each of its local experts.
-    expert_spec = layer_spec.submodules.mlp.submodules.experts
-    expert = MLP(config, expert_spec.submodules, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True,
-                 tp_group=pg_collection.expt_tp).to(device)
-    expert_parameters = sum(p.numel() for p in expert.parameters())
-    T_e = request.tokens_per_expert
-    tokens_TH = _randn((T_e, H), dtype, device, generator, requires_grad=True)
-    probs_T = torch.rand(T_e, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)
-    grad_TH = _randn((T_e, H), dtype, device, generator)
-
-    def expert_forward():
-        return expert(tokens_TH, probs_T)[0]
-
-    def expert_backward(output_TH):
-        output_TH.backward(grad_TH)
-
-    progress(f"expert: one expert MLP ({expert_parameters:,} parameters) on {T_e} tokens "
-             f"(mean {request.mean_tokens_per_expert:.2f}), x {request.experts_per_expert_rank} experts per "
-             "expert rank")
-    expert_timing = _time_rounds(expert_forward, expert_backward, request, "expert", progress)
-    expert_memory = _measure_memory(expert_forward, expert_backward, _parameters(expert), request.device)
-    progress(f"expert: {expert_timing.median_s * 1e3:.3f} ms per expert (forward + backward), "
-             f"{expert_memory.activation_bytes:,} activation bytes per micro-batch")
-
+    expert_parameters, expert_timing, expert_memory = _measure_expert(request, setup, progress)
     attention_timing = attention_memory = head_memory = None
     block_parameters = None
     if request.role in ("attention", "both"):
-        block = AttentionBlock(config, layer_spec, pg_collection).to(device)
-        block_parameters = sum(p.numel() for p in block.parameters())
-        S, B = request.seq_length, request.micro_batch_size
-        hidden_SBH = _randn((S, B, H), dtype, device, generator, requires_grad=True)
-        excluded = _parameters(block)
-        rotary_pos_emb = None
-        if request.model.position_embedding_type == "rope":
-            rotary = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=request.model.rotary_percent,
-                rotary_interleaved=config.rotary_interleaved,
-                seq_len_interpolation_factor=request.model.rotary_seq_len_interpolation_factor,
-                rotary_base=request.model.rotary_base,
-                use_cpu_initialization=config.use_cpu_initialization,
-                cp_group=pg_collection.cp,
-            )
-            rotary_pos_emb = rotary(S).to(device)
-            excluded.append(rotary_pos_emb)
-        if request.model.model_family == "bert":
-            attention_mask = torch.zeros(B, 1, S, S, dtype=torch.bool, device=device)  # no padding
-        elif request.device == "cpu":
-            # The causal mask the GPT dataset provides ([b, 1, s, s], True = masked), one for all b:
-            # Megatron's own default mask is created on "cuda".
-            attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=device), diagonal=1)[None, None]
-        else:
-            # On a GPU the causal attention builds its mask itself (TE from the mask type); an
-            # explicit one would take S*S bytes (1 GiB at 32K tokens).
-            attention_mask = None
-        if attention_mask is not None:
-            excluded.append(attention_mask)
-        dispatched = S * B * request.model.moe_router_topk
-        # Gradients of the layer output (from the next layer) and of the dispatched tokens and
-        # probabilities (returned by the expert ranks); the probabilities' dtype is the router's.
-        grad_output_SBH = _randn((S, B, H), dtype, device, generator)
-        grad_sent_XH = _randn((dispatched, H), dtype, device, generator)
-        grad_sent_probs_X = torch.randn(dispatched, generator=generator).to(device)
-        expert_output_XH = _randn((dispatched, H), dtype, device, generator, requires_grad=True)
-
-        def attention_forward():
-            residual_SBH, sent_XH, sent_probs_X = block.dispatch(hidden_SBH, attention_mask, rotary_pos_emb)
-            output_SBH = block.combine(residual_SBH, expert_output_XH)
-            return output_SBH, sent_XH, sent_probs_X
-
-        def attention_backward(outputs):
-            output_SBH, sent_XH, sent_probs_X = outputs
-            torch.autograd.backward(
-                (output_SBH, sent_XH, sent_probs_X),
-                (grad_output_SBH, grad_sent_XH, grad_sent_probs_X.to(sent_probs_X.dtype)),
-            )
-
-        progress(f"attention: norms + self-attention + router + permutation ({block_parameters:,} parameters) "
-                 f"on {S * B} tokens")
-        attention_timing = _time_rounds(attention_forward, attention_backward, request, "attention", progress)
-        attention_memory = _measure_memory(attention_forward, attention_backward, excluded, request.device)
-        progress(f"attention: {attention_timing.median_s * 1e3:.3f} ms (forward + backward), "
-                 f"{attention_memory.activation_bytes:,} activation bytes per micro-batch")
-        del block, expert_output_XH, grad_output_SBH, grad_sent_XH
-
-        vocab = padded_vocab_size(request.model.vocab_size, request.model.make_vocab_size_divisible_by)
-        output_layer = tensor_parallel.ColumnParallelLinear(
-            H, vocab, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
-            gather_output=False, tp_group=pg_collection.tp,
-        ).to(device)
-        labels_SB = torch.randint(0, request.model.vocab_size, (S, B), generator=generator).to(device)
-
-        def head_forward():
-            logits_SBV, _ = output_layer(hidden_SBH)
-            return tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, labels_SB).sum()
-
-        head_excluded = _parameters(output_layer) + [labels_SB]
-        head_memory = _measure_memory(head_forward, lambda loss: loss.backward(), head_excluded, request.device)
-        progress(f"head: {head_memory.activation_bytes:,} activation bytes per micro-batch (vocabulary {vocab})")
-        del output_layer
+        block_parameters, attention_timing, attention_memory, hidden_SBH = _measure_attention(request, setup, progress)
+        head_memory = _measure_head(request, setup, hidden_SBH, progress)
 
     figures, as_attention, as_expert = _slots(request, expert_parameters, expert_memory, attention_memory, head_memory,
                                               capacity)
@@ -782,6 +684,143 @@ def _profile(request: ProfileRequest, progress: Callable[[str], None]) -> Device
         profile=profile,
         memory=figures,
     )
+
+
+@dataclass
+class _Setup:
+    """What every stage of one measurement builds with."""
+
+    config: object
+    """The TransformerConfig of the request."""
+    layer_spec: object
+    """Megatron's transformer layer spec (TE or local modules)."""
+    pg_collection: object
+    device: torch.device
+    dtype: torch.dtype
+    generator: torch.Generator
+    """Every random input, drawn in the stages' order."""
+
+
+def _measure_expert(request: ProfileRequest, setup: _Setup, progress: Callable[[str], None]):
+    """One expert, as SequentialMLP builds each of its local experts, on the request's tokens per
+    expert: (its parameters, its timing, its memory)."""
+    from megatron.core.transformer.mlp import MLP
+
+    config, device, dtype, generator = setup.config, setup.device, setup.dtype, setup.generator
+    H = config.hidden_size
+    expert_spec = setup.layer_spec.submodules.mlp.submodules.experts
+    expert = MLP(config, expert_spec.submodules, ffn_hidden_size=config.moe_ffn_hidden_size, is_expert=True,
+                 tp_group=setup.pg_collection.expt_tp).to(device)
+    expert_parameters = sum(p.numel() for p in expert.parameters())
+    T_e = request.tokens_per_expert
+    tokens_TH = _randn((T_e, H), dtype, device, generator, requires_grad=True)
+    probs_T = torch.rand(T_e, generator=generator).to(device=device, dtype=dtype).requires_grad_(True)
+    grad_TH = _randn((T_e, H), dtype, device, generator)
+
+    def expert_forward():
+        return expert(tokens_TH, probs_T)[0]
+
+    def expert_backward(output_TH):
+        output_TH.backward(grad_TH)
+
+    progress(f"expert: one expert MLP ({expert_parameters:,} parameters) on {T_e} tokens "
+             f"(mean {request.mean_tokens_per_expert:.2f}), x {request.experts_per_expert_rank} experts per "
+             "expert rank")
+    expert_timing = _time_rounds(expert_forward, expert_backward, request, "expert", progress)
+    expert_memory = _measure_memory(expert_forward, expert_backward, _parameters(expert), request.device)
+    progress(f"expert: {expert_timing.median_s * 1e3:.3f} ms per expert (forward + backward), "
+             f"{expert_memory.activation_bytes:,} activation bytes per micro-batch")
+    return expert_parameters, expert_timing, expert_memory
+
+
+def _measure_attention(request: ProfileRequest, setup: _Setup, progress: Callable[[str], None]):
+    """The attention block (norms, self-attention, router, permutation and the combine) on one
+    micro-batch: (its parameters, its timing, its memory, the hidden states the head runs on)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    config, device, dtype, generator = setup.config, setup.device, setup.dtype, setup.generator
+    H = config.hidden_size
+    block = AttentionBlock(config, setup.layer_spec, setup.pg_collection).to(device)
+    block_parameters = sum(p.numel() for p in block.parameters())
+    S, B = request.seq_length, request.micro_batch_size
+    hidden_SBH = _randn((S, B, H), dtype, device, generator, requires_grad=True)
+    excluded = _parameters(block)
+    rotary_pos_emb = None
+    if request.model.position_embedding_type == "rope":
+        rotary = RotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=request.model.rotary_percent,
+            rotary_interleaved=config.rotary_interleaved,
+            seq_len_interpolation_factor=request.model.rotary_seq_len_interpolation_factor,
+            rotary_base=request.model.rotary_base,
+            use_cpu_initialization=config.use_cpu_initialization,
+            cp_group=setup.pg_collection.cp,
+        )
+        rotary_pos_emb = rotary(S).to(device)
+        excluded.append(rotary_pos_emb)
+    if request.model.model_family == "bert":
+        attention_mask = torch.zeros(B, 1, S, S, dtype=torch.bool, device=device)  # no padding
+    elif request.device == "cpu":
+        # The causal mask the GPT dataset provides ([b, 1, s, s], True = masked), one for all b:
+        # Megatron's own default mask is created on "cuda".
+        attention_mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    else:
+        # On a GPU the causal attention builds its mask itself (TE from the mask type); an
+        # explicit one would take S*S bytes (1 GiB at 32K tokens).
+        attention_mask = None
+    if attention_mask is not None:
+        excluded.append(attention_mask)
+    dispatched = S * B * request.model.moe_router_topk
+    # Gradients of the layer output (from the next layer) and of the dispatched tokens and
+    # probabilities (returned by the expert ranks); the probabilities' dtype is the router's.
+    grad_output_SBH = _randn((S, B, H), dtype, device, generator)
+    grad_sent_XH = _randn((dispatched, H), dtype, device, generator)
+    grad_sent_probs_X = torch.randn(dispatched, generator=generator).to(device)
+    expert_output_XH = _randn((dispatched, H), dtype, device, generator, requires_grad=True)
+
+    def attention_forward():
+        residual_SBH, sent_XH, sent_probs_X = block.dispatch(hidden_SBH, attention_mask, rotary_pos_emb)
+        output_SBH = block.combine(residual_SBH, expert_output_XH)
+        return output_SBH, sent_XH, sent_probs_X
+
+    def attention_backward(outputs):
+        output_SBH, sent_XH, sent_probs_X = outputs
+        torch.autograd.backward(
+            (output_SBH, sent_XH, sent_probs_X),
+            (grad_output_SBH, grad_sent_XH, grad_sent_probs_X.to(sent_probs_X.dtype)),
+        )
+
+    progress(f"attention: norms + self-attention + router + permutation ({block_parameters:,} parameters) "
+             f"on {S * B} tokens")
+    attention_timing = _time_rounds(attention_forward, attention_backward, request, "attention", progress)
+    attention_memory = _measure_memory(attention_forward, attention_backward, excluded, request.device)
+    progress(f"attention: {attention_timing.median_s * 1e3:.3f} ms (forward + backward), "
+             f"{attention_memory.activation_bytes:,} activation bytes per micro-batch")
+    return block_parameters, attention_timing, attention_memory, hidden_SBH
+
+
+def _measure_head(request: ProfileRequest, setup: _Setup, hidden_SBH: torch.Tensor, progress: Callable[[str], None]):
+    """The output head's activation memory on one micro-batch (its time is the attention ranks'
+    and small beside the layers')."""
+    from megatron.core import tensor_parallel
+
+    config, device = setup.config, setup.device
+    S, B = request.seq_length, request.micro_batch_size
+    vocab = padded_vocab_size(request.model.vocab_size, request.model.make_vocab_size_divisible_by)
+    output_layer = tensor_parallel.ColumnParallelLinear(
+        config.hidden_size, vocab, config=config, init_method=config.init_method, bias=False, skip_bias_add=False,
+        gather_output=False, tp_group=setup.pg_collection.tp,
+    ).to(device)
+    labels_SB = torch.randint(0, request.model.vocab_size, (S, B), generator=setup.generator).to(device)
+
+    def head_forward():
+        logits_SBV, _ = output_layer(hidden_SBH)
+        return tensor_parallel.vocab_parallel_cross_entropy(logits_SBV, labels_SB).sum()
+
+    head_excluded = _parameters(output_layer) + [labels_SB]
+    head_memory = _measure_memory(head_forward, lambda loss: loss.backward(), head_excluded, request.device)
+    progress(f"head: {head_memory.activation_bytes:,} activation bytes per micro-batch (vocabulary {vocab})")
+    return head_memory
 
 
 def write_profile(path: str | os.PathLike, measurement: DeviceMeasurement) -> None:

@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_utils import permute, unpermute
 from megatron_patches.comm.streams import CommStream
 from megatron_patches.compat import activations, mcore
 from megatron_patches.placement.zebra import Task
-from megatron_patches.zebra.executor import Arrival, Collective
+from megatron_patches.zebra.executor import COMM_STREAMS, Arrival, Collective
 from megatron_patches.zebra.ownership import ZebraOwnership
 
 __all__ = ["ZebraTasks", "masked_mean_loss", "permute_routed"]
@@ -142,7 +142,7 @@ class ZebraTasks:
         self.batches = [self._prepare(batch) for batch in batches]
         self.losses: list[torch.Tensor] = []
         self.kept: dict[int, dict[int, int]] = {}  # micro-batch -> the storages its forward keeps (activations.measure)
-        self.bytes_sent = {"dispatch": 0, "combine": 0}
+        self.bytes_sent = dict.fromkeys(COMM_STREAMS, 0)
         self.remote_rows = 0
         self._exchange: dict[tuple[int, int], _Exchange] = {}
         self._segments: dict[tuple[int, int], _Segment] = {}

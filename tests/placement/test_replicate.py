@@ -1,5 +1,7 @@
 """Tests of replicate-mode planning (DESIGN 4.6): counts, slots, gradient sources, groups, capacity."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,13 +26,14 @@ FAST = settings(max_examples=80, deadline=None)
 
 
 def literal_replica_counts(p, G, s):
-    """DESIGN 4.6 steps 1-2 read literally: diff_i -= 1 even when count_i == 1 (reading B)."""
+    """DESIGN 4.6 steps 1-2 read literally: diff_i -= 1 even when count_i == 1 (reading B), in
+    exact arithmetic (the cases' popularity is integer): equal shares tie, and ties go to the lower id."""
     p = np.asarray(p, dtype=float)
     if p.sum() == 0:
         p = np.ones_like(p)
     goal = p / p.sum() * G * s
     count = np.floor(np.maximum(goal, 1)).astype(int)
-    diff = count - goal
+    diff = [Fraction(int(c)) - Fraction(int(x)) * G * s / int(p.sum()) for c, x in zip(count, p)]  # exact
     steps = 0
     while count.sum() > G * s:
         i = int(np.argmax(diff))

@@ -50,7 +50,7 @@ from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
 ITERATIONS = 3
-KINDS = ("rep_popularity", "rep_grad_allreduce", "rep_grad_fetch", "rep_weights")
+KINDS = ("popularity", "grad_allreduce", "grad_fetch", "weight_scatter")
 LINKS = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 SCENARIOS = {
@@ -216,19 +216,19 @@ def expected_bytes(slots_RS: np.ndarray, next_RS: np.ndarray, E: int, N: int, to
     G = slots_RS.shape[0]
     n_R = ElementShardLayout(N, G).sizes_D()
     placement = slot_placement(slots_RS, E)
-    out = {"rep_popularity": CommBytes.from_transfers(*ring(np.arange(G), E, 8), topo)}
+    out = {"popularity": CommBytes.from_transfers(*ring(np.arange(G), E, 8), topo)}
     src, dst, size = [], [], []
     for e, (a, b) in enumerate(expert_rank_ranges(placement)):
         if b - a >= 2:
             for part, values in zip((src, dst, size), ring(np.arange(a, b), N, dtype_size)):
                 part.extend(values.tolist())
-    out["rep_grad_allreduce"] = CommBytes.from_transfers(src, dst, size, topo)
+    out["grad_allreduce"] = CommBytes.from_transfers(src, dst, size, topo)
     source_ER = gradient_source_table(placement)
     ranks = np.tile(np.arange(G), E)
-    out["rep_grad_fetch"] = CommBytes.from_transfers(source_ER.ravel(), ranks, n_R[ranks] * dtype_size, topo)
+    out["grad_fetch"] = CommBytes.from_transfers(source_ER.ravel(), ranks, n_R[ranks] * dtype_size, topo)
     e_H, h_H = np.nonzero(slot_placement(next_RS, E).holds_ED())
     senders = np.tile(np.arange(G), h_H.size)
-    out["rep_weights"] = CommBytes.from_transfers(senders, np.repeat(h_H, G), n_R[senders] * dtype_size, topo)
+    out["weight_scatter"] = CommBytes.from_transfers(senders, np.repeat(h_H, G), n_R[senders] * dtype_size, topo)
     return out
 
 
@@ -254,21 +254,21 @@ def test_replicate_runtime_against_dense_reference(world_size):
             expected = expected_bytes(slots_T[t], slots_T[t + 1], E, N, topo, size)
             for kind in KINDS:
                 assert measured[kind] == as_links(expected[kind]), (case["name"], t, kind)
-            assert sum(map(sum, measured["rep_popularity"][:2])) == 2 * (G - 1) * E * 8
+            assert sum(map(sum, measured["popularity"][:2])) == 2 * (G - 1) * E * 8
 
             # Totals in elements: all-reduce 2 (m_e - 1) N, fetch (E - H_r) n_r, weights H_r (N - n_r).
             held_RE = slot_placement(slots_T[t], E).holds_ED().T
             next_RE = slot_placement(slots_T[t + 1], E).holds_ED().T
             n_R = ElementShardLayout(N, G).sizes_D()
             totals = {k: (sum(map(sum, measured[k][:2])), sum(map(sum, measured[k][2:]))) for k in KINDS}
-            assert totals["rep_grad_allreduce"] == (2 * (held_RE.sum(axis=0) - 1).sum() * N * size,) * 2
+            assert totals["grad_allreduce"] == (2 * (held_RE.sum(axis=0) - 1).sum() * N * size,) * 2
             fetch = int(((E - held_RE.sum(axis=1)) * n_R).sum()) * size
-            assert totals["rep_grad_fetch"] == (fetch, fetch)
+            assert totals["grad_fetch"] == (fetch, fetch)
             weights = int((next_RE.sum(axis=1) * (N - n_R)).sum()) * size
-            assert totals["rep_weights"] == (weights, weights)
+            assert totals["weight_scatter"] == (weights, weights)
             if (held_RE.sum(axis=1) == s).all():
                 # No rank holds a class twice: DESIGN's static-replication volumes, popularity-independent.
-                assert totals["rep_grad_allreduce"][0] + fetch == (2 * N * (s * G - E) + N * (E - s)) * size
+                assert totals["grad_allreduce"][0] + fetch == (2 * N * (s * G - E) + N * (E - s)) * size
                 closed_form_checked += 1
             if (next_RE.sum(axis=1) == s).all():
                 assert weights == s * N * (G - 1) * size
@@ -287,9 +287,9 @@ def test_replicate_runtime_against_dense_reference(world_size):
                 sim_next = policy.traffic(
                     PolicyStep(t, (LayerPlan(slot_placement(slots_T[t + 1], E), idle, np.zeros((E, G))),))
                 )
-                assert measured["rep_grad_allreduce"] == as_links(sim["grad_allreduce"])
-                assert measured["rep_grad_fetch"] == as_links(sim["grad_fetch"])
-                assert measured["rep_weights"] == as_links(sim_next["weight_scatter"])
+                assert measured["grad_allreduce"] == as_links(sim["grad_allreduce"])
+                assert measured["grad_fetch"] == as_links(sim["grad_fetch"])
+                assert measured["weight_scatter"] == as_links(sim_next["weight_scatter"])
                 simulator_checked += 1
     assert simulator_checked > 0
     if world_size == 4:

@@ -77,9 +77,9 @@ def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
     m_E = held_EG.sum(axis=1)
     h_G = held_EG.sum(axis=0)
     return {
-        "rep_grad_allreduce": int((2 * (m_E - 1) * N).sum()) * element_bytes,
-        "rep_grad_fetch": int(((EXPERTS - h_G) * SLICE_R).sum()) * element_bytes,
-        "rep_weights": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
+        "grad_allreduce": int((2 * (m_E - 1) * N).sum()) * element_bytes,
+        "grad_fetch": int(((EXPERTS - h_G) * SLICE_R).sum()) * element_bytes,
+        "weight_scatter": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
     }
 
 
@@ -91,7 +91,7 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
     for record in records:
         step, replicate = record["iteration"], record["replicate"]
         assert scalars["replicate/survival"][step] == pytest.approx(replicate["survival"])
-        assert scalars["replicate/bytes_rep_weights_intra"][step] == pytest.approx(replicate["bytes"]["rep_weights"]["intra"])
+        assert scalars["replicate/bytes_weight_scatter_intra"][step] == pytest.approx(replicate["bytes"]["weight_scatter"]["intra"])
         for layer in replicate["layers"]:
             assert scalars[f"replicate/max_replicas_layer{layer['layer']}"][step] == max(layer["replicas"])
             # each layer's gradient reduce started inside the backward, once its slots' gradient was complete
@@ -108,7 +108,7 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
     for i, record in enumerate(records):
         rep = record["replicate"]
         assert rep["survival"] == 1.0
-        expected = dict.fromkeys(("rep_grad_allreduce", "rep_grad_fetch", "rep_weights"), 0)
+        expected = dict.fromkeys(("grad_allreduce", "grad_fetch", "weight_scatter"), 0)
         for layer, next_layer in zip(rep["layers"], records[min(i + 1, ITERS - 1)]["replicate"]["layers"]):
             assert layer["processed"] == layer["routed"] == TOKENS_PER_ITERATION * 2
             assert sum(layer["device_tokens"]) == layer["routed"] and sum(layer["popularity"]) == layer["routed"]
@@ -117,20 +117,20 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
             several_slots_one_class += int((holders(replicas).sum(axis=0) < S).any())
             changed += int(not np.array_equal(replicas, static_counts))
             this = formula_bytes(replicas)
-            expected["rep_grad_allreduce"] += this["rep_grad_allreduce"]
-            expected["rep_grad_fetch"] += this["rep_grad_fetch"]
+            expected["grad_allreduce"] += this["grad_allreduce"]
+            expected["grad_fetch"] += this["grad_fetch"]
             # the weights pushed at the end of iteration i fill iteration i+1's slots
-            expected["rep_weights"] += formula_bytes(next_layer["replicas"])["rep_weights"]
+            expected["weight_scatter"] += formula_bytes(next_layer["replicas"])["weight_scatter"]
             # never more than static replication's volumes; equal when a rank's slots hold distinct classes
             distinct = bool((holders(replicas).sum(axis=0) == S).all())
-            grad = this["rep_grad_allreduce"] + this["rep_grad_fetch"]
+            grad = this["grad_allreduce"] + this["grad_fetch"]
             assert grad == static_grad if distinct else grad < static_grad
-            assert this["rep_weights"] == static_weights if distinct else this["rep_weights"] < static_weights
+            assert this["weight_scatter"] == static_weights if distinct else this["weight_scatter"] < static_weights
         measured = {kind: rep["bytes"][kind]["intra"] for kind in expected}
         if i < ITERS - 1:  # the last push fills an iteration the records do not show
             assert measured == expected, f"iteration {record['iteration']}"
         # one [G, E] int64 ring all-reduce per layer and micro-batch: 2 (G - 1) G E 8 bytes in all
-        assert rep["bytes"]["rep_popularity"]["intra"] == LAYERS * MICRO_BATCHES * 2 * (G - 1) * G * EXPERTS * 8
+        assert rep["bytes"]["popularity"]["intra"] == LAYERS * MICRO_BATCHES * 2 * (G - 1) * G * EXPERTS * 8
         assert all(link["inter"] == 0 for link in rep["bytes"].values())
         assert record["bytes"]["a2a"] == 4 * rep["a2a_remote_copies"] * 64 * 4
         # the experts' master weights and Adam moments exist once, evenly sliced; s slots per layer
@@ -175,7 +175,7 @@ def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_s
             old_held, new_held = holders(old["replicas"], 8), holders(new["replicas"], 8)
             gained += int(((new_held & ~old_held) * (N - SLICE_R)).sum())
         # a rank gaining a class receives its master weights and both Adam moments (fp32)
-        assert before["replicate"]["bytes"]["moved_state"]["intra"] == 3 * 4 * gained
+        assert before["replicate"]["bytes"]["rearrange"]["intra"] == 3 * 4 * gained
         assert (gained > 0) <= rebalanced
-    assert any(r["replicate"]["bytes"]["moved_state"]["intra"] > 0 for r in periodic)
+    assert any(r["replicate"]["bytes"]["rearrange"]["intra"] > 0 for r in periodic)
 

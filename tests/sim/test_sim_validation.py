@@ -237,7 +237,7 @@ def test_rematerialization_trades_memory_for_gathers(skewed):
     assert np.all(remat.memory_D <= keep.memory_D)
     assert remat.memory_D.sum() < keep.memory_D.sum()
     assert remat.details["collective_s"]["spag"] == pytest.approx(keep.details["collective_s"]["spag"])
-    assert remat.details["collective_s"]["spag_rematerialize"] > 0
+    assert remat.details["collective_s"]["spag_remat"] > 0
     assert np.all(remat.iteration_s_I >= keep.iteration_s_I * (1 - 1e-12))
 
 
@@ -404,3 +404,14 @@ def test_a_trace_recorded_by_training_replays_at_its_own_scale():
     assert ep.imbalance_IL[-10:].mean() > 1.8  # the router has collapsed by the end of the run
     replicate = run(scn, "replicate")
     assert replicate.imbalance_IL[-10:].mean() < ep.imbalance_IL[-10:].mean()
+
+
+def test_every_traffic_kind_is_named_in_the_one_vocabulary(skewed):
+    """The simulator's traffic, its exposed time by kind and its collective times use the names of
+    placement.accounting.TRAFFIC_KINDS, which the runtime's counters use too (tests/test_architecture.py)."""
+    from megatron_patches.placement.accounting import TRAFFIC_KINDS
+
+    for name in PLACEMENT_SYSTEMS:
+        r = run(skewed, name)
+        used = set(r.traffic) | set(r.exposed_by_kind_I) | set(r.details.get("collective_s", {}))
+        assert used <= set(TRAFFIC_KINDS), (name, sorted(used - set(TRAFFIC_KINDS)))

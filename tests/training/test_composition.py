@@ -243,7 +243,7 @@ def test_replicate_two_expert_groups(ep, eight):
         info = record["replicate"]
         # rank r of each group owns slice r of every expert; the two groups all-reduce it (a ring
         # of two: each member sends its whole [E, n_r] slice once), so one group sends E x N per layer
-        assert info["bytes"]["rep_grad_edp"] == {"intra": LAYERS * EXPERTS * EXPERT_BYTES, "inter": 0}
+        assert info["bytes"]["grad_edp"] == {"intra": LAYERS * EXPERTS * EXPERT_BYTES, "inter": 0}
         assert info["survival"] == 1.0
 
 

@@ -1,36 +1,26 @@
 """Mixed precision and activation recompute end to end: `pretrain_gpt_moe.py` on 4 gloo ranks,
 EP = 4 (so fssdp's and replicate's group is the world), the tiny GPT-MoE on Megatron's mock
-tokens with a 1000-token vocabulary: CPU bf16 matmuls are ~10x slower than fp32 at the embedded
-corpus' 50k vocabulary (10.6 s against 0.9 s per iteration), which would cost this file 20
-minutes.
+tokens with a 1000-token vocabulary (CPU bf16 matmuls at the embedded corpus' 50k vocabulary
+would cost this file 20 minutes).
 
-bf16: fssdp and replicate in bf16 run ep's bf16 forward exactly (the same bf16 weights:
-iterations 1-2 equal to 1e-6), but their expert weight gradients are partial sums per holder,
-each rounded to bf16 by autograd before the fp32 reduction, where ep rounds one sum; that
-difference is itself bf16 rounding, so from iteration 3 the modes drift from ep-bf16 at the scale
-of the bf16 noise, not well inside it. Every such comparison is bounded by several samples of
-that noise (each other run in the precision against ep-fp32; `support/precision.py` says why one
-sample is not enough and how the factor was measured, on three CPU kernel sets). Measured
-(2026-11-27, 30 iterations, relative loss difference, this machine's AVX-512 kernels): ep-bf16
-vs ep-fp32 max 3.4e-4, mean 1.0e-4; fssdp-, replicate- and zebra-bf16 vs ep-bf16 max 2.4e-4,
-3.3e-4 and 2.4e-4. The noise itself stays above 1e-5 (fp32 modes differ by 2e-8: a run that
-stayed fp32 fails).
+bf16: fssdp and replicate in bf16 run ep's bf16 forward exactly (the same bf16 weights: the first
+iterations agree to 1e-6), but their expert weight gradients are partial sums per holder, each
+rounded to bf16 by autograd before the fp32 reduction, where ep rounds one sum; that difference
+is itself bf16 rounding, so later the modes drift from ep-bf16 at the scale of the bf16 noise.
+Every such comparison is bounded by several samples of that noise (each other run in the
+precision against ep-fp32; `support/precision.py` says why one sample is not enough). zebra (2
+attention + 2 expert ranks, 2 micro-batches each: ep's global batch of 8) sums its gradients in
+another order, so it drifts alike. A run that stayed fp32 fails (fp32 modes differ by ~1e-8).
 
 fp16 with expert parallelism (which Megatron-LM refuses) trains with a dynamic loss scale that
-moves, in ep, fssdp, replicate and zebra, with ep's scale decisions and within fp16's noise
-(measured 2026-11-27 over 10 iterations: ep-fp16 vs ep-fp32 max 5.7e-5 to 7.2e-5 on three CPU
-kernel sets; fssdp- and zebra-fp16 vs ep-fp16 up to 4.7e-5 and 5.7e-5; the test runs zebra with
-Asym-EA "1,2" and full recompute, the paper's setting). zebra's arithmetic does not follow
-timing: the same fp16 run with one rank pausing before every compute task is bit-identical.
+moves, in ep, fssdp, replicate and zebra, with ep's scale decisions and within fp16's noise (the
+test runs zebra with Asym-EA "1,2" and full recompute, the paper's setting). zebra's arithmetic
+does not follow timing: the same fp16 run with one rank pausing before every compute task is
+bit-identical.
 
-zebra (2 attention + 2 expert ranks, 2 micro-batches each: ep's global batch of 8) in bf16 is
-bit-equal to ep-bf16 for 2 iterations, then drifts like fssdp and replicate (its gradients are
-summed in another order: 4 micro-batches per attention rank over 2 ranks, where ep's DDP sums 4
-ranks of 2): measured max 3.1e-4, mean 6.8e-5 against ep-bf16. Recompute (full, selective) leaves the fp32 losses unchanged to 1e-6 in
-every mode, loads are counted once, in fssdp recompute adds no spAG, and the activation memory
-measured on every rank (what a forward keeps for its backward, `compat.activations`) drops:
-measured 2026-11-25 at iteration 1, fp32, 2.08-2.46 MB per rank without recompute, 1.13 MB
-selective (core_attn, layernorm, moe) and 0.67 MB full, on every rank. Each mode also trains in
+Recompute (full, selective) leaves the fp32 losses unchanged to 1e-6 in every mode, loads are
+counted once, in fssdp recompute adds no spAG, and the activation memory measured on every rank
+(what a forward keeps for its backward, `compat.activations`) drops. Each mode also trains in
 bf16 and in fp16 with recompute and the distributed optimizer (the tolerances are at `HALF`).
 
 bf16 checkpoints hold the fp32 main weights and Adam moments: a resume continues bit-exactly in
@@ -39,6 +29,10 @@ the first iteration's loss is the saving run's exactly on 2 ranks (the same bf16
 data; the modes' forwards agree) and within the same-weights bound on 4 (zebra), and from the
 second on the modes' bf16 gradient rounding differs (see above), held to the noise bound of the
 other modes' straight runs over the same iterations.
+
+The measured figures (noise per precision and kernel set, each mode's drift, activation memory
+with and without recompute) are in docs/benchmarks.md, "Half-precision noise across CPU kernel
+sets" and "Mixed precision and recompute, measured".
 """
 
 from __future__ import annotations
