@@ -1,6 +1,6 @@
 """SparseAllGather and SparseReduceScatter over torch.distributed (DESIGN 3).
 
-`SparseAllGather(P0, P1, group, chunk_numel)` materialises copies: P0 owns the chunks (a
+`SparseAllGather(P0, P1, group, chunk_numel)` materializes copies: P0 owns the chunks (a
 partition), P1 ⊇ P0 says who holds a copy; afterwards every (c, d) in P1 holds chunk c.
 `SparseReduceScatter(P1, P0, group, chunk_numel)` is its mirror for gradients: afterwards
 the owner of every element in P0 holds the sum over all copies in P1. An iteration pairs
@@ -27,7 +27,7 @@ Why batched point-to-point (`batch_isend_irecv`) and not grouped broadcasts/redu
   collective costs at most one send and one receive per peer, whatever the number of chunks.
 
 Buffers are packed 2-D tensors, rows in ascending chunk id, because FSSDP's MoE layer
-materialises one layer's experts as one tensor per weight and indexes it by local slot:
+materializes one layer's experts as one tensor per weight and indexes it by local slot:
 `held_chunks[i]` is the expert of row i. The held buffer includes the owned chunks.
 
 Asynchrony: calling a collective packs the send buffers, copies the local rows and posts

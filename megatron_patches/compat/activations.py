@@ -7,11 +7,11 @@ the whole run (parameters, replicate's slots: `persistent`) are skipped. What re
 backward frees, as a GPU allocator would see it:
 - the layers' inputs and intermediates (or, under full recompute, only each checkpointed
   layer's input);
-- fssdp's materialised expert copies, which stay alive until the backward, except under
+- fssdp's materialized expert copies, which stay alive until the backward, except under
   `--fssdp-rematerialize`, where only a marker is saved.
 
 torch applies only the innermost pair of saved-tensor hooks. A mode that installs its own hooks
-inside a measured forward (fssdp's re-materialisation) calls `note(tensor)` for each tensor it
+inside a measured forward (fssdp's re-materialization) calls `note(tensor)` for each tensor it
 keeps as it is.
 
 On CUDA, the loop also reports the allocator's peak; this module measures the same thing on every

@@ -522,7 +522,6 @@ def count_parameters(cfg: ModelConfig, tensor_parallel_size: int = 1) -> dict[st
     """
     h = cfg.hidden_size
     vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tensor_parallel_size)
-    bias = cfg.add_bias_linear
     # torch LayerNorm has weight and bias, torch RMSNorm only a weight.
     norm = 2 * h if cfg.normalization == "LayerNorm" else h
 

@@ -118,7 +118,7 @@ class FSSDPConfig:
     """spAG/spRS algorithm: "hierarchical" (one copy per remote node, relayed inside it; experts
     every rank holds by ring broadcast / reduce when faster) or "flat" (every copy from its owner);
     `placement.collectives`."""
-    micro_batches: int = 1
+    microbatches: int = 1
     """k, the micro-batches of one iteration on this rank (`--global-batch-size` / (micro-batch x
     data-parallel size)): each layer's copies are gathered on the first and reduced after the
     k-th backward (without re-materialization)."""
@@ -145,14 +145,14 @@ class FSSDPConfig:
             load_window=args.moe_load_window,
             load_predictor=args.moe_load_predictor,
             collectives=args.fssdp_collectives,
-            micro_batches=args.num_micro_batches,
+            microbatches=args.num_micro_batches,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             grouped_gemm=args.moe_grouped_gemm,
         )
 
 
 def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tuple]]:
-    """The simulator's FSSDP system (with re-materialisation when the run asks for it) and the
+    """The simulator's FSSDP system (with re-materialization when the run asks for it) and the
     run's t, m, re-shard interval, calibration and collectives."""
     settings = {"reshard_interval": (args.fssdp_reshard_interval, f"{where}: fssdp_reshard_interval")}
     for key, option in (("fssdp_overlap_degree", "overlap_degree"), ("fssdp_memory_capacity", "memory_capacity")):
@@ -166,7 +166,7 @@ def simulated(args, where: str, zp_groups: int) -> tuple[list[str], dict[str, tu
 
 MODE = ModeSpec(
     name="fssdp",
-    summary="fully sharded sparse data parallelism: experts sharded once, copies materialised by load",
+    summary="fully sharded sparse data parallelism: experts sharded once, copies materialized by load",
     runtime="megatron_patches.fssdp.runtime:FSSDPRuntime",
     add_args=add_args,
     validate=validate,

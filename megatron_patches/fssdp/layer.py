@@ -71,7 +71,7 @@ class LayerCopies:
 
     layer: "FSSDPMoELayer"
     plan: object
-    """The runtime's LayerPlan of this iteration (shard, placement, collectives)."""
+    """The runtime's FSSDPLayerPlan of this iteration (shard, placement, collectives)."""
     owned_ON: torch.Tensor
     """This rank's owned experts, packed [O, N] (input of the gathers)."""
     passes: int
@@ -153,7 +153,7 @@ class LayerPass:
 
     @property
     def plan(self):
-        """The iteration's LayerPlan of the copies (calibrated, if calibration gathered)."""
+        """The iteration's FSSDPLayerPlan of the copies (calibrated, if calibration gathered)."""
         return self.copies.plan
 
 

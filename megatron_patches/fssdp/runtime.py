@@ -66,10 +66,10 @@ from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.loads import LoadTracker
 from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology
 
-__all__ = ["FSSDPRuntime", "LayerPlan"]
+__all__ = ["FSSDPRuntime", "FSSDPLayerPlan"]
 
 @dataclass
-class LayerPlan:
+class FSSDPLayerPlan:
     """One MoE layer's plan for one iteration."""
 
     index: int
@@ -124,7 +124,7 @@ class FSSDPRuntime(ModeRuntime):
                                                   config.load_predictor)
         self.layers: list = []
         """This stage's FSSDP MoE layers, in forward order."""
-        self.plans: dict[int, LayerPlan] = {}
+        self.plans: dict[int, FSSDPLayerPlan] = {}
         self.pending: list = []
         """(layer copies, spRS handle) launched in the backward, not yet added into main_grad."""
         self.expert_param_sync = None
@@ -360,9 +360,9 @@ class FSSDPRuntime(ModeRuntime):
         cls = RelayAllGather if self.config.collectives == "hierarchical" else SparseAllGather
         return cls(shard, placement, self.group, self.expert_numel, kind=kind, topology=self.topology, traffic=self.traffic)
 
-    def _layer_plan(self, index: int, shard: ShardLayout, placement: InstancePlacement) -> LayerPlan:
+    def _layer_plan(self, index: int, shard: ShardLayout, placement: InstancePlacement) -> FSSDPLayerPlan:
         reduce = RelayReduceScatter if self.config.collectives == "hierarchical" else SparseReduceScatter
-        return LayerPlan(
+        return FSSDPLayerPlan(
             index=index,
             shard=shard,
             placement=placement,
@@ -451,7 +451,7 @@ class FSSDPRuntime(ModeRuntime):
             unreduced = [c.layer.layer_number for c in self.shared.values() if c.backwards < c.passes]
             if not forward_only and unreduced:
                 raise RuntimeError(
-                    f"fssdp: MoE layers {unreduced} saw fewer backwards than the {self.config.micro_batches} "
+                    f"fssdp: MoE layers {unreduced} saw fewer backwards than the {self.config.microbatches} "
                     "micro-batches of the iteration, so their copies' gradients were never reduced"
                 )
             return loss
@@ -467,7 +467,7 @@ class FSSDPRuntime(ModeRuntime):
         else:
             copies = self.shared.get(layer.layer_number)
             if copies is None:
-                copies = self._gather_copies(layer, passes=self.config.micro_batches, keeps=True)
+                copies = self._gather_copies(layer, passes=self.config.microbatches, keeps=True)
                 self.shared[layer.layer_number] = copies
         first = layer is self.layers[0]
         layer_pass = LayerPass(layer, copies, below=None if first else self._last_pass)

@@ -546,7 +546,7 @@ def check_model_memory(args: argparse.Namespace, mode: str, components: list[Com
     """Refuse a job whose model state alone exceeds a GPU's memory; notes for the script header.
 
     A lower bound: the average rank's weights, gradients and Adam state (max >= mean), no
-    activations, no materialised expert copies (fssdp) or extra slots (replicate). What a rank
+    activations, no materialized expert copies (fssdp) or extra slots (replicate). What a rank
     holds is the mode's (`ModeSpec.model_state_shares`: Megatron's sharding, or zebra's roles)."""
     if args.vocab_size is None:
         return ["model state not estimated: --vocab-size is unknown"]

@@ -14,14 +14,14 @@ exchange, all-to-all and sorting by local expert route each token copy to the ra
 chose, and the tokens arrive grouped by expert id. A mode only routes each (token, expert)
 pair to one virtual expert (`comm.virtual.VirtualRouting`, kept sparse: O(T x top-k), where
 Megatron's dense routing map would be [T, D*E]; `InstanceTokenDispatcher.dispatch_preprocess`
-takes it in the map's place) and computes the experts on the weights it materialised.
+takes it in the map's place) and computes the experts on the weights it materialized.
 
 `InstanceMoELayer` keeps Megatron's stages (route, preprocess, dispatch, experts, combine,
 postprocess) and exposes four hooks for the mode:
 
 - `enter(hidden)`: at the MoE input (forward), may wrap it (backward triggers);
 - `route_to_instances(routing_map_TE, probs_TE)`: -> a `comm.virtual.VirtualRouting`;
-- `before_dispatch()`: right before the token all-to-all (wait for materialised weights);
+- `before_dispatch()`: right before the token all-to-all (wait for materialized weights);
 - `compute_instances(tokens_ND, tokens_per_expert_E, probs_N)`: the experts on the
   dispatched tokens, sorted by expert id.
 

@@ -53,7 +53,7 @@ TRAFFIC_KINDS = {
     "a2a_combine": "zebra's combine all-to-all (expert outputs, and their gradients)",
     "spag": "fssdp: the sparse all-gather of the iteration's expert copies, before the gate",
     "spag_calibrate": "fssdp: calibration's extra copies, gathered after the gate",
-    "spag_remat": "fssdp with re-materialisation: the copies gathered again for the backward",
+    "spag_remat": "fssdp with re-materialization: the copies gathered again for the backward",
     "sprs": "fssdp: the sparse reduce-scatter of the copies' gradients to the owners",
     "reshard": "fssdp: experts (weights and optimizer state) moved to new owners by a re-shard",
     "reshard_edp": "fssdp, distributed optimizer over several expert groups: a departing expert's optimizer "

@@ -7,7 +7,7 @@ layer's experts:
 - `ExpertSlices` (`slices`): rank r's never-moving slice r of every expert's fp32 master
   weights and Adam state, stepped with torch's functional Adam, optionally in host memory;
 - `SlotWeights` (`slots`): the rank's [s, N] slot buffer and the assignment it holds;
-- `ReplicatedExperts` (`engine`): the popularity all-reduce, the gradient path (intra-rank sum,
+- `ReplicatedExperts` (`experts`): the popularity all-reduce, the gradient path (intra-rank sum,
   all-reduce over pre-registered contiguous groups, slice fetch), the step and the weight push
   into the next placement's slots, with bytes per phase; whole experts to and from an
   expert-granular layout for per-expert checkpoints.

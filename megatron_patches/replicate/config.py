@@ -98,7 +98,7 @@ class ReplicateConfig:
     """How popularity is predicted from the last `load_window` iterations: "adaptive" (per layer
     the window among 1, 2, 4, ... that predicted the recent iterations best; with the default
     window of 1 the last iteration) or "mean" (all of them); `placement.loads.LoadTracker`."""
-    micro_batches: int = 1
+    microbatches: int = 1
     """k, the micro-batches of one iteration on this rank: a layer's slot gradient is complete after
     the k-th backward through it, when its gradient reduce starts."""
     grouped_gemm: bool = False
@@ -133,7 +133,7 @@ class ReplicateConfig:
             rebalance_interval=args.replicate_rebalance_interval,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             load_predictor=args.moe_load_predictor,
-            micro_batches=args.num_micro_batches,
+            microbatches=args.num_micro_batches,
             grouped_gemm=args.moe_grouped_gemm,
         )
 

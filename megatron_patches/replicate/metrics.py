@@ -45,7 +45,7 @@ class IterationStats:
 
 
 def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: list, groups: dict, policy: str,
-                     slots_per_rank: int, micro_batches: int) -> dict:
+                     slots_per_rank: int, microbatches: int) -> dict:
     """The iteration's replicate figures (identical on every rank): tokens summed over the
     replicate groups of other expert-data-parallel and expert-tensor-parallel ranks; bytes and
     seconds are this group's. ``groups``: "replicate", "edp" and "etp" process groups. Collective."""
@@ -73,7 +73,7 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
                 "imbalance": imbalance(device_D),
                 "popularity": routed_E.tolist(),
                 "replicas": stats.replicas_LE[index].tolist(),
-                "reduce_started_in_backward": bool(stats.backwards_L[index] == micro_batches),
+                "reduce_started_in_backward": bool(stats.backwards_L[index] == microbatches),
             }
         )
     return {

@@ -10,7 +10,7 @@ slice r, whose summed gradient is all-reduced over the expert-data-parallel grou
 position in every group) before Adam, so the slices stay identical across groups. Placements
 come from world-wide loads, so every group places alike. Per MoE layer and rank:
 
-- `ReplicatedExperts` (engine.py) holds the s slots (the instances this rank runs), slice r of
+- `ReplicatedExperts` (experts.py) holds the s slots (the instances this rank runs), slice r of
   every expert's fp32 master weights and Adam state (never moving), and moves the gradients
   and the updated weights;
 - Megatron's local experts stay in the module, frozen: the initial weights come from them
@@ -55,7 +55,7 @@ from megatron_patches.placement.replicate import popularity_slots, slot_placemen
 from megatron_patches.placement.types import ShardLayout, Topology
 from megatron_patches.replicate import checkpoint, metrics
 from megatron_patches.replicate.config import ReplicateConfig
-from megatron_patches.replicate.engine import STATE_NAMES, PendingReduce, ReplicatedExperts
+from megatron_patches.replicate.experts import STATE_NAMES, PendingReduce, ReplicatedExperts
 from megatron_patches.replicate.layer import ReplicateMoELayer
 from megatron_patches.replicate.metrics import IterationStats
 from megatron_patches.mode.adam import AdamSettings
@@ -261,7 +261,7 @@ class ReplicateRuntime(ModeRuntime):
 
         def hook(slots_SN: torch.Tensor) -> None:
             self.stats.backwards_L[index] += 1
-            if self.stats.backwards_L[index] == self.config.micro_batches:
+            if self.stats.backwards_L[index] == self.config.microbatches:
                 self.pending[layer_number] = self.experts[layer_number].start_reduce(slots_SN.grad)
 
         return hook
@@ -273,10 +273,10 @@ class ReplicateRuntime(ModeRuntime):
         for index, layer in enumerate(self.layers):
             experts = self.experts[layer.layer_number]
             backwards = self.stats.backwards_L[index]
-            if backwards not in (0, self.config.micro_batches):
+            if backwards not in (0, self.config.microbatches):
                 raise RuntimeError(
                     f"replicate: layer {layer.layer_number}'s slots received gradients from {backwards} backward passes "
-                    f"this iteration, expected {self.config.micro_batches} (one per micro-batch)"
+                    f"this iteration, expected {self.config.microbatches} (one per micro-batch)"
                 )
             if layer.layer_number not in self.pending:  # no backward reached the slots: zero gradients
                 self.pending[layer.layer_number] = experts.start_reduce(torch.zeros_like(experts.slots.slots_SN))
@@ -331,7 +331,7 @@ class ReplicateRuntime(ModeRuntime):
         self.grads = {}
         groups = {"replicate": self.group, "edp": self.edp_group, "etp": parallel_state.get_expert_tensor_parallel_group()}
         return metrics.iteration_record(self.stats, self.traffic, self.layers, groups, self.config.policy,
-                                        self.slots_per_rank, self.config.micro_batches)
+                                        self.slots_per_rank, self.config.microbatches)
 
     def _next_slots(self, iteration: int) -> dict[int, np.ndarray]:
         """The slot assignment of every layer for the next iteration, by the policy."""

@@ -1,6 +1,6 @@
 """Trace-driven performance simulator (DESIGN 6): iteration time of every system on any described cluster.
 
-Modules: `costs` (compute, communication and memory cost model), `engine` (event-driven
+Modules: `costs` (compute, communication and memory cost model), `events` (event-driven
 streams, vectorised over iterations), `scenario` (the shared inputs: workload, hardware, the
 trace scaled to the simulated batch), `systems` (EP, FSSDP variants, replicate, static,
 FasterMoE, SmartMoE, FlexMoE: the placement engine's own planners, scheduled per layer),
@@ -24,7 +24,7 @@ from megatron_patches.sim.costs import (
     Workload,
     select_devices,
 )
-from megatron_patches.sim.engine import CATEGORIES, Event, Timeline
+from megatron_patches.sim.events import CATEGORIES, Event, Timeline
 from megatron_patches.sim.report import BREAKDOWN_PARTS, SystemResult, format_table, plot, summarize, write_json
 from megatron_patches.sim.scenario import Scenario, SimOptions, build_scenario, scale_counts
 from megatron_patches.sim.systems import SYSTEMS, SystemSpec, replay_config, resolve_systems, simulate

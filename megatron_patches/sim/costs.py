@@ -13,7 +13,7 @@ inter-node outbound or inbound bytes (summed over the node's devices, who share 
 the NIC. Collectives in this model finish on all members at once.
 
 Precision (`Precision`: fp32, fp16 or bf16, as Megatron-LM trains in each) sets the element
-size of weights, materialised copies and replicas, gradients, all-to-all tokens and activations,
+size of weights, materialized copies and replicas, gradients, all-to-all tokens and activations,
 the optimizer state per parameter, and the compute peak: half precision runs its GEMMs at the
 GPU's FP16/BF16 tensor-core peak, fp32 at its TF32 tensor-core peak where it has one (see
 `Hardware.gemm_peaks_D`) and at its FP32 peak otherwise; fused (flash) attention needs half
@@ -81,7 +81,7 @@ class Precision:
     themselves, so the Adam state is m and v only: 4 + 4 + 8 = 16 B per parameter.
     fp16 / bf16 (mixed precision, Micikevicius et al. 2018, in Megatron-LM's form: Float16Module
     and the mixed-precision / distributed optimizer): weights, activations, all-to-all tokens and
-    materialised copies / replicas in 2-byte elements; fp32 main weights, m and v (12 B per
+    materialized copies / replicas in 2-byte elements; fp32 main weights, m and v (12 B per
     parameter, with their owners); gradients in fp32 (4 B) when accumulated in fp32, which
     Megatron-LM forces for bf16 (--accumulate-allreduce-grads-in-fp32), else in fp16 (2 B,
     Megatron-LM's fp16 default). So fp32 and fp16 need 16 B per parameter, bf16 18 B; gradient

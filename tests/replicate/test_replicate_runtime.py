@@ -45,7 +45,7 @@ from megatron_patches.placement import (
     slot_placement,
 )
 from megatron_patches.mode.adam import AdamSettings
-from megatron_patches.replicate.engine import STATE_NAMES, ReplicatedExperts
+from megatron_patches.replicate.experts import STATE_NAMES, ReplicatedExperts
 from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 

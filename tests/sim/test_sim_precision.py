@@ -83,7 +83,7 @@ def test_impossible_precisions_are_refused():
 
 def test_expert_copies_tokens_and_dense_state_follow_the_precision():
     """h = 256, P = 262,912 per expert: an owned expert is 16 P bytes in fp32 and fp16, 18 P in
-    bf16; a materialised copy (weights + gradients) 8 P, 4 P, 6 P; a token 4 h or 2 h."""
+    bf16; a materialized copy (weights + gradients) 8 P, 4 P, 6 P; a token 4 h or 2 h."""
     model = make_model(hidden=256)
     hw = Hardware.from_cluster(make_cluster(1, 2), 2)
     P = expert_parameter_count(model)

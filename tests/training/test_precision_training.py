@@ -346,7 +346,7 @@ def test_half_precision_with_recompute_and_distributed_optimizer(ep_fp32, bf16_r
         assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in expected] == [1024.0 * 2 ** (i // 2 + i % 2) for i in range(SHORT)]
         assert records[-1]["skipped_iterations"] == 0
     if "--fssdp-rematerialize" in flags:
-        # the re-materialised layers keep no copy for the backward: exactly the first layer's
+        # the re-materialized layers keep no copy for the backward: exactly the first layer's
         # gathered buffer (owned shards and copies, N bf16 elements each) is freed, on every rank
         same_plans = [(mine, theirs) for mine, theirs in zip(records, (r for r in reference.records if "loss" in r))
                       if [l["copies"] for l in mine["fssdp"]["layers"]] == [l["copies"] for l in theirs["fssdp"]["layers"]]]

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from megatron_patches.sim.engine import CATEGORIES, Timeline
+from megatron_patches.sim.events import CATEGORIES, Timeline
 
 
 def test_straggler_and_all_to_all_worked_example():
