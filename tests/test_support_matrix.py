@@ -62,6 +62,7 @@ def refusal(words: str) -> Cell:
 
 COMPOSITION = "training/test_composition.py::"
 PRECISION = "training/test_precision_training.py::"
+MODERN = "training/test_modern_moe_modes.py::"
 MATRIX = (
     Row("more ranks than one expert group (EDP 2)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
@@ -132,6 +133,22 @@ MATRIX = (
                                               "--moe-pad-expert-input-to-capacity"), 4, {
         "fssdp": refusal("padding is per expert rank"),
         "replicate": refusal("padding is per expert rank")}),
+    Row("shared experts", ("--moe-shared-expert-intermediate-size", "96", "--disable-bias-linear",
+                           "--expert-model-parallel-size", "4"), 4, {
+        "fssdp": by_test(MODERN + "test_shared_experts_train_as_in_ep[fssdp]"),
+        "replicate": by_test(MODERN + "test_shared_experts_train_as_in_ep[replicate]")}),
+    Row("multi-latent attention", ("--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+                                   "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16", "--position-embedding-type",
+                                   "rope"), 4, {
+        "fssdp": refusal("does not take this model feature yet"),
+        "replicate": refusal("does not take this model feature yet")}),
+    Row("multi-token prediction", ("--mtp-num-layers", "1"), 4, {
+        "fssdp": refusal("does not take this model feature yet"),
+        "replicate": refusal("does not take this model feature yet")}),
+    Row("aux-loss-free routing (sigmoid scores, expert bias)",
+        ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"), 4, {
+        "fssdp": refusal("reaches the router's outputs its own way"),
+        "replicate": refusal("reaches the router's outputs its own way")}),
 )
 
 

@@ -27,7 +27,10 @@ postprocess) and exposes four hooks for the mode:
 
 Megatron's own experts module (`self.experts`, SequentialMLP) stays in the layer: its local
 experts are the parameters this rank *owns* (EP's contiguous layout), which DDP, the
-optimizer and the distributed checkpoints handle exactly as in ep mode.
+optimizer and the distributed checkpoints handle exactly as in ep mode. Shared experts
+(`--moe-shared-expert-intermediate-size`) are Megatron's stage of the layer, unchanged: dense and
+data-parallel, on every token of this rank, added to the routed experts' output in
+`postprocess`, their gradients reduced by DDP with the other dense parameters.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ class InstanceMoELayer(MoELayer):
     `before_dispatch`, which do nothing here); MoELayer's base class is an ABC, so a subclass
     missing one cannot be built. Refused at construction (the virtual-expert dispatch and the
     instance copies need them off): dispatchers other than alltoall, padding to capacity,
-    shared experts, latent projections, MoE recompute; with grouped GEMM also biases and a GLU
+    latent projections, MoE recompute; with grouped GEMM also biases and a GLU
     clamp or offset (Megatron's GroupedMLP has neither). Expert tensor parallelism works
     unchanged: an instance's weights are this rank's ETP shard of the expert (the local
     modules' shapes), Megatron's EP group holds one ETP rank, and the dispatcher's all-gather /
@@ -154,7 +157,6 @@ class InstanceMoELayer(MoELayer):
         unsupported = {
             f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} (needs 'alltoall')": config.moe_token_dispatcher_type != "alltoall",
             "moe_pad_expert_input_to_capacity": config.moe_pad_expert_input_to_capacity,
-            "shared experts": self.use_shared_expert,
             "moe_latent_size": bool(config.moe_latent_size),
             "MoE recompute": self.moe_layer_recompute,
             "grouped GEMM experts (packed weights)": not hasattr(self.experts, "local_experts"),

@@ -76,10 +76,18 @@ ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
-# The shared experts, multi-latent attention, multi-token prediction and routing flags of today's MoE
-# models (DeepSeek-V3, Qwen3) run in ep, Megatron's own MoE layer; fssdp, replicate and zebra reach
-# the router's outputs and the layers their own way and refuse them for now.
-EP_ONLY_MODEL = ("moe_shared_expert_intermediate_size", "multi_latent_attention", "mtp_num_layers")
+# The model features of today's MoE models (DeepSeek-V3, Qwen3) and the modes that build them (ep:
+# Megatron's own MoE layer); the other modes refuse them, naming why. Shared experts are dense and
+# data-parallel beside the routed experts, which the mode places (fssdp, replicate: the shared
+# InstanceMoELayer keeps Megatron's shared-expert stage); zebra runs its own schedule over the
+# model's modules and has no task for them yet.
+MODEL_FEATURE_MODES = {
+    "moe_shared_expert_intermediate_size": ("ep", "fssdp", "replicate"),
+    "multi_latent_attention": ("ep",),
+    "mtp_num_layers": ("ep",),
+}
+# The routing flags of today's MoE models run in ep only: fssdp, replicate and zebra reach the
+# router's outputs their own way and refuse them for now.
 EP_ONLY_ROUTING = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
                    "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
                    "moe_input_jitter_eps", "moe_token_drop_policy")
@@ -358,7 +366,7 @@ def _add_moe_args(parser):
                        help="Shared expert total ffn hidden size. It should be equal to 'num_shared_experts * "
                        "ffn_size_of_each_shared_expert' if there are multiple shared experts. Every token "
                        "passes through it beside its routed experts; needs --disable-bias-linear. "
-                       f"{EP_ONLY}")
+                       "In ep, fssdp and replicate (dense and data-parallel there; zebra refuses it).")
     group.add_argument("--moe-shared-expert-gate", action="store_true",
                        help="Enable gate for shared expert. Only effective when "
                        "moe-shared-expert-intermediate-size is set (refused without it).")

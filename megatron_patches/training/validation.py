@@ -24,7 +24,7 @@ from megatron_patches.training.arguments import (
     FLAGS_WITHOUT_EFFECT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
-    EP_ONLY_MODEL,
+    MODEL_FEATURE_MODES,
     EP_ONLY_ROUTING,
     KERNEL_CHOICES,
     LOAD_BALANCING_TYPES,
@@ -422,14 +422,16 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
-        ep_only = ((EP_ONLY_MODEL, "builds its own MoE layers and placement around Megatron's GPT/BERT/Mixtral "
-                                   "layers and does not take this model feature yet"),
-                   (EP_ONLY_ROUTING, "reaches the router's outputs its own way and does not take this routing option yet"))
-        for dests, why in ep_only:
-            for dest in dests:
-                if getattr(args, dest) != parser.get_default(dest):
-                    fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} {why} (not built in fssdp, "
-                         "replicate and zebra); valid: --moe-parallel-mode ep, or leave it out")
+        for dest, modes in MODEL_FEATURE_MODES.items():
+            if getattr(args, dest) != parser.get_default(dest) and mode.name not in modes:
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} builds its own MoE layers "
+                     "and placement around Megatron's GPT/BERT/Mixtral layers and does not take this model feature "
+                     f"yet; valid: --moe-parallel-mode {' or '.join(modes)}, or leave it out")
+        for dest in EP_ONLY_ROUTING:
+            if getattr(args, dest) != parser.get_default(dest):
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} reaches the router's outputs "
+                     "its own way and does not take this routing option yet (not built in fssdp, replicate and "
+                     "zebra); valid: --moe-parallel-mode ep, or leave it out")
     mode.validate(args)
 
 
