@@ -145,10 +145,11 @@ MATRIX = (
     Row("multi-token prediction", ("--mtp-num-layers", "1"), 4, {
         "fssdp": refusal("does not take this model feature yet"),
         "replicate": refusal("does not take this model feature yet")}),
-    Row("aux-loss-free routing (sigmoid scores, expert bias)",
-        ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"), 4, {
-        "fssdp": refusal("reaches the router's outputs its own way"),
-        "replicate": refusal("reaches the router's outputs its own way")}),
+    Row("aux-loss-free and group-limited routing (sigmoid scores, expert bias, 4 groups top-2, z-loss)",
+        ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
+         "--moe-router-group-topk", "2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "4"), 4, {
+        "fssdp": by_test(MODERN + "test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep[fssdp]"),
+        "replicate": by_test(MODERN + "test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep[replicate]")}),
 )
 
 

@@ -86,11 +86,16 @@ MODEL_FEATURE_MODES = {
     "multi_latent_attention": ("ep",),
     "mtp_num_layers": ("ep",),
 }
-# The routing flags of today's MoE models run in ep only: fssdp, replicate and zebra reach the
-# router's outputs their own way and refuse them for now.
-EP_ONLY_ROUTING = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+# The routing options of today's MoE models (Megatron-Core's router: sigmoid scores, the
+# aux-loss-free expert bias, group-limited routing, ...): fssdp and replicate keep Megatron's router
+# and place what it routes (the expert bias is updated from the logical experts' world-wide counts
+# in Megatron's finalize_model_grads, as in ep); zebra calls the router itself and runs no
+# finalize_model_grads, and refuses them for now.
+ROUTING_OPTIONS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
                    "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
                    "moe_input_jitter_eps", "moe_token_drop_policy")
+ROUTING_MODES = ("ep", "fssdp", "replicate")
+ROUTING = "In ep, fssdp and replicate (zebra refuses it)."
 EP_ONLY = "ep only for now (fssdp, replicate and zebra refuse it)."
 
 # Megatron-LM's --moe-router-load-balancing-type choices.
@@ -372,37 +377,37 @@ def _add_moe_args(parser):
                        "moe-shared-expert-intermediate-size is set (refused without it).")
     group.add_argument("--moe-router-score-function", type=str, default=RUN_DEFAULTS.moe_router_score_function,
                        help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}. "
-                       f"{EP_ONLY}")
+                       f"{ROUTING}")
     group.add_argument("--moe-router-enable-expert-bias", action="store_true",
                        help="TopK routing with dynamic per-expert bias in the aux-loss-free load balancing "
                        "strategy. The routing decision is based on the sum of the routing scores and the "
                        "expert bias. See https://arxiv.org/abs/2408.15664 for details. Needs "
-                       f"--moe-router-score-function sigmoid. {EP_ONLY}")
+                       f"--moe-router-score-function sigmoid. {ROUTING}")
     group.add_argument("--moe-router-bias-update-rate", type=float, default=RUN_DEFAULTS.moe_router_bias_update_rate,
                        help="The expert bias is increased for the experts with less assigned tokens and "
                        "decreased for the experts with more assigned tokens, by this much per iteration. "
                        "The default value 1e-3 is same as that used in DeepSeekV3.")
     group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                       help=f"Scaling factor for routing score in top-k selection. {EP_ONLY}")
+                       help=f"Scaling factor for routing score in top-k selection. {ROUTING}")
     group.add_argument("--moe-router-num-groups", type=int, default=None,
                        help="Number of groups to divide experts into for group-limited routing: for each "
                        "token, --moe-router-group-topk groups are selected by the sum of their top-(topk / "
                        "group-topk) scores, and the --moe-router-topk experts are chosen from those groups "
-                       f"(DeepSeek-V2/V3's device- and node-limited routing). {EP_ONLY}")
+                       f"(DeepSeek-V2/V3's device- and node-limited routing). {ROUTING}")
     group.add_argument("--moe-router-group-topk", type=int, default=None,
-                       help=f"Number of selected groups for group-limited routing. {EP_ONLY}")
+                       help=f"Number of selected groups for group-limited routing. {ROUTING}")
     group.add_argument("--moe-router-dtype", type=str, default=None,
                        help="Data type for routing and expert output weighted averaging: fp32 or fp64. "
                        "Using fp32 or fp64 can improve stability especially when the number of experts "
-                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {EP_ONLY}")
+                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {ROUTING}")
     group.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {EP_ONLY}")
+                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {ROUTING}")
     group.add_argument("--moe-input-jitter-eps", type=float, default=None,
                        help="Add noise to the input tensor by applying jitter with a specified epsilon "
-                       f"value. {EP_ONLY}")
+                       f"value. {ROUTING}")
     group.add_argument("--moe-token-drop-policy", type=str, default=RUN_DEFAULTS.moe_token_drop_policy,
                        help="The policy to drop tokens with --moe-expert-capacity-factor: probs drops the "
-                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {EP_ONLY}")
+                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {ROUTING}")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")

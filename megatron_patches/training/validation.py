@@ -25,7 +25,8 @@ from megatron_patches.training.arguments import (
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
     MODEL_FEATURE_MODES,
-    EP_ONLY_ROUTING,
+    ROUTING_MODES,
+    ROUTING_OPTIONS,
     KERNEL_CHOICES,
     LOAD_BALANCING_TYPES,
     LR_DECAY_STYLES,
@@ -427,11 +428,11 @@ def _resolve_mode_flags(args):
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} builds its own MoE layers "
                      "and placement around Megatron's GPT/BERT/Mixtral layers and does not take this model feature "
                      f"yet; valid: --moe-parallel-mode {' or '.join(modes)}, or leave it out")
-        for dest in EP_ONLY_ROUTING:
-            if getattr(args, dest) != parser.get_default(dest):
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} reaches the router's outputs "
-                     "its own way and does not take this routing option yet (not built in fssdp, replicate and "
-                     "zebra); valid: --moe-parallel-mode ep, or leave it out")
+        for dest in ROUTING_OPTIONS:
+            if getattr(args, dest) != parser.get_default(dest) and mode.name not in ROUTING_MODES:
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} calls Megatron's router its "
+                     "own way (no finalize_model_grads, where the expert bias is updated) and does not take this "
+                     f"routing option yet; valid: --moe-parallel-mode {' or '.join(ROUTING_MODES)}, or leave it out")
     mode.validate(args)
 
 

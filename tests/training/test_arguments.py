@@ -1176,7 +1176,7 @@ def test_attention_and_norm_flags_follow_megatron_lm_s_rules(parse):
     assert validate_args(parse("--qk-layernorm", "--norm-epsilon", "1e-6"), 1).layernorm_epsilon == 1e-6
 
 
-def test_routing_flags_follow_megatron_core_s_checks_and_run_in_ep_only(parse):
+def test_routing_flags_follow_megatron_core_s_checks_and_run_outside_zebra(parse):
     deepseek = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
                 "4", "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32"]
     args = validate_args(parse(*deepseek), 1)
@@ -1198,10 +1198,12 @@ def test_routing_flags_follow_megatron_core_s_checks_and_run_in_ep_only(parse):
     expect_error(parse("--moe-token-drop-policy", "position"), 1, "--moe-token-drop-policy=position",
                  "read only with --moe-expert-capacity-factor")
     validate_args(parse("--moe-token-drop-policy", "position", "--moe-expert-capacity-factor", "1.0"), 1)
-    for mode in ("fssdp", "replicate"):
-        expect_error(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4,
-                     "--moe-router-score-function=sigmoid", f"{mode} reaches the router's outputs its own way",
-                     "--moe-parallel-mode ep")
+    for mode in ("fssdp", "replicate"):  # trained against ep: tests/training/test_modern_moe_modes.py
+        validate_args(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4)
+    expect_error(parse("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+                       "--zebra-microbatches", "2", *deepseek), 4,
+                 "--moe-router-score-function=sigmoid", "zebra calls Megatron's router its own way",
+                 "--moe-parallel-mode ep or fssdp or replicate")
 
 
 def test_sample_based_training_and_warmup_flags(parse):

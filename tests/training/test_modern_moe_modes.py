@@ -12,7 +12,15 @@ Megatron's shared-expert stage of the MoE layer unchanged. 4 gloo ranks, EP = 4,
   10x slower): each mode follows ep-bf16 within bf16's noise, measured over the other runs
   against ep-fp32 (`support/precision.py`).
 
-Zebra refuses shared experts before any work, naming why (its schedule has no task for them yet).
+Aux-loss-free and group-limited routing (`ROUTING`: sigmoid scores, the expert bias, a top-k
+scaling factor, 4 groups of which 2 are picked, z-loss, fp32 router, no auxiliary loss),
+DeepSeek-V3's router, with a shared expert: fssdp and replicate keep Megatron's router and place
+what it routes, and the expert bias is updated from the logical experts' world-wide counts in
+Megatron's finalize_model_grads, as in ep; so the routed loads are ep's every iteration (a bias
+that moved otherwise would route otherwise) and the losses within 1e-5.
+
+Zebra refuses both before any work, naming why (its schedule has no task for shared experts yet;
+it calls the router itself and runs no finalize_model_grads, where the bias is updated).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ COMMON = ["--expert-model-parallel-size", "4", "--log-interval", "1", "--eval-in
 MODES = {"ep": [], "fssdp": ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2",
                              "--fssdp-memory-capacity", "2"],
          "replicate": ["--moe-parallel-mode", "replicate"]}
+ROUTING = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+           "0.01", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4", "--moe-router-group-topk",
+           "2", "--moe-z-loss-coeff", "1e-3", "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type", "none",
+           "--moe-aux-loss-coeff", "0"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERS = 8
 
@@ -43,6 +55,7 @@ def runs(workdir):
     for mode, more in MODES.items():
         flags[f"{mode}_fp32"] = [*COMMON, *NO_DROPOUT, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_dropout"] = [*COMMON, "--train-iters", str(ITERS), *more]
+        flags[f"{mode}_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *more]
     flags["ep_mock_fp32"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT]
     for mode, more in MODES.items():
         flags[f"{mode}_bf16"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT, "--bf16", *FULL_RECOMPUTE,
@@ -61,6 +74,17 @@ def test_shared_experts_train_as_in_ep(runs, mode):
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep(runs, mode):
+    ep, run = runs["ep_routing"], runs[f"{mode}_routing"]
+    assert relative(run.losses, ep.losses).max() <= 1e-5, (run.losses, ep.losses)
+    routed = [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in run.records if "loss" in r]
+    assert routed == [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in ep.records if "loss" in r]
+    # the bias moved the routing: without it (the shared-expert runs, same data) the loads differ
+    plain = [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in runs["ep_fp32"].records if "loss" in r]
+    assert routed[-1] != plain[-1]
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
 def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(runs, mode):
     half = {name: runs[f"{name}_bf16"].losses for name in MODES}
     reference = runs["ep_mock_fp32"].losses
@@ -69,9 +93,12 @@ def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(
     noise.check(relative(half[mode], half["ep"]), f"{mode}-bf16 with shared experts vs ep-bf16")
 
 
-def test_zebra_refuses_shared_experts_naming_why():
-    args = parse_args([*TINY_JOB, *SHARED, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2",
-                       "--zebra-expert-ranks", "2", "--zebra-microbatches", "2"])
+def test_zebra_refuses_shared_experts_and_modern_routing_naming_why():
+    zebra = [*TINY_JOB, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+             "--zebra-microbatches", "2"]
     with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra builds its own MoE "
                                             r"layers .* valid: --moe-parallel-mode ep or fssdp or replicate"):
-        validate_args(args, 4)
+        validate_args(parse_args([*zebra, *SHARED]), 4)
+    with pytest.raises(ArgumentError, match=r"--moe-router-score-function=sigmoid: zebra calls Megatron's router "
+                                            r"its own way .* valid: --moe-parallel-mode ep or fssdp or replicate"):
+        validate_args(parse_args([*zebra, *ROUTING]), 4)
