@@ -137,14 +137,14 @@ MATRIX = (
                            "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_shared_experts_train_as_in_ep[fssdp]"),
         "replicate": by_test(MODERN + "test_shared_experts_train_as_in_ep[replicate]")}),
-    Row("multi-latent attention", ("--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8",
-                                   "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16", "--position-embedding-type",
-                                   "rope"), 4, {
-        "fssdp": refusal("does not take this model feature yet"),
-        "replicate": refusal("does not take this model feature yet")}),
+    Row("multi-latent attention", ("--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8",
+                                   "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16",
+                                   "--position-embedding-type", "rope", "--expert-model-parallel-size", "4"), 4, {
+        "fssdp": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[fssdp]"),
+        "replicate": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[replicate]")}),
     Row("multi-token prediction", ("--mtp-num-layers", "1"), 4, {
-        "fssdp": refusal("does not take this model feature yet"),
-        "replicate": refusal("does not take this model feature yet")}),
+        "fssdp": refusal("the MTP block's MoE layers are not placed by the mode yet"),
+        "replicate": refusal("the MTP block's MoE layers are not placed by the mode yet")}),
     Row("aux-loss-free and group-limited routing (sigmoid scores, expert bias, 4 groups top-2, z-loss)",
         ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
          "--moe-router-group-topk", "2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "4"), 4, {

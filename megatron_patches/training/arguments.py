@@ -76,15 +76,17 @@ ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
-# The model features of today's MoE models (DeepSeek-V3, Qwen3) and the modes that build them (ep:
-# Megatron's own MoE layer); the other modes refuse them, naming why. Shared experts are dense and
-# data-parallel beside the routed experts, which the mode places (fssdp, replicate: the shared
-# InstanceMoELayer keeps Megatron's shared-expert stage); zebra runs its own schedule over the
-# model's modules and has no task for them yet.
+# The model features of today's MoE models (DeepSeek-V3, Qwen3): the modes that build them, and why
+# the others refuse them. Shared experts are dense and data-parallel beside the routed experts,
+# which the mode places (fssdp, replicate: the shared InstanceMoELayer keeps Megatron's
+# shared-expert stage); multi-latent attention changes only the attention, which fssdp and
+# replicate leave to Megatron.
 MODEL_FEATURE_MODES = {
-    "moe_shared_expert_intermediate_size": ("ep", "fssdp", "replicate"),
-    "multi_latent_attention": ("ep",),
-    "mtp_num_layers": ("ep",),
+    "moe_shared_expert_intermediate_size": (("ep", "fssdp", "replicate"), "its schedule has no task for shared "
+                                            "experts yet (which role runs them, by cost, is not built)"),
+    "multi_latent_attention": (("ep", "fssdp", "replicate"), "it calls each layer's attention itself with GPT's "
+                               "rotary embedding; MLA's own rotary path is not built there"),
+    "mtp_num_layers": (("ep",), "the MTP block's MoE layers are not placed by the mode yet"),
 }
 # The routing options of today's MoE models (Megatron-Core's router: sigmoid scores, the
 # aux-loss-free expert bias, group-limited routing, ...): fssdp and replicate keep Megatron's router

@@ -423,11 +423,10 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
-        for dest, modes in MODEL_FEATURE_MODES.items():
+        for dest, (modes, why) in MODEL_FEATURE_MODES.items():
             if getattr(args, dest) != parser.get_default(dest) and mode.name not in modes:
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} builds its own MoE layers "
-                     "and placement around Megatron's GPT/BERT/Mixtral layers and does not take this model feature "
-                     f"yet; valid: --moe-parallel-mode {' or '.join(modes)}, or leave it out")
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take this model "
+                     f"feature yet: {why}; valid: --moe-parallel-mode {' or '.join(modes)}, or leave it out")
         for dest in ROUTING_OPTIONS:
             if getattr(args, dest) != parser.get_default(dest) and mode.name not in ROUTING_MODES:
                 fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} calls Megatron's router its "

@@ -19,8 +19,12 @@ what it routes, and the expert bias is updated from the logical experts' world-w
 Megatron's finalize_model_grads, as in ep; so the routed loads are ep's every iteration (a bias
 that moved otherwise would route otherwise) and the losses within 1e-5.
 
-Zebra refuses both before any work, naming why (its schedule has no task for shared experts yet;
-it calls the router itself and runs no finalize_model_grads, where the bias is updated).
+Multi-latent attention (DeepSeek-V2/V3's, with a query latent and query/key norms) with a shared
+expert: only the attention changes, which fssdp and replicate leave to Megatron; losses within 1e-5.
+
+Zebra refuses all three before any work, naming why (its schedule has no task for shared experts
+yet; it calls the router and each attention itself and runs no finalize_model_grads, where the
+bias is updated).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ ROUTING = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert
            "0.01", "--moe-router-topk-scaling-factor", "2.5", "--moe-router-num-groups", "4", "--moe-router-group-topk",
            "2", "--moe-z-loss-coeff", "1e-3", "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type", "none",
            "--moe-aux-loss-coeff", "0"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16", "--position-embedding-type", "rope", "--normalization",
+       "RMSNorm", "--qk-layernorm"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERS = 8
 
@@ -56,6 +63,7 @@ def runs(workdir):
         flags[f"{mode}_fp32"] = [*COMMON, *NO_DROPOUT, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_dropout"] = [*COMMON, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *more]
+        flags[f"{mode}_mla"] = [*COMMON, *NO_DROPOUT, *MLA, "--train-iters", str(ITERS), *more]
     flags["ep_mock_fp32"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT]
     for mode, more in MODES.items():
         flags[f"{mode}_bf16"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT, "--bf16", *FULL_RECOMPUTE,
@@ -85,6 +93,13 @@ def test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep(runs, mo
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_multi_latent_attention_trains_as_in_ep(runs, mode):
+    ep, run = runs["ep_mla"], runs[f"{mode}_mla"]
+    assert len(run.losses) == ITERS and relative(run.losses, ep.losses).max() <= 1e-5, (run.losses, ep.losses)
+    assert ep.losses != runs["ep_fp32"].losses  # another attention, not the default one
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
 def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(runs, mode):
     half = {name: runs[f"{name}_bf16"].losses for name in MODES}
     reference = runs["ep_mock_fp32"].losses
@@ -96,9 +111,13 @@ def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(
 def test_zebra_refuses_shared_experts_and_modern_routing_naming_why():
     zebra = [*TINY_JOB, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
              "--zebra-microbatches", "2"]
-    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra builds its own MoE "
-                                            r"layers .* valid: --moe-parallel-mode ep or fssdp or replicate"):
+    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra does not take this "
+                                            r"model feature yet: its schedule has no task for shared experts yet .* "
+                                            r"valid: --moe-parallel-mode ep or fssdp or replicate"):
         validate_args(parse_args([*zebra, *SHARED]), 4)
+    with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take this model feature "
+                                            r"yet: it calls each layer's attention itself"):
+        validate_args(parse_args([*zebra, *MLA]), 4)
     with pytest.raises(ArgumentError, match=r"--moe-router-score-function=sigmoid: zebra calls Megatron's router "
                                             r"its own way .* valid: --moe-parallel-mode ep or fssdp or replicate"):
         validate_args(parse_args([*zebra, *ROUTING]), 4)
