@@ -131,7 +131,7 @@ BAD_INPUTS = [
      ["--train-samples=64", "either it or --train-iters (is 5)"]),
     ("exit_signal_unknown", ["--exit-signal", "TERM"], 1, ["--exit-signal", "'TERM' is not a signal name", "SIGTERM"]),
     ("routing_in_zebra", ["--moe-parallel-mode", "zebra", "--moe-router-score-function", "sigmoid"], 2,
-     ["--moe-router-score-function=sigmoid", "zebra calls Megatron's router its own way",
+     ["--moe-router-score-function=sigmoid", "zebra does not take it yet: it calls Megatron's router",
       "--moe-parallel-mode ep or fssdp or replicate"]),
     ("expert_bias_with_softmax", ["--moe-router-enable-expert-bias"], 1,
      ["--moe-router-enable-expert-bias=True", "needs --moe-router-score-function sigmoid"]),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_patches.config.flags import fail
 from megatron_patches.mode.envelope import check_instance_mode
-from megatron_patches.mode.spec import ModeSpec
+from megatron_patches.mode.spec import MTP_NOT_PLACED, ModeSpec
 
 DEFAULT_LOAD_WINDOW = 1
 """--moe-load-window in replicate mode: the next placement follows the last iteration's
@@ -155,4 +155,5 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
+    refused_features={"mtp_num_layers": MTP_NOT_PLACED},
 )

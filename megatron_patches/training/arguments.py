@@ -76,27 +76,11 @@ ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
-# The model features of today's MoE models (DeepSeek-V3, Qwen3): the modes that build them, and why
-# the others refuse them. Shared experts are dense and data-parallel beside the routed experts,
-# which the mode places (fssdp, replicate: the shared InstanceMoELayer keeps Megatron's
-# shared-expert stage); multi-latent attention changes only the attention, which fssdp and
-# replicate leave to Megatron.
-MODEL_FEATURE_MODES = {
-    "moe_shared_expert_intermediate_size": (("ep", "fssdp", "replicate"), "its schedule has no task for shared "
-                                            "experts yet (which role runs them, by cost, is not built)"),
-    "multi_latent_attention": (("ep", "fssdp", "replicate"), "it calls each layer's attention itself with GPT's "
-                               "rotary embedding; MLA's own rotary path is not built there"),
-    "mtp_num_layers": (("ep",), "the MTP block's MoE layers are not placed by the mode yet"),
-}
-# The routing options of today's MoE models (Megatron-Core's router: sigmoid scores, the
-# aux-loss-free expert bias, group-limited routing, ...): fssdp and replicate keep Megatron's router
-# and place what it routes (the expert bias is updated from the logical experts' world-wide counts
-# in Megatron's finalize_model_grads, as in ep); zebra calls the router itself and runs no
-# finalize_model_grads, and refuses them for now.
-ROUTING_OPTIONS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
-                   "moe_input_jitter_eps", "moe_token_drop_policy")
-ROUTING_MODES = ("ep", "fssdp", "replicate")
+# Today's MoE model features and routing options (mode.spec.MODEL_FEATURES, ROUTING_OPTIONS): each
+# mode's ModeSpec.refused_features names those it does not build yet, and why; validation refuses
+# them there. Shared experts are dense and data-parallel beside the placed routed experts; MLA
+# changes only the attention; Megatron's router and its expert bias run unchanged in the modes
+# that keep Megatron's MoE stages.
 ROUTING = "In ep, fssdp and replicate (zebra refuses it)."
 EP_ONLY = "ep only for now (fssdp, replicate and zebra refuse it)."
 

@@ -24,9 +24,6 @@ from megatron_patches.training.arguments import (
     FLAGS_WITHOUT_EFFECT,
     DISTRIBUTED_BACKENDS,
     EMBEDDED_CORPUS_SPLIT,
-    MODEL_FEATURE_MODES,
-    ROUTING_MODES,
-    ROUTING_OPTIONS,
     KERNEL_CHOICES,
     LOAD_BALANCING_TYPES,
     LR_DECAY_STYLES,
@@ -47,6 +44,7 @@ from megatron_patches.training.arguments import (
     build_parser,
     flag_of_dest,
 )
+from megatron_patches.mode.spec import MODEL_FEATURES, ROUTING_OPTIONS
 from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training.modes import MODES
 
@@ -423,15 +421,12 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      "this flag reads (not built there yet); valid: --moe-parallel-mode ep, or leave it out")
-        for dest, (modes, why) in MODEL_FEATURE_MODES.items():
-            if getattr(args, dest) != parser.get_default(dest) and mode.name not in modes:
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take this model "
-                     f"feature yet: {why}; valid: --moe-parallel-mode {' or '.join(modes)}, or leave it out")
-        for dest in ROUTING_OPTIONS:
-            if getattr(args, dest) != parser.get_default(dest) and mode.name not in ROUTING_MODES:
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} calls Megatron's router its "
-                     "own way (no finalize_model_grads, where the expert bias is updated) and does not take this "
-                     f"routing option yet; valid: --moe-parallel-mode {' or '.join(ROUTING_MODES)}, or leave it out")
+        for dest in (*MODEL_FEATURES, *ROUTING_OPTIONS):
+            why = mode.refused_features.get(dest)
+            if why is not None and getattr(args, dest) != parser.get_default(dest):
+                takers = [name for name, spec in MODES.items() if dest not in spec.refused_features]
+                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take it yet: {why}; "
+                     f"valid: --moe-parallel-mode {' or '.join(takers)}, or leave it out")
     mode.validate(args)
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
-from megatron_patches.mode.spec import ModeSpec
+from megatron_patches.mode.spec import MTP_NOT_PLACED, ROUTING_OPTIONS, ModeSpec
 from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
 __all__ = ["ZebraConfig", "ZebraConfigError", "add_args", "validate", "MODE", "parse_asym_ea"]
@@ -323,6 +323,15 @@ MODE = ModeSpec(
     simulated=simulated,
     launch_flags=launch_flags,
     model_state_shares=model_state_shares,
+    refused_features={
+        "moe_shared_expert_intermediate_size": "its schedule has no task for shared experts yet (which role runs "
+                                               "them, by cost, is not built)",
+        "multi_latent_attention": "it calls each layer's attention itself with GPT's rotary embedding; MLA's own "
+                                  "rotary path is not built there",
+        "mtp_num_layers": MTP_NOT_PLACED,
+        **dict.fromkeys(ROUTING_OPTIONS, "it calls Megatron's router its own way (no finalize_model_grads, where "
+                                         "the expert bias is updated)"),
+    },
     component_roles=("attention pool", "expert pool"),
     replica_groups=zp_groups,
     parallelism_line=parallelism_line,

@@ -1202,7 +1202,7 @@ def test_routing_flags_follow_megatron_core_s_checks_and_run_outside_zebra(parse
         validate_args(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4)
     expect_error(parse("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
                        "--zebra-microbatches", "2", *deepseek), 4,
-                 "--moe-router-score-function=sigmoid", "zebra calls Megatron's router its own way",
+                 "--moe-router-score-function=sigmoid", "zebra does not take it yet: it calls Megatron's router",
                  "--moe-parallel-mode ep or fssdp or replicate")
 
 

@@ -111,13 +111,14 @@ def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(
 def test_zebra_refuses_shared_experts_and_modern_routing_naming_why():
     zebra = [*TINY_JOB, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
              "--zebra-microbatches", "2"]
-    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra does not take this "
-                                            r"model feature yet: its schedule has no task for shared experts yet .* "
+    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra does not take it "
+                                            r"yet: its schedule has no task for shared experts yet .* "
                                             r"valid: --moe-parallel-mode ep or fssdp or replicate"):
         validate_args(parse_args([*zebra, *SHARED]), 4)
-    with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take this model feature "
-                                            r"yet: it calls each layer's attention itself"):
+    with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take it yet: it calls "
+                                            r"each layer's attention itself"):
         validate_args(parse_args([*zebra, *MLA]), 4)
-    with pytest.raises(ArgumentError, match=r"--moe-router-score-function=sigmoid: zebra calls Megatron's router "
-                                            r"its own way .* valid: --moe-parallel-mode ep or fssdp or replicate"):
+    with pytest.raises(ArgumentError, match=r"--moe-router-score-function=sigmoid: zebra does not take it yet: it "
+                                            r"calls Megatron's router its own way .* valid: --moe-parallel-mode ep or "
+                                            r"fssdp or replicate"):
         validate_args(parse_args([*zebra, *ROUTING]), 4)
