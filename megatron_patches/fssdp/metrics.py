@@ -21,11 +21,8 @@ __all__ = ["EXPOSED_KINDS", "TRAFFIC_KINDS", "IterationStats", "iteration_record
            "tensorboard_scalars"]
 
 TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "reshard_edp")
-"""spag: per-iteration materialization; sprs: gradient reduction; spag_remat: re-gathers for
-the backward with re-materialization; spag_calibrate: calibration's extra copies; reshard:
-experts (weights and optimizer state) moved to new owners; reshard_edp: with the distributed
-optimizer over several expert groups, the departing experts' optimizer state made whole over
-the expert-data-parallel group first. Counted apart so that spag + spag_calibrate = sprs holds."""
+"""The kinds of traffic fssdp counts (placement.accounting.TRAFFIC_KINDS says what each is). The
+calibration's gathers are counted apart so that spag + spag_calibrate = sprs holds."""
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "spag_remat")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
 

@@ -18,10 +18,7 @@ from megatron_patches.placement.accounting import imbalance
 __all__ = ["TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress", "tensorboard_scalars"]
 
 TRAFFIC_KINDS = ("popularity", "grad_allreduce", "grad_fetch", "grad_edp", "weight_scatter", "rearrange")
-"""popularity: the per-micro-batch count all-reduce; grad_allreduce / grad_fetch:
-gradient steps (b) and (c); grad_edp: the slices' gradient all-reduce across replicate
-groups (ring model; EDP > 1 only); weight_scatter: the push of the updated weights into the next slots;
-rearrange: the optimizer state the periodic baseline moves with its re-placed experts (as FlexMoE would)."""
+"""The kinds of traffic replicate counts (placement.accounting.TRAFFIC_KINDS says what each is)."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron_patches.compat import mcore
 from megatron_patches.mode.layer import set_aux_loss_scale
 from megatron_patches.placement.zebra import ORDERS, AsymEAPlan
-from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, ZebraConfig, recompute_refusals
+from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, MODE, ZebraConfig, recompute_refusals
 from megatron_patches.zebra.executor import COMM_STREAMS, ScheduleExecutor
 from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.zebra.ownership import MixedPrecision, ZebraOwnership
@@ -104,8 +104,11 @@ class ZebraEngine:
         self.executor = ScheduleExecutor(self.rank, self.role, self.ownership.zp_group, self.ownership.device,
                                          record_timeline=config.timeline is not None,
                                          emulated_expert_slowdown=emulated_expert_slowdown)
+        self.loss_divisor = len(layout.attention_dp_group) * config.microbatches
+        """Micro-batches of an iteration over all attention ranks: the mean loss divides by it, and
+        each head loss's (and the routers' auxiliary loss's) backward is scaled by its inverse."""
         self.tasks = ZebraTasks(model, self.ownership, {"dispatch": groups["dispatch"], "combine": groups["combine"]},
-                                self.executor.streams, loss_fn, len(layout.attention_dp_group) * config.microbatches)
+                                self.executor.streams, loss_fn, self.loss_divisor)
         self.order = self._order(layout.asym_ea)
         """The planned task order of this rank's role: {"compute" | "dispatch" | "combine": [Task]}."""
         self.last_loss = float("nan")
@@ -161,7 +164,8 @@ class ZebraEngine:
             ("--moe-router-load-balancing-type", cfg.moe_router_load_balancing_type,
              bool(cfg.moe_aux_loss_coeff) and cfg.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
             ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
-             cfg.moe_shared_expert_intermediate_size is not None, "shared experts are not supported in zebra mode"),
+             cfg.moe_shared_expert_intermediate_size is not None,
+             MODE.refused_features["moe_shared_expert_intermediate_size"]),
             ("--moe-grouped-gemm", cfg.moe_grouped_gemm, cfg.moe_grouped_gemm,
              "zebra runs each expert's MLP module; drop --moe-grouped-gemm"),
             ("moe_router_padding_for_quantization", cfg.moe_router_padding_for_quantization,
@@ -226,7 +230,7 @@ class ZebraEngine:
             # backward), as Megatron's schedule scales it for ep (1 / micro-batches there; DDP then
             # averages over DP)
             device = self.ownership.device
-            scale = torch.ones(1, device=device) / (len(self.layout.attention_dp_group) * self.config.microbatches)
+            scale = torch.ones(1, device=device) / self.loss_divisor
             scaler = self.ownership.precision.grad_scaler
             if scaler is not None:
                 scale = scale * scaler.scale.to(device)
@@ -267,7 +271,7 @@ class ZebraEngine:
         for loss in self.tasks.losses:  # on the device: one read per iteration, after the all-reduce
             total += loss.double()
         dist.all_reduce(total)
-        return float(total[0]) / (len(self.layout.attention_dp_group) * self.config.microbatches)
+        return float(total[0]) / self.loss_divisor
 
     # ------------------------------------------------------------------------------------------
     # What the last run did
