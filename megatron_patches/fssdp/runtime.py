@@ -404,9 +404,7 @@ class FSSDPRuntime(ModeRuntime):
         stats.add_times(self.timer.collect())  # one device synchronisation on GPU
         self.tracker.observe(step.processed_LE)
         self.tuning.end_iteration(self._iteration, stats.expert_s, stats.expert_tokens, stats.non_moe_s,
-                                  self._probe_instance_seconds,
-                                  [self.layout.layer(index) for index in range(len(self.layers))],
-                                  stats.source_loads_LDE)
+                                  self._probe_instance_seconds, self.layout, stats.source_loads_LDE)
         groups = {"fssdp": self.group, "edp": self.edp_group, "etp": parallel_state.get_expert_tensor_parallel_group()}
         return metrics.iteration_record(stats, self.traffic, self.layers, self.plans, groups, self.config.rematerialize,
                                         self.expert_numel, self.expert_bytes)

@@ -26,7 +26,7 @@ from megatron_patches.comm.timing import DeviceMemory
 from megatron_patches.fssdp.config import FSSDPConfig
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.accounting import dispatch_bytes, sparse_all_gather_seconds, transfer_seconds
-from megatron_patches.placement.types import ShardLayout, Topology
+from megatron_patches.placement.types import ModelShardLayout, ShardLayout, Topology
 
 __all__ = ["FSSDPTuning", "probe_bandwidths"]
 
@@ -117,10 +117,11 @@ class FSSDPTuning:
         return (0 if self.t is None else self.t), (0 if self.m is None else self.m)
 
     def end_iteration(self, iteration: int, expert_s: float, expert_tokens: int, non_moe_s: list[float],
-                      instance_s, shards: list[ShardLayout], source_loads_LDE: np.ndarray | None) -> None:
+                      instance_s, layout: ModelShardLayout, source_loads_LDE: np.ndarray | None) -> None:
         """After an iteration: auto m from its memory peak, the cost model from its times (the first
         time it is needed), auto t from its loads when they were kept. ``instance_s``: probes one
-        more expert instance's seconds (called only when the cost model is built)."""
+        more expert instance's seconds (called only when the cost model is built); ``layout``: the
+        owners of the stage's MoE layers."""
         if self.m is None:
             self.m = self._measured_memory_capacity()
         if self.cost is None and (self.config.calibrate or self.config.overlap_degree is None):
@@ -128,6 +129,7 @@ class FSSDPTuning:
         if source_loads_LDE is not None:
             # auto t: chosen after the first iteration, chosen again before every re-shard check
             # (loads drift as the router trains: the first iteration's are near even)
+            shards = [layout.layer(index) for index in range(layout.num_layers)]
             self.t = self._auto_overlap_degree(iteration, shards, source_loads_LDE)
 
     # ---- the cost model --------------------------------------------------------------------
