@@ -142,9 +142,9 @@ MATRIX = (
                                    "--position-embedding-type", "rope", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[fssdp]"),
         "replicate": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[replicate]")}),
-    Row("multi-token prediction", ("--mtp-num-layers", "1"), 4, {
-        "fssdp": refusal("the MTP block's MoE layers are not placed by the mode yet"),
-        "replicate": refusal("the MTP block's MoE layers are not placed by the mode yet")}),
+    Row("multi-token prediction (EP 4, and PP 2 x EP 2)", ("--mtp-num-layers", "1", "--expert-model-parallel-size", "4"), 4, {
+        "fssdp": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[fssdp]"),
+        "replicate": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[replicate]")}),
     Row("aux-loss-free and group-limited routing (sigmoid scores, expert bias, 4 groups top-2, z-loss)",
         ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
          "--moe-router-group-topk", "2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "4"), 4, {

@@ -24,6 +24,8 @@ from typing import Any, Callable, Union
 
 import yaml
 
+from megatron_patches.config.flags import divisors
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -132,6 +134,22 @@ class ModelConfig:
     moe_layer_freq: Union[int, tuple[int, ...]] = 1
     """Which layers are MoE (`--moe-layer-freq`): an int k makes layers 0, k, 2k, ... MoE; a
     list gives one 0 (dense) / 1 (MoE) per layer."""
+    moe_router_score_function: str = "softmax"
+    """How the router scores experts (`--moe-router-score-function`): softmax, or sigmoid
+    (DeepSeek-V3's, with the expert bias)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (`--moe-router-enable-expert-bias`, DeepSeek-V3): a per-expert bias,
+    a buffer rather than a parameter, added to the scores for the top-k choice only and moved each
+    step towards balance; sigmoid scores only."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the selected experts' weights (`--moe-router-topk-scaling-factor`; DeepSeek-V3's
+    routed scaling factor 2.5); None = 1."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (`--moe-router-num-groups`): the experts split into this many equal
+    groups (DeepSeek-V3: one per node of its EP 64 layout); None = no groups."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing (`--moe-router-group-topk`): the groups each token may use, picked by
+    the sum of their top-(topk / group_topk) scores."""
     moe_shared_expert_intermediate_size: int | None = None
     """Width of the shared expert every token of an MoE layer also passes through
     (`--moe-shared-expert-intermediate-size`; n shared experts of width f are one of n x f);
@@ -278,6 +296,7 @@ def _check_model(cfg: ModelConfig) -> None:
         if value != default and cfg.position_embedding_type != "rope":
             _fail(key, value, f"it shapes rotary embeddings, which position_embedding_type="
                   f"{cfg.position_embedding_type!r} does not use; set position_embedding_type: rope, or leave it out")
+    _check_routing(cfg)
     _check_modern(cfg)
     if cfg.qk_layernorm and cfg.model_family == "bert":
         _fail("qk_layernorm", True, "Megatron-Core's BERT layer spec has no query/key norm; valid: false with bert")
@@ -316,6 +335,67 @@ def _check_model(cfg: ModelConfig) -> None:
             _fail("moe_layer_freq", freq, "an MoE model needs at least one 1 (MoE layer) in the pattern")
     else:
         _fail("moe_layer_freq", freq, "expected an integer or a list of 0/1 per layer")
+
+
+ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def _check_routing(cfg: ModelConfig) -> None:
+    """The router's architecture fields: types, then the rules."""
+    if cfg.moe_router_score_function not in ROUTER_SCORE_FUNCTIONS:
+        _fail("moe_router_score_function", cfg.moe_router_score_function,
+              f"expected one of {list(ROUTER_SCORE_FUNCTIONS)}")
+    if not isinstance(cfg.moe_router_enable_expert_bias, bool):
+        _fail("moe_router_enable_expert_bias", cfg.moe_router_enable_expert_bias, "expected true or false")
+    for key in ("moe_router_num_groups", "moe_router_group_topk"):
+        value = getattr(cfg, key)
+        if value is not None and (not _is_int(value) or value < 1):
+            _fail(key, value, "expected a positive integer or null")
+    factor = cfg.moe_router_topk_scaling_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
+        _fail("moe_router_topk_scaling_factor", factor, "expected a positive number or null")
+    routing = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+               "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None, "moe_router_group_topk": None}
+    if cfg.num_experts is None:
+        for key, default in routing.items():
+            if getattr(cfg, key) != default:
+                _fail(key, getattr(cfg, key), "it shapes the router of MoE layers, which a dense model (num_experts: "
+                      "null) has none of; set num_experts, or leave it out")
+        return
+    check_routing_rules(cfg, _fail)
+
+
+def check_routing_rules(cfg, fail: Callable[[str, Any, str], None]) -> None:
+    """Megatron-Core 0.16.1's rules for the router's options (transformer_config.py __post_init__,
+    moe/moe_utils.py group_limited_topk). `cfg`: a ModelConfig or the training flags (the same
+    names); `fail(key, value, why)` raises in the caller's words (a config key, or the flag of that dest)."""
+    experts = cfg.num_experts
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        fail("moe_router_enable_expert_bias", True, "Megatron-Core's expert bias (aux-loss-free balancing) needs "
+             f"--moe-router-score-function sigmoid (is {cfg.moe_router_score_function})")
+    groups, group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        given, missing = ("moe_router_num_groups", "--moe-router-group-topk") if group_topk is None else \
+            ("moe_router_group_topk", "--moe-router-num-groups")
+        fail(given, groups if group_topk is None else group_topk,
+             f"group-limited routing needs both it and {missing} (Megatron-Core reads the groups only with "
+             "a group top-k)")
+    if groups is not None:
+        if groups < 1 or experts % groups != 0:
+            fail("moe_router_num_groups", groups, f"must divide --num-experts={experts}; valid: {divisors(experts)}")
+        if not 1 <= group_topk <= groups:
+            fail("moe_router_group_topk", group_topk, f"valid: 1..--moe-router-num-groups={groups}")
+        per_group = experts // groups
+        if not group_topk <= cfg.moe_router_topk <= group_topk * per_group:
+            # Megatron-Core ranks the groups by their top-(topk // group-topk) scores and then picks
+            # the top-k experts inside the chosen groups
+            fail("moe_router_group_topk", group_topk,
+                 f"needs group-topk <= --moe-router-topk={cfg.moe_router_topk} <= group-topk x experts per "
+                 f"group ({per_group}); valid: "
+                 f"{[g for g in range(1, groups + 1) if g <= cfg.moe_router_topk <= g * per_group]}")
+    factor = cfg.moe_router_topk_scaling_factor
+    if factor is not None and not factor > 0.0:
+        fail("moe_router_topk_scaling_factor", factor, "must be positive (leave it out to switch it off)")
 
 
 MLA_ONLY = {"q_lora_rank": None, "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}

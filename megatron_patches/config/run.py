@@ -55,19 +55,9 @@ class RunSettings:
     """`--moe-aux-loss-coeff`."""
     moe_router_load_balancing_type: str = "aux_loss"
     """`--moe-router-load-balancing-type`."""
-    moe_router_score_function: str = "softmax"
-    """`--moe-router-score-function`: softmax, or sigmoid (DeepSeek-V3's aux-loss-free routing)."""
-    moe_router_enable_expert_bias: bool = False
-    """`--moe-router-enable-expert-bias`: a per-expert bias added to the scores for the top-k choice
-    only, moved after each step towards balance (finalize_model_grads; sigmoid only)."""
     moe_router_bias_update_rate: float = 1e-3
-    """`--moe-router-bias-update-rate`: the expert bias's step per iteration."""
-    moe_router_topk_scaling_factor: float | None = None
-    """`--moe-router-topk-scaling-factor`: multiplies the selected experts' probabilities."""
-    moe_router_num_groups: int | None = None
-    """`--moe-router-num-groups`: expert groups for group-limited routing."""
-    moe_router_group_topk: int | None = None
-    """`--moe-router-group-topk`: groups each token may use (group-limited routing)."""
+    """`--moe-router-bias-update-rate`: the expert bias's step per iteration (the bias itself, and the
+    router's other architecture fields, are the model's: config.models.ModelConfig)."""
     moe_router_dtype: str | None = None
     """`--moe-router-dtype`: fp32 or fp64 for routing and the weighted combine; None keeps the model's."""
     moe_z_loss_coeff: float | None = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from megatron_patches.config.flags import auto_or_int, fail
 from megatron_patches.mode.envelope import check_instance_mode
-from megatron_patches.mode.spec import MTP_NOT_PLACED, ModeSpec
+from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.placement.collectives import ALGORITHMS
 
 DEFAULT_LOAD_WINDOW = 5
@@ -173,5 +173,4 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
-    refused_features={"mtp_num_layers": MTP_NOT_PLACED},
 )

@@ -63,7 +63,6 @@ ROUTING_OPTIONS = ("moe_router_score_function", "moe_router_enable_expert_bias",
                    "moe_input_jitter_eps", "moe_token_drop_policy")
 """The routing options of Megatron-Core's router (sigmoid scores, the aux-loss-free expert bias,
 group-limited routing, ...) a mode may refuse (by dest)."""
-MTP_NOT_PLACED = "the MTP block's MoE layers are not placed by the mode yet"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_patches.config.flags import fail
 from megatron_patches.mode.envelope import check_instance_mode
-from megatron_patches.mode.spec import MTP_NOT_PLACED, ModeSpec
+from megatron_patches.mode.spec import ModeSpec
 
 DEFAULT_LOAD_WINDOW = 1
 """--moe-load-window in replicate mode: the next placement follows the last iteration's
@@ -29,9 +29,11 @@ with the experts (a baseline with FlexMoE's cost of moving state, DESIGN 4.9; th
 def add_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="replicate (--moe-parallel-mode replicate)")
     group.add_argument(
-        "--replicate-slots-per-rank", type=int, default=4,
+        "--replicate-slots-per-rank", type=int, default=None,
         help="s: expert instances each rank runs per MoE layer; every iteration the ranks x s "
-        "instances are shared out among the experts by popularity. With "
+        "instances are shared out among the experts by popularity. Default: 4 (the replication "
+        "paper's), or twice a rank's EP share of the experts where that is more (fine-grained "
+        "models: 32 experts on 4 ranks get 16), so that there are always slots to spare. With "
         "--moe-expert-capacity-factor, an instance takes at most factor x tokens / (ranks x s) "
         "tokens (the rest are dropped); without it nothing is dropped. New flag.",
     )
@@ -55,9 +57,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+PAPER_SLOTS_PER_RANK = 4
+"""The replication paper's slots per GPU (16 experts on 16 GPUs: each expert's EP rank, three to spare)."""
+
+
+def default_slots_per_rank(experts: int, ranks: int) -> int:
+    """--replicate-slots-per-rank when not given: the paper's 4, or twice a rank's EP share of the
+    experts where that is more (fine-grained experts): every expert one instance and as many again
+    for the popular ones, twice EP's expert memory. With only the EP share (16 experts on 4 ranks
+    in 4 slots) no slot is left to replicate into and replicate would be ep (measured: imbalance
+    1.41 placed and under EP alike, DeepSeek-V2-Lite tiny)."""
+    return max(PAPER_SLOTS_PER_RANK, 2 * -(-experts // ranks))
+
+
 def validate(args: argparse.Namespace) -> None:
     check_instance_mode(args, "replicate")
-    slots, ep, experts = args.replicate_slots_per_rank, args.expert_model_parallel_size, args.num_experts
+    ep, experts = args.expert_model_parallel_size, args.num_experts
+    if args.replicate_slots_per_rank is None:
+        args.replicate_slots_per_rank = default_slots_per_rank(experts, ep)
+    slots = args.replicate_slots_per_rank
     if slots < 1:
         fail("--replicate-slots-per-rank", slots, "must be at least 1")
     if experts > ep * slots:
@@ -155,5 +173,4 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
-    refused_features={"mtp_num_layers": MTP_NOT_PLACED},
 )

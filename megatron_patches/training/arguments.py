@@ -27,6 +27,7 @@ from pathlib import Path
 
 import megatron_patches
 from megatron_patches.config.flags import ArgumentError, close_names, moe_layer_freq
+from megatron_patches.config.models import ROUTER_SCORE_FUNCTIONS
 from megatron_patches.config.run import RUN_DEFAULTS
 from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training import megatron_lm
@@ -72,7 +73,6 @@ TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "mla_up_proj", "shared_experts")
 
 # Megatron-LM's --moe-router-score-function, --moe-router-dtype and --moe-token-drop-policy choices.
-ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
@@ -81,8 +81,7 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 # them there. Shared experts are dense and data-parallel beside the placed routed experts; MLA
 # changes only the attention; Megatron's router and its expert bias run unchanged in the modes
 # that keep Megatron's MoE stages.
-ROUTING = "In ep, fssdp and replicate (zebra refuses it)."
-EP_ONLY = "ep only for now (fssdp, replicate and zebra refuse it)."
+NOT_IN_ZEBRA = "In ep, fssdp and replicate (zebra refuses it)."
 
 # Megatron-LM's --moe-router-load-balancing-type choices.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -303,7 +302,7 @@ def _add_latent_attention_args(parser):
     group = parser.add_argument_group(title="multi-latent attention and multi-token prediction")
     group.add_argument("--multi-latent-attention", action="store_true",
                        help=f"Whether to use multi-latent attention (DeepSeek-V2/V3). GPT only; excludes "
-                       f"--group-query-attention. On CPU through Megatron's local attention. {EP_ONLY}")
+                       f"--group-query-attention. On CPU through Megatron's local attention. {NOT_IN_ZEBRA}")
     group.add_argument("--q-lora-rank", type=int, default=None,
                        help="Rank of Query tensor's low rank representation (MLA; default: none, queries "
                        "projected directly).")
@@ -328,7 +327,7 @@ def _add_latent_attention_args(parser):
     group.add_argument("--mtp-num-layers", type=int, default=None,
                        help="Number of Multi-Token Prediction (MTP) Layers. Each predicts one token further "
                        "through one transformer layer like the decoder's last, sharing the embedding and "
-                       f"output layer. GPT only; on the last pipeline stage. {EP_ONLY}")
+                       f"output layer. GPT only; on the last pipeline stage. {NOT_IN_ZEBRA}")
     group.add_argument("--mtp-loss-scaling-factor", type=float, default=RUN_DEFAULTS.mtp_loss_scaling_factor,
                        help="Weighting factor of Multi-Token Prediction (MTP) loss. We compute the average "
                        "of the MTP losses across all depths, and multiply it the scaling factor to obtain "
@@ -361,39 +360,39 @@ def _add_moe_args(parser):
     group.add_argument("--moe-shared-expert-gate", action="store_true",
                        help="Enable gate for shared expert. Only effective when "
                        "moe-shared-expert-intermediate-size is set (refused without it).")
-    group.add_argument("--moe-router-score-function", type=str, default=RUN_DEFAULTS.moe_router_score_function,
+    group.add_argument("--moe-router-score-function", type=str, default="softmax",
                        help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}. "
-                       f"{ROUTING}")
+                       f"{NOT_IN_ZEBRA}")
     group.add_argument("--moe-router-enable-expert-bias", action="store_true",
                        help="TopK routing with dynamic per-expert bias in the aux-loss-free load balancing "
                        "strategy. The routing decision is based on the sum of the routing scores and the "
                        "expert bias. See https://arxiv.org/abs/2408.15664 for details. Needs "
-                       f"--moe-router-score-function sigmoid. {ROUTING}")
+                       f"--moe-router-score-function sigmoid. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-router-bias-update-rate", type=float, default=RUN_DEFAULTS.moe_router_bias_update_rate,
                        help="The expert bias is increased for the experts with less assigned tokens and "
                        "decreased for the experts with more assigned tokens, by this much per iteration. "
                        "The default value 1e-3 is same as that used in DeepSeekV3.")
     group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                       help=f"Scaling factor for routing score in top-k selection. {ROUTING}")
+                       help=f"Scaling factor for routing score in top-k selection. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-router-num-groups", type=int, default=None,
                        help="Number of groups to divide experts into for group-limited routing: for each "
                        "token, --moe-router-group-topk groups are selected by the sum of their top-(topk / "
                        "group-topk) scores, and the --moe-router-topk experts are chosen from those groups "
-                       f"(DeepSeek-V2/V3's device- and node-limited routing). {ROUTING}")
+                       f"(DeepSeek-V2/V3's device- and node-limited routing). {NOT_IN_ZEBRA}")
     group.add_argument("--moe-router-group-topk", type=int, default=None,
-                       help=f"Number of selected groups for group-limited routing. {ROUTING}")
+                       help=f"Number of selected groups for group-limited routing. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-router-dtype", type=str, default=None,
                        help="Data type for routing and expert output weighted averaging: fp32 or fp64. "
                        "Using fp32 or fp64 can improve stability especially when the number of experts "
-                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {ROUTING}")
+                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {ROUTING}")
+                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-input-jitter-eps", type=float, default=None,
                        help="Add noise to the input tensor by applying jitter with a specified epsilon "
-                       f"value. {ROUTING}")
+                       f"value. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-token-drop-policy", type=str, default=RUN_DEFAULTS.moe_token_drop_policy,
                        help="The policy to drop tokens with --moe-expert-capacity-factor: probs drops the "
-                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {ROUTING}")
+                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {NOT_IN_ZEBRA}")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")

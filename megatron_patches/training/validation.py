@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from megatron_patches.config.flags import ArgumentError, divisors, fail
-from megatron_patches.config.models import check_modern_rules
+from megatron_patches.config.models import ROUTER_SCORE_FUNCTIONS, check_modern_rules, check_routing_rules
 from megatron_patches.config.run import RUN_DEFAULTS, router_pre_softmax
 from megatron_patches.data.index_check import index_problem
 from megatron_patches.training import checkpoint_dirs, outputs, resume
@@ -32,7 +32,6 @@ from megatron_patches.training.arguments import (
     POSITION_EMBEDDING_TYPES,
     RECOMPUTE_MODULES,
     ROUTER_DTYPES,
-    ROUTER_SCORE_FUNCTIONS,
     TOKENIZERS_NEEDING_MODEL,
     TOKENIZERS_NEEDING_VOCAB,
     TOKENIZERS_NEEDING_VOCAB_AND_MERGES,
@@ -432,33 +431,13 @@ def _resolve_mode_flags(args):
 
 def _check_routing(args):
     """Megatron-Core's own checks of the routing flags (transformer_config.py __post_init__), before
-    any process group, with the flags' names."""
-    experts = args.num_experts
-    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
-        fail("--moe-router-enable-expert-bias", True, "Megatron-Core's expert bias (aux-loss-free balancing) "
-             f"needs --moe-router-score-function sigmoid (is {args.moe_router_score_function})")
+    any process group, with the flags' names: config.models' rules for the router's architecture,
+    then the training-only options."""
+    flags = flag_of_dest()
+    check_routing_rules(args, lambda dest, value, why: fail(flags[dest], value, why))
     if not args.moe_router_bias_update_rate >= 0.0:
         fail("--moe-router-bias-update-rate", args.moe_router_bias_update_rate, "must be 0 or more")
-    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
-    if (groups is None) != (group_topk is None):
-        given, missing = ("--moe-router-num-groups", "--moe-router-group-topk") if group_topk is None else \
-            ("--moe-router-group-topk", "--moe-router-num-groups")
-        fail(given, groups if group_topk is None else group_topk,
-             f"group-limited routing needs both it and {missing} (Megatron-Core reads the groups only with "
-             "a group top-k)")
-    if groups is not None:
-        if groups < 1 or experts % groups != 0:
-            fail("--moe-router-num-groups", groups, f"must divide --num-experts={experts}; valid: {divisors(experts)}")
-        if not 1 <= group_topk <= groups:
-            fail("--moe-router-group-topk", group_topk, f"valid: 1..--moe-router-num-groups={groups}")
-        per_group = experts // groups
-        if not group_topk <= args.moe_router_topk <= group_topk * per_group:
-            # Megatron-Core ranks the groups by their top-(topk // group-topk) scores and then picks
-            # the top-k experts inside the chosen groups
-            fail("--moe-router-group-topk", group_topk,
-                 f"needs group-topk <= --moe-router-topk={args.moe_router_topk} <= group-topk x experts per group "
-                 f"({per_group}); valid: {[g for g in range(1, groups + 1) if g <= args.moe_router_topk <= g * per_group]}")
-    for dest in ("moe_router_topk_scaling_factor", "moe_z_loss_coeff", "moe_input_jitter_eps"):
+    for dest in ("moe_z_loss_coeff", "moe_input_jitter_eps"):
         value = getattr(args, dest)
         if value is not None and not value > 0.0:
             fail(f"--{dest.replace('_', '-')}", value, "must be positive (leave it out to switch it off)")

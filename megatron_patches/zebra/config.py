@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
-from megatron_patches.mode.spec import MTP_NOT_PLACED, ROUTING_OPTIONS, ModeSpec
+from megatron_patches.mode.spec import ROUTING_OPTIONS, ModeSpec
 from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
 __all__ = ["ZebraConfig", "ZebraConfigError", "add_args", "validate", "MODE", "parse_asym_ea"]
@@ -328,7 +328,8 @@ MODE = ModeSpec(
                                                "them, by cost, is not built)",
         "multi_latent_attention": "it calls each layer's attention itself with GPT's rotary embedding; MLA's own "
                                   "rotary path is not built there",
-        "mtp_num_layers": MTP_NOT_PLACED,
+        "mtp_num_layers": "its schedule has no tasks for the MTP block (its embedding, projection and layer run "
+                          "outside the decoder zebra splits)",
         **dict.fromkeys(ROUTING_OPTIONS, "it calls Megatron's router its own way (no finalize_model_grads, where "
                                          "the expert bias is updated)"),
     },

@@ -48,7 +48,15 @@ PUBLISHED = {
     "mixtral_d1": ("2.1B", "non_embedding"),
     "mixtral_d2": ("1.2B", "non_embedding"),
     "mixtral_d3": ("3.5B", "non_embedding"),
+    # today's MoE models (issue 43): the reports' and model cards' totals; DeepSeek-V3's 671B is
+    # its main model, without the MTP module
+    "deepseek_v3": ("671B", "without_mtp"),
+    "deepseek_v2_lite": ("15.7B", "total"),
+    "qwen3_30b_a3b": ("30.5B", "total"),
+    "mixtral_8x7b": ("46.7B", "total"),
 }
+TINY_VARIANTS = ("deepseek_v3_tiny", "deepseek_v2_lite_tiny", "qwen3_30b_a3b_tiny", "mixtral_8x7b_tiny")
+"""The same architectures at toy sizes, for CPU runs (tests/training/test_model_configs_train.py)."""
 TOLERANCE = 0.03  # "within a few percent"; the FFN size of the zebra models is our choice
 REPLICATION_MODELS = ("gpt_small", "gpt_medium", "gpt_large")
 FSSDP_MODELS = ("gpt_moe_s", "gpt_moe_l", "bert_moe", "bert_moe_deep")
@@ -62,7 +70,12 @@ def our_counts(name: str) -> dict[str, int]:
     """count_parameters of a config, plus the dense base (num_experts null) total."""
     cfg = load_model_config(name)
     counts = count_parameters(cfg)
-    counts["dense_base_total"] = count_parameters(dataclasses.replace(cfg, num_experts=None))["total"]
+    dense = dataclasses.replace(cfg, num_experts=None, moe_shared_expert_intermediate_size=None,
+                                moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                                moe_router_topk_scaling_factor=None, moe_router_num_groups=None,
+                                moe_router_group_topk=None)
+    counts["dense_base_total"] = count_parameters(dense)["total"]
+    counts["without_mtp"] = counts["total"] - counts["mtp"]
     return counts
 
 
@@ -75,7 +88,7 @@ def comment_lines(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def test_every_published_model_has_a_config():
-    assert set(available_models()) == set(PUBLISHED) | {"tiny"}
+    assert set(available_models()) == set(PUBLISHED) | {"tiny", *TINY_VARIANTS}
 
 
 @pytest.mark.parametrize("name", available_models())
@@ -101,8 +114,8 @@ def test_stated_parameter_arithmetic_is_exact(name):
     assert {"embeddings", "attention", "router", "experts", "norms", "total"} <= set(rows), rows
     wrong = {k: (v, counts[k]) for k, v in rows.items() if v != counts[k]}
     assert not wrong, f"{name}: stated vs computed {wrong}"
-    assert sum(counts[k] for k in ("embeddings", "attention", "router", "experts", "dense_mlp",
-                                   "norms", "output_layer", "bert_heads")) == counts["total"]
+    assert sum(counts[k] for k in ("embeddings", "attention", "router", "experts", "shared_experts", "dense_mlp",
+                                   "mtp", "norms", "output_layer", "bert_heads")) == counts["total"]
 
 
 def test_parameter_counts_match_published_sizes():

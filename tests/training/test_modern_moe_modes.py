@@ -22,9 +22,15 @@ that moved otherwise would route otherwise) and the losses within 1e-5.
 Multi-latent attention (DeepSeek-V2/V3's, with a query latent and query/key norms) with a shared
 expert: only the attention changes, which fssdp and replicate leave to Megatron; losses within 1e-5.
 
-Zebra refuses all three before any work, naming why (its schedule has no task for shared experts
-yet; it calls the router and each attention itself and runs no finalize_model_grads, where the
-bias is updated).
+Multi-token prediction (DeepSeek-V3's, one MTP layer repeating the decoder's last, an MoE layer,
+with a shared expert): the MTP layer's MoE layer is built from the mode's layer spec like the
+decoder's, so the mode places it as MoE layer num_layers + 1; it is in the loads and the mode's
+records, and the losses (main and MTP) are ep's within 1e-5, at EP 4 and with the MTP layer on the
+last of 2 pipeline stages (PP 2 x EP 2).
+
+Zebra refuses all four before any work, naming why (its schedule has no task for shared experts
+or the MTP block yet; it calls the router and each attention itself and runs no
+finalize_model_grads, where the bias is updated).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ ROUTING = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert
 MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16", "--position-embedding-type", "rope", "--normalization",
        "RMSNorm", "--qk-layernorm"]
+MTP = ["--mtp-num-layers", "1"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERS = 8
 
@@ -64,6 +72,8 @@ def runs(workdir):
         flags[f"{mode}_dropout"] = [*COMMON, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_mla"] = [*COMMON, *NO_DROPOUT, *MLA, "--train-iters", str(ITERS), *more]
+        flags[f"{mode}_mtp"] = [*COMMON, *NO_DROPOUT, *MTP, "--train-iters", str(ITERS), *more]
+        flags[f"{mode}_mtp_pp2"] = [*COMMON, *NO_DROPOUT, *MTP, *PP2, "--train-iters", str(ITERS), *more]
     flags["ep_mock_fp32"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT]
     for mode, more in MODES.items():
         flags[f"{mode}_bf16"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT, "--bf16", *FULL_RECOMPUTE,
@@ -100,6 +110,24 @@ def test_multi_latent_attention_trains_as_in_ep(runs, mode):
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_multi_token_prediction_layers_are_placed_and_train_as_in_ep(runs, mode):
+    for variant in ("mtp", "mtp_pp2"):
+        ep, run = runs[f"ep_{variant}"], runs[f"{mode}_{variant}"]
+        assert len(run.losses) == ITERS and relative(run.losses, ep.losses).max() <= 1e-5, (variant, run.losses, ep.losses)
+        mtp = [r["mtp_loss"][0] for r in run.records if "loss" in r]
+        assert relative(mtp, [r["mtp_loss"][0] for r in ep.records if "loss" in r]).max() <= 1e-5, variant
+        # MoE layer 3 is the MTP layer's: in the loads every iteration, routed as in ep
+        routed = [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in run.records if "loss" in r]
+        assert all(len(layers) == 3 for layers in routed), variant
+        assert [layers[2] for layers in routed] == [[layer["expert_tokens"] for layer in r["moe_layers"]][2]
+                                                     for r in ep.records if "loss" in r], variant
+    # ... and placed by the mode (its records name it; at PP 1 rank 0 holds every layer)
+    placed = [[layer["layer"] for layer in r[mode]["layers"]] for r in runs[f"{mode}_mtp"].records if "loss" in r]
+    assert placed == [[1, 2, 3]] * ITERS
+    assert runs["ep_mtp"].losses != runs["ep_fp32"].losses  # the MTP loss is in the gradient
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
 def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(runs, mode):
     half = {name: runs[f"{name}_bf16"].losses for name in MODES}
     reference = runs["ep_mock_fp32"].losses
@@ -115,6 +143,9 @@ def test_zebra_refuses_shared_experts_and_modern_routing_naming_why():
                                             r"yet: its schedule has no task for shared experts yet .* "
                                             r"valid: --moe-parallel-mode ep or fssdp or replicate"):
         validate_args(parse_args([*zebra, *SHARED]), 4)
+    with pytest.raises(ArgumentError, match=r"--mtp-num-layers=1: zebra does not take it yet: its schedule has no "
+                                            r"tasks for the MTP block"):
+        validate_args(parse_args([*zebra, *MTP]), 4)
     with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take it yet: it calls "
                                             r"each layer's attention itself"):
         validate_args(parse_args([*zebra, *MLA]), 4)
