@@ -353,6 +353,17 @@ def pipeline_stage_flags() -> tuple[bool, bool]:
     )
 
 
+def every_stage(items: list) -> list:
+    """`items` of every pipeline stage, in stage order: this rank's concatenated with those of the
+    ranks that hold the other stages of its model replica (a collective over Megatron's pipeline
+    group; `items` as is without pipeline parallelism)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return items
+    stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(stages, items, group=parallel_state.get_pipeline_model_parallel_group())
+    return [item for stage in stages for item in stage]
+
+
 def transformer_layers(model) -> list:
     """The TransformerLayer modules of an (unwrapped) GPT/BERT model on this stage: the decoder's
     (BERT: encoder's), then the multi-token-prediction layers' (numbered num_layers + 1, ...)."""

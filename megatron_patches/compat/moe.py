@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding, replace_prefix_for_sharding
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
@@ -41,9 +41,9 @@ __all__ = [
     "held_experts_sharded_state_dict",
     "load_ep_optimizer_state",
     "optimizer_sharded_state_dict",
+    "param_shardings",
     "read_distributed_optimizer_state",
     "read_optimizer_state",
-    "sharded_tensors",
     "shards_over_data_parallel",
 ]
 
@@ -199,7 +199,7 @@ def optimizer_sharded_state_dict(groups, model_sd, param_state, step, fp32_main:
         grad_scaler_state: the loss scaler's state dict (fp16), else None.
         is_loading: a template to load into (no step: it comes from the checkpoint).
     """
-    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
+    sharded_of = param_shardings(model_sd)
     state, param_groups, fp32_groups, next_id = {}, [], [], 0
     for values, params in groups:
         ids = list(range(next_id, next_id + len(params)))
@@ -260,7 +260,7 @@ def distributed_optimizer_sharded_state_dict(groups, model_sd, param_state, step
     Args: as `optimizer_sharded_state_dict`; `param_state` names the master weights "fp32_param"
     (the plain optimizers' name), written as Megatron's "param".
     """
-    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
+    sharded_of = param_shardings(model_sd)
     param_groups, by_index = [], {}
     for values, params in groups:
         param_groups.append({**values} if is_loading else {**values, "step": step})
@@ -455,7 +455,7 @@ def expert_checkpoint_keys(optimizer, model_sd, expert_groups) -> dict[str, list
     else:
         names = ADAM_STATE_NAMES + (("fp32_param",) if isinstance(dense, Float16OptimizerWithFloat16Params) else ())
         stored = {name: name for name in names}
-    sharded_of = {id(value.data): value for value in sharded_tensors(model_sd)}
+    sharded_of = param_shardings(model_sd)
     keys = {name: [] for name in stored}
     for _, params in expert_groups:
         for param in params:
@@ -481,6 +481,10 @@ def load_ep_optimizer_state(optimizer, loaded: dict, expert_groups, with_experts
     return out, step
 
 
-def sharded_tensors(sharded_state_dict):
-    """Every ShardedTensor in a nested sharded state dict."""
-    return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+def param_shardings(model_sd) -> dict:
+    """id(parameter) -> its ShardedTensor in the model's sharded state dict, or its
+    ShardedTensorFactory (a SwiGLU fc1 weight: Megatron saves its two halves separately,
+    transformer/mlp.py apply_swiglu_sharded_factory); `make_sharded_optimizer_tensor` takes either."""
+    return {id(value.data): value for value in nested_values(model_sd)
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory))}
+

@@ -363,6 +363,8 @@ def train(args, run: Run) -> History:
             record = run.mode.end_iteration(
                 StepResult(iteration, update_ok, grad_norm, lr_used, args.clip_grad, loads.routed_LE, loads.processed_LE)
             )
+            if record is not None and "layers" in record:  # the mode's per-layer figures of every stage
+                record["layers"] = mcore.every_stage(record["layers"])
             elapsed = time.perf_counter() - started
             for line in run.mode.take_log():
                 log0(line)

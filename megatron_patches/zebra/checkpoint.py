@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_patches.compat import mcore, moe
 from megatron_patches.mode.runtime import CheckpointRefused
@@ -43,9 +43,10 @@ def _model_sharded_state_dict(owner: ZebraOwnership) -> dict:
     attention_index = owner.layout.attention_dp_group.index(owner.rank) if owner.role == "attention" else None
     kept = {}
     for key, (value, expert) in owner.owned_sharded_state.items():
-        if not isinstance(value, (ShardedTensor, ShardedObject)):
+        if not isinstance(value, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
             raise TypeError(f"the model's sharded state holds {key} as {type(value).__name__}; zebra checkpoints "
-                            "know tensors and modules' extra state only")
+                            "know tensors (a SwiGLU fc1 weight: Megatron's factory of its two halves) and modules' "
+                            "extra state only")
         # replica 0 writes: the first attention rank the dense parts, ZP group 0 the experts
         replica = (0, 0, owner.zp_group if expert else attention_index)
         kept[key] = dataclasses.replace(value, key=EP_CHUNK_PREFIX + value.key, replica_id=replica)
@@ -87,7 +88,7 @@ def load(directory: str, owner: ZebraOwnership, template: dict, load_optim: bool
         state["optimizer"] = _optimizer_sharded_state_dict(owner, model_sd, is_loading=True)
     # every rank decides alike (the load is collective): any rank's missing tensor stops all
     available = mcore.saved_tensor_keys(directory)
-    missing = sorted(t.key for t in moe.sharded_tensors(state) if t.key not in available)
+    missing = sorted(t.key for t in moe.param_shardings(state).values() if t.key not in available)
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, (len(missing), missing[:1]))
     if any(count for count, _ in found):

@@ -8,7 +8,11 @@ unless given) and the flags a recipe leaves to its caller (`add`). Their data an
 become the mock dataset, their checkpoint, cache and TensorBoard paths a work folder; NCCL becomes
 gloo and Transformer Engine Megatron's local modules (device choices).
 Each then validates (unit) and trains 2 iterations in ep on its gloo ranks (e2e), one spawn per
-rank count.
+rank count. The three model recipes (Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V2-Lite: bf16, grouped
+GEMM, sequence parallelism; DeepSeek's MLA, shared experts and dense first layer) also train in
+fssdp and replicate, in the same spawn, within bf16's rounding of ep's losses (2^-8 relative); the
+CI configurations log parameter norms, which the placement modes refuse (their experts live
+outside Megatron's optimizer), named in the refusal.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from support.precision import relative
 from support.training import launch_many
 
+from megatron_patches.config.flags import ArgumentError
 from megatron_patches.training.arguments import parse_args
 from megatron_patches.training.validation import validate_args
 
@@ -62,13 +68,51 @@ def test_a_published_script_validates_unchanged_but_for_sizes(path, tmp_path):
     assert args.moe_parallel_mode == "ep" and args.expert_model_parallel_size == given_ep
 
 
-@pytest.mark.e2e
-def test_the_published_scripts_train_two_iterations_in_ep(workdir):
+RECIPES = ("deepseek_v2_lite", "mixtral_8x7b", "qwen3_30b_a3b")
+"""The model recipes; the CI configurations log parameter norms, which the placement modes refuse."""
+PLACEMENT_MODES = ("fssdp", "replicate")
+
+
+@pytest.mark.parametrize("mode", PLACEMENT_MODES)
+def test_the_ci_configurations_are_refused_by_the_placement_modes_naming_the_flag(mode, tmp_path):
+    for path in SCRIPTS:
+        if path.stem in RECIPES:
+            continue
+        script = json.loads(path.read_text())
+        argv = [*shrunk_argv(script, tmp_path / path.stem), "--moe-parallel-mode", mode]
+        with pytest.raises(ArgumentError, match=rf"--log-params-norm=True: {mode} keeps expert weights and gradients "
+                                                r"outside Megatron's optimizer"):
+            validate_args(parse_args(argv), script.get("ranks", RANKS))
+
+
+@pytest.fixture(scope="module")
+def published(workdir):
+    """Every script in ep, and the recipes in fssdp and replicate: {run name: Run}, ep's under the
+    script's name and the others as `<script>_<mode>`."""
     scripts = {path.stem: json.loads(path.read_text()) for path in SCRIPTS}
     runs = {}
     for ranks in sorted({script.get("ranks", RANKS) for script in scripts.values()}):
-        runs.update(launch_many(ranks, {name: shrunk_argv(script, workdir / name) for name, script in scripts.items()
-                                        if script.get("ranks", RANKS) == ranks}, workdir))
+        here = {name: script for name, script in scripts.items() if script.get("ranks", RANKS) == ranks}
+        flags = {name: shrunk_argv(script, workdir / name) for name, script in here.items()}
+        flags.update({f"{name}_{mode}": [*shrunk_argv(script, workdir / f"{name}_{mode}"), "--moe-parallel-mode", mode]
+                      for name, script in here.items() if name in RECIPES for mode in PLACEMENT_MODES})
+        runs.update(launch_many(ranks, flags, workdir))
+    return runs
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", PLACEMENT_MODES)
+def test_the_published_recipes_train_in_the_placement_modes_as_in_ep(published, mode):
+    for name in RECIPES:
+        ep, run = published[name], published[f"{name}_{mode}"]
+        assert [r["iteration"] for r in run.records if "loss" in r] == [r["iteration"] for r in ep.records if "loss" in r]
+        assert all(math.isfinite(x) for x in run.losses), (name, run.losses)
+        assert relative(run.losses, ep.losses).max() <= 2.0 ** -8, (name, run.losses, ep.losses)
+
+
+@pytest.mark.e2e
+def test_the_published_scripts_train_two_iterations_in_ep(published):
+    runs = {name: run for name, run in published.items() if not name.endswith(PLACEMENT_MODES)}
     for name, run in runs.items():
         # the last iteration is always logged; Mixtral's script logs every one, Qwen's recipe keeps
         # Megatron-LM's --log-interval 100
@@ -94,7 +138,7 @@ def test_the_published_scripts_train_two_iterations_in_ep(workdir):
 
 # DeepSeek-V3's features on the embedded tiny job (Megatron's default dropout 0.1), in the precision
 # and recompute users run them with, through the pipeline: MLA with a query latent, a gated shared
-# expert, two MTP layers on the last of 2 pipeline stages.
+# expert, two MTP layers on the last of 2 pipeline stages; in ep, fssdp and replicate.
 DEEPSEEK_FEATURES = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
                      "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--position-embedding-type",
                      "rope", "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64",
@@ -102,14 +146,23 @@ DEEPSEEK_FEATURES = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lo
 
 
 @pytest.mark.e2e
-def test_deepseek_features_train_in_ep_with_half_precision_recompute_and_pipelines(workdir):
-    runs = launch_many(RANKS, {
+def test_deepseek_features_train_in_every_mode_with_half_precision_recompute_and_pipelines(workdir):
+    variants = {
         "bf16_full_recompute_pp2": [*DEEPSEEK_FEATURES, "--bf16", "--pipeline-model-parallel-size", "2",
                                     "--recompute-granularity", "full", "--recompute-method", "uniform",
                                     "--recompute-num-layers", "1"],
         "fp16_selective_ep2": [*DEEPSEEK_FEATURES, "--fp16", "--recompute-granularity", "selective",
                                "--recompute-modules", "mla_up_proj", "shared_experts", "core_attn"],
-    }, workdir)
+    }
+    runs = launch_many(RANKS, {**variants, **{f"{name}_{mode}": [*flags, "--moe-parallel-mode", mode]
+                                              for name, flags in variants.items() for mode in PLACEMENT_MODES}}, workdir)
+    # fssdp and replicate place the decoder's and the MTP layers' experts: ep's losses within half
+    # precision's rounding (bf16's 2^-8, the coarser of the two)
+    for name in variants:
+        for mode in PLACEMENT_MODES:
+            placed = runs[f"{name}_{mode}"]
+            assert relative(placed.losses, runs[name].losses).max() <= 2.0 ** -8, (name, mode, placed.losses)
+            assert [layer["layer"] for layer in placed.records[-1][mode]["layers"]] == [1, 2, 3, 4], (name, mode)
     for name, run in runs.items():
         records = [r for r in run.records if "loss" in r]
         assert [r["iteration"] for r in records] == [1, 2, 3], name

@@ -20,6 +20,10 @@ default dropout 0.1, EP the largest valid (4), fssdp's auto t and m, replicate's
 - zebra builds the two models whose features it composes with (Mixtral, Qwen3; it refuses the
   DeepSeek ones, naming why: tests/training/test_modern_moe_modes.py): Mixtral within 1e-5 of ep
   without dropout (zebra draws the masks in another order), Qwen3 trains at the default dropout.
+- SwiGLU experts (all four models) go through checkpoints: Megatron saves a SwiGLU fc1 weight as
+  two halves (a ShardedTensorFactory), and replicate's and zebra's expert optimizer state follows
+  it (a replicate save with the distributed optimizer failed on it before, found by Megatron-LM's
+  Mixtral recipe); the runs resumed at iteration 10 repeat the saved runs' losses bit for bit.
 One spawn of 4 ranks.
 """
 
@@ -38,6 +42,7 @@ pytestmark = pytest.mark.e2e
 
 VARIANTS = ("deepseek_v3_tiny", "deepseek_v2_lite_tiny", "qwen3_30b_a3b_tiny", "mixtral_8x7b_tiny")
 ITERS = 20
+SAVE_AT = 10
 RANKS = 4
 MODES = {"ep": [], "fssdp": ["--moe-parallel-mode", "fssdp"], "replicate": ["--moe-parallel-mode", "replicate"]}
 ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
@@ -55,7 +60,15 @@ def runs(workdir):
     flags["mixtral_8x7b_tiny_ep_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT]
     flags["mixtral_8x7b_tiny_zebra_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *ZEBRA]
     flags["qwen3_30b_a3b_tiny_zebra"] = [*job("qwen3_30b_a3b_tiny"), *ZEBRA]
-    return launch_many(RANKS, flags, workdir)
+    # SwiGLU experts through a checkpoint: replicate with the distributed optimizer, zebra
+    trackers = {}
+    for mode, more in (("replicate", [*MODES["replicate"], "--use-distributed-optimizer"]), ("zebra", ZEBRA)):
+        saved = workdir / f"ckpt_{mode}"
+        flags[f"swiglu_{mode}_saved"] = [*job("mixtral_8x7b_tiny"), *more, "--save", str(saved), "--save-interval",
+                                         str(SAVE_AT)]
+        flags[f"swiglu_{mode}_resumed"] = [*job("mixtral_8x7b_tiny"), *more, "--load", str(saved)]
+        trackers[f"swiglu_{mode}_resumed"] = (saved, SAVE_AT)
+    return launch_many(RANKS, flags, workdir, trackers=trackers)
 
 
 def rank0_parameters(variant: str) -> int:
@@ -97,3 +110,10 @@ def test_zebra_trains_the_models_it_composes_with(runs):
     qwen = runs["qwen3_30b_a3b_tiny_zebra"]
     assert len(qwen.losses) == ITERS and all(math.isfinite(x) for x in qwen.losses)
     assert qwen.losses[-1] < qwen.losses[0] - 0.3, qwen.losses
+
+
+@pytest.mark.parametrize("mode", ["replicate", "zebra"])
+def test_swiglu_experts_resume_bit_for_bit(runs, mode):
+    saved, resumed = runs[f"swiglu_{mode}_saved"], runs[f"swiglu_{mode}_resumed"]
+    assert [r["iteration"] for r in resumed.records if "loss" in r] == list(range(SAVE_AT + 1, ITERS + 1))
+    assert resumed.losses == saved.losses[SAVE_AT:], (resumed.losses, saved.losses)

@@ -121,9 +121,10 @@ def test_multi_token_prediction_layers_are_placed_and_train_as_in_ep(runs, mode)
         assert all(len(layers) == 3 for layers in routed), variant
         assert [layers[2] for layers in routed] == [[layer["expert_tokens"] for layer in r["moe_layers"]][2]
                                                      for r in ep.records if "loss" in r], variant
-    # ... and placed by the mode (its records name it; at PP 1 rank 0 holds every layer)
-    placed = [[layer["layer"] for layer in r[mode]["layers"]] for r in runs[f"{mode}_mtp"].records if "loss" in r]
-    assert placed == [[1, 2, 3]] * ITERS
+    # ... and placed by the mode: its records name it, with the pipeline's last stage's layers at PP 2
+    for variant in ("mtp", "mtp_pp2"):
+        placed = [[layer["layer"] for layer in r[mode]["layers"]] for r in runs[f"{mode}_{variant}"].records if "loss" in r]
+        assert placed == [[1, 2, 3]] * ITERS, variant
     assert runs["ep_mtp"].losses != runs["ep_fp32"].losses  # the MTP loss is in the gradient
 
 
