@@ -338,6 +338,9 @@ def _check_model(cfg: ModelConfig) -> None:
 
 
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                 "moe_router_num_groups", "moe_router_group_topk")
+"""The router's architecture fields of ModelConfig (the rest of the routing flags are run settings)."""
 
 
 def _check_routing(cfg: ModelConfig) -> None:
@@ -354,11 +357,9 @@ def _check_routing(cfg: ModelConfig) -> None:
     factor = cfg.moe_router_topk_scaling_factor
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
         _fail("moe_router_topk_scaling_factor", factor, "expected a positive number or null")
-    routing = {"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
-               "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None, "moe_router_group_topk": None}
     if cfg.num_experts is None:
-        for key, default in routing.items():
-            if getattr(cfg, key) != default:
+        for key in ROUTER_FIELDS:
+            if getattr(cfg, key) != _FIELDS[key].default:
                 _fail(key, getattr(cfg, key), "it shapes the router of MoE layers, which a dense model (num_experts: "
                       "null) has none of; set num_experts, or leave it out")
         return

@@ -28,7 +28,7 @@ from megatron_patches.config import (
     model_config_from_dict,
     padded_vocab_size,
 )
-from megatron_patches.config.models import MODELS_DIR
+from megatron_patches.config.models import MODELS_DIR, ROUTER_FIELDS
 from megatron_patches.config.clusters import CLUSTERS_DIR
 from megatron_patches.placement.types import Topology
 
@@ -70,10 +70,8 @@ def our_counts(name: str) -> dict[str, int]:
     """count_parameters of a config, plus the dense base (num_experts null) total."""
     cfg = load_model_config(name)
     counts = count_parameters(cfg)
-    dense = dataclasses.replace(cfg, num_experts=None, moe_shared_expert_intermediate_size=None,
-                                moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
-                                moe_router_topk_scaling_factor=None, moe_router_num_groups=None,
-                                moe_router_group_topk=None)
+    router_defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in ROUTER_FIELDS}
+    dense = dataclasses.replace(cfg, num_experts=None, moe_shared_expert_intermediate_size=None, **router_defaults)
     counts["dense_base_total"] = count_parameters(dense)["total"]
     counts["without_mtp"] = counts["total"] - counts["mtp"]
     return counts
@@ -360,6 +358,15 @@ TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, 
     (dict(num_query_groups=2), ["num_query_groups=2", "group_query_attention"]),
     (dict(group_query_attention=True, num_query_groups=3), ["num_query_groups=3", "num_attention_heads=4"]),
     (dict(swiglu="yes"), ["swiglu='yes'", "true or false"]),
+    # the router's architecture: Megatron-Core's rules, shared with the training flags
+    (dict(moe_router_score_function="relu"), ["moe_router_score_function='relu'", "sigmoid"]),
+    (dict(moe_router_enable_expert_bias=True), ["moe_router_enable_expert_bias=True", "sigmoid (is softmax)"]),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1), ["moe_router_num_groups=3", "[1, 2, 4, 8]"]),
+    (dict(moe_router_num_groups=4), ["moe_router_num_groups=4", "--moe-router-group-topk"]),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=3), ["moe_router_group_topk=3", "valid: [1, 2]"]),
+    (dict(moe_router_topk_scaling_factor=0), ["moe_router_topk_scaling_factor=0", "must be positive"]),
+    (dict(num_experts=None, moe_router_score_function="sigmoid"), ["moe_router_score_function='sigmoid'",
+                                                                    "dense model"]),
 ])
 def test_bad_model_values_are_named(change, words):
     with pytest.raises(ConfigError) as err:
