@@ -20,6 +20,8 @@ default dropout 0.1, EP the largest valid (4), fssdp's auto t and m, replicate's
 - zebra builds the two models whose features it composes with (Mixtral, Qwen3; it refuses the
   DeepSeek ones, naming why: tests/training/test_modern_moe_modes.py): Mixtral within 1e-5 of ep
   without dropout (zebra draws the masks in another order), Qwen3 trains at the default dropout.
+- Megatron-LM's --log-params-norm and --log-num-zeros-in-grad in fssdp (its owned experts are
+  Megatron's parameters, each once): ep's values, in fp32 (Mixtral tiny without dropout);
 - SwiGLU experts (all four models) go through checkpoints: Megatron saves a SwiGLU fc1 weight as
   two halves (a ShardedTensorFactory), and replicate's and zebra's expert optimizer state follows
   it (a replicate save with the distributed optimizer failed on it before, found by Megatron-LM's
@@ -45,6 +47,7 @@ ITERS = 20
 SAVE_AT = 10
 RANKS = 4
 MODES = {"ep": [], "fssdp": ["--moe-parallel-mode", "fssdp"], "replicate": ["--moe-parallel-mode", "replicate"]}
+NORMS = ["--log-params-norm", "--log-num-zeros-in-grad"]
 ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
          "--zebra-microbatches", "2"]  # global batch 1 x 2 micro-batches x 2 attention ranks = ep's 4
 
@@ -57,7 +60,8 @@ def job(variant: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(workdir):
     flags = {f"{variant}_{mode}": [*job(variant), *more] for variant in VARIANTS for mode, more in MODES.items()}
-    flags["mixtral_8x7b_tiny_ep_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT]
+    flags["mixtral_8x7b_tiny_ep_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS]
+    flags["mixtral_8x7b_tiny_fssdp_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS, *MODES["fssdp"]]
     flags["mixtral_8x7b_tiny_zebra_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *ZEBRA]
     flags["qwen3_30b_a3b_tiny_zebra"] = [*job("qwen3_30b_a3b_tiny"), *ZEBRA]
     # SwiGLU experts through a checkpoint: replicate with the distributed optimizer, zebra
@@ -117,3 +121,12 @@ def test_swiglu_experts_resume_bit_for_bit(runs, mode):
     saved, resumed = runs[f"swiglu_{mode}_saved"], runs[f"swiglu_{mode}_resumed"]
     assert [r["iteration"] for r in resumed.records if "loss" in r] == list(range(SAVE_AT + 1, ITERS + 1))
     assert resumed.losses == saved.losses[SAVE_AT:], (resumed.losses, saved.losses)
+
+
+def test_fssdp_logs_ep_s_parameter_norm_and_gradient_zeros(runs):
+    ep, fssdp = runs["mixtral_8x7b_tiny_ep_no_dropout"], runs["mixtral_8x7b_tiny_fssdp_no_dropout"]
+    assert relative(fssdp.losses, ep.losses).max() <= 1e-5
+    norms = [[r["params_norm"] for r in run.records if "loss" in r] for run in (fssdp, ep)]
+    assert len(norms[0]) == ITERS and relative(*norms).max() <= 1e-6, norms
+    zeros = [[r["num_zeros_in_grad"] for r in run.records if "loss" in r] for run in (fssdp, ep)]
+    assert zeros[0] == zeros[1], zeros
