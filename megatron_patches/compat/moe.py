@@ -44,6 +44,7 @@ __all__ = [
     "param_shardings",
     "read_distributed_optimizer_state",
     "read_optimizer_state",
+    "sharded_entries",
     "shards_over_data_parallel",
 ]
 
@@ -485,6 +486,10 @@ def param_shardings(model_sd) -> dict:
     """id(parameter) -> its ShardedTensor in the model's sharded state dict, or its
     ShardedTensorFactory (a SwiGLU fc1 weight: Megatron saves its two halves separately,
     transformer/mlp.py apply_swiglu_sharded_factory); `make_sharded_optimizer_tensor` takes either."""
-    return {id(value.data): value for value in nested_values(model_sd)
-            if isinstance(value, (ShardedTensor, ShardedTensorFactory))}
+    return {id(value.data): value for value in sharded_entries(model_sd)}
+
+
+def sharded_entries(sharded_state_dict) -> list:
+    """Every ShardedTensor and ShardedTensorFactory in a nested sharded state dict."""
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, (ShardedTensor, ShardedTensorFactory))]
 

@@ -421,13 +421,12 @@ def _resolve_mode_flags(args):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
                      f"this flag reads (not built there yet); valid: --moe-parallel-mode {takers}, or leave it out")
-    if mode.name != "ep":
-        for dest in (*MODEL_FEATURES, *ROUTING_OPTIONS):
-            why = mode.refused_features.get(dest)
-            if why is not None and getattr(args, dest) != parser.get_default(dest):
-                takers = [name for name, spec in MODES.items() if dest not in spec.refused_features]
-                fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take it yet: {why}; "
-                     f"valid: --moe-parallel-mode {' or '.join(takers)}, or leave it out")
+    for dest in (*MODEL_FEATURES, *ROUTING_OPTIONS):
+        why = mode.refused_features.get(dest)
+        if why is not None and getattr(args, dest) != parser.get_default(dest):
+            takers = [name for name, spec in MODES.items() if dest not in spec.refused_features]
+            fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take it yet: {why}; "
+                 f"valid: --moe-parallel-mode {' or '.join(takers)}, or leave it out")
     mode.validate(args)
 
 

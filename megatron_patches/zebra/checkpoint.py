@@ -88,7 +88,7 @@ def load(directory: str, owner: ZebraOwnership, template: dict, load_optim: bool
         state["optimizer"] = _optimizer_sharded_state_dict(owner, model_sd, is_loading=True)
     # every rank decides alike (the load is collective): any rank's missing tensor stops all
     available = mcore.saved_tensor_keys(directory)
-    missing = sorted(t.key for t in moe.param_shardings(state).values() if t.key not in available)
+    missing = sorted(t.key for t in moe.sharded_entries(state) if t.key not in available)
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, (len(missing), missing[:1]))
     if any(count for count, _ in found):
