@@ -133,11 +133,10 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
 
 
 def progress_suffix(fssdp: dict) -> str:
-    """The progress line's fssdp part: the common record's imbalance is EP's (the owners'); this
-    one is after FSSDP's copies and dispatch."""
-    placed_worst = max(layer["imbalance"] for layer in fssdp["layers"])
+    """The progress line's fssdp part, after the imbalance (EP's -> after FSSDP's copies): the
+    overlap degree and the copies gathered."""
     spag = sum(fssdp["bytes"]["spag"].values())
-    return f" -> {placed_worst:.2f} placed (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
+    return f" (t={fssdp['t']}, spAG {spag / 2**20:.2f} MiB)"
 
 
 def tensorboard_scalars(fssdp: dict) -> dict[str, float]:

@@ -581,6 +581,10 @@ class FSSDPRuntime(ModeRuntime):
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
 
+    def placed_layers(self, record: dict | None) -> list[dict] | None:
+        """The owners' and the copies' tokens per rank: the dispatch plans' destinations."""
+        return record["layers"]
+
     def progress(self, record: dict) -> tuple[str, float]:
         _, survival = super().progress(record)
         return metrics.progress_suffix(record[self.name]), survival

@@ -67,6 +67,10 @@ class ModeRuntime:
     name = "ep"
     """--moe-parallel-mode value; also the key of the mode's record in the JSON-lines metrics."""
 
+    owners_are_ep = True
+    """Whether `owner_positions_LE` is Megatron's EP layout (each expert on the rank that owns it
+    in ep), so the common record's imbalance is what ep would have had on the same routing."""
+
     def __init__(self) -> None:
         self._log: list[str] = []
 
@@ -147,9 +151,15 @@ class ModeRuntime:
         """Bytes per rank the mode keeps (at log intervals); None: nothing to report. May communicate."""
         return None
 
+    def placed_layers(self, record: dict | None) -> list[dict] | None:
+        """Per MoE layer of every stage, the tokens per rank after the mode placed copies by load
+        (`device_tokens`, `imbalance`), from the mode's record (`end_iteration`'s); None when what
+        ran is the owners' layout (the common record's). ep: None."""
+        return None
+
     def progress(self, record: dict) -> tuple[str, float]:
         """The mode's part of rank 0's progress line, from the iteration's metrics record: the text
-        after the owners' (EP's) worst imbalance, and the token survival to print. ep: nothing, and
+        after the imbalance (the owners' and the placed one), and the token survival to print. ep: nothing, and
         the lowest survival over layers after Megatron's capacity dropping. No communication."""
         return "", min((layer["survival"] for layer in record["moe_layers"]), default=1.0)
 

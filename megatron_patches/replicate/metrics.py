@@ -85,11 +85,11 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
 
 
 def progress(replicate: dict) -> tuple[str, float]:
-    """The progress line's replicate part and the survival it shows: Megatron's router drops
-    nothing in replicate mode; the instances' capacity does."""
-    placed_worst = max(layer["imbalance"] for layer in replicate["layers"])
+    """The progress line's replicate part (after the imbalance, EP's -> after replication: the
+    policy and the slots) and the survival it shows: Megatron's router drops nothing in replicate
+    mode; the instances' capacity does."""
     survival = min(layer["survival"] for layer in replicate["layers"])
-    return f" -> {placed_worst:.2f} placed ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)", survival
+    return f" ({replicate['policy']}, {replicate['slots_per_rank']} slots/rank)", survival
 
 
 def tensorboard_scalars(replicate: dict) -> dict[str, float]:

@@ -512,6 +512,10 @@ class ReplicateRuntime(ModeRuntime):
     def a2a_remote_copies(self, loads) -> int:
         return self.stats.remote_copies
 
+    def placed_layers(self, record: dict | None) -> list[dict] | None:
+        """The slots' tokens per rank: the dispatch plans' destinations."""
+        return record["layers"]
+
     def progress(self, record: dict) -> tuple[str, float]:
         return metrics.progress(record[self.name])
 

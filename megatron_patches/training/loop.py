@@ -64,6 +64,8 @@ class Summary:
     mean_iteration_s: float
     tokens_per_s: float
     eval_loss: float | None
+    balance: str | None = None
+    """Rank 0: the run's imbalance (metrics.balance_summary); None on the other ranks."""
 
 
 def pretrain(args) -> Summary:
@@ -75,7 +77,7 @@ def pretrain(args) -> Summary:
         tear_down()
         raise
     write_load_trace(args, run, history)
-    return finish(args, history.times, history.losses, history.eval_loss)
+    return finish(args, history)
 
 
 # ----------------------------------------------------------------------------------------
@@ -302,6 +304,8 @@ class History:
     """Iterations with a non-finite loss or gradient (not counting fp16 overflows), in this run."""
     exit_reason: str | None = None
     """Why the run stopped before --train-iters (training/exits.py), or None."""
+    balances: list[dict] = field(default_factory=list)
+    """Rank 0: every iteration's balance (metrics.balance), for the progress lines and the summary."""
     routed: list[np.ndarray] = field(default_factory=list)
     """Rank 0 with --moe-log-loads: routed token copies [layers, experts] per iteration."""
     sources: list[np.ndarray] = field(default_factory=list)
@@ -376,12 +380,19 @@ def train(args, run: Run) -> History:
             history.losses.append(loss)
             run.state["iteration"] = iteration
             run.state["consumed_train_samples"] = run.train_iter.consumed_samples
-            if dist.get_rank() == 0 and args.moe_log_loads:
-                history.routed.append(loads.routed_LE)
-                history.sources.append(loads.source_routed_LSE)
+            owner_layers = None
+            if dist.get_rank() == 0:
+                owner_layers = metrics.moe_layer_records(
+                    loads, run.layer_numbers,
+                    run.mode.owner_positions_LE(len(run.layer_numbers), args.num_experts, args.expert_model_parallel_size))
+                history.balances.append(metrics.balance(owner_layers, run.mode.placed_layers(record),
+                                                        "ep" if run.mode.owners_are_ep else run.mode.name, run.mode.name))
+                if args.moe_log_loads:
+                    history.routed.append(loads.routed_LE)
+                    history.sources.append(loads.source_routed_LSE)
             if iteration % args.log_interval == 0 or iteration == args.train_iters or nonfinite:
                 log_iteration(args, run, writer, history, iteration, loss, grad_norm, update_ok, elapsed, loads, record, kept_bytes,
-                              num_zeros)
+                              num_zeros, owner_layers)
             if nonfinite:
                 stop_or_skip(args, history, iteration, loss, update_ok, writer)
             if args.eval_interval and iteration % args.eval_interval == 0 and args.eval_iters > 0:
@@ -440,8 +451,9 @@ def stop_or_skip(args, history: History, iteration: int, loss: float, update_ok:
 
 
 def log_iteration(args, run: Run, writer, history: History, iteration: int, loss: float, grad_norm, update_ok, elapsed: float,
-                  loads, record: dict | None, kept_bytes: int, num_zeros) -> None:
-    """One metrics record (rank 0 writes it; every rank takes part in the mode's collectives)."""
+                  loads, record: dict | None, kept_bytes: int, num_zeros, owner_layers: list[dict] | None) -> None:
+    """One metrics record (rank 0 writes it, with `owner_layers`, the common per-layer records;
+    every rank takes part in the mode's collectives)."""
     element_bytes = 2 if (args.bf16 or args.fp16) else 4
     remote_copies = run.mode.a2a_remote_copies(loads)
     memory = activation_memory(args.use_cuda, kept_bytes)
@@ -468,9 +480,8 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
         **({"num_zeros_in_grad": int(num_zeros)} if args.log_num_zeros_in_grad else {}),
         # --log-throughput: Megatron-LM's model FLOPs over this iteration's time, per rank
         **({"tflops_per_gpu": run.flops_per_iteration / (elapsed * 1e12 * args.world_size)} if args.log_throughput else {}),
-        "moe_layers": metrics.moe_layer_records(
-            loads, run.layer_numbers,
-            run.mode.owner_positions_LE(len(run.layer_numbers), args.num_experts, args.expert_model_parallel_size)),
+        "moe_layers": owner_layers,
+        "balance": history.balances[-1],
         # token copies crossing ranks: EP's ownership, or where the mode's dispatch plans sent them
         "bytes": {"a2a": 4 * remote_copies * args.hidden_size * element_bytes},
         "memory": memory,
@@ -541,8 +552,9 @@ def write_load_trace(args, run: Run, history: History) -> None:
     log0(f"trace: wrote {args.moe_log_loads} ({len(history.routed)} iterations)")
 
 
-def finish(args, times: list[float], losses_seen: list[float], eval_loss: float | None) -> Summary:
+def finish(args, history: History) -> Summary:
     """Print the summary line, plot the run folder's metrics, tear the process groups down."""
+    times, losses_seen = history.times, history.losses
     steady = times[1:] if len(times) > 1 else times
     mean_s = float(np.mean(steady)) if steady else float("nan")
     summary = Summary(
@@ -551,12 +563,14 @@ def finish(args, times: list[float], losses_seen: list[float], eval_loss: float 
         last_loss=losses_seen[-1] if losses_seen else float("nan"),
         mean_iteration_s=mean_s,
         tokens_per_s=args.global_batch_size * args.seq_length / mean_s if steady else float("nan"),
-        eval_loss=eval_loss,
+        eval_loss=history.eval_loss,
+        balance=metrics.balance_summary(history.balances) or None,
     )
     log0(
         f"summary: {summary.iterations} iterations | loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} | "
         f"{summary.mean_iteration_s * 1e3:.1f} ms/iteration (excluding the first) | {summary.tokens_per_s:.0f} tokens/s"
         + (f" | eval loss {summary.eval_loss:.4f}" if summary.eval_loss is not None else "")
+        + (f" | {summary.balance}" if summary.balance else "")
     )
     if args.run_dir and dist.get_rank() == 0:
         plot = Path(args.run_dir) / outputs.PLOT

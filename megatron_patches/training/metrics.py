@@ -154,6 +154,51 @@ def moe_layer_records(loads: IterationLoads, layer_numbers: list[int], owners_LE
     return records
 
 
+def balance(owner_layers: list[dict], placed_layers: list[dict] | None, owners_label: str, mode: str) -> dict:
+    """One iteration's balance for the progress line, the plot and the summary, per layout: the
+    worst layer's imbalance and `busiest_tokens`, the tokens on the busiest rank summed over the
+    MoE layers (what the slowest rank computes: the iteration's path through the experts).
+    "owners": the common record's layout (`owners_label`: "ep" where that is Megatron's EP
+    layout, so the figure is what ep would have had on the same routing); "placed": after the
+    mode placed copies by load (`placed_layers`), absent where nothing was placed."""
+
+    def of(layers: list[dict], label: str) -> dict:
+        return {
+            "label": label,
+            "imbalance": max((layer["imbalance"] for layer in layers), default=1.0),
+            "busiest_tokens": int(sum(max(layer["device_tokens"], default=0) for layer in layers)),
+        }
+
+    placed = {"placed": of(placed_layers, mode)} if placed_layers is not None else {}
+    return {"owners": of(owner_layers, owners_label), **placed}
+
+
+def balance_text(balance: dict) -> str:
+    """`imbalance(max layer) 1.31`, or with placement `imbalance(max layer) ep 1.90 -> fssdp 1.05`."""
+    owners, placed = balance["owners"], balance.get("placed")
+    if placed is None:
+        return f"imbalance(max layer) {owners['imbalance']:.2f}"
+    return f"imbalance(max layer) {owners['label']} {owners['imbalance']:.2f} -> {placed['label']} {placed['imbalance']:.2f}"
+
+
+def balance_summary(balances: list[dict]) -> str:
+    """The run's balance for the summary line: the worst layer's imbalance as a mean over the
+    iterations, and with placement the change in tokens on the busiest rank (summed over the
+    iterations), e.g. `imbalance(max layer, mean) ep 1.90 -> fssdp 1.05, tokens on the busiest
+    rank -45%`."""
+    if not balances:
+        return ""
+    owners = float(np.mean([b["owners"]["imbalance"] for b in balances]))
+    if "placed" not in balances[0]:
+        return f"imbalance(max layer, mean) {owners:.2f}"
+    placed = float(np.mean([b["placed"]["imbalance"] for b in balances]))
+    before = sum(b["owners"]["busiest_tokens"] for b in balances)
+    after = sum(b["placed"]["busiest_tokens"] for b in balances)
+    change = f"{(after / before - 1) * 100:+.0f}%" if before else "n/a (no tokens)"
+    return (f"imbalance(max layer, mean) {balances[0]['owners']['label']} {owners:.2f} -> {balances[0]['placed']['label']} "
+            f"{placed:.2f}, tokens on the busiest rank {change}")
+
+
 def _scaling_text(record: dict) -> str:
     """The loss scale and the skipped steps, where there is loss scaling or a skipped step."""
     if record["loss_scale"] == 1.0 and not record["skipped_iterations"]:
@@ -228,8 +273,8 @@ class MetricsWriter:
             self._tb = SummaryWriter(self.tensorboard_dir)
 
     def log(self, record: dict, placed: str, survival: float, mode_scalars: dict[str, float]) -> None:
-        """One record: the progress line (with the mode's `placed` text and `survival`), the JSON
-        line, TensorBoard (common scalars and the mode's `mode_scalars`)."""
+        """One record: the progress line (its balance, the mode's `placed` text and `survival`), the
+        JSON line, TensorBoard (common scalars and the mode's `mode_scalars`)."""
         iteration = record["iteration"]
         elapsed = time.time() - self._start
         record["elapsed_s"] = round(elapsed, 3)
@@ -244,7 +289,7 @@ class MetricsWriter:
             + (f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | " if "tflops_per_gpu" in record else "")
             + (f"params norm {record['params_norm']:.3f} | " if "params_norm" in record else "")
             + (f"zeros in grad {record['num_zeros_in_grad']} | " if "num_zeros_in_grad" in record else "") +
-            f"imbalance(max layer) {worst:.2f}{placed} | survival(min layer) {survival:.3f} | "
+            f"{balance_text(record['balance'])}{placed} | survival(min layer) {survival:.3f} | "
             f"{_scaling_text(record)}elapsed {elapsed:6.1f}s eta {eta:6.1f}s",
             flush=True,
         )
@@ -258,6 +303,8 @@ class MetricsWriter:
             for k, value in enumerate(record.get("mtp_loss", [])):
                 self._tb.add_scalar(f"train/mtp_{k + 1}_loss", value, iteration)
             self._tb.add_scalar("moe/imbalance_max_layer", worst, iteration)
+            if "placed" in record["balance"]:
+                self._tb.add_scalar("moe/placed_imbalance_max_layer", record["balance"]["placed"]["imbalance"], iteration)
             self._tb.add_scalar("moe/survival_min_layer", survival, iteration)
             for layer in layers:
                 self._tb.add_scalar(f"moe/imbalance_layer{layer['layer']}", layer["imbalance"], iteration)

@@ -7,7 +7,7 @@ names the Slurm jobs use (launch/submit.py):
     DIR/metrics.jsonl      --log-json
     DIR/tensorboard/       --tensorboard-dir
     DIR/loads.npz          --moe-log-loads (modes that run the shared loop)
-    DIR/loss_imbalance.png the loss and the worst layer's imbalance per logged iteration
+    DIR/loss_imbalance.png the loss and the worst layer's imbalance per logged iteration (ep's and the placed one)
 
 An explicit --log-json, --tensorboard-dir or --moe-log-loads wins over the folder's name.
 `launch/local.sh` passes `--run-dir runs/local-<time>`.
@@ -76,7 +76,8 @@ def write_arguments(run_dir: str, text: str) -> None:
 
 def plot_run(records: list[dict], path: Path) -> None:
     """Training loss (and evaluation loss) over the top panel, the worst MoE layer's imbalance
-    below, from the run's metrics records."""
+    below, from the run's metrics records: with placement, ep's on the same routing (the owners'
+    layout) beside the placed one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,10 +94,16 @@ def plot_run(records: list[dict], path: Path) -> None:
         loss_ax.plot([r["iteration"] for r in evals], [finite(r["eval_loss"]) for r in evals], "o", label="eval")
     loss_ax.set_ylabel("loss")
     loss_ax.legend()
-    imbalance_ax.plot([r["iteration"] for r in train],
-                      [max((layer["imbalance"] for layer in r["moe_layers"]), default=1.0) for r in train], linewidth=1)
+    placing = any("placed" in r.get("balance", {}) for r in train)
+    for layout, color in (("owners", "black"), ("placed", "tab:orange")):
+        shown = [(r["iteration"], r["balance"][layout]) for r in train if layout in r.get("balance", {})]
+        if shown:
+            label = shown[0][1]["label"] + (" (same routing)" if layout == "owners" and placing else "")
+            imbalance_ax.plot([i for i, _ in shown], [b["imbalance"] for _, b in shown], linewidth=1, color=color,
+                              label=label)
     imbalance_ax.axhline(1.0, color="grey", linewidth=0.5)
-    imbalance_ax.set_ylabel("imbalance (max layer)")
+    imbalance_ax.legend()
+    imbalance_ax.set_ylabel("imbalance = max / mean\ntokens per rank (max layer)")
     imbalance_ax.set_xlabel("iteration")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

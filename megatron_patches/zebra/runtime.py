@@ -70,6 +70,7 @@ class ZebraRuntime(ModeRuntime):
     """--moe-parallel-mode zebra (see the module docstring)."""
 
     name = "zebra"
+    owners_are_ep = False  # the common record's positions are zebra's own ranks (attention, then experts)
 
     def __init__(self, config: ZebraConfig, layout: ZebraLayout, adam: AdamSettings, train_iters: int):
         super().__init__()

@@ -11,7 +11,42 @@ import warnings
 import pytest
 
 from megatron_patches.compat.known_warnings import known_line, show_once
-from megatron_patches.training.metrics import MetricsWriter, read_records, strict_json
+from megatron_patches.training.metrics import (MetricsWriter, balance, balance_summary, balance_text, read_records,
+                                               strict_json)
+from megatron_patches.training.outputs import plot_run
+
+LAYERS_BALANCE = {"owners": {"label": "ep", "imbalance": 1.5, "busiest_tokens": 2}}
+
+# two MoE layers' tokens per rank: the owners' layout (ep's) and after a mode placed copies
+OWNERS = [{"layer": 1, "imbalance": 1.5, "device_tokens": [30, 10]}, {"layer": 2, "imbalance": 1.2, "device_tokens": [24, 16]}]
+PLACED = [{"layer": 1, "imbalance": 1.0, "device_tokens": [20, 20]}, {"layer": 2, "imbalance": 1.1, "device_tokens": [22, 18]}]
+
+
+def test_balance_compares_the_owners_layout_with_the_placed_one():
+    placed = balance(OWNERS, PLACED, "ep", "fssdp")
+    assert placed == {"owners": {"label": "ep", "imbalance": 1.5, "busiest_tokens": 54},
+                      "placed": {"label": "fssdp", "imbalance": 1.1, "busiest_tokens": 42}}
+    assert balance_text(placed) == "imbalance(max layer) ep 1.50 -> fssdp 1.10"
+    # a second iteration where placement could not help: the summary's figures are over both
+    same = balance(OWNERS, OWNERS, "ep", "fssdp")
+    assert balance_summary([placed, same]) == (
+        "imbalance(max layer, mean) ep 1.50 -> fssdp 1.30, tokens on the busiest rank -11%")  # 96 / 108 - 1
+
+
+def test_balance_without_placement_is_the_owners_alone():
+    alone = balance(OWNERS, None, "zebra", "zebra")
+    assert alone == {"owners": {"label": "zebra", "imbalance": 1.5, "busiest_tokens": 54}}
+    assert balance_text(alone) == "imbalance(max layer) 1.50"
+    assert balance_summary([alone, alone]) == "imbalance(max layer, mean) 1.50"
+    assert balance_summary([]) == ""
+
+
+def test_the_plot_draws_both_layouts_and_reads_records_written_before_the_balance_existed(tmp_path):
+    old = {"iteration": 1, "loss": 5.0, "moe_layers": OWNERS}  # an earlier version's record, then a resume
+    new = [{"iteration": i, "loss": 5.0 - i / 10, "moe_layers": OWNERS, "balance": balance(OWNERS, PLACED, "ep", "fssdp")}
+           for i in (2, 3)]
+    plot_run([old, *new, {"iteration": 3, "eval_loss": 4.8}], tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("flags", [(1, False, False), (2, True, True)])
@@ -26,7 +61,7 @@ def test_tensorboard_interval_timers_and_memory_follow_their_flags(tmp_path, fla
         writer.log({"iteration": iteration, "loss": 5.0 - iteration, "lr": 1e-3, "tokens_per_s": 10.0,
                     "iteration_time_s": 0.5, "loss_scale": 1.0, "skipped_iterations": 0, "bytes": {"a2a": 0},
                     "moe_layers": [{"layer": 1, "imbalance": 1.5, "device_tokens": [1, 2], "survival": 1.0}],
-                    "memory": {"activation_bytes": [1, 2]}}, "", 1.0, {})
+                    "balance": LAYERS_BALANCE, "memory": {"activation_bytes": [1, 2]}}, "", 1.0, {})
     writer.close()
     scalars = tensorboard_scalars(tmp_path)
     assert sorted(scalars["train/loss"]) == list(range(interval, 5, interval))
@@ -44,7 +79,7 @@ def test_non_finite_values_are_written_as_null(tmp_path, capsys):
         "iteration": 1, "loss": math.nan, "lr": 1e-3, "grad_norm": math.inf, "tokens_per_s": 10.0,
         "iteration_time_s": 0.5, "loss_scale": 1.0, "skipped_iterations": 0,
         "moe_layers": [{"layer": 1, "imbalance": 1.5, "device_tokens": [1, 2], "survival": 1.0}],
-        "bytes": {"a2a": 0}, "memory": {"activation_bytes": [1, 2]}, "extra": [-math.inf, (1.0, math.nan)],
+        "balance": LAYERS_BALANCE, "bytes": {"a2a": 0}, "memory": {"activation_bytes": [1, 2]}, "extra": [-math.inf, (1.0, math.nan)],
     }
     writer.log(record, "", 1.0, {})
     writer.log_eval(1, math.inf)
