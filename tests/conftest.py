@@ -5,8 +5,8 @@ Tiers, visible as marks (`pytest -m unit`, `-m multirank`, `-m e2e`):
 - multirank: spawns or forks several gloo ranks (tests/support/mp.py: run_ranks, run_forked).
 - e2e: runs what a user runs on several ranks: pretrain_gpt_moe.py under torchrun
   (tests/support/training.py: launch), a launcher's rank check, or a real Slurm (also marked
-  `slurm`), the README's commands as written (tests/test_readme.py). Tool command lines that run
-  in seconds in one process stay unit tests.
+  `slurm`), the commands of the README and docs/ as written (tests/test_readme.py). Tool command
+  lines that run in seconds in one process stay unit tests.
 multirank and e2e tests are also `slow` (`-m "not slow"` is the quick loop); CI runs all.
 
 Helpers live in tests/support/ and are imported as `support.*` (pytest's pythonpath), never from

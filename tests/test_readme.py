@@ -1,6 +1,7 @@
-"""The README's commands work as written, in the environment the README sets up.
+"""The commands of the README and of docs/ work as written, in the environment the README sets up.
 
-Every ```bash block of README.md is read: each script a command names must exist, each
+Every ```bash block of README.md and of every docs/*.md page (the modes, the Slurm launcher, the
+tools and the simulator live there) is read: each script a command names must exist, each
 `python SCRIPT.py` must answer `--help`, and the cheap examples (trace, plan, plots, the
 simulator, dry-run submits) run exactly as written, only with fewer trace iterations, in a
 scratch folder that sees the repository's configs/, tools/ and launch/. The `python` they run is
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+"""The pages whose commands are checked: the README first, then docs/ in name order."""
 
 # The examples that run in seconds; the rest (training, benchmarks, sbatch) only answer --help.
 RUNNABLE = ("python tools/make_trace.py", "python tools/plan.py", "python tools/plot_loads.py", "python tools/simulate.py")
@@ -32,10 +35,12 @@ RUNNABLE = ("python tools/make_trace.py", "python tools/plan.py", "python tools/
 SHRINK = ((r"--iterations \d+", "--iterations 12"),)
 
 
-def readme_commands() -> list[str]:
-    """Every command of the README's bash blocks: continuation lines joined, comments dropped."""
+def readme_commands(pages: list[Path] = DOCS) -> list[str]:
+    """Every command of the pages' bash blocks (the README's and docs/'s), in page order:
+    continuation lines joined, comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+    blocks = [block for page in pages for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)]
+    for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"(^|\s)#.*$", "", line).strip()
             if line:
@@ -64,7 +69,7 @@ def test_the_readme_activates_the_environment_before_any_python_command():
 def test_every_script_exists_and_every_python_script_answers_help():
     scripts = {script_of(command) for command in readme_commands()} - {None}
     missing = sorted(script for script in scripts if not (REPO / script).is_file())
-    assert not missing, f"the README names scripts that do not exist: {missing}"
+    assert not missing, f"the README or docs/ name scripts that do not exist: {missing}"
     python_scripts = sorted({shlex.split(c)[1] for c in readme_commands() if c.startswith("python ") and script_of(c)})
     assert {"pretrain_gpt_moe.py", "launch/submit.py", "tools/simulate.py"} <= set(python_scripts)
 
@@ -98,4 +103,4 @@ def test_the_cheap_examples_run_as_written(tmp_path):
 
 @pytest.mark.parametrize("command", ["bash launch/local.sh", "bash tools/setup_env.sh && .venv/bin/python -m pytest -q tests"])
 def test_the_two_main_commands_are_in_the_readme(command):
-    assert command in readme_commands()
+    assert command in readme_commands([README])

@@ -1,4 +1,4 @@
-"""The README's support matrix (fssdp and replicate x Megatron feature), checked against the tests.
+"""The support matrix of docs/modes.md (fssdp and replicate x Megatron feature), checked against the tests.
 
 Each cell is one of:
 - tested: a test that trains the mode with the feature against ep (named as `file::function`,
@@ -8,8 +8,8 @@ Each cell is one of:
 - not tested: accepted but never trained in a test (said plainly rather than left out);
 - n/a: the feature does not exist in that mode (accepted, nothing to do).
 
-The README block between the markers must equal `render()`; after changing `MATRIX`, write it
-with `python tests/test_support_matrix.py --write README.md`.
+The block between the markers in docs/modes.md must equal `render()`; after changing `MATRIX`,
+write it with `python tests/test_support_matrix.py --write docs/modes.md`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_patches.training.validation import validate_args
 from support.training import TINY_JOB
 
 TESTS = Path(__file__).resolve().parent
-README = TESTS.parent / "README.md"
+MODES_DOC = TESTS.parent / "docs" / "modes.md"
 BEGIN, END = "<!-- support-matrix: begin -->", "<!-- support-matrix: end -->"
 MODES = ("fssdp", "replicate")
 
@@ -172,14 +172,14 @@ def render() -> str:
 
 def readme_block(text: str) -> str:
     match = re.search(re.escape(BEGIN) + r".*?" + re.escape(END), text, flags=re.S)
-    assert match, f"README.md has no {BEGIN} ... {END} block"
+    assert match, f"docs/modes.md has no {BEGIN} ... {END} block"
     return match.group(0)
 
 
 def test_readme_shows_the_matrix():
-    assert readme_block(README.read_text()) == render(), (
-        "README.md's support matrix differs from tests/test_support_matrix.py: run "
-        "python tests/test_support_matrix.py --write README.md")
+    assert readme_block(MODES_DOC.read_text()) == render(), (
+        "docs/modes.md's support matrix differs from tests/test_support_matrix.py: run "
+        "python tests/test_support_matrix.py --write docs/modes.md")
 
 
 CELLS = [(row, mode) for row in MATRIX for mode in MODES]
@@ -220,7 +220,7 @@ def test_every_other_cell_is_accepted(row, mode):
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--write"] or len(sys.argv) != 3:
-        sys.exit("usage: python tests/test_support_matrix.py --write README.md")
+        sys.exit("usage: python tests/test_support_matrix.py --write docs/modes.md")
     target = Path(sys.argv[2])
     text = target.read_text()
     target.write_text(text.replace(readme_block(text), render()))

@@ -173,13 +173,13 @@ def test_zebra_on_a_heterogeneous_pool(tmp_path):
 
 
 def test_the_readme_table_of_every_run_config_is_current():
-    """README's generated table (tools/simulate_runs.py) is what the simulator predicts today for
+    """docs/tools.md's generated table (tools/simulate_runs.py) is what the simulator predicts today for
     every configs/runs/ file: a change to the cost model or a config must regenerate it. Every
     run config has a row."""
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate_runs.py"), "--check", "README.md", "--jobs", "2"],
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tools", "simulate_runs.py"), "--check", "docs/tools.md", "--jobs", "2"],
                           capture_output=True, text=True, cwd=REPO, timeout=600,
                           env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert done.returncode == 0, done.stderr[-2000:]
-    readme = open(os.path.join(REPO, "README.md")).read()
+    readme = open(os.path.join(REPO, "docs", "tools.md")).read()
     for name in os.listdir(os.path.join(REPO, "configs", "runs")):
         assert f"| {name[:-5]} |" in readme, name

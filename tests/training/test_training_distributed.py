@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_the_main_job_trains_on_real_text_and_fills_its_run_folder(tmp_path):
-    """The README's main job as a user runs it (`bash launch/local.sh`: 4 ranks, EP=4 on the
-    embedded Austen corpus), 30 iterations: what it prints before the first progress line, and
+    """The README's main job as a user runs it (`bash launch/local.sh`: 4 ranks, fssdp over EP=4
+    on the embedded Austen corpus), 30 iterations: what it prints before the first progress line,
+    the imbalance ep would have had beside fssdp's on every progress line and in the summary, and
     its run folder (arguments, metrics, TensorBoard, load trace, plot)."""
     run_dir = tmp_path / "run"
     env = dict(os.environ, RUN_DIR=str(run_dir), NPROC="4", PYTHONUNBUFFERED="1")
@@ -42,7 +44,7 @@ def test_the_main_job_trains_on_real_text_and_fills_its_run_folder(tmp_path):
     assert "UserWarning" not in output and "warnings.warn" not in output
     assert output.count("warning: megatron-core: Transformer Engine and Apex are not installed") == 1
     assert f"run folder: {run_dir} (arguments.txt, loads.npz, loss_imbalance.png, metrics.jsonl, tensorboard)" in output
-    assert "layout: gpt 2 layers x hidden 64, 8 experts top-2, seq 128 | mode ep | world 4 = TP 1 x PP 1 x DP 4" in output
+    assert "layout: gpt 2 layers x hidden 64, 8 experts top-2, seq 128 | mode fssdp | world 4 = TP 1 x PP 1 x DP 4" in output
     arguments = (run_dir / "arguments.txt").read_text()
     assert "  train_iters ." in arguments and arguments.split("  train_iters ")[1].split()[1] == "30"
     assert "------------------------ arguments" not in output
@@ -57,6 +59,24 @@ def test_the_main_job_trains_on_real_text_and_fills_its_run_folder(tmp_path):
     check_moe_records(run, tokens_per_iteration=16 * 128, topk=2, num_layers=2, ep=4)
     assert any(r["bytes"]["a2a"] > 0 for r in run.records if "loss" in r)
     assert "summary: 30 iterations" in run.output
+
+    # ep's imbalance on the same routing beside fssdp's: the same tokens, on fewer of the busiest rank
+    progress = [line for line in output.splitlines() if line.startswith("iter ")]
+    assert len(progress) == 30
+    assert all(re.search(r"\| imbalance\(max layer\) ep \d\.\d\d -> fssdp \d\.\d\d \(t=\d+, spAG", line) for line in progress)
+    summary = re.search(r"imbalance\(max layer, mean\) ep (\d\.\d\d) -> fssdp (\d\.\d\d), tokens on the busiest rank "
+                        r"([+-]\d+)%", output)
+    assert summary, output[-3000:]
+    records = [r for r in run.records if "loss" in r]
+    for record in records:
+        for owner_layer, placed_layer in zip(record["moe_layers"], record["fssdp"]["layers"]):
+            assert sum(owner_layer["device_tokens"]) == sum(placed_layer["device_tokens"]) == 16 * 128 * 2
+        assert record["balance"]["owners"]["busiest_tokens"] == sum(max(layer["device_tokens"]) for layer in record["moe_layers"])
+    owners_mean = np.mean([r["balance"]["owners"]["imbalance"] for r in records])
+    placed_mean = np.mean([r["balance"]["placed"]["imbalance"] for r in records])
+    assert float(summary.group(1)) == pytest.approx(owners_mean, abs=0.005)
+    assert float(summary.group(2)) == pytest.approx(placed_mean, abs=0.005)
+    assert placed_mean < owners_mean - 0.1 and int(summary.group(3)) < 0  # with the aux loss ep stays above ~1.3
     assert tensorboard_scalars(run_dir / "tensorboard")["train/loss"][30] == pytest.approx(losses[-1])
     assert (run_dir / "loss_imbalance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -102,7 +102,7 @@ def choose_overlap_degree(candidates: list[int], prices_T4: np.ndarray, hidden_t
     is short the hidden t is 0 and FSSDP degenerates to EP), and it takes hidden copies that do
     not pay (each instance has a fixed cost, so on small batches splitting an expert over more
     devices is slower; the spRS of many copies outlasts the backward). Measured in the simulator
-    (tests/sim/test_sim_fssdp_calibration.py, README "Every run config, simulated"). `prices_T4`
+    (tests/sim/test_sim_fssdp_calibration.py, docs/tools.md, "Every run config, simulated"). `prices_T4`
     comes from `overlap_prices`, summed over the job's layers (the runtime all-reduces it over
     pipeline stages, so every rank takes the same t)."""
     prices_T4 = np.asarray(prices_T4, dtype=np.float64)
