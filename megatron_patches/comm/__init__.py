@@ -1,6 +1,6 @@
 """Communication mechanisms over torch.distributed for the placement modes (DESIGN 2, 3).
 
-`groups` (the pre-registered contiguous rank groups of replicate mode), `sparse` (SparseAllGather / SparseReduceScatter with async handles), `relay` (their node-aware
+`groups` (ring all-reduce byte accounting, node layouts), `sparse` (SparseAllGather / SparseReduceScatter with async handles), `relay` (their node-aware
 forms: one copy per node crosses the network), `transfers` (the pure,
 deterministic per-rank plan of who sends which rows and columns to whom), `streams` (the
 dedicated communication stream on GPU, a no-op on CPU) and `traffic` (bytes per rank,
@@ -9,7 +9,7 @@ state and gradient slices with). Imports `placement`; never `training` or the mo
 """
 
 from megatron_patches.comm.exchange import exchange
-from megatron_patches.comm.groups import ContiguousGroups, node_layout, ring_allreduce_numel
+from megatron_patches.comm.groups import all_reduce_recorded, node_layout, ring_allreduce_numel
 from megatron_patches.comm.relay import RelayAllGather, RelayReduceScatter
 from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.streams import CommStream, comm_stream
@@ -19,7 +19,6 @@ from megatron_patches.comm.transfers import Ownership, PeerTransfer, RankTransfe
 __all__ = [
     "CollectiveHandle",
     "CommStream",
-    "ContiguousGroups",
     "LinkBytes",
     "Ownership",
     "PeerTransfer",
@@ -29,6 +28,7 @@ __all__ = [
     "SparseAllGather",
     "SparseReduceScatter",
     "TrafficCounter",
+    "all_reduce_recorded",
     "comm_stream",
     "default_counter",
     "exchange",

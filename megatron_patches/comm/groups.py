@@ -1,27 +1,18 @@
-"""Pre-registered process groups for every contiguous rank range (replicate mode, DESIGN 4.6 (b)).
+"""Process-group helpers: ring all-reduce byte accounting (`ring_allreduce_numel`,
+`record_ring_allreduce`, `all_reduce_recorded`), node layouts (`node_layout`) and integer
+counters summed over groups (`sum_over_groups`).
 
-In replicate mode an expert's instances sit on consecutive ranks, and the holders of each
-expert all-reduce its gradient among themselves. The holder set changes every iteration, but
-it is always a contiguous range of the replicate group's ranks, so all N(N-1)/2 ranges of at
-least two ranks are registered once, at start-up (`ContiguousGroups`); training only looks
-them up. Creating a group during training would stall every rank (process-group creation is a
-collective over the whole job, and building NCCL communicators takes seconds).
+Bytes: the counters record the bytes of a ring all-reduce (the bandwidth-optimal volume,
+2 (m - 1) / m of the buffer per member; the model `placement.policies.ring_allreduce_bytes`
+uses for the simulator). gloo and NCCL pick their own algorithms, whose wire bytes a process
+cannot observe; the counters state the model's bytes.
 
-Positions: a range [start, stop) counts ranks of the *parent* group by their position in it
-(group rank), the same numbering as the placement's devices. `torch.distributed.new_group`
-must be entered by every process of the job, in the same order, even by non-members; so every
-process passes the list of *all* parent groups (for example one per tensor-parallel rank) and
-registers every range of every parent, keeping the ranges of its own parent.
-
-Bytes: `ContiguousGroups.all_reduce` records into a `TrafficCounter` the bytes of a ring
-all-reduce (the bandwidth-optimal volume, 2 (m - 1) / m of the buffer per member; the model
-`placement.policies.ring_allreduce_bytes` uses for the simulator). gloo and NCCL pick their own
-algorithms, whose wire bytes a process cannot observe; the counters state the model's bytes.
+No helper here makes a process group: the modes run in Megatron's groups (replicate's gradient
+path in its EP group), so the job's communicator count is Megatron's.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 from typing import Sequence
@@ -31,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_patches.comm.traffic import TrafficCounter, default_counter
-from megatron_patches.placement.replicate import contiguous_rank_groups
 from megatron_patches.placement.types import ElementShardLayout, Topology
 
-__all__ = ["ContiguousGroups", "node_layout", "record_ring_allreduce", "ring_allreduce_numel", "sum_over_groups"]
+__all__ = ["all_reduce_recorded", "node_layout", "record_ring_allreduce", "ring_allreduce_numel", "sum_over_groups"]
 
 
 def ring_allreduce_numel(numel: int, members: int) -> np.ndarray:
@@ -53,140 +43,25 @@ def ring_allreduce_numel(numel: int, members: int) -> np.ndarray:
     return 2 * int(numel) - np.roll(chunk_M, -1) - np.roll(chunk_M, -2)
 
 
-def _check_parents(parents, world: int, me: int) -> tuple[list[tuple[int, ...]], int]:
-    """Validated parents as tuples and the index of the one holding this process."""
-    if isinstance(parents, (str, bytes)) or not isinstance(parents, Sequence) or len(parents) == 0:
-        raise ValueError(f"parents must be a non-empty list of rank lists, got {parents!r}")
-    checked: list[tuple[int, ...]] = []
-    seen: dict[int, int] = {}
-    for i, parent in enumerate(parents):
-        if isinstance(parent, (str, bytes)) or not isinstance(parent, Sequence) or len(parent) == 0:
-            raise ValueError(f"parents[{i}] must be a non-empty list of global ranks, got {parent!r}")
-        ranks = []
-        for rank in parent:
-            if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world:
-                raise ValueError(f"parents[{i}] holds {rank!r}, which is not a global rank in [0, {world})")
-            ranks.append(int(rank))
-        if any(b <= a for a, b in zip(ranks, ranks[1:])):
-            raise ValueError(f"parents[{i}] = {ranks} must list its ranks strictly ascending (position = group rank)")
-        for rank in ranks:
-            if rank in seen:
-                raise ValueError(
-                    f"global rank {rank} is in parents[{seen[rank]}] and parents[{i}]; parents must be disjoint"
-                )
-            seen[rank] = i
-        checked.append(tuple(ranks))
-    missing = sorted(set(range(world)) - set(seen))
-    if missing:
-        # Every process must reach the same verdict, or the ones that pass would wait forever
-        # in new_group for the ones that raised: so the rule is global, not "this process is in one".
-        raise ValueError(
-            f"global ranks {missing[:8]} are in no parent; the parents must partition all {world} ranks of the job"
-        )
-    return checked, seen[me]
-
-
-class ContiguousGroups:
-    """One process group per contiguous range of >= 2 ranks of a parent group, made at construction.
-
-    Every process of the job constructs it at start-up with the same `parents` (collectively,
-    like `torch.distributed.new_group`, which it calls for every range of every parent, parents
-    in list order, ranges ordered by start then stop). Afterwards it never creates a group.
+def all_reduce_recorded(tensor: torch.Tensor, group: dist.ProcessGroup, *, kind: str,
+                        traffic: TrafficCounter | None = None, topology: Topology | None = None) -> None:
+    """Sum `tensor` in place over `group` (every member calls it) and record this member's bytes
+    of a ring all-reduce under `kind`.
 
     Args:
-        parents: lists of global ranks, each strictly ascending, that partition the job's ranks
-            (every process is in exactly one: its parent). E.g. `[list(range(world_size))]`, or
-            one list per tensor-parallel rank.
-        backend: backend of the new groups; None = the default group's.
-        timeout: timeout of the new groups; None = the default.
+        tensor: contiguous, the same shape and dtype on every member.
+        traffic: the counter; None = `traffic.default_counter()`.
+        topology: devices = group ranks, for intra/inter-node counts; None = one node.
     """
-
-    def __init__(
-        self,
-        parents: Sequence[Sequence[int]],
-        *,
-        backend: str | None = None,
-        timeout: datetime.timedelta | None = None,
-    ):
-        if not dist.is_initialized():
-            raise RuntimeError("ContiguousGroups needs an initialised default process group (init_process_group)")
-        me = dist.get_rank()
-        checked, mine = _check_parents(parents, dist.get_world_size(), me)
-        self.ranks: tuple[int, ...] = checked[mine]
-        """Global ranks of this process's parent group; position i = group rank i."""
-        self.position: int = self.ranks.index(me)
-        """This process's position (group rank) in its parent."""
-        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
-        for i, parent in enumerate(checked):
-            for start, stop in contiguous_rank_groups(len(parent)):
-                group = dist.new_group(list(parent[start:stop]), timeout=timeout, backend=backend)
-                if i == mine and start <= self.position < stop:
-                    self._groups[(start, stop)] = group
-        self.ranges: tuple[tuple[int, int], ...] = tuple(contiguous_rank_groups(self.size))
-        """Every registered range [start, stop) of this process's parent, ordered by start then stop."""
-
-    @property
-    def size(self) -> int:
-        """N, ranks in this process's parent group."""
-        return len(self.ranks)
-
-    def get(self, start: int, stop: int) -> dist.ProcessGroup:
-        """The process group of parent positions [start, stop); this process must be one of them.
-
-        Raises ValueError for a range that was never registered (fewer than 2 ranks, or not
-        inside [0, size)) and for a range without this process: only members may use a group.
-        """
-        if not (0 <= start and start + 2 <= stop <= self.size):
-            raise ValueError(
-                f"no group was registered for positions [{start}, {stop}): registered are the ranges of >= 2 "
-                f"ranks inside [0, {self.size})"
-            )
-        if not start <= self.position < stop:
-            raise ValueError(
-                f"this process (position {self.position}) is not a member of positions [{start}, {stop}); "
-                "only members may use the group"
-            )
-        return self._groups[(start, stop)]
-
-    def all_reduce(
-        self,
-        tensor: torch.Tensor,
-        start: int,
-        stop: int,
-        *,
-        kind: str,
-        traffic: TrafficCounter | None = None,
-        topology: Topology | None = None,
-        async_op: bool = False,
-    ):
-        """Sum `tensor` in place over parent positions [start, stop) and record its ring bytes.
-
-        Only the members call it. A range of one rank has nothing to reduce: it returns None
-        at once and records nothing.
-
-        Args:
-            tensor: contiguous, the same shape and dtype on every member.
-            start, stop: the members, as positions in the parent.
-            kind: the traffic kind the bytes are recorded under.
-            traffic: the counter; None = `traffic.default_counter()`.
-            topology: devices = parent positions, for intra/inter-node counts; None = one node.
-            async_op: return the work object instead of waiting.
-
-        Returns:
-            The work object (async_op), else None.
-        """
-        if stop - start == 1 and start == self.position:
-            return None
-        group = self.get(start, stop)
-        if not tensor.is_contiguous():
-            raise ValueError(f"all_reduce needs a contiguous tensor, got strides {tensor.stride()}")
-        topology = Topology.single_node(self.size) if topology is None else topology
-        if topology.num_devices != self.size:
-            raise ValueError(f"the topology has {topology.num_devices} devices but the parent group {self.size} ranks")
-        work = dist.all_reduce(tensor, group=group, async_op=async_op)
-        record_ring_allreduce(default_counter() if traffic is None else traffic, kind, tensor, self.position - start,
-                              stop - start, topology, first=start)
-        return work
+    if not tensor.is_contiguous():
+        raise ValueError(f"all_reduce_recorded needs a contiguous tensor, got strides {tensor.stride()}")
+    members = dist.get_world_size(group)
+    topology = Topology.single_node(members) if topology is None else topology
+    if topology.num_devices != members:
+        raise ValueError(f"the topology has {topology.num_devices} devices but the group {members} ranks")
+    dist.all_reduce(tensor, group=group)
+    record_ring_allreduce(default_counter() if traffic is None else traffic, kind, tensor, dist.get_rank(group),
+                          members, topology)
 
 
 def record_ring_allreduce(counter: TrafficCounter, kind: str, tensor: torch.Tensor, position: int, members: int,

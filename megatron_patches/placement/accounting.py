@@ -59,9 +59,10 @@ TRAFFIC_KINDS = {
     "reshard_edp": "fssdp, distributed optimizer over several expert groups: a departing expert's optimizer "
                    "state made whole over the expert-data-parallel group first",
     "popularity": "replicate: the per-micro-batch all-reduce of the routed counts",
-    "grad_allreduce": "the replicas' gradient all-reduce among an expert's holders (replicate's step (b), "
-                      "static replication)",
-    "grad_fetch": "replicate's step (c): each slice owner fetches its slice of every expert's summed gradient",
+    "grad_allreduce": "the replicas' gradient all-reduce among an expert's holders (static replication, "
+                      "FlexMoE, SmartMoE, FasterMoE's EP replicas)",
+    "grad_reduce_scatter": "replicate: every holder of an expert sends each slice owner its slice of the "
+                           "expert's gradient (a sparse reduce-scatter in the EP group)",
     "grad_edp": "replicate: the slices' gradient all-reduce across replicate groups (EDP > 1)",
     "weight_scatter": "replicate: the updated weights pushed from the slice owners into the next slots",
     "rearrange": "optimizer state moved with re-placed experts (FlexMoE and SmartMoE, replicate's periodic "

@@ -52,7 +52,6 @@ from megatron_patches.placement.baselines import (
 )
 from megatron_patches.placement.loads import LOAD_PREDICTORS, LoadTracker
 from megatron_patches.placement.replicate import (
-    gradient_source_table,
     instance_capacity,
     popularity_slots,
     slot_placement,
@@ -446,13 +445,13 @@ class ReplicatePolicy(_SlotPolicy):
 
     Replica counts follow the predicted popularity every iteration (window 1 by default:
     "mimic the previous iteration"). Optimizer state is partitioned element-wise over all
-    ranks and never moves, so there is no rearrangement; per iteration, gradients are
-    all-reduced among each expert's holders, every rank fetches its gradient slice from
-    `gradient_source`, and the updated slices are sent into the slots of the placement.
+    ranks and never moves, so there is no rearrangement; per iteration, every holder sends each
+    slice owner its slice of the expert's gradient (a sparse reduce-scatter, the mirror of the
+    weight push: no all-reduce among the holders), and the updated slices are sent into the
+    slots of the placement.
     """
 
     name = "replicate"
-    syncs_replica_gradients = True
     default_window = 1
     moves_optimizer = False
 
@@ -469,18 +468,18 @@ class ReplicatePolicy(_SlotPolicy):
         D = self.topology.num_devices
         size_R = ElementShardLayout(self.bytes.params_per_expert, D).sizes_D().astype(np.float64)
         ranks = np.arange(D, dtype=np.int64)
-        fetch, scatter = [], []
+        reduce, scatter = [], []
         for lp in step.layers:
-            src_ER = gradient_source_table(lp.placement)
-            fetch.append(
+            _, h_H = np.nonzero(lp.placement.holds_ED())
+            # holder h of a class sends rank r its slice r of the class's gradient (r == h: local)
+            reduce.append(
                 CommBytes.from_transfers(
-                    src_ER.ravel(),
-                    np.tile(ranks, self.num_experts),
-                    np.tile(size_R, self.num_experts) * self.bytes.grad_bytes_per_param,
+                    np.repeat(h_H, D),
+                    np.tile(ranks, h_H.size),
+                    np.tile(size_R, h_H.size) * self.bytes.grad_bytes_per_param,
                     self.topology,
                 )
             )
-            _, h_H = np.nonzero(lp.placement.holds_ED())
             scatter.append(
                 CommBytes.from_transfers(
                     np.tile(ranks, h_H.size),
@@ -489,7 +488,7 @@ class ReplicatePolicy(_SlotPolicy):
                     self.topology,
                 )
             )
-        out["grad_fetch"] = _total(fetch, self.topology)
+        out["grad_reduce_scatter"] = _total(reduce, self.topology)
         out["weight_scatter"] = _total(scatter, self.topology)
         return out
 

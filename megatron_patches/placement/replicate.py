@@ -27,10 +27,7 @@ __all__ = [
     "TokenSpread",
     "assign_slots",
     "popularity_slots",
-    "contiguous_rank_groups",
     "expert_rank_ranges",
-    "gradient_source",
-    "gradient_source_table",
     "instance_capacity",
     "replica_counts",
     "slot_placement",
@@ -148,49 +145,12 @@ def slot_placement(slot_expert_RS, num_experts: int) -> InstancePlacement:
     return InstancePlacement(np.bincount(flat.ravel(), minlength=E * G).reshape(E, G))
 
 
-def gradient_source_table(placement: InstancePlacement) -> np.ndarray:
-    """source_ER[e, r]: the rank from which rank r fetches its gradient slice of expert e.
-
-    DESIGN 4.6 (c): source(e, r) = r if r holds e, else sorted(holders(e))[r mod |holders(e)|].
-    Keeps local traffic local and spreads the remote fetches over the holders. int64 [E, R].
-    """
-    holds_ER = placement.holds_ED()
-    E, R = holds_ER.shape
-    hold_e, hold_r = np.nonzero(holds_ER)  # expert-major, ranks ascending: sorted holders per expert
-    k_E = np.bincount(hold_e, minlength=E)
-    start_E = np.concatenate(([0], np.cumsum(k_E)[:-1]))
-    ranks = np.arange(R, dtype=np.int64)
-    remote = hold_r[start_E[:, None] + ranks[None, :] % k_E[:, None]]
-    return np.where(holds_ER, ranks[None, :], remote).astype(np.int64)
-
-
-def gradient_source(placement: InstancePlacement, expert: int, rank: int) -> int:
-    """source(e, r) of DESIGN 4.6 (c) for one expert and rank (see `gradient_source_table`)."""
-    holders = placement.holders(expert)
-    if not 0 <= rank < placement.num_devices:
-        raise PlacementError(f"rank {rank} is not in [0, {placement.num_devices})")
-    if placement.counts_ED[expert, rank] > 0:
-        return int(rank)
-    return int(holders[rank % holders.size])
-
-
-def contiguous_rank_groups(num_ranks: int) -> list[tuple[int, int]]:
-    """All contiguous rank ranges of length >= 2, as half-open (start, stop): N(N-1)/2 of them.
-
-    These are the communication groups to register once at start-up (DESIGN 4.6 (b)): with
-    contiguous slot assignment every expert's holders form one of them, so no group is ever
-    created during training. Ordered by start, then stop.
-    """
-    N = check_int(num_ranks, "num_ranks", 1)
-    return [(a, b) for a in range(N) for b in range(a + 2, N + 1)]
-
-
 def expert_rank_ranges(placement: InstancePlacement) -> np.ndarray:
     """Half-open rank range [start, stop) holding each expert; int64 [E, 2].
 
-    Raises PlacementError if some expert's holders are not consecutive ranks (then no
-    pre-registered contiguous group covers it). A range of length 1 needs no inter-rank
-    all-reduce, only the intra-rank sum of DESIGN 4.6 (a).
+    Raises PlacementError if some expert's holders are not consecutive ranks: the contiguous
+    slot assignment (`assign_slots`) always gives consecutive ranks, and the slot buffer
+    (`replicate.slots`) keeps one class's slots adjacent on the strength of it.
     """
     holds_ER = placement.holds_ED()
     R = holds_ER.shape[1]
@@ -202,7 +162,7 @@ def expert_rank_ranges(placement: InstancePlacement) -> np.ndarray:
         e = int(gaps[0])
         raise PlacementError(
             f"expert {e} is held by ranks {placement.holders(e).tolist()}, which are not consecutive; "
-            "no contiguous rank group covers them"
+            "the contiguous slot assignment (assign_slots) gives consecutive ranks"
         )
     return np.stack((first, last + 1), axis=1).astype(np.int64)
 

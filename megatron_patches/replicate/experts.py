@@ -5,7 +5,7 @@ rank = device of the placement). Per iteration, in this order on every rank:
 
     global_E = experts.popularity(local_counts_E)          # after the router: one small all-reduce
     ... forward and backward of the slot experts (experts.slots.slots_SN) ...
-    grad_En = experts.reduce_gradients(experts.slots.slots_SN.grad)   # (a), (b), (c); or start_reduce
+    grad_En = experts.reduce_gradients(experts.slots.slots_SN.grad)   # (a), (b); or start_reduce
                                                              # when the slots' gradient is complete,
                                                              # finish_reduce after the backward
     experts.step(grad_En, lr)                                # (d): Adam on the owned slices
@@ -14,30 +14,30 @@ rank = device of the placement). Per iteration, in this order on every rank:
 Gradient path, for the slots' current placement P (E experts, N elements each, rank r owns
 the n_r elements of slice r of every expert):
 (a) intra-rank: the slots of one class on this rank are summed into one representative row;
-(b) inter-rank: the holders of a class (consecutive ranks) all-reduce their representatives
-    over the group pre-registered for their range (`comm.groups.ContiguousGroups`); skipped
-    for a class with one holder;
-(c) every rank takes slice r of every expert's summed gradient from
-    source(e, r) = `placement.replicate.gradient_source_table(P)[e, r]` (itself where it holds e)
-    with one batched point-to-point exchange, one message per pair of ranks.
+(b) a sparse reduce-scatter to the slice owners (`comm.sparse.SparseReduceScatter(P, slices)`,
+    one batched point-to-point exchange over the replicate group, which is Megatron's EP group):
+    every holder of a class sends each other rank r its representative's slice r, and r sums
+    the holders' slices in ascending rank order. No process group beyond the EP group exists
+    for it, so the job's communicator count does not grow with the ranks (the design up to
+    2026-11-28 all-reduced among the holders over one pre-registered group per contiguous rank
+    range, N (N - 1) / 2 of them: 523,776 at 1,024 ranks, and then fetched the slices).
 Weight push: `SparseAllGather(ElementShardLayout(N, G), P')` sends every rank's updated slices
 straight into the rows of the next placement P'; the old slot contents are overwritten.
 
 Bytes (recorded per rank in a `TrafficCounter`, intra/inter-node by the `Topology`), with
 H_r = distinct classes on rank r, m_e = ranks holding class e, b = bytes per element:
 - "popularity": a ring all-reduce of E counts (`comm.groups.ring_allreduce_numel`);
-- "grad_allreduce": sum over classes of 2 (m_e - 1) N b (ring model);
-- "grad_fetch": sum over ranks of (E - H_r) n_r b (a rank fetches the slices of the
-  classes it does not hold; the others are local);
+- "grad_reduce_scatter": sum over ranks r of sum over held classes of (N - n_r) b (every
+  other rank's slice of each representative), i.e. sum over classes of m_e N - sum over its
+  holders of n_r;
 - "weight_scatter": sum over ranks of H_r (N - n_r) b for P' (every held class's other slices).
-These are the simulator's formulas (`placement.policies.ReplicatePolicy.traffic`: grad_allreduce,
-grad_fetch, weight_scatter), which tests/replicate checks against the measured counters. When every
-rank's s slots hold distinct classes (H_r = s), the weights move s N (G - 1) elements, static
-replication's volume with the optimizer sharded over all G ranks (DESIGN's s N G for large G),
-and the gradients 2 N (s G - E) + N (E - s) elements, whatever the popularity; several slots
-of one class on a rank only lower both. The gradient path moves N (s G - E) elements more than
-a direct reduce-scatter of the slots to the slice owners would (the all-reduce also returns
-every holder the full sum, which (c) then serves from).
+These are the simulator's formulas (`placement.policies.ReplicatePolicy.traffic`:
+grad_reduce_scatter, weight_scatter), which tests/replicate checks against the measured
+counters. When every rank's s slots hold distinct classes (H_r = s), the weights move
+s N (G - 1) elements, static replication's volume with the optimizer sharded over all G ranks
+(DESIGN's s N G for large G), and the gradients the same s N (G - 1), whatever the popularity
+(the mirror of the push); several slots of one class on a rank only lower both. The path before
+moved N (s G - E) elements more (its all-reduce returned every holder the full sum).
 
 Checkpoints: `gather_to_owners(shard)` assembles whole experts (master weights and Adam moments)
 on the ranks an expert-granular layout names, e.g. Megatron EP's `ShardLayout.even`, so they can
@@ -55,11 +55,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_patches.comm.exchange import exchange
-from megatron_patches.comm.groups import ContiguousGroups
-from megatron_patches.comm.sparse import SparseAllGather, SparseReduceScatter
+from megatron_patches.comm.groups import all_reduce_recorded
+from megatron_patches.comm.sparse import CollectiveHandle, SparseAllGather, SparseReduceScatter
 from megatron_patches.comm.traffic import TrafficCounter, default_counter
-from megatron_patches.placement.replicate import expert_rank_ranges, gradient_source_table
 from megatron_patches.placement.types import ElementShardLayout, InstancePlacement, ShardLayout, Topology
 from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.replicate.slices import ExpertSlices
@@ -76,10 +74,8 @@ weights and Adam's two moments); the step count is one number for all experts.""
 class PendingReduce:
     """A layer's gradient reduce between `start_reduce` and `finish_reduce`."""
 
-    rep_HN: torch.Tensor
-    """One representative gradient row per held class (step (a)); summed in place by step (b)."""
-    works: list
-    """Step (b)'s asynchronous all-reduces, in ascending class order."""
+    handle: CollectiveHandle
+    """Step (b)'s reduce-scatter, launched; `wait()` returns this rank's slices [E, n_r]."""
 
 
 class ReplicatedExperts:
@@ -91,8 +87,8 @@ class ReplicatedExperts:
     Args:
         weights_EN: full initial flat weights of all E experts [E, N] (identical on every rank).
         slot_expert_RS: the first iteration's slot assignment, int [G, s] (`assign_slots`).
-        group: the replicate group; group rank d is device d of the placements.
-        contiguous: the pre-registered ranges of the same group (its `ranks` must be the group's).
+        group: the replicate group (Megatron's EP group); group rank d is device d of the
+            placements. Every collective of the layer runs in it: no other group is made.
         adam: the expert optimizer's hyper-parameters.
         slot_dtype: the slots' (working weights' and gradients') dtype; None = weights_EN's.
         device: the slots' device; None = weights_EN's.
@@ -110,7 +106,6 @@ class ReplicatedExperts:
         weights_EN: torch.Tensor,
         slot_expert_RS,
         group: dist.ProcessGroup,
-        contiguous: ContiguousGroups,
         *,
         adam: AdamSettings,
         slot_dtype: torch.dtype | None = None,
@@ -123,16 +118,8 @@ class ReplicatedExperts:
     ):
         if group is None or not isinstance(group, dist.ProcessGroup):
             raise ValueError(f"pass the replicate process group explicitly, got {group!r}")
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if ranks != contiguous.ranks:
-            raise ValueError(
-                f"the contiguous groups were registered for global ranks {list(contiguous.ranks)}, "
-                f"but the replicate group has {list(ranks)}"
-            )
         self.group = group
-        """The replicate group (P2P and the weight push run in it)."""
-        self.contiguous = contiguous
-        """The pre-registered groups of its contiguous rank ranges."""
+        """The replicate group (every collective of the layer runs in it)."""
         self.rank = dist.get_rank(group)
         """This rank's device in the placements."""
         G = dist.get_world_size(group)
@@ -181,13 +168,11 @@ class ReplicatedExperts:
         if not isinstance(counts_E, torch.Tensor) or tuple(counts_E.shape) != (self.num_experts,):
             got = tuple(counts_E.shape) if isinstance(counts_E, torch.Tensor) else type(counts_E).__name__
             raise ValueError(f"counts_E must be a [{self.num_experts}] tensor, got {got}")
-        self.contiguous.all_reduce(
-            counts_E, 0, self.contiguous.size, kind="popularity", traffic=self.traffic, topology=self.topology
-        )
+        all_reduce_recorded(counts_E, self.group, kind="popularity", traffic=self.traffic, topology=self.topology)
         return counts_E
 
     def reduce_gradients(self, grad_SN: torch.Tensor) -> torch.Tensor:
-        """Steps (a)-(c): from this rank's slot gradients to its slice of every expert's summed gradient.
+        """Steps (a) and (b): from this rank's slot gradients to its slice of every expert's summed gradient.
 
         Args:
             grad_SN: the gradient of every slot [s, N] in the slots' dtype and device (e.g.
@@ -198,9 +183,9 @@ class ReplicatedExperts:
         return self.finish_reduce(self.start_reduce(grad_SN))
 
     def start_reduce(self, grad_SN: torch.Tensor) -> "PendingReduce":
-        """Step (a) and the launch of step (b)'s all-reduces (asynchronous); `finish_reduce` waits
-        for them and runs (c). The runtime starts a layer's reduce as soon as its slots' gradient
-        is complete (during the backward of the layers below)."""
+        """Step (a) and the launch of step (b)'s reduce-scatter (asynchronous); `finish_reduce`
+        waits for it. The runtime starts a layer's reduce as soon as its slots' gradient is
+        complete (during the backward of the layers below)."""
         slots = self.slots
         if not isinstance(grad_SN, torch.Tensor) or grad_SN.shape != slots.slots_SN.shape:
             got = tuple(grad_SN.shape) if isinstance(grad_SN, torch.Tensor) else type(grad_SN).__name__
@@ -213,68 +198,18 @@ class ReplicatedExperts:
                 f"got {grad_SN.dtype} on {grad_SN.device}"
             )
         device = grad_SN.device
-        held_H = slots.held_experts
-        # (a) one representative per held class; a lone slot's row is copied exactly (0 + x).
-        rep_HN = grad_SN.new_zeros((held_H.size, grad_SN.shape[1]), dtype=self.reduce_dtype)
+        # (a) one representative per held class, rows in ascending class order (the placement's
+        # held chunks); a lone slot's row is copied exactly (0 + x).
+        rep_HN = grad_SN.new_zeros((slots.held_experts.size, grad_SN.shape[1]), dtype=self.reduce_dtype)
         rep_HN.index_add_(0, torch.from_numpy(slots.held_row_S.copy()).to(device), grad_SN.to(self.reduce_dtype))
-
-        # (b) ascending class order on every rank keeps the overlapping groups' calls consistent.
-        range_E2 = expert_rank_ranges(slots.placement)
-        works = [
-            self.contiguous.all_reduce(
-                rep_HN[h],
-                int(range_E2[e, 0]),
-                int(range_E2[e, 1]),
-                kind="grad_allreduce",
-                traffic=self.traffic,
-                topology=self.topology,
-                async_op=True,
-            )
-            for h, e in enumerate(held_H)
-            if range_E2[e, 1] - range_E2[e, 0] >= 2
-        ]
-        return PendingReduce(rep_HN, works)
+        # (b) every representative's slice r to its owner r, summed there in ascending rank order
+        reduce = SparseReduceScatter(slots.placement, self.slices.layout, self.group, self.expert_numel,
+                                     topology=self.topology, traffic=self.traffic, kind="grad_reduce_scatter")
+        return PendingReduce(reduce(rep_HN))
 
     def finish_reduce(self, pending: "PendingReduce") -> torch.Tensor:
-        """Waits for step (b) of `pending` and runs step (c): [E, n_r], as `reduce_gradients`."""
-        for work in pending.works:
-            work.wait()
-        # (c) slice r of every class from its source; messages packed in ascending class order.
-        return self._fetch(pending.rep_HN)
-
-    def _fetch(self, rep_HN: torch.Tensor) -> torch.Tensor:
-        """Step (c): slice r of every class's summed gradient, from source(e, r); [E, n_r]."""
-        r = self.rank
-        offsets = self.slices.layout.offsets()
-        width_R = np.diff(offsets)
-        source_ER = gradient_source_table(self.slots.placement)
-        # A source always holds the class, so every row asked of this rank exists in rep_HN.
-        row_of_E = np.full(self.num_experts, -1, dtype=np.int64)
-        row_of_E[self.slots.held_experts] = np.arange(self.slots.held_experts.size)
-        device = rep_HN.device
-
-        def index(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values).to(device)
-
-        mine = slice(int(offsets[r]), int(offsets[r + 1]))
-        out_En = rep_HN.new_empty((self.num_experts, width_R[r]))
-        local_E = np.flatnonzero(source_ER[:, r] == r)
-        if local_E.size:
-            out_En[index(local_E)] = rep_HN[index(row_of_E[local_E]), mine]
-        sends, recvs, rows_of = {}, {}, {}
-        for p in (int(p) for p in np.flatnonzero(np.arange(width_R.size) != r)):
-            # Classes p takes from me, and those I take from p; empty slices move nothing.
-            send_E = np.flatnonzero(source_ER[:, p] == r) if width_R[p] else np.empty(0, dtype=np.int64)
-            recv_E = np.flatnonzero(source_ER[:, r] == p) if width_R[r] else np.empty(0, dtype=np.int64)
-            if send_E.size:
-                sends[p] = rep_HN[:, offsets[p] : offsets[p + 1]].index_select(0, index(row_of_E[send_E]))
-            if recv_E.size:
-                recvs[p] = rep_HN.new_empty((recv_E.size, width_R[r]))
-                rows_of[p] = index(recv_E)
-        exchange(self.group, sends, recvs, traffic=self.traffic, kind="grad_fetch", topology=self.topology)
-        for p, buf in recvs.items():
-            out_En[rows_of[p]] = buf
-        return out_En
+        """Waits for step (b) of `pending`: [E, n_r], as `reduce_gradients`."""
+        return pending.handle.wait()
 
     def step(self, grad_En: torch.Tensor, lr: float | None = None) -> None:
         """Step (d): Adam on this rank's slices with the summed gradient slices [E, n_r]."""

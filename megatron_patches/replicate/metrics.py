@@ -17,7 +17,7 @@ from megatron_patches.placement.accounting import imbalance
 
 __all__ = ["TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress", "tensorboard_scalars"]
 
-TRAFFIC_KINDS = ("popularity", "grad_allreduce", "grad_fetch", "grad_edp", "weight_scatter", "rearrange")
+TRAFFIC_KINDS = ("popularity", "grad_reduce_scatter", "grad_edp", "weight_scatter", "rearrange")
 """The kinds of traffic replicate counts (placement.accounting.TRAFFIC_KINDS says what each is)."""
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_patches.comm.exchange import exchange
-from megatron_patches.comm.groups import ContiguousGroups, node_layout, record_ring_allreduce
+from megatron_patches.comm.groups import all_reduce_recorded, node_layout, record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.comm.virtual import tokens_from_source
 from megatron_patches.compat import mcore
@@ -81,19 +81,16 @@ class ReplicateRuntime(ModeRuntime):
         self.on_gpu = on_gpu
         self.adam = adam
         """The expert optimizer's hyper-parameters (Megatron's Adam settings)."""
-        ep_group = parallel_state.get_expert_model_parallel_group()
-        own = tuple(dist.get_process_group_ranks(ep_group))
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, own)
-        # Every range of every EP group, registered once by every process in the same order.
-        self.contiguous = ContiguousGroups(sorted(set(everyone)))
-        self.num_devices = self.contiguous.size
+        # Megatron's EP group is the replicate group: every collective of the mode runs in it or
+        # in Megatron's other groups, so replicate adds no communicator (DESIGN 4.6 (b)).
+        self.group = parallel_state.get_expert_model_parallel_group()
+        """The replicate group (all G ranks; its rank d is device d of the placements)."""
+        own = tuple(dist.get_process_group_ranks(self.group))
+        self.num_devices = len(own)
         """G, ranks of the replicate group."""
         if self.num_devices < 2:
             raise ValueError("replicate mode needs an expert-parallel group of at least 2 ranks")
-        self.group = self.contiguous.get(0, self.num_devices)
-        """The replicate group (all G ranks; its rank d is device d of the placements)."""
-        self.rank = self.contiguous.position
+        self.rank = dist.get_rank(self.group)
         nodes, per_node = node_layout(own)
         self.topology = Topology(nodes, per_node, 1.0, 1.0)
         """Devices and nodes of the group (bandwidths unused: only the byte split intra/inter)."""
@@ -174,12 +171,11 @@ class ReplicateRuntime(ModeRuntime):
         if moe[0].grouped_gemm:
             self._log.append("replicate: grouped GEMM: each layer pass runs its slots as two grouped matmuls")
         slots = self.initial_slots()
-        ep_group = parallel_state.get_expert_model_parallel_group()
         for layer in moe:
             layout = layer.expert_layout
             owned_ON = torch.stack([layout.flatten(expert) for expert in layer.experts.local_experts])
             parts = [torch.empty_like(owned_ON) for _ in range(self.num_devices)]
-            dist.all_gather(parts, owned_ON, group=ep_group)
+            dist.all_gather(parts, owned_ON, group=self.group)
             weights_EN = torch.cat(parts)  # EP's contiguous layout: rank d owns experts [d E/G, (d+1) E/G)
             # Megatron decays weight matrices, not biases or 1-D parameters.
             decay_N = torch.cat(
@@ -189,7 +185,6 @@ class ReplicateRuntime(ModeRuntime):
                 weights_EN,
                 slots,
                 self.group,
-                self.contiguous,
                 adam=self.adam,
                 device=self.device,
                 offload=self.config.offload_optimizer,
@@ -237,7 +232,7 @@ class ReplicateRuntime(ModeRuntime):
         """
         counts_GE = torch.zeros((self.num_devices, self.num_experts), dtype=torch.int64, device=self.device)
         counts_GE[self.rank] = counts_E.to(self.device)
-        self.contiguous.all_reduce(counts_GE, 0, self.num_devices, kind="popularity", traffic=self.traffic, topology=self.topology)
+        all_reduce_recorded(counts_GE, self.group, kind="popularity", traffic=self.traffic, topology=self.topology)
         started = time.perf_counter()
         loads_GE = counts_GE.cpu().numpy()
         placement = self.experts[layer.layer_number].slots.placement

@@ -60,8 +60,8 @@ class SlotWeights:
         """Adopt a new slot assignment of the same G and s; the buffer's contents are not touched.
 
         Raises PlacementError, keeping the old assignment, if the new one is malformed, a rank's
-        row is not sorted, or an expert's holders are not consecutive ranks (no pre-registered
-        group would cover them).
+        row is not sorted, or an expert's holders are not consecutive ranks (the contiguous
+        assignment's form, which keeps one class's slots adjacent).
         """
         self._adopt(*self._checked(slot_expert_RS, self.slot_expert_RS.shape))
 

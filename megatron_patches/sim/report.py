@@ -13,7 +13,7 @@ waited for it, averaged over devices; see `engine`). expert_compute_max is not a
 expert compute of the busiest device, summed over layers and passes, for comparison with
 expert_compute_mean (their ratio is the cost of imbalance). exposed_collectives is split by kind
 of traffic in exposed_collectives_by_kind_s (replica refresh is weight_scatter; replica gradient
-synchronisation grad_allreduce and grad_fetch; FSSDP's spag and sprs; Megatron's dense gradient
+synchronisation grad_reduce_scatter (static replication's and the baselines' grad_allreduce); FSSDP's spag and sprs; Megatron's dense gradient
 all-reduce dense_grad_allreduce), adding up to it.
 
 Also per system: expert compute per device, the all-to-all's pricing terms (latency, busiest
@@ -72,7 +72,7 @@ class SystemResult:
     experts of different micro-batches run at once, so no MoE-only span exists."""
     exposed_by_kind_I: dict[str, np.ndarray]
     """breakdown_I["exposed_collectives"] split by kind of traffic (spag, sprs, grad_allreduce,
-    grad_fetch, weight_scatter, shadow_broadcast, dense_grad_allreduce, ...); float [I] each,
+    grad_reduce_scatter, weight_scatter, shadow_broadcast, dense_grad_allreduce, ...); float [I] each,
     adding up to it."""
     expert_compute_D: np.ndarray
     """Expert compute per device, seconds per iteration (mean over the trace); float [D]."""

@@ -25,7 +25,7 @@ Where each kind of traffic runs in the schedule:
   or as pipelined ring broadcasts over the holders ("ring", NCCL's algorithm: the same bytes
   in total, each copy across a node boundary once, but not what the runtime runs);
 - "sprs", and every gradient synchronisation ("grad_allreduce", "shadow_reduce",
-  "grad_fetch"): after the layer's expert backward, on "sparse" (sprs) or "grad";
+  "grad_reduce_scatter"): after the layer's expert backward, on "sparse" (sprs) or "grad";
 - dense (non-expert) gradients: a ring all-reduce per layer on "grad" after its attention
   backward (Megatron DDP's overlapped bucket reduction);
 - "weight_scatter" (replicate): the updated weights sent into the slots of the iteration's
@@ -609,7 +609,8 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                             stages = tuple(stage.reversed() for stage in reversed(stages))
                         traffic[kind], later[kind] = stages[0], stages[1:]
             for kind, comm in traffic.items():
-                # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps
+                # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps; point-to-point
+                # kinds (replicate's reduce-scatter and push, the sparse collectives) one
                 steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
                 if kind not in out.kinds:
                     out.kinds[kind] = _Bytes(I, L, D)
@@ -661,7 +662,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
 
 _BEFORE_DISPATCH = ("spag", "spag_calibrate", "weight_scatter", "shadow_broadcast")
 """Kinds a layer's dispatch waits for; every other kind except "sprs" is gradient synchronisation."""
-_GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_fetch")
+_GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_reduce_scatter")
 
 
 @dataclass

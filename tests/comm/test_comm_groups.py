@@ -1,10 +1,8 @@
-"""Tests of ContiguousGroups (pre-registered contiguous rank groups) on real gloo process groups.
+"""Tests of the process-group helpers (`comm/groups.py`) on real gloo process groups.
 
-In-process (one rank): argument errors and a world of one. Multi-rank (`slow`): one spawned
-driver forks 4 ranks; each checks that every rank range the replicate scheduler produces is
-registered, that an all-reduce in every range sums exactly its members, that a second layout of
-two parents works, and that nothing creates a group after construction; the ring byte counts
-are compared with the simulator's model in the test process.
+In-process (one rank): argument errors and the ring model. Multi-rank: one spawned driver forks 4
+ranks; each all-reduces through `all_reduce_recorded` in the world and in two groups of two, and
+the bytes recorded per member are compared with the simulator's ring model in the test process.
 """
 
 
@@ -12,47 +10,22 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
-
 
 from support.mp import run_forked, run_ranks, single_rank_group
 
 from megatron_patches.comm import TrafficCounter
-from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
-from megatron_patches.placement import (
-    InstancePlacement,
-    Topology,
-    assign_slots,
-    contiguous_rank_groups,
-    expert_rank_ranges,
-    replica_counts,
-    ring_allreduce_bytes,
-    slot_placement,
-)
+from megatron_patches.comm.groups import all_reduce_recorded, ring_allreduce_numel
+from megatron_patches.placement import InstancePlacement, Topology, ring_allreduce_bytes
 
 WORLD = 4
 NUMEL = 24
 """All-reduce buffer length: divisible by 2, 3 and 4, so the ring model's per-member bytes are
 integers and equal the simulator's float formula."""
-POPULARITY_DRAWS = 400
 
 
-def topology() -> Topology:
-    """Two nodes of two ranks, so both link classes carry traffic."""
-    return Topology(nodes=2, devices_per_node=2, intra_node_bw=1e11, inter_node_bw=1e10)
-
-
-def scheduler_ranges(num_ranks: int, draws: int, seed: int = 0) -> set[tuple[int, int]]:
-    """Every holder range of >= 2 ranks that replica_counts + assign_slots produce over random popularity."""
-    rng = np.random.default_rng(seed)
-    found = set()
-    for _ in range(draws):
-        s = int(rng.integers(1, 5))
-        E = int(rng.integers(1, num_ranks * s + 1))
-        popularity = rng.pareto(rng.choice([0.5, 1.5, 5.0]), E) * rng.integers(0, 2, E)  # skewed, some zeros
-        placement = slot_placement(assign_slots(replica_counts(popularity, num_ranks, s), num_ranks, s), E)
-        found |= {(int(a), int(b)) for a, b in expert_rank_ranges(placement) if b - a >= 2}
-    return found
+def topology(devices: int = WORLD) -> Topology:
+    """Two nodes, so both link classes carry traffic."""
+    return Topology(nodes=2, devices_per_node=devices // 2, intra_node_bw=1e11, inter_node_bw=1e10)
 
 
 # ---------------------------------------------------------------------------- in the ranks
@@ -60,67 +33,17 @@ def scheduler_ranges(num_ranks: int, draws: int, seed: int = 0) -> set[tuple[int
 
 def rank_checks() -> dict:
     me = dist.get_rank()
-    groups_before = distributed_c10d._world.group_count
-    groups = ContiguousGroups([list(range(WORLD))])
-    made = distributed_c10d._world.group_count - groups_before
-    assert groups.ranges == tuple(contiguous_rank_groups(WORLD)) and groups.position == me
-    mine = [r for r in groups.ranges if r[0] <= me < r[1]]
-    for start, stop in mine:
-        assert dist.get_process_group_ranks(groups.get(start, stop)) == list(range(start, stop))
-
-    # Every range the scheduler produces is registered; this rank can use those it is in.
-    produced = scheduler_ranges(WORLD, POPULARITY_DRAWS)
-    assert produced <= set(groups.ranges), produced - set(groups.ranges)
-    for start, stop in sorted(produced):
-        if start <= me < stop:
-            groups.get(start, stop)
-
-    # An all-reduce in each range sums exactly its members (bit r = rank r), ranges in the same order everywhere.
-    topo = topology()
     counter = TrafficCounter()
-    for start, stop in groups.ranges:
-        if start <= me < stop:
-            t = torch.full((NUMEL,), float(2**me))
-            work = groups.all_reduce(t, start, stop, kind="ar", traffic=counter, topology=topo, async_op=True)
-            work.wait()
-            assert torch.equal(t, torch.full((NUMEL,), float(sum(2**r for r in range(start, stop))))), (start, stop)
-    t = torch.ones(3)
-    assert groups.all_reduce(t, me, me + 1, kind="ar", traffic=counter) is None and torch.equal(t, torch.ones(3))
-    for bad in ((me, me + 1), (0, WORLD + 1), (-1, 1)):
-        try:
-            groups.get(*bad)
-        except ValueError as err:
-            assert "no group was registered" in str(err)
-        else:
-            raise AssertionError(f"get{bad} did not raise")
-    outside = next(r for r in groups.ranges if not r[0] <= me < r[1])
-    try:
-        groups.get(*outside)
-    except ValueError as err:
-        assert "is not a member" in str(err)
-    else:
-        raise AssertionError(f"get{outside} did not raise for a non-member")
-
-    # Two parents of two ranks (e.g. one per tensor-parallel rank): each sees only its own range.
-    pairs = ContiguousGroups([[0, 1], [2, 3]])
-    assert pairs.ranks == ((0, 1) if me < 2 else (2, 3)) and pairs.ranges == ((0, 2),) and pairs.position == me % 2
+    t = torch.full((NUMEL,), float(2**me))
+    all_reduce_recorded(t, dist.group.WORLD, kind="world", traffic=counter, topology=topology())
+    assert torch.equal(t, torch.full((NUMEL,), float(2**WORLD - 1)))
+    # two groups of two (every process enters new_group for both, in the same order)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[me // 2]
     t = torch.tensor([float(2**me)])
-    pairs.all_reduce(t, 0, 2, kind="pairs", traffic=counter)
-    assert t.item() == sum(2**r for r in pairs.ranks)
-    assert dist.get_process_group_ranks(pairs.get(0, 2)) == list(pairs.ranks)
-
-    # Parents that leave a rank out fail on every rank alike, before any group is made (no rank hangs).
-    try:
-        ContiguousGroups([[0, 1], [3]])
-    except ValueError as err:
-        assert "global ranks [2] are in no parent" in str(err)
-    else:
-        raise AssertionError("parents without rank 2 did not raise")
-
-    # new_group calls (counted by every process, member or not): 6 + the one range of each of the
-    # two parents; looking groups up and reducing in them created none.
-    assert distributed_c10d._world.group_count == groups_before + made + 2
-    return {"made": made, "ar": counter.get("ar").as_dict(), "pairs": counter.get("pairs").as_dict()}
+    all_reduce_recorded(t, mine, kind="pairs", traffic=counter)
+    assert t.item() == sum(2**r for r in dist.get_process_group_ranks(mine))
+    return {"world": counter.get("world").as_dict(), "pairs": counter.get("pairs").as_dict()}
 
 
 def drive() -> list[dict]:
@@ -131,32 +54,18 @@ def drive() -> list[dict]:
 
 
 @pytest.mark.multirank
-def test_contiguous_groups_on_four_gloo_ranks():
+def test_recorded_all_reduce_sums_and_counts_the_ring_bytes():
     per_rank = run_ranks(1, __file__, "drive", timeout=300, gloo=False)[0]
-    assert [r["made"] for r in per_rank] == [len(contiguous_rank_groups(WORLD))] * WORLD
-
-    # The ring bytes of all six ranges, per rank, equal the simulator's model (float formula, exact here).
-    topo = topology()
-    expected = None
-    for start, stop in contiguous_rank_groups(WORLD):
-        counts_ED = np.zeros((1, WORLD), dtype=np.int64)
-        counts_ED[0, start:stop] = 1
-        one = ring_allreduce_bytes(InstancePlacement(counts_ED), NUMEL * 4, topo)
-        expected = one if expected is None else expected + one
+    # the world's ring bytes per rank equal the simulator's model (float formula, exact here)
+    expected = ring_allreduce_bytes(InstancePlacement(np.ones((1, WORLD), dtype=np.int64)), NUMEL * 4, topology())
     keys = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
-    measured = [[r["ar"][k] for r in per_rank] for k in keys]
-    arrays = (expected.sent_intra_D, expected.sent_inter_D, expected.recv_intra_D, expected.recv_inter_D)
-    assert measured == [a.tolist() for a in arrays]
-    assert sum(measured[0]) + sum(measured[1]) == sum(2 * (b - a - 1) * NUMEL * 4 for a, b in contiguous_rank_groups(4))
-    # Two-rank parents reducing one float32: the ring model has each member send 2 * 1 - c_1 - c_0 = 1
-    # element and receive one (default topology: one node).
+    measured = [[r["world"][k] for r in per_rank] for k in keys]
+    assert measured == [a.tolist() for a in (expected.sent_intra_D, expected.sent_inter_D, expected.recv_intra_D,
+                                             expected.recv_inter_D)]
+    assert sum(measured[0]) + sum(measured[1]) == 2 * (WORLD - 1) * NUMEL * 4
+    # Two-rank groups reducing one float32: each member sends 2 * 1 - c_1 - c_0 = 1 element and
+    # receives one (default topology: one node)
     assert [r["pairs"] for r in per_rank] == [{"sent_intra": 4, "sent_inter": 0, "recv_intra": 4, "recv_inter": 0}] * 4
-
-
-def test_scheduler_reaches_every_registered_range():
-    # Not only covered: the registry holds no range the scheduler could never use (for 4 and 6 ranks).
-    for ranks in (4, 6):
-        assert scheduler_ranges(ranks, 2 * POPULARITY_DRAWS) == set(contiguous_rank_groups(ranks))
 
 
 def test_ring_model():
@@ -170,23 +79,12 @@ def test_ring_model():
 
 
 def test_single_rank_world_and_argument_errors():
-    with pytest.raises(RuntimeError, match="needs an initialised default process group"):
-        ContiguousGroups([[0]])
     with single_rank_group():
-        one = ContiguousGroups([[0]])
-        assert one.ranges == () and one.size == 1 and one.position == 0
+        counter = TrafficCounter()
         t = torch.arange(3.0)
-        assert one.all_reduce(t, 0, 1, kind="x", traffic=TrafficCounter()) is None and torch.equal(t, torch.arange(3.0))
-        with pytest.raises(ValueError, match=r"no group was registered for positions \[0, 1\)"):
-            one.get(0, 1)
-        for parents, message in (
-            ([], "parents must be a non-empty list of rank lists"),
-            ("0", "parents must be a non-empty list of rank lists"),
-            ([[]], r"parents\[0\] must be a non-empty list of global ranks"),
-            ([[1]], r"parents\[0\] holds 1, which is not a global rank in \[0, 1\)"),
-            ([[True]], r"parents\[0\] holds True"),
-            ([[0, 0]], r"parents\[0\] = \[0, 0\] must list its ranks strictly ascending"),
-            ([[0], [0]], r"global rank 0 is in parents\[0\] and parents\[1\]; parents must be disjoint"),
-        ):
-            with pytest.raises(ValueError, match=message):
-                ContiguousGroups(parents)
+        all_reduce_recorded(t, dist.group.WORLD, kind="x", traffic=counter)
+        assert torch.equal(t, torch.arange(3.0)) and counter.get("x").as_dict()["sent_intra"] == 0
+        with pytest.raises(ValueError, match="needs a contiguous tensor"):
+            all_reduce_recorded(torch.zeros(4, 2).T, dist.group.WORLD, kind="x")
+        with pytest.raises(ValueError, match="the topology has 4 devices but the group 1 ranks"):
+            all_reduce_recorded(torch.zeros(2), dist.group.WORLD, kind="x", topology=topology())

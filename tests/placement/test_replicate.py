@@ -1,4 +1,4 @@
-"""Tests of replicate-mode planning (DESIGN 4.6): counts, slots, gradient sources, groups, capacity."""
+"""Tests of replicate-mode planning (DESIGN 4.6): counts, slots, holder ranges, capacity."""
 
 from fractions import Fraction
 
@@ -12,10 +12,7 @@ from megatron_patches.placement import (
     PlacementError,
     apply_capacity,
     assign_slots,
-    contiguous_rank_groups,
     expert_rank_ranges,
-    gradient_source,
-    gradient_source_table,
     instance_capacity,
     replica_counts,
     slot_placement,
@@ -110,10 +107,6 @@ def test_assign_slots_worked_example():
     placement = slot_placement(slots, 4)
     assert placement.counts_ED.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 2, 2]]
     assert expert_rank_ranges(placement).tolist() == [[0, 1], [0, 1], [1, 2], [1, 4]]
-    # rank 0 lacks expert 2 (held by rank 1 only) -> fetch from rank 1;
-    # rank 0 lacks expert 3 (holders [1, 2, 3]) -> holders[0 mod 3] = rank 1
-    table = gradient_source_table(placement)
-    assert table.tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 2, 3]]
 
 
 @FAST
@@ -128,11 +121,9 @@ def test_slots_are_contiguous_and_full(case):
     assert np.array_equal(placement.instances_E(), counts)
     placement.check_slot_limit(s)
     ranges = expert_rank_ranges(placement)
-    groups = set(contiguous_rank_groups(G))
     for e in range(p.size):
         start, stop = ranges[e]
         assert placement.holders(e).tolist() == list(range(start, stop))
-        assert stop - start < 2 or (start, stop) in groups  # pre-registered group covers it
 
 
 def test_assign_slots_errors():
@@ -144,31 +135,7 @@ def test_assign_slots_errors():
         slot_placement([[0, 3]], 2)
 
 
-# ---------------------------------------------------------------------------- gradient sources and groups
-
-
-@FAST
-@given(E=st.integers(1, 6), R=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
-def test_gradient_source_table_matches_formula(E, R, seed):
-    rng = np.random.default_rng(seed)
-    counts = rng.integers(0, 3, size=(E, R)) * (rng.random((E, R)) < 0.5)
-    counts[np.arange(E), rng.integers(0, R, size=E)] += 1
-    placement = InstancePlacement(counts)
-    table = gradient_source_table(placement)
-    for e in range(E):
-        holders = sorted(np.flatnonzero(counts[e]).tolist())
-        for r in range(R):
-            expected = r if counts[e, r] > 0 else holders[r % len(holders)]
-            assert table[e, r] == expected == gradient_source(placement, e, r)
-
-
-def test_contiguous_rank_groups():
-    assert contiguous_rank_groups(1) == []
-    assert contiguous_rank_groups(3) == [(0, 2), (0, 3), (1, 3)]
-    for n in range(1, 12):
-        groups = contiguous_rank_groups(n)
-        assert len(groups) == len(set(groups)) == n * (n - 1) // 2
-        assert all(stop - start >= 2 and 0 <= start and stop <= n for start, stop in groups)
+# ---------------------------------------------------------------------------- holder ranges
 
 
 def test_expert_rank_ranges_rejects_gaps():

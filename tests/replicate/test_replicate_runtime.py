@@ -3,8 +3,8 @@
 Multi-rank (`slow`): one spawned driver per world size (2, 4) forks the gloo ranks; each rank
 runs every scenario of its world size for a few iterations against a dense single-process
 reference that every rank computes for itself from the same seeds: the popularity all-reduce,
-the gradient path (each owned slice = the dense sum over all instances; integer-valued
-gradients make every summation order exact), the Adam step (= torch.optim.Adam on the full
+the gradient path (the sparse reduce-scatter: each owned slice = the dense sum over all
+instances; integer-valued gradients make every summation order exact; no process group made), the Adam step (= torch.optim.Adam on the full
 vectors, bit for bit), the push (every slot of the next placement = the reference-updated
 expert) and the per-expert checkpoint form (whole experts to their owners and back). The
 ranks return their byte counters per iteration and phase; the test process compares them with
@@ -25,7 +25,7 @@ from torch.distributed import distributed_c10d
 from support.mp import run_forked, run_ranks, single_rank_group
 
 from megatron_patches.comm import TrafficCounter
-from megatron_patches.comm.groups import ContiguousGroups, ring_allreduce_numel
+from megatron_patches.comm.groups import ring_allreduce_numel
 from megatron_patches.placement import (
     ByteModel,
     CommBytes,
@@ -39,8 +39,6 @@ from megatron_patches.placement import (
     ShardLayout,
     Topology,
     assign_slots,
-    expert_rank_ranges,
-    gradient_source_table,
     replica_counts,
     slot_placement,
 )
@@ -50,7 +48,7 @@ from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
 
 ITERATIONS = 3
-KINDS = ("popularity", "grad_allreduce", "grad_fetch", "weight_scatter")
+KINDS = ("popularity", "grad_reduce_scatter", "weight_scatter")
 LINKS = ("sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 SCENARIOS = {
@@ -96,7 +94,7 @@ def placements(case: dict, world_size: int, seed: int) -> list[np.ndarray]:
 # ---------------------------------------------------------------------------- in the ranks
 
 
-def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGroup, groups: ContiguousGroups):
+def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGroup):
     """One scenario on this rank; returns its byte counters per iteration."""
     me = dist.get_rank(parent)
     G, s, E, N = world_size, case["s"], case["E"], case["N"]
@@ -116,11 +114,11 @@ def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGr
         decoupled_weight_decay=cfg.decoupled_weight_decay,
     )
     counter = TrafficCounter()
+    groups_before = distributed_c10d._world.group_count
     experts = ReplicatedExperts(
         W_EN,
         slots_T[0],
         parent,
-        groups,
         adam=cfg,
         slot_dtype=dtype,
         offload=case["offload"],
@@ -132,6 +130,9 @@ def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGr
     start, stop = sl.start, sl.stop
     assert (start, stop) == ElementShardLayout(N, G).bounds(me)
     assert torch.equal(experts.slots.slots_SN.detach(), W_EN[slots_T[0][me]].to(dtype)), "initial slots"
+    # the layer runs in the group it is given: no communicator of its own, at any G (before
+    # 2026-11-28 every layer needed the G (G - 1) / 2 contiguous-range groups)
+    assert distributed_c10d._world.group_count == groups_before, "building the layer created a process group"
     groups_made = distributed_c10d._world.group_count
     per_iteration = []
     for t in range(ITERATIONS):
@@ -194,8 +195,7 @@ def run_scenario(case: dict, index: int, world_size: int, parent: dist.ProcessGr
 
 def rank_checks(world_size: int) -> list:
     parent = dist.new_group(list(range(world_size)))
-    groups = ContiguousGroups([list(range(world_size))])
-    return [run_scenario(case, i, world_size, parent, groups) for i, case in enumerate(SCENARIOS[world_size])]
+    return [run_scenario(case, i, world_size, parent) for i, case in enumerate(SCENARIOS[world_size])]
 
 
 def drive(world_size: int) -> list:
@@ -217,15 +217,10 @@ def expected_bytes(slots_RS: np.ndarray, next_RS: np.ndarray, E: int, N: int, to
     n_R = ElementShardLayout(N, G).sizes_D()
     placement = slot_placement(slots_RS, E)
     out = {"popularity": CommBytes.from_transfers(*ring(np.arange(G), E, 8), topo)}
-    src, dst, size = [], [], []
-    for e, (a, b) in enumerate(expert_rank_ranges(placement)):
-        if b - a >= 2:
-            for part, values in zip((src, dst, size), ring(np.arange(a, b), N, dtype_size)):
-                part.extend(values.tolist())
-    out["grad_allreduce"] = CommBytes.from_transfers(src, dst, size, topo)
-    source_ER = gradient_source_table(placement)
-    ranks = np.tile(np.arange(G), E)
-    out["grad_fetch"] = CommBytes.from_transfers(source_ER.ravel(), ranks, n_R[ranks] * dtype_size, topo)
+    # every holder of a class sends each other rank its slice of the class's gradient
+    _, holder_H = np.nonzero(placement.holds_ED())
+    owners = np.tile(np.arange(G), holder_H.size)
+    out["grad_reduce_scatter"] = CommBytes.from_transfers(np.repeat(holder_H, G), owners, n_R[owners] * dtype_size, topo)
     e_H, h_H = np.nonzero(slot_placement(next_RS, E).holds_ED())
     senders = np.tile(np.arange(G), h_H.size)
     out["weight_scatter"] = CommBytes.from_transfers(senders, np.repeat(h_H, G), n_R[senders] * dtype_size, topo)
@@ -256,19 +251,20 @@ def test_replicate_runtime_against_dense_reference(world_size):
                 assert measured[kind] == as_links(expected[kind]), (case["name"], t, kind)
             assert sum(map(sum, measured["popularity"][:2])) == 2 * (G - 1) * E * 8
 
-            # Totals in elements: all-reduce 2 (m_e - 1) N, fetch (E - H_r) n_r, weights H_r (N - n_r).
+            # Totals in elements: gradients H_r (N - n_r) from each rank, weights H_r (N - n_r) to it.
             held_RE = slot_placement(slots_T[t], E).holds_ED().T
             next_RE = slot_placement(slots_T[t + 1], E).holds_ED().T
             n_R = ElementShardLayout(N, G).sizes_D()
             totals = {k: (sum(map(sum, measured[k][:2])), sum(map(sum, measured[k][2:]))) for k in KINDS}
-            assert totals["grad_allreduce"] == (2 * (held_RE.sum(axis=0) - 1).sum() * N * size,) * 2
-            fetch = int(((E - held_RE.sum(axis=1)) * n_R).sum()) * size
-            assert totals["grad_fetch"] == (fetch, fetch)
+            grads = int((held_RE.sum(axis=1) * (N - n_R)).sum()) * size
+            assert totals["grad_reduce_scatter"] == (grads, grads)
             weights = int((next_RE.sum(axis=1) * (N - n_R)).sum()) * size
             assert totals["weight_scatter"] == (weights, weights)
             if (held_RE.sum(axis=1) == s).all():
-                # No rank holds a class twice: DESIGN's static-replication volumes, popularity-independent.
-                assert totals["grad_allreduce"][0] + fetch == (2 * N * (s * G - E) + N * (E - s)) * size
+                # No rank holds a class twice: static replication's volume, popularity-independent, and
+                # N (s G - E) elements fewer than the holders' all-reduce and slice fetch moved before
+                assert grads == s * N * (G - 1) * size
+                assert grads == (2 * N * (s * G - E) + N * (E - s) - N * (s * G - E)) * size
                 closed_form_checked += 1
             if (next_RE.sum(axis=1) == s).all():
                 assert weights == s * N * (G - 1) * size
@@ -287,8 +283,8 @@ def test_replicate_runtime_against_dense_reference(world_size):
                 sim_next = policy.traffic(
                     PolicyStep(t, (LayerPlan(slot_placement(slots_T[t + 1], E), idle, np.zeros((E, G))),))
                 )
-                assert measured["grad_allreduce"] == as_links(sim["grad_allreduce"])
-                assert measured["grad_fetch"] == as_links(sim["grad_fetch"])
+                assert measured["grad_reduce_scatter"] == as_links(sim["grad_reduce_scatter"])
+                assert "grad_allreduce" not in sim and "grad_fetch" not in sim
                 assert measured["weight_scatter"] == as_links(sim_next["weight_scatter"])
                 simulator_checked += 1
     assert simulator_checked > 0
@@ -406,15 +402,14 @@ def test_world_of_one():
     counter = TrafficCounter()
     with single_rank_group():
         world = dist.group.WORLD
-        groups = ContiguousGroups([[0]])
         cfg = AdamSettings(lr=0.1)
         with pytest.raises(ValueError, match="pass the replicate process group explicitly"):
-            ReplicatedExperts(W_EN, [[0, 1, 2]], None, groups, adam=cfg)
+            ReplicatedExperts(W_EN, [[0, 1, 2]], None, adam=cfg)
         with pytest.raises(ValueError, match="the topology has 2 devices but the group 1 ranks"):
-            ReplicatedExperts(W_EN, [[0, 1, 2]], world, groups, adam=cfg, topology=Topology.single_node(2))
+            ReplicatedExperts(W_EN, [[0, 1, 2]], world, adam=cfg, topology=Topology.single_node(2))
         with pytest.raises(ValueError, match="slot_expert_RS has 2 ranks but the group 1"):
-            ReplicatedExperts(W_EN, [[0, 1], [2, 2]], world, groups, adam=cfg)
-        experts = ReplicatedExperts(W_EN, [[0, 1, 1, 2]], world, groups, adam=cfg, traffic=counter)
+            ReplicatedExperts(W_EN, [[0, 1], [2, 2]], world, adam=cfg)
+        experts = ReplicatedExperts(W_EN, [[0, 1, 1, 2]], world, adam=cfg, traffic=counter)
         assert experts.num_experts == 3 and experts.expert_numel == 4
         counts = torch.tensor([5, 0, 2])
         assert experts.popularity(counts) is counts and counts.tolist() == [5, 0, 2]

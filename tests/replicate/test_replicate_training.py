@@ -34,9 +34,11 @@ SLICE_R = np.array([len(a) for a in np.array_split(np.arange(N), G)])
 TOKENS_PER_ITERATION = 16 * 128
 
 
+# No auxiliary loss (Megatron-LM's default; the tiny job sets 1e-2): the router's skew is what the
+# capacity drops tokens on and adaptive replication answers (with 1e-2, 0.78 against 0.69 survival)
 CAPACITY = [
     *TINY_JOB, *COMMON, "--train-iters", "12", "--moe-parallel-mode", "replicate", "--moe-expert-capacity-factor", "1.0",
-    "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8",
+    "--moe-router-topk", "1", "--num-experts", "16", "--replicate-slots-per-rank", "8", "--moe-aux-loss-coeff", "0",
 ]
 EVERY = 4
 """The periodic policy's re-balancing interval."""
@@ -70,15 +72,11 @@ def holders(replicas_E, slots: int = S) -> np.ndarray:
 
 
 def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
-    """DESIGN 4.6 per layer: (b) ring all-reduce among a class's m_e holders, (c) each rank
-    fetches slice r of the classes it does not hold, (e) each rank receives the other slices of
-    the classes it holds."""
-    held_EG = holders(replicas_E)
-    m_E = held_EG.sum(axis=1)
-    h_G = held_EG.sum(axis=0)
+    """DESIGN 4.6 per layer: (b) each rank sends the other slices of the classes it holds to
+    their owners, (e) each rank receives the other slices of the classes it holds."""
+    h_G = holders(replicas_E).sum(axis=0)
     return {
-        "grad_allreduce": int((2 * (m_E - 1) * N).sum()) * element_bytes,
-        "grad_fetch": int(((EXPERTS - h_G) * SLICE_R).sum()) * element_bytes,
+        "grad_reduce_scatter": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
         "weight_scatter": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
     }
 
@@ -102,13 +100,13 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
 
     static_counts = np.full(EXPERTS, G * S // EXPERTS)
     # DESIGN 4.6: static replication's volumes when every rank's s slots hold distinct classes
-    static_grad = (2 * N * (S * G - EXPERTS) + N * (EXPERTS - S)) * 4
+    static_grad = S * N * (G - 1) * 4
     static_weights = S * N * (G - 1) * 4
     several_slots_one_class = changed = 0
     for i, record in enumerate(records):
         rep = record["replicate"]
         assert rep["survival"] == 1.0
-        expected = dict.fromkeys(("grad_allreduce", "grad_fetch", "weight_scatter"), 0)
+        expected = dict.fromkeys(("grad_reduce_scatter", "weight_scatter"), 0)
         for layer, next_layer in zip(rep["layers"], records[min(i + 1, ITERS - 1)]["replicate"]["layers"]):
             assert layer["processed"] == layer["routed"] == TOKENS_PER_ITERATION * 2
             assert sum(layer["device_tokens"]) == layer["routed"] and sum(layer["popularity"]) == layer["routed"]
@@ -117,13 +115,12 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
             several_slots_one_class += int((holders(replicas).sum(axis=0) < S).any())
             changed += int(not np.array_equal(replicas, static_counts))
             this = formula_bytes(replicas)
-            expected["grad_allreduce"] += this["grad_allreduce"]
-            expected["grad_fetch"] += this["grad_fetch"]
+            expected["grad_reduce_scatter"] += this["grad_reduce_scatter"]
             # the weights pushed at the end of iteration i fill iteration i+1's slots
             expected["weight_scatter"] += formula_bytes(next_layer["replicas"])["weight_scatter"]
             # never more than static replication's volumes; equal when a rank's slots hold distinct classes
             distinct = bool((holders(replicas).sum(axis=0) == S).all())
-            grad = this["grad_allreduce"] + this["grad_fetch"]
+            grad = this["grad_reduce_scatter"]
             assert grad == static_grad if distinct else grad < static_grad
             assert this["weight_scatter"] == static_weights if distinct else this["weight_scatter"] < static_weights
         measured = {kind: rep["bytes"][kind]["intra"] for kind in expected}

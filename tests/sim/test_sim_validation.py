@@ -101,7 +101,8 @@ def test_static_replication_hand_case():
     device sends one buffer per expert (2 (r - 1) / r = 1): 2,103,296 B through its NIC at
     10 GB/s x 0.85 efficiency = 247.45 us, plus 2 ring steps x 25 us latency = 297.45 us per
     iteration. Replicate mode's contiguous layout with equal loads puts both slots of expert e on
-    device e: EP's all-to-all, no replica all-reduce."""
+    device e: EP's all-to-all, no replica all-reduce; its reduce-scatter sends the other device's
+    half of the expert's gradient, 525,824 B through the NIC: 25 us + 61.86 us."""
     model = make_model(layers=1, experts=2, hidden=256, seq=512)
     scn = build_scenario(model, make_cluster(nodes=2, gpus_per_node=1), 2, balanced_trace(2, 1, 2, 2, 64),
                          options=SimOptions(slots_per_rank=2, capacity_factor=1.0))
@@ -111,7 +112,9 @@ def test_static_replication_hand_case():
     assert static.details["collective_s"]["all_to_all"] == 0.0
     assert static.traffic["grad_allreduce"].tolist() == [0.0, 2 * 2_103_296]
     assert replicate.details["collective_s"]["all_to_all"] == pytest.approx(ep.details["collective_s"]["all_to_all"])
-    assert replicate.details["collective_s"]["grad_allreduce"] == 0.0
+    assert "grad_allreduce" not in replicate.details["collective_s"]
+    assert replicate.details["collective_s"]["grad_reduce_scatter"] == pytest.approx(25e-6 + 525_824 / 8.5e9, rel=1e-12)
+    assert replicate.traffic["grad_reduce_scatter"].tolist() == [0.0, 2 * 525_824]
 
 
 @pytest.mark.parametrize("nodes, per_node", [(8, 1), (2, 4)])
