@@ -47,6 +47,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module, param_is_not_shared
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
@@ -580,6 +581,19 @@ class WorldFiniteCheck:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=device))
         torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_megatron) or bool(found_inf.item() > 0)
+
+
+def forget_loss_trackers() -> None:
+    """Empty Megatron's logging trackers of the MoE auxiliary losses
+    (`moe_utils.get_moe_layer_wise_logging_tracker()`: per loss name, a values tensor sized at its
+    first use to that run's layers, with that run's reduce groups) and of the MTP losses
+    (`MTPLossLoggingHelper.tracker`). Each is a process-wide dict, so a second training in the
+    same process (tests/support/multirun.py) with more layers would index past the first one's
+    tensor (moe_utils.py:897, an IndexError) and reduce over destroyed groups. Called at every
+    run's start; Megatron-LM's training_log reads and zeroes them, this loop reads only the MTP
+    one (`take_mtp_losses`)."""
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    MTPLossLoggingHelper.tracker.clear()
 
 
 def take_mtp_losses(num_mtp_layers: int, num_micro_batches: int) -> list[float]:

@@ -90,6 +90,7 @@ def set_up(args) -> None:
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)  # Megatron-LM's setup_logging: the root logger
     shims = prepare_megatron(args.use_cuda)
+    mcore.forget_loss_trackers()  # sized by an earlier run in this process, if any
     if args.run_dir:
         # a person reads a short summary; every value stays in the run folder
         if dist.get_rank() == 0:
