@@ -282,11 +282,13 @@ def move_slots(moves: ReshardMoves, slot_modules: list, optimizer, group, edp_gr
         return
     staged = ShardedSlotState(lambda slot: list(slot_modules[slot].parameters()), len(slot_modules),
                               lambda param: expert_optimizer_shard(optimizer, param), edp_group)
+    # node_layout gathers over the world: every rank calls it, whether or not it sends (a rank
+    # without departing experts skipped it and hung the others, 2026-11-28)
+    edp_ranks = dist.get_process_group_ranks(edp_group)
+    edp_topology = Topology(*node_layout(edp_ranks), 1.0, 1.0)
     flat = staged.gather(sending)
     if flat is not None:
-        edp_ranks = dist.get_process_group_ranks(edp_group)
-        record_ring_allreduce(traffic, "reshard_edp", flat, dist.get_rank(edp_group), len(edp_ranks),
-                              Topology(*node_layout(edp_ranks), 1.0, 1.0))
+        record_ring_allreduce(traffic, "reshard_edp", flat, dist.get_rank(edp_group), len(edp_ranks), edp_topology)
     exchange_slots(moves, staged.tensors, group, topology, traffic)
     staged.scatter(receiving)
 
