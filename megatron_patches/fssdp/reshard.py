@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patches.comm.exchange import exchange
-from megatron_patches.comm.groups import node_layout, record_ring_allreduce
+from megatron_patches.comm.groups import record_ring_allreduce
 from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.compat.moe import OptimizerStateMissing, expert_optimizer_shard, shards_over_data_parallel
 from megatron_patches.placement.types import ModelShardLayout, Topology
@@ -261,12 +261,13 @@ class ShardedSlotState:
                 part.copy_(full[start:start + part.numel()])
 
 
-def move_slots(moves: ReshardMoves, slot_modules: list, optimizer, group, edp_group, topology: Topology,
-               traffic: TrafficCounter, param_sync: Callable | None) -> None:
+def move_slots(moves: ReshardMoves, slot_modules: list, optimizer, group, edp_group, edp_topology: Topology,
+               topology: Topology, traffic: TrafficCounter, param_sync: Callable | None) -> None:
     """Moves the slots' weights and Megatron's optimizer state per `moves`. With the distributed
     optimizer over several expert groups each rank keeps a range of every expert's state: the
     departing experts' state is made whole over the expert-data-parallel group first
-    (`ShardedSlotState`; its bytes are `reshard_edp`). ``param_sync``: with
+    (`ShardedSlotState`; its bytes are `reshard_edp`, over ``edp_topology``, the group's nodes, which
+    the runtime takes once at start-up). ``param_sync``: with
     --overlap-param-gather, waits for a parameter's all-gather (None otherwise)."""
     sending = [int(s) for _, slots in moves.send for s in slots]
     receiving = [int(s) for _, slots in moves.recv for s in slots]
@@ -282,13 +283,10 @@ def move_slots(moves: ReshardMoves, slot_modules: list, optimizer, group, edp_gr
         return
     staged = ShardedSlotState(lambda slot: list(slot_modules[slot].parameters()), len(slot_modules),
                               lambda param: expert_optimizer_shard(optimizer, param), edp_group)
-    # node_layout gathers over the world: every rank calls it, whether or not it sends (a rank
-    # without departing experts skipped it and hung the others, 2026-11-28)
-    edp_ranks = dist.get_process_group_ranks(edp_group)
-    edp_topology = Topology(*node_layout(edp_ranks), 1.0, 1.0)
     flat = staged.gather(sending)
     if flat is not None:
-        record_ring_allreduce(traffic, "reshard_edp", flat, dist.get_rank(edp_group), len(edp_ranks), edp_topology)
+        record_ring_allreduce(traffic, "reshard_edp", flat, dist.get_rank(edp_group), dist.get_world_size(edp_group),
+                              edp_topology)
     exchange_slots(moves, staged.tensors, group, topology, traffic)
     staged.scatter(receiving)
 

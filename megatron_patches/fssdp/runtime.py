@@ -119,6 +119,9 @@ class FSSDPRuntime(ModeRuntime):
         self.num_devices = len(ranks)
         self.nodes, self.devices_per_node = node_layout(ranks)
         _check_same_node_layout(self.nodes, self.devices_per_node, ranks)
+        self.edp_topology = Topology(*node_layout(dist.get_process_group_ranks(self.edp_group)), 1.0, 1.0)
+        """Nodes of the expert-data-parallel group, for the re-shard's `reshard_edp` bytes (node_layout is
+        a world-wide collective: taken here, where every rank passes, not inside a re-shard)."""
         self.traffic = TrafficCounter()
         self.tracker = LoadTracker.for_predictor(len(self.moe_layer_numbers), num_experts, config.load_window,
                                                   config.load_predictor)
@@ -329,7 +332,8 @@ class FSSDPRuntime(ModeRuntime):
             )
         with self.timer.span("fssdp.reshard"):
             moves = plan_reshard(self.table, current, proposed, self.rank)
-            move_slots(moves, self.slot_modules, self.optimizer, self.group, self.edp_group, self.topology, self.traffic,
+            move_slots(moves, self.slot_modules, self.optimizer, self.group, self.edp_group, self.edp_topology,
+                       self.topology, self.traffic,
                        self.expert_param_sync)
         self.layout, self.table = proposed, moves.table
         self._log.append(
