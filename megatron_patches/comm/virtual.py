@@ -28,10 +28,13 @@ def tokens_from_source(plan: DispatchPlan, source: int, tokens_K: np.ndarray | N
     tokens_K replaces the plan's token counts per entry (e.g. `TokenSpread.kept_K`, the part
     of each transfer that survives the receiver's capacity).
     """
-    tokens_K = plan.tokens_K if tokens_K is None else tokens_K
-    mine = plan.source_K == source
     tokens_ED = np.zeros((plan.num_experts, plan.num_devices), dtype=np.int64)
-    np.add.at(tokens_ED, (plan.expert_K[mine], plan.dest_K[mine]), tokens_K[mine])
+    if tokens_K is None:
+        expert_K, dest_K, mine_K = plan.source_row(source)
+    else:
+        mine = plan.source_K == source
+        expert_K, dest_K, mine_K = plan.expert_K[mine], plan.dest_K[mine], tokens_K[mine]
+    np.add.at(tokens_ED, (expert_K, dest_K), mine_K)
     return tokens_ED
 
 

@@ -65,8 +65,8 @@ class IterationStats:
     iterations auto t is chosen after: the first, and those before a re-shard check (None otherwise)."""
 
     def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
-        self.device_tokens_LD[layer_index] += np.bincount(plan.dest_K, weights=plan.tokens_K, minlength=self.device_tokens_LD.shape[1]).astype(np.int64)
-        self.remote_copies += int(plan.tokens_K[plan.source_K != plan.dest_K].sum())
+        self.device_tokens_LD[layer_index] += plan.device_loads_D()
+        self.remote_copies += plan.remote_tokens()
         if self.source_loads_LDE is not None:
             self.source_loads_LDE[layer_index] += counts_DE
 

@@ -134,7 +134,10 @@ def dispatch_bytes(plan: DispatchPlan, topology: Topology, bytes_per_token: floa
         )
     if not np.isfinite(bytes_per_token) or bytes_per_token < 0:
         raise PlacementError(f"bytes_per_token must be finite and >= 0, got {bytes_per_token!r}")
-    return CommBytes.from_transfers(plan.source_K, plan.dest_K, plan.tokens_K * bytes_per_token, topology)
+    if not plan.by_owner_form:
+        return CommBytes.from_transfers(plan.source_K, plan.dest_K, plan.tokens_K * bytes_per_token, topology)
+    # float products, truncated, as from_transfers' per-entry bytes sum: exact for whole bytes per token
+    return CommBytes(*((tokens * bytes_per_token).astype(np.int64) for tokens in plan.link_tokens(topology.node_of)))
 
 
 def _chunk_bytes_E(chunk_bytes, num_experts: int) -> np.ndarray:

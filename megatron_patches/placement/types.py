@@ -258,9 +258,10 @@ class ShardLayout:
         """Number of experts owned per device; int64 [D]."""
         return np.bincount(self.owner_E, minlength=self.num_devices).astype(np.int64)
 
-    def holds_ED(self) -> np.ndarray:
-        """One-hot ownership matrix, int64 [E, D] (1 where the device owns the expert)."""
-        out = np.zeros((self.num_experts, self.num_devices), dtype=np.int64)
+    def holds_ED(self, dtype=np.int64) -> np.ndarray:
+        """One-hot ownership matrix, int64 [E, D] (1 where the device owns the expert), or of
+        `dtype` (bool for the planners)."""
+        out = np.zeros((self.num_experts, self.num_devices), dtype=dtype)
         out[np.arange(self.num_experts), self.owner_E] = 1
         return out
 
@@ -406,6 +407,29 @@ class InstancePlacement:
             )
         object.__setattr__(self, "counts_ED", counts)
 
+    @classmethod
+    def trusted(cls, holds_ED: np.ndarray) -> InstancePlacement:
+        """Wrap a planner's 0/1 holdings (bool [E, D], every expert held somewhere) without
+        validating or copying them; the array is made read-only and must not be written again.
+
+        For planners whose output is valid by construction (tests check every plan): at E = 256,
+        D = 1,024 validation costs about as much as planning a layer (tools/bench_planners.py).
+        `counts_ED` is built from it on first use; `holds_ED()` answers from it directly.
+        """
+        holds_ED.setflags(write=False)
+        placement = object.__new__(cls)
+        object.__setattr__(placement, "_holds_ED", holds_ED)
+        return placement
+
+    def __getattr__(self, name: str):
+        # counts_ED of a `trusted` placement, built once when first asked for
+        if name == "counts_ED" and "_holds_ED" in self.__dict__:
+            counts = self.__dict__["_holds_ED"].astype(np.int64)
+            counts.setflags(write=False)
+            object.__setattr__(self, "counts_ED", counts)
+            return counts
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, InstancePlacement):
             return NotImplemented
@@ -419,16 +443,21 @@ class InstancePlacement:
     @property
     def num_experts(self) -> int:
         """E."""
-        return int(self.counts_ED.shape[0])
+        return int(self._shape()[0])
 
     @property
     def num_devices(self) -> int:
         """D."""
-        return int(self.counts_ED.shape[1])
+        return int(self._shape()[1])
+
+    def _shape(self) -> tuple[int, int]:
+        holds = self.__dict__.get("_holds_ED")
+        return (holds if holds is not None else self.counts_ED).shape
 
     def holds_ED(self) -> np.ndarray:
-        """Boolean [E, D]: device d holds at least one instance of expert e."""
-        return self.counts_ED > 0
+        """Boolean [E, D]: device d holds at least one instance of expert e (a fresh array)."""
+        holds = self.__dict__.get("_holds_ED")
+        return holds.copy() if holds is not None else self.counts_ED > 0
 
     def holders(self, expert: int) -> np.ndarray:
         """Devices holding expert `expert`, ascending; int64."""
@@ -566,6 +595,141 @@ class DispatchPlan:
         return plan
 
     @classmethod
+    def by_owner(cls, loads_SE: np.ndarray, dest_E: np.ndarray, grid_E: np.ndarray, tokens_E: np.ndarray,
+                 pieces: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], num_devices: int) -> DispatchPlan:
+        """A plan in which every source sends all its tokens of each expert e with grid_E[e] to
+        dest_E[e], plus explicit entries (`pieces`: source, expert, destination, tokens) for the
+        other experts; kept in that form, without validation or copies (the arrays must be int64
+        (grid_E bool) and no longer written to; `tokens_E` is loads_SE's column sums).
+
+        This is `dispatch`'s plan: at S = D = 1,024 and E = 256 its entry arrays are a quarter
+        of a million entries each, whose construction alone would cost more than planning the
+        layer, while the runtime asks one source's row and per-device totals of it
+        (`tokens_from_source`, `device_loads_D`, `remote_tokens`, `link_tokens`), which this form
+        answers in O(S + E + pieces) or one pass over loads_SE. The entry arrays are built on
+        first access, exactly as `dispatch` built them before (every (source, expert) pair in
+        source-major order, the experts outside the grid with 0 tokens, then the pieces).
+        """
+        plan = object.__new__(cls)
+        for name, arr in (("loads_SE", loads_SE), ("dest_E", dest_E), ("grid_E", grid_E), ("tokens_E", tokens_E),
+                          *zip(("source_P", "expert_P", "dest_P", "tokens_P"), pieces)):
+            arr.setflags(write=False)
+            object.__setattr__(plan, f"_{name}", arr)
+        S, E = loads_SE.shape
+        object.__setattr__(plan, "num_sources", int(S))
+        object.__setattr__(plan, "num_experts", int(E))
+        object.__setattr__(plan, "num_devices", int(num_devices))
+        return plan
+
+    def __getattr__(self, name: str):
+        # the entry arrays of a `by_owner` plan, built once when first asked for
+        if name in ("source_K", "expert_K", "dest_K", "tokens_K") and "_loads_SE" in self.__dict__:
+            for key, arr in zip(("source_K", "expert_K", "dest_K", "tokens_K"), self._owner_entries()):
+                arr.setflags(write=False)
+                object.__setattr__(self, key, arr)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def by_owner_form(self) -> bool:
+        """Whether the plan is kept in `by_owner`'s form."""
+        return "_loads_SE" in self.__dict__
+
+    def _owner_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        d = self.__dict__
+        S, E = self.num_sources, self.num_experts
+        G = S * E
+        source_P, expert_P, dest_P, tokens_P = d["_source_P"], d["_expert_P"], d["_dest_P"], d["_tokens_P"]
+        K = G + source_P.size
+        source_K = np.empty(K, dtype=np.int64)
+        expert_K = np.empty(K, dtype=np.int64)
+        dest_K = np.empty(K, dtype=np.int64)
+        tokens_K = np.empty(K, dtype=np.int64)
+        source_K[:G].reshape(S, E)[:] = np.arange(S, dtype=np.int64)[:, None]
+        expert_K[:G].reshape(S, E)[:] = np.arange(E, dtype=np.int64)
+        dest_K[:G].reshape(S, E)[:] = d["_dest_E"]
+        grid_tokens = tokens_K[:G].reshape(S, E)
+        grid_tokens[:] = d["_loads_SE"]
+        grid_tokens[:, ~d["_grid_E"]] = 0
+        source_K[G:], expert_K[G:], dest_K[G:], tokens_K[G:] = source_P, expert_P, dest_P, tokens_P
+        return source_K, expert_K, dest_K, tokens_K
+
+    def _grid_tokens_E(self) -> np.ndarray:
+        """Tokens per expert sent by the grid (0 for the experts in the pieces); int64 [E]."""
+        return np.where(self.__dict__["_grid_E"], self.__dict__["_tokens_E"], 0)
+
+    def remote_tokens(self) -> int:
+        """Tokens sent to another device than their source (S = D)."""
+        if not self.by_owner_form:
+            return int(self.tokens_K[self.source_K != self.dest_K].sum())
+        d = self.__dict__
+        grid = np.flatnonzero(d["_grid_E"])
+        kept = d["_loads_SE"][d["_dest_E"][grid], grid]  # what each grid expert's owner routed to itself
+        pieces = d["_tokens_P"][d["_source_P"] != d["_dest_P"]]
+        return int(self._grid_tokens_E().sum() - kept.sum() + pieces.sum())
+
+    def link_tokens(self, node_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens (sent within the node, sent to other nodes) per source and (received within the
+        node, from other nodes) per device, transfers to self excluded; four int64 arrays, the
+        devices' node ids `node_of` [D] (S = D)."""
+        if not self.by_owner_form:
+            moved = self.source_K != self.dest_K
+            intra = moved & (node_of[self.source_K] == node_of[self.dest_K])
+            inter = moved & ~intra
+            D = self.num_devices
+            return tuple(self._sum_by(index[mask], D, self.tokens_K[mask])
+                         for index, mask in ((self.source_K, intra), (self.source_K, inter),
+                                             (self.dest_K, intra), (self.dest_K, inter)))
+        d = self.__dict__
+        S, D = self.num_sources, self.num_devices
+        grid = np.flatnonzero(d["_grid_E"])
+        loads_SG, dest_G = d["_loads_SE"][:, grid], d["_dest_E"][grid]
+        kept_G = loads_SG[dest_G, np.arange(grid.size)]  # what each owner routed to itself
+        same_SG = node_of[:S, None] == node_of[dest_G][None, :]
+        intra_SG = np.where(same_SG, loads_SG, 0)
+        sent_intra_S = intra_SG.sum(axis=1) - np.bincount(dest_G, weights=kept_G, minlength=S).astype(np.int64)
+        sent_inter_S = loads_SG.sum(axis=1) - intra_SG.sum(axis=1)
+        recv_intra_G = intra_SG.sum(axis=0) - kept_G
+        recv_inter_G = d["_tokens_E"][grid] - intra_SG.sum(axis=0)
+        recv_intra_D = np.bincount(dest_G, weights=recv_intra_G, minlength=D).astype(np.int64)
+        recv_inter_D = np.bincount(dest_G, weights=recv_inter_G, minlength=D).astype(np.int64)
+        source_P, dest_P, tokens_P = d["_source_P"], d["_dest_P"], d["_tokens_P"]
+        moved = source_P != dest_P
+        intra = moved & (node_of[source_P] == node_of[dest_P])
+        inter = moved & ~intra
+        return (
+            sent_intra_S + self._sum_by(source_P[intra], S, tokens_P[intra]),
+            sent_inter_S + self._sum_by(source_P[inter], S, tokens_P[inter]),
+            recv_intra_D + self._sum_by(dest_P[intra], D, tokens_P[intra]),
+            recv_inter_D + self._sum_by(dest_P[inter], D, tokens_P[inter]),
+        )
+
+    def source_row(self, source: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(expert, destination, tokens) of the entries from `source`; int64 arrays."""
+        if not self.by_owner_form:
+            mine = self.source_K == source
+            return self.expert_K[mine], self.dest_K[mine], self.tokens_K[mine]
+        d = self.__dict__
+        grid = np.flatnonzero(d["_grid_E"])
+        mine = d["_source_P"] == source
+        return (np.concatenate((grid, d["_expert_P"][mine])),
+                np.concatenate((d["_dest_E"][grid], d["_dest_P"][mine])),
+                np.concatenate((d["_loads_SE"][source, grid], d["_tokens_P"][mine])))
+
+    def instances_with_tokens_D(self) -> np.ndarray:
+        """Distinct experts per device that receive at least one token; int64 [D]."""
+        D = self.num_devices
+        if not self.by_owner_form:
+            busy = self.tokens_K > 0
+            pairs = np.unique(self.expert_K[busy] * D + self.dest_K[busy])
+            return np.bincount(pairs % D, minlength=D)
+        d = self.__dict__
+        grid_busy = d["_grid_E"] & (d["_tokens_E"] > 0)
+        busy = d["_tokens_P"] > 0
+        pairs = np.unique(d["_expert_P"][busy] * D + d["_dest_P"][busy])
+        return np.bincount(d["_dest_E"][grid_busy], minlength=D) + np.bincount(pairs % D, minlength=D)
+
+    @classmethod
     def from_dense(cls, tokens_SED) -> DispatchPlan:
         """Build a plan from a dense int array [S, E, D] of tokens (non-zero entries only)."""
         tokens_SED = check_loads(tokens_SED, "tokens_SED", 3)
@@ -595,9 +759,10 @@ class DispatchPlan:
         keep = sums > 0
         return uniq[keep].tobytes(), sums[keep].tobytes()
 
-    def _sum_by(self, index_K: np.ndarray, size: int) -> np.ndarray:
+    def _sum_by(self, index_K: np.ndarray, size: int, tokens_K: np.ndarray | None = None) -> np.ndarray:
         # bincount with float weights is exact for token counts below 2**53
-        return np.bincount(index_K, weights=self.tokens_K, minlength=size).astype(np.int64)
+        weights = self.tokens_K if tokens_K is None else tokens_K
+        return np.bincount(index_K, weights=weights, minlength=size).astype(np.int64)
 
     def routed_SE(self) -> np.ndarray:
         """Tokens per (source, expert) the plan accounts for; int64 [S, E]."""
@@ -611,7 +776,11 @@ class DispatchPlan:
 
     def device_loads_D(self) -> np.ndarray:
         """Tokens processed per device (DESIGN 5's device load); int64 [D]."""
-        return self._sum_by(self.dest_K, self.num_devices)
+        if not self.by_owner_form:
+            return self._sum_by(self.dest_K, self.num_devices)
+        d = self.__dict__
+        return (self._sum_by(d["_dest_E"], self.num_devices, self._grid_tokens_E())
+                + self._sum_by(d["_dest_P"], self.num_devices, d["_tokens_P"]))
 
     def traffic_SD(self) -> np.ndarray:
         """Tokens sent from each source to each destination (including to itself); int64 [S, D]."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_patches.placement.fssdp.dispatch import dispatch
 from megatron_patches.placement.fssdp.inputs import descending, largest_first
-from megatron_patches.placement.fssdp.quotas import fill_holders, balanced_quotas
+from megatron_patches.placement.fssdp.quotas import balanced_quotas, fill_holders_array, replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -81,7 +81,7 @@ class FSSDPCostModel:
         prices up to a few candidates per layer per iteration)."""
         if self.gather_seconds is not None:
             return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
-        return self._copies_seconds((np.asarray(holds_ED) > 0) & ~current.holds_ED(), shard, topology)
+        return self._copies_seconds((np.asarray(holds_ED) > 0) > current.holds_ED(), shard, topology)
 
     def _copies_seconds(self, new_ED: np.ndarray, shard: ShardLayout, topology: Topology) -> float:
         """The point-to-point model's gather of the copies new_ED (bool [E, D]) from their owners:
@@ -98,13 +98,10 @@ class FSSDPCostModel:
         per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all."""
         holds_ED = np.asarray(holds_ED) > 0
         if source_loads_DE is None or self.dispatch_seconds is None:
-            quota_ED = balanced_quotas(holds_ED, tokens_E)
-            return self.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0)), 0.0
-        plan = dispatch(InstancePlacement(holds_ED.astype(np.int64)), source_loads_DE, topology)
-        D = holds_ED.shape[1]
-        busy = np.unique(plan.expert_K[plan.tokens_K > 0] * D + plan.dest_K[plan.tokens_K > 0])
-        instances_D = np.bincount(busy % D, minlength=D)
-        return self.compute_seconds(plan.device_loads_D(), instances_D), float(self.dispatch_seconds(plan))
+            return self.compute_seconds(*quota_loads(holds_ED, tokens_E)), 0.0
+        plan = dispatch(InstancePlacement.trusted(holds_ED.copy()), source_loads_DE, topology)
+        return self.compute_seconds(plan.device_loads_D(), plan.instances_with_tokens_D()), float(
+            self.dispatch_seconds(plan))
 
     def compute_seconds(self, tokens_D: np.ndarray, instances_D: np.ndarray) -> float:
         """The busiest device's expert time, from tokens and instances with tokens per device."""
@@ -154,12 +151,38 @@ def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology,
     if e_idx.size == 0:
         return 0.0
     src = owner_E[e_idx]
-    bw = np.where(topology.same_node(src, d_idx), topology.intra_node_bw, topology.inter_node_bw)
-    seconds = expert_bytes / bw
+    seconds = _copy_seconds(src, d_idx, topology, expert_bytes)
     D = topology.num_devices
     recv_D = np.bincount(d_idx, weights=seconds, minlength=D)
     send_D = np.bincount(src, weights=seconds, minlength=D)
     return float(max(recv_D.max(), send_D.max()))
+
+
+def _copy_seconds(src, dst, topology: Topology, expert_bytes: float):
+    """Transfer time of one expert from src to dst (elementwise on arrays): `expert_bytes` over
+    the intra- or inter-node bandwidth, divided in that order, as every price of a copy here."""
+    return np.where(topology.same_node(src, dst), expert_bytes / topology.intra_node_bw,
+                    expert_bytes / topology.inter_node_bw)
+
+
+def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, instances with tokens) per device under `balanced_quotas(holds_ED, tokens_E)`,
+    without its [E, D] matrix: the single-holder experts counted per holder, the replicated
+    ones from their quotas (`replicated_quotas`); int64 [D] each."""
+    replicas_E = holds_ED.sum(axis=1)
+    if np.any(replicas_E == 0):
+        balanced_quotas(holds_ED, tokens_E)  # raises, naming the expert without a holder
+    D = holds_ED.shape[1]
+    single = np.flatnonzero(replicas_E == 1)
+    holder_S = holds_ED[single].argmax(axis=1)
+    load_D = np.bincount(holder_S, weights=tokens_E[single], minlength=D).astype(np.int64)
+    instances_D = np.bincount(holder_S[tokens_E[single] > 0], minlength=D)
+    rep = np.flatnonzero(replicas_E > 1)
+    if rep.size:
+        quota_RD = replicated_quotas(holds_ED, tokens_E, load_D, rep)
+        load_D = load_D + quota_RD.sum(axis=0)
+        instances_D = instances_D + (quota_RD > 0).sum(axis=0)
+    return load_D, instances_D
 
 
 def calibrate(
@@ -261,7 +284,7 @@ def calibrate(
             best_s, best = seconds, holds_ED
     if best is None:
         return current, False
-    return InstancePlacement(current.counts_ED + (best & ~held_ED).astype(np.int64)), True
+    return InstancePlacement.trusted(held_ED | best), True
 
 
 def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.ndarray,
@@ -289,7 +312,6 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     load_D = quota_ED.sum(axis=0)
     floor = -(-int(tokens_E.sum()) // D)  # no placement gets the peak below this
     spt = cost.seconds_per_token
-    copy_s_DD = cost.expert_bytes / np.where(topology.same_node_DD(), topology.intra_node_bw, topology.inter_node_bw)
     send_D = np.zeros(D)
     recv_D = np.zeros(D)
     gather_s = 0.0  # busiest sender or receiver so far
@@ -307,7 +329,7 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
             targets = np.flatnonzero(~holds_ED[e] & has_free_D & (load_D < peak - 1))
             if targets.size:
                 src = int(owner_E[e])
-                price = load_D[targets] * spt + copy_s_DD[src, targets]
+                price = load_D[targets] * spt + _copy_seconds(src, targets, topology, cost.expert_bytes)
                 picked = e, int(targets[price.argmin()]), src
                 break
         if picked is None:
@@ -318,8 +340,9 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         if free_D[target] == 0:
             has_free_D[target] = False
             open_slots -= 1
-        send_D[src] += copy_s_DD[src, target]
-        recv_D[target] += copy_s_DD[src, target]
+        copy_s = float(_copy_seconds(src, target, topology, cost.expert_bytes))
+        send_D[src] += copy_s
+        recv_D[target] += copy_s
         gather_s = max(gather_s, send_D[src], recv_D[target])
         chain_gather_s = gather_s + cost.latency_s
         if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
@@ -328,10 +351,10 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
         holders = np.flatnonzero(holds_ED[e])
         old_H = quota_ED[e, holders]
         base_H = load_D[holders] - old_H
-        new = fill_holders(base_H.tolist(), int(tokens_E[e]))
+        new = fill_holders_array(base_H, int(tokens_E[e]))
         quota_ED[e, holders] = new
         load_D[holders] = base_H + new
-        instances_D[holders] += [(x > 0) - (y > 0) for x, y in zip(new, old_H.tolist())]
+        instances_D[holders] += (new > 0).astype(np.int64) - (old_H > 0)
         d = int(load_D.argmax())
         compute_s = cost.compute_seconds(load_D, instances_D)
         seconds = compute_s + cost.exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0)

@@ -91,7 +91,7 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         raise PlacementError(f"placement spans {D} devices but the topology has {topology.num_devices}")
     if loads_SE.shape != (D, E):
         raise PlacementError(f"source_loads_DE must have shape ({D}, {E}) (sources are the devices), got {loads_SE.shape}")
-    holds_ED = placement.counts_ED > 0
+    holds_ED = placement.holds_ED()
     replicas_E = holds_ED.sum(axis=1)
     rep = np.flatnonzero(replicas_E > 1)
     first_holder_E = np.argmax(holds_ED, axis=1)
@@ -126,26 +126,13 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
                 a_K, b_K, n_K, _, _ = _northwest(f_A // D, rest_A[left_A], f_B // D, rest_B[left_B])
                 pieces.append((f_A[a_K], f_B[b_K], n_K))
 
-    # every expert gets one entry per source in grid order (the replicated ones with 0 tokens,
-    # their tokens are in the pieces), which at D = 1024 is cheaper than finding non-zero pairs
-    G = D * E
-    K = G + sum(p[2].size for p in pieces)
-    source_K = np.empty(K, dtype=np.int64)
-    expert_K = np.empty(K, dtype=np.int64)
-    dest_K = np.empty(K, dtype=np.int64)
-    tokens_K = np.empty(K, dtype=np.int64)
-    source_K[:G].reshape(D, E)[:] = np.arange(D, dtype=np.int64)[:, None]
-    expert_K[:G].reshape(D, E)[:] = np.arange(E, dtype=np.int64)
-    dest_K[:G].reshape(D, E)[:] = first_holder_E
-    grid_tokens = tokens_K[:G].reshape(D, E)
-    grid_tokens[:] = loads_SE
-    grid_tokens[:, rep] = 0
+    # the single-holder experts' tokens go to their holder from every source, kept as the
+    # source loads themselves (`DispatchPlan.by_owner`): at D = 1024 writing them out as entries
+    # would cost more than the rest of the plan
     if pieces:
         from_P, to_P, n_P = (np.concatenate(column) for column in zip(*pieces))
-        r_P, source_K[G:] = np.divmod(from_P, D)
-        expert_K[G:] = rep[r_P]
-        dest_K[G:] = to_P % D
-        tokens_K[G:] = n_P
-    # valid by construction (tests check every plan with DispatchPlan.check), so skip the
-    # O(K) re-validation that would dominate the cost at D = 1024
-    return DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, D, E, D)
+        r_P, source_P = np.divmod(from_P, D)
+        piece_arrays = (source_P, rep[r_P], to_P % D, n_P.astype(np.int64))
+    else:
+        piece_arrays = tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+    return DispatchPlan.by_owner(loads_SE, first_holder_E, replicas_E == 1, tokens_E, piece_arrays, D)

@@ -86,13 +86,18 @@ def _copy_candidates(eligible: np.ndarray, load_D: np.ndarray, holds_D: np.ndarr
     "Copy placement").
     """
     node = topology.node_of[eligible]
-    load = load_D[eligible]
-    by_node = np.lexsort((load, node))  # stable, and eligible is ascending: ties keep id order
+    by_load = np.argsort(load_D[eligible], kind="stable")  # (load, id): eligible is ascending
+    # rank of each device within its node in that order: a stable sort by node (numpy's radix
+    # sort for 16-bit integers) keeps the load order inside every node
+    small = np.int16 if topology.num_devices < 2**15 else np.int64
+    node_by_load = node[by_load].astype(small)
+    by_node = by_load[np.argsort(node_by_load, kind="stable")]
     node_sorted = node[by_node]
-    rounds = np.empty(eligible.size, dtype=np.int64)
-    rounds[by_node] = np.arange(eligible.size) - np.searchsorted(node_sorted, node_sorted)  # rank within node
+    rounds = np.empty(eligible.size, dtype=small)
+    rounds[by_node] = np.arange(eligible.size) - np.searchsorted(node_sorted, node_sorted)
     rounds += holds_D.reshape(topology.nodes, topology.devices_per_node).any(axis=1)[node]
-    return eligible[np.lexsort((load, rounds))]
+    # (round, load, id): a stable sort of the (load, id) order by round
+    return eligible[by_load[np.argsort(rounds[by_load], kind="stable")]]
 
 
 def _place_copies(
@@ -199,7 +204,7 @@ def materialize(
     t = min(check_int(t, "overlap degree t"), shard.num_experts)
     m = min(check_int(m, "memory capacity m"), t)
     D = shard.num_devices
-    holds_ED = shard.holds_ED().astype(bool)
+    holds_ED = shard.holds_ED(bool)
     top = descending(loads_E)[:t]
     if t <= m:
         holds_ED[top, :] = True
@@ -209,4 +214,4 @@ def materialize(
         rest_E[top] = 0.0
         load_D = np.bincount(shard.owner_E, weights=rest_E, minlength=D)
         _place_copies(holds_ED, np.full(D, m, dtype=np.int64), load_D, top, budgets, loads_E, topology)
-    return InstancePlacement(holds_ED.astype(np.int64))
+    return InstancePlacement.trusted(holds_ED)

@@ -36,6 +36,26 @@ def fill_holders(load_H: list, tokens: int) -> list:
     return quota
 
 
+FILL_IN_NUMPY = 48
+"""Holder counts above which `fill_holders_array` water-fills with numpy instead of lists: the
+two agree exactly; numpy's fixed cost per call is paid back from about this many holders."""
+
+
+def fill_holders_array(load_H: np.ndarray, tokens: int) -> np.ndarray:
+    """`fill_holders` of an int64 array; int64 quotas, the same values."""
+    if load_H.size <= FILL_IN_NUMPY:
+        return np.array(fill_holders(load_H.tolist(), tokens), dtype=np.int64)
+    order = np.argsort(load_H, kind="stable")  # ascending, ties by position, as sorted() orders them
+    sorted_H = load_H[order]
+    total_H = np.cumsum(sorted_H) + tokens  # tokens + s_0 + ... + s_j
+    stops = np.flatnonzero(total_H[:-1] <= sorted_H[1:] * np.arange(1, sorted_H.size))
+    j = int(stops[0]) if stops.size else sorted_H.size - 1
+    level, rem = divmod(int(total_H[j]), j + 1)
+    quota_H = np.zeros(sorted_H.size, dtype=np.int64)
+    quota_H[order[: j + 1]] = level - sorted_H[: j + 1] + (np.arange(j + 1) < rem)
+    return quota_H
+
+
 _QUOTA_MEMO: dict[bytes, np.ndarray] = {}
 """The last few `replicated_quotas` results, keyed by their inputs' bytes."""
 _QUOTA_MEMO_SIZE = 4
@@ -77,25 +97,23 @@ def _sweep_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray
     ceil(total / D)): it cannot lower the peak then."""
     rows_P, devices_P = np.nonzero(holds_ED[rep])  # (replicated expert, holder) pairs, row-major
     ends = np.cumsum(np.bincount(rows_P, minlength=rep.size)).tolist()
-    devices = devices_P.tolist()
-    holders = [devices[start:end] for start, end in zip([0, *ends], ends)]
+    holders = [devices_P[start:end] for start, end in zip([0, *ends], ends)]
     tokens_R = tokens_E[rep].tolist()
-    load = load_D.tolist()
-    D = len(load)
-    bound = max(max(load), -(-(sum(load) + sum(tokens_R)) // D))
-    quotas = [[0] * len(h) for h in holders]
+    load = np.array(load_D, dtype=np.int64)
+    D = load.size
+    bound = max(int(load.max()), -(-(int(load.sum()) + sum(tokens_R)) // D))
+    quotas = [np.zeros(h.size, dtype=np.int64) for h in holders]
     order = sorted(range(rep.size), key=lambda r: -tokens_R[r])  # heaviest first, ties: lower id
     for sweep in range(2):
-        if sweep and max(load) <= bound:
+        if sweep and load.max() <= bound:
             break
         for r in order:
-            h, q = holders[r], quotas[r]
-            load_H = [load[d] - x for d, x in zip(h, q)]
-            q = quotas[r] = fill_holders(load_H, tokens_R[r])
-            for d, base, x in zip(h, load_H, q):
-                load[d] = base + x
+            h = holders[r]
+            load_H = load[h] - quotas[r]
+            quotas[r] = fill_holders_array(load_H, tokens_R[r])
+            load[h] = load_H + quotas[r]
     quota_RD = np.zeros((rep.size, holds_ED.shape[1]), dtype=np.int64)
-    quota_RD[rows_P, devices_P] = [x for q in quotas for x in q]
+    quota_RD[rows_P, devices_P] = np.concatenate(quotas) if quotas else []
     return quota_RD
 
 
