@@ -43,6 +43,7 @@ there is no attention backward above it to hide a gather behind).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,8 +233,10 @@ class FSSDPMoELayer(InstanceMoELayer):
             # the first micro-batch's loads decide: later micro-batches compute on the same copies
             self.runtime.calibrate(layer_pass.copies, counts_DE)
         layer_pass.copies.routed = True
+        started = time.perf_counter()
         plan = planner.dispatch(layer_pass.plan.placement, counts_DE, self.runtime.topology)
         if self.training:
+            self.runtime.stats.planner_s["dispatch"] += time.perf_counter() - started
             self.runtime.stats.add_dispatch(layer_pass.plan.index, plan, counts_DE)
         layer_pass.tokens_ED = tokens_from_source(plan, self.runtime.rank)
         return virtual_routing(routing_map_TE, probs_TE, layer_pass.tokens_ED)

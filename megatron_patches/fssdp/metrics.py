@@ -17,7 +17,7 @@ from megatron_patches.comm.traffic import TrafficCounter
 from megatron_patches.mode.runtime import traffic_scalars
 from megatron_patches.placement.accounting import imbalance
 
-__all__ = ["EXPOSED_KINDS", "TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress_suffix",
+__all__ = ["EXPOSED_KINDS", "PLANNER_STEPS", "TRAFFIC_KINDS", "IterationStats", "iteration_record", "memory_report", "progress_suffix",
            "tensorboard_scalars"]
 
 TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "reshard_edp")
@@ -25,6 +25,10 @@ TRAFFIC_KINDS = ("spag", "sprs", "spag_remat", "spag_calibrate", "reshard", "res
 calibration's gathers are counted apart so that spag + spag_calibrate = sprs holds."""
 EXPOSED_KINDS = ("spag", "spag_calibrate", "sprs", "spag_remat")
 """Collectives whose waits are timed as exposed (the timer span "fssdp.wait.<kind>")."""
+PLANNER_STEPS = ("materialize", "calibrate", "dispatch")
+"""The host planner's steps timed per iteration (`IterationStats.planner_s`): the plans of every
+layer before the forward (materialization and the layers' collective schedules), and, after each
+layer's gate, calibration and the dispatch plan."""
 
 
 @dataclass
@@ -49,6 +53,11 @@ class IterationStats:
     """Token copies those seconds processed."""
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
+    planner_s: dict = field(default_factory=lambda: defaultdict(float))
+    """Host seconds in the planner per step (`PLANNER_STEPS`), wall clock on the calling thread.
+    All of it is on the critical path: the plans before the forward run while the device is idle
+    (the iteration ended with a synchronising loss reduction), and the per-layer steps run
+    after the gate's counts reach the host and before the dispatch they decide is launched."""
     reserved: dict = field(default_factory=dict)
     """Per MoE layer number, the copy slots per device materialization left free for
     calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""
@@ -91,9 +100,11 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
                                                      stats.remote_copies)
     stats.remote_copies = int(remote)
     sent = traffic.sent_over(TRAFFIC_KINDS, groups["fssdp"])
-    exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s], dtype=torch.float64)
+    exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s]
+                           + [stats.planner_s[k] for k in PLANNER_STEPS], dtype=torch.float64)
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=groups["fssdp"])
-    *exposed_s, reshard_s = exposed.tolist()
+    exposed = exposed.tolist()
+    exposed_s, reshard_s, planner_s = exposed[:len(EXPOSED_KINDS)], exposed[len(EXPOSED_KINDS)], exposed[-len(PLANNER_STEPS):]
     rows = []
     for layer in layers:
         plan = plans[layer.layer_number]
@@ -123,6 +134,8 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
         # seconds: the slowest rank's (packing, transfers, unpacking)
         "reshard": None if stats.reshard is None else {**stats.reshard, "seconds": reshard_s},
         "calibrations": stats.calibrations,
+        # the slowest rank's host seconds in the planner, per step (IterationStats.planner_s)
+        "planner_s": dict(zip(PLANNER_STEPS, planner_s)),
         # every rank computes every plan: this is already the global count
         "a2a_remote_copies": stats.remote_copies,
         "copies_bytes_peak": (alive_D * expert_bytes).tolist(),
@@ -145,6 +158,7 @@ def tensorboard_scalars(fssdp: dict) -> dict[str, float]:
         scalars[f"fssdp/imbalance_layer{layer['layer']}"] = layer["imbalance"]
         scalars[f"fssdp/replicas_layer{layer['layer']}"] = sum(layer["replicas"])
     scalars.update(traffic_scalars("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s"))
+    scalars["fssdp/planner_ms"] = 1e3 * sum(fssdp["planner_s"].values())
     for name in ("shard_bytes", "optimizer_state_bytes"):
         if name in fssdp.get("memory", {}):
             scalars[f"fssdp/{name}_max_rank"] = max(fssdp["memory"][name])

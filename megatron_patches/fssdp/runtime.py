@@ -289,6 +289,7 @@ class FSSDPRuntime(ModeRuntime):
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
         self.plans = {}
+        started = time.perf_counter()
         for index, layer in enumerate(self.layers):
             shard = self.layout.layer(index)
             row = self.moe_layer_numbers.index(layer.layer_number)
@@ -296,6 +297,7 @@ class FSSDPRuntime(ModeRuntime):
             self.stats.reserved[layer.layer_number] = reserve
             placement = planner.materialize(shard, predicted_LE[row], t, m - reserve, self.topology)
             self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
+        self.stats.planner_s["materialize"] += time.perf_counter() - started
 
     def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
         """Heterogeneous re-sharding by `placement.fssdp.decide_reshard` (the simulator's rule
@@ -384,13 +386,17 @@ class FSSDPRuntime(ModeRuntime):
         if cost is None:
             return  # the first iteration measures the expert time the cost model needs
         plan = copies.plan
+        started = time.perf_counter()
         remaining_D = np.maximum((self.tuning.m or 0) - plan.placement.extra_copies_D(plan.shard), 0)
         placement, gathered = planner.calibrate(plan.placement, plan.shard, counts_DE.sum(axis=0), remaining_D,
                                                 self.topology, cost, counts_DE)
+        if gathered:
+            delta = planner.calibration_gather(plan.shard, plan.placement, placement.holds_ED())
+            extra = self._gather(plan.shard, delta, "spag_calibrate")
+        if copies.layer.training:
+            self.stats.planner_s["calibrate"] += time.perf_counter() - started
         if not gathered:
             return
-        delta = planner.calibration_gather(plan.shard, plan.placement, placement.holds_ED())
-        extra = self._gather(plan.shard, delta, "spag_calibrate")
         copies.calibration = (plan, extra, extra(copies.owned_ON))
         copies.plan = self._layer_plan(plan.index, plan.shard, placement)
         if copies.layer.training:

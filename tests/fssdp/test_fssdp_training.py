@@ -99,6 +99,11 @@ def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
         assert spag == {"intra": per * copies * EXPERT_BYTES, "inter": 0}
         assert sprs == {"intra": spag["intra"] + calibrate["intra"], "inter": 0}
         assert (calibrate["intra"] > 0) == (fssdp["calibrations"] > 0)
+        # the host planner's time per step (issue 44): every iteration plans and dispatches
+        planner = fssdp["planner_s"]
+        assert set(planner) == {"materialize", "calibrate", "dispatch"}
+        assert planner["materialize"] > 0 and planner["dispatch"] > 0
+        assert planner["calibrate"] >= 0 and (fssdp["calibrations"] == 0 or planner["calibrate"] > 0)
         remat_bytes = fssdp["bytes"]["spag_remat"]["intra"]
         if remat:
             # every layer but the stage's last is gathered again for its backward
@@ -133,6 +138,7 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
         step, fssdp = record["iteration"], record["fssdp"]
         assert scalars["fssdp/overlap_degree"][step] == fssdp["t"]
         assert scalars["fssdp/bytes_spag_intra"][step] == pytest.approx(fssdp["bytes"]["spag"]["intra"])
+        assert scalars["fssdp/planner_ms"][step] == pytest.approx(1e3 * sum(fssdp["planner_s"].values()), rel=1e-6)
         for layer in fssdp["layers"]:
             assert scalars[f"fssdp/imbalance_layer{layer['layer']}"][step] == pytest.approx(layer["imbalance"])
     before, after = check_fssdp_records(auto, remat=False)

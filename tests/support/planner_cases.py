@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_patches.placement import Topology, fssdp, synthetic_trace
+from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.baselines import ByteModel
 from megatron_patches.placement.policies import ReplayConfig, make_policy, replay
 from megatron_patches.placement.types import DispatchPlan, ShardLayout
@@ -93,25 +94,27 @@ COSTS = {
 }
 
 
-def layer_digests() -> dict[str, str]:
+def layer_digests() -> dict[str, tuple[str, float]]:
+    """Per case: (digest, imbalance of the plan's device loads)."""
     out = {}
     for name, shard, source_DE, actual_DE, t, m, topology in layer_cases():
         predicted_E = source_DE.sum(axis=0).astype(np.float64)
         placement = fssdp.materialize(shard, predicted_E, t, m, topology)
         plan = fssdp.dispatch(placement, source_DE, topology)
         quota_ED = fssdp.balanced_quotas(placement.holds_ED(), actual_DE.sum(axis=0))
-        out[name] = _digest(placement.counts_ED, _plan_digest(plan), quota_ED)
+        out[name] = (_digest(placement.counts_ED, _plan_digest(plan), quota_ED), imbalance(plan.device_loads_D()))
         reserve = fssdp.materialize(shard, predicted_E, t, max(m - 1, 0), topology)
         remaining_D = m - reserve.extra_copies_D(shard)
         for cost_name, cost in COSTS.items():
             calibrated, gathered = fssdp.calibrate(reserve, shard, actual_DE.sum(axis=0), remaining_D, topology,
                                                    cost, actual_DE)
             plan = fssdp.dispatch(calibrated, actual_DE, topology)
-            out[f"{name}-cal-{cost_name}"] = _digest(calibrated.counts_ED, gathered, _plan_digest(plan))
+            out[f"{name}-cal-{cost_name}"] = (_digest(calibrated.counts_ED, gathered, _plan_digest(plan)),
+                                              imbalance(plan.device_loads_D()))
     return out
 
 
-def replay_digests() -> dict[str, str]:
+def replay_digests() -> dict[str, tuple[str, float]]:
     topology = Topology(4, 8, 300e9, 12.5e9)
     bytes_ = ByteModel.from_expert_bytes(2 * 768 * 1536 * 2)
     out = {}
@@ -120,12 +123,20 @@ def replay_digests() -> dict[str, str]:
                                 spike_prob=0.05, layer_variation=0.5, ranks=32, seed=1)
         config = ReplayConfig(topology, bytes_, overlap_degree=8, memory_capacity=4, calibrate=calibrate)
         result = replay(make_policy("fssdp", config, 2, 64), trace.loads, trace.source_loads)
-        out[f"replay-drift{drift}-cal{calibrate}"] = _digest(result.imbalance_IL)
+        out[f"replay-drift{drift}-cal{calibrate}"] = (_digest(result.imbalance_IL), float(result.imbalance_IL.mean()))
     return out
 
 
-def digests() -> dict[str, str]:
+def digests() -> dict[str, tuple[str, float]]:
     return {**layer_digests(), **replay_digests()}
+
+
+def compare(golden: dict, found: dict) -> tuple[list[str], list[str]]:
+    """(cases whose plan changed and balances at least as well, cases whose plan changed and
+    balances worse) against the pinned ones; imbalance compared to 1e-9."""
+    changed = sorted(name for name in golden if found[name][0] != golden[name][0])
+    worse = [name for name in changed if found[name][1] > golden[name][1] + 1e-9]
+    return [name for name in changed if name not in worse], worse
 
 
 def main(argv=None) -> int:
@@ -138,9 +149,11 @@ def main(argv=None) -> int:
         print(f"wrote {len(found)} digests to {GOLDEN}")
         return 0
     golden = json.loads(GOLDEN.read_text())
-    changed = sorted(k for k in golden if found.get(k) != golden[k])
-    print(f"{len(golden) - len(changed)} of {len(golden)} cases byte-identical; changed: {changed}")
-    return 1 if changed else 0
+    better, worse = compare(golden, found)
+    print(f"{len(golden) - len(better) - len(worse)} of {len(golden)} cases byte-identical")
+    for name in better + worse:
+        print(f"  {name}: imbalance {golden[name][1]:.4f} -> {found[name][1]:.4f}")
+    return 1 if worse else 0
 
 
 if __name__ == "__main__":
