@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_patches.placement.fssdp import kernels
 from megatron_patches.placement.fssdp.inputs import check_weights, descending
 from megatron_patches.placement.types import (
     InstancePlacement,
@@ -71,78 +72,6 @@ def _proportional_copies(weights: np.ndarray, total: int, cap_K: np.ndarray) -> 
     return copies
 
 
-def _copy_candidates(eligible: np.ndarray, load_D: np.ndarray, holds_D: np.ndarray, topology: Topology) -> np.ndarray:
-    """Eligible devices in the order copies of one expert should go to them (DESIGN 4.2 step 3).
-
-    Node by node, preferring nodes that do not hold the expert yet: a round robin over nodes in
-    which a node's devices are ranked by (predicted load, id), giving each a round number
-    0, 1, 2, ...; a node that already holds the expert starts at round 1. Devices are ordered
-    by (round, predicted load, id), so the first copies land on distinct nodes that lack the
-    expert, a node gets a second copy only when every node has one, and within a round the
-    least-loaded devices come first.
-
-    DESIGN ranks by "more free slots" where this ranks by predicted load: free-slot order puts
-    copies on devices whose owned experts already exceed the mean load (docs/benchmarks.md,
-    "Copy placement").
-    """
-    node = topology.node_of[eligible]
-    by_load = np.argsort(load_D[eligible], kind="stable")  # (load, id): eligible is ascending
-    # rank of each device within its node in that order: a stable sort by node (numpy's radix
-    # sort for 16-bit integers) keeps the load order inside every node
-    small = np.int16 if topology.num_devices < 2**15 else np.int64
-    node_by_load = node[by_load].astype(small)
-    by_node = by_load[np.argsort(node_by_load, kind="stable")]
-    node_sorted = node[by_node]
-    rounds = np.empty(eligible.size, dtype=small)
-    rounds[by_node] = np.arange(eligible.size) - np.searchsorted(node_sorted, node_sorted)
-    rounds += holds_D.reshape(topology.nodes, topology.devices_per_node).any(axis=1)[node]
-    # (round, load, id): a stable sort of the (load, id) order by round
-    return eligible[by_load[np.argsort(rounds[by_load], kind="stable")]]
-
-
-def _place_copies(
-    holds_ED: np.ndarray, free_D: np.ndarray, load_D: np.ndarray, experts, budgets, loads_E: np.ndarray, topology
-) -> None:
-    """Give each of `experts` (in the given order) up to its budget of copies; updates the arrays.
-
-    `load_D` is the predicted device load (float [D]) so far; each expert's load is added to it
-    split evenly over the expert's holders once its copies are placed, so later experts see
-    where earlier ones went. For expert e with r current holders and load f, the candidates
-    are `_copy_candidates` (free slot, no copy of e yet) cut to the budget, and e takes the
-    first j of them for the j in [0, budget] minimizing
-
-        max(load of its current holders, load of the first j candidates) + f / (r + j),
-
-    the predicted load of its busiest holder; ties go to fewer copies. An expert therefore
-    stops short of its budget when the next candidate is already so loaded that another copy
-    would only move the peak there.
-
-    Deviation from DESIGN 4.2 step 3, which fills every budgeted copy: with all D*m slots
-    filled, every device takes exactly m copies however the copies are ordered, including a
-    device whose owned experts alone exceed the mean load. Stopping early balances better with
-    an even-split dispatch and moves fewer spAG / spRS bytes with the balanced one
-    (docs/benchmarks.md, "Copy placement").
-    """
-    for e, budget, f in zip(experts.tolist(), budgets.tolist(), loads_E[experts].tolist()):
-        holds_D = holds_ED[e]
-        r = int(np.count_nonzero(holds_D))
-        j = 0
-        if budget > 0 and f > 0:
-            eligible = np.flatnonzero((free_D > 0) > holds_D)  # a free slot and no copy yet
-            if eligible.size:
-                cand = _copy_candidates(eligible, load_D, holds_D, topology)[:budget]
-                # busiest holder's predicted load with the first j >= 1 candidates, vs j = 0
-                holders_peak = float(load_D[holds_D].max())
-                peak_J = np.maximum(np.maximum.accumulate(load_D[cand]), holders_peak)
-                value_J = peak_J + f / np.arange(r + 1, r + 1 + cand.size)
-                j = int(value_J.argmin()) + 1
-                if holders_peak + f / r <= value_J[j - 1]:
-                    j = 0
-                holds_D[cand[:j]] = True
-                free_D[cand[:j]] -= 1
-        load_D[holds_D] += f / (r + j)
-
-
 def calibration_reserve(m: int, misprediction: float) -> int:
     """Copy slots per device that materialization leaves free for calibration: m x the share of
     tokens the predictor recently misplaced, to the nearest slot (halves up), at most m
@@ -190,7 +119,7 @@ def materialize(
     Steps: t <- min(t, E); m <- min(m, t). If t <= m, the top-t experts by predicted load are
     materialized on every device. Otherwise the D*m slots are split over the top-t experts in
     proportion to their loads (`proportional_copies`, at most D-1 extra copies each); these
-    are budgets, and `_place_copies` places them heaviest expert first on the least-loaded
+    are budgets, and `kernels.place_copies` places them heaviest expert first on the least-loaded
     devices, node by node, stopping early where a copy would not lower the peak. The
     predicted device load starts from the experts outside the top-t, which stay on their
     owners. Ties in load go to the lower expert id.
@@ -233,5 +162,9 @@ def materialize(
         rest_E = loads_E.copy()
         rest_E[top] = 0.0
         load_D = np.bincount(shard.owner_E, weights=rest_E, minlength=D)
-        _place_copies(holds_ED, np.full(D, m, dtype=np.int64), load_D, top, budgets, loads_E, topology)
+        # placed heaviest expert first on the least-loaded devices, node by node, stopping early
+        # where a copy would not lower the peak (DESIGN 4.2 step 3; the rule and its deviations
+        # from DESIGN are `kernels.place_copies`'s docstring)
+        kernels.place_copies(holds_ED, np.full(D, m, dtype=np.int64), load_D, top.astype(np.int64),
+                             budgets, loads_E, topology.devices_per_node)
     return InstancePlacement.trusted(holds_ED)

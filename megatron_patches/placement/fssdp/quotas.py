@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_patches.placement.fssdp import kernels
 from megatron_patches.placement.types import PlacementError, check_loads
 
 
@@ -96,24 +97,16 @@ def _sweep_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray
     reaches the lower bound on the peak, max(busiest device with single-holder experts only,
     ceil(total / D)): it cannot lower the peak then."""
     rows_P, devices_P = np.nonzero(holds_ED[rep])  # (replicated expert, holder) pairs, row-major
-    ends = np.cumsum(np.bincount(rows_P, minlength=rep.size)).tolist()
-    holders = [devices_P[start:end] for start, end in zip([0, *ends], ends)]
-    tokens_R = tokens_E[rep].tolist()
-    load = np.array(load_D, dtype=np.int64)
-    D = load.size
-    bound = max(int(load.max()), -(-(int(load.sum()) + sum(tokens_R)) // D))
-    quotas = [np.zeros(h.size, dtype=np.int64) for h in holders]
-    order = sorted(range(rep.size), key=lambda r: -tokens_R[r])  # heaviest first, ties: lower id
-    for sweep in range(2):
-        if sweep and load.max() <= bound:
-            break
-        for r in order:
-            h = holders[r]
-            load_H = load[h] - quotas[r]
-            quotas[r] = fill_holders_array(load_H, tokens_R[r])
-            load[h] = load_H + quotas[r]
-    quota_RD = np.zeros((rep.size, holds_ED.shape[1]), dtype=np.int64)
-    quota_RD[rows_P, devices_P] = np.concatenate(quotas) if quotas else []
+    holder_ptr = np.zeros(rep.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows_P, minlength=rep.size), out=holder_ptr[1:])
+    tokens_R = np.ascontiguousarray(tokens_E[rep], dtype=np.int64)
+    load_D = np.ascontiguousarray(load_D, dtype=np.int64)
+    D = load_D.size
+    bound = max(int(load_D.max()), -(-(int(load_D.sum()) + int(tokens_R.sum())) // D))
+    order_R = np.argsort(-tokens_R, kind="stable")  # heaviest first, ties: lower id
+    quota_P = kernels.sweep_quotas(holder_ptr, devices_P.astype(np.int64), tokens_R, load_D, order_R, bound)
+    quota_RD = np.zeros((rep.size, D), dtype=np.int64)
+    quota_RD[rows_P, devices_P] = quota_P
     return quota_RD
 
 

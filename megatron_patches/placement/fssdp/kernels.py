@@ -1,0 +1,257 @@
+"""Compiled inner loops of the per-iteration FSSDP planner (issue 44: plan a layer of E = 256
+experts over D = 1,024 devices in about a millisecond).
+
+The planner's steps are sequences of small dependent decisions: water-fill one expert's tokens
+over its holders given what the previous experts left, match one node's sources to its holders
+with two pointers. In numpy each decision costs a few calls of fixed overhead over arrays of
+tens of entries, or a pass over a quarter-million-entry array to express a two-pointer walk
+(E = 256, D = 1,024: dispatch took 18 ms, 11 of them in that walk). These loops, compiled by
+numba, take microseconds; the modules that call them keep the semantics and the docstrings, and
+the planner golden test (tests/placement/test_planner_golden.py) pins every plan byte for byte
+against the numpy versions they replace.
+
+Compiled on first use and cached next to this file (`cache=True`): one process compiles,
+every later one (every rank) loads the machine code in milliseconds.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def fill_sorted(load_H, tokens, quota_H):
+    """Water-fill `tokens` over holders with loads load_H (int64 [H]) into quota_H (int64 [H],
+    overwritten); `quotas.fill_holders`'s rule exactly: the least-loaded holders (ties by
+    position) are raised to a common level, floor(level) - load each, and the level's remainder
+    goes one token each to the first filled holders in that order."""
+    H = load_H.size
+    order = np.argsort(load_H, kind="mergesort")  # stable: ties by position
+    total = tokens
+    j = 0
+    while True:
+        total += load_H[order[j]]
+        if j == H - 1 or total <= load_H[order[j + 1]] * (j + 1):
+            break
+        j += 1
+    level = total // (j + 1)
+    rem = total - level * (j + 1)
+    quota_H[:] = 0
+    for i in range(j + 1):
+        h = order[i]
+        quota_H[h] = level - load_H[h] + (1 if i < rem else 0)
+
+
+@_jit
+def sweep_quotas(holder_ptr, holder_dev, tokens_R, load_D, order_R, bound):
+    """`quotas._sweep_quotas` over holder lists in CSR form (expert r's holders are
+    holder_dev[holder_ptr[r]:holder_ptr[r + 1]], ascending); returns each holder's quota in
+    the same layout (int64 [P]). `order_R` is the fill order (heaviest first) and `bound` the
+    lower bound on the peak below which the second sweep cannot help."""
+    load = load_D.copy()
+    quota_P = np.zeros(holder_dev.size, dtype=np.int64)
+    for sweep in range(2):
+        if sweep == 1 and load.max() <= bound:
+            break
+        for k in range(order_R.size):
+            r = order_R[k]
+            lo, hi = holder_ptr[r], holder_ptr[r + 1]
+            load_H = np.empty(hi - lo, dtype=np.int64)
+            for i in range(hi - lo):
+                load_H[i] = load[holder_dev[lo + i]] - quota_P[lo + i]
+            fill_sorted(load_H, tokens_R[r], quota_P[lo:hi])
+            for i in range(hi - lo):
+                load[holder_dev[lo + i]] = load_H[i] + quota_P[lo + i]
+    return quota_P
+
+
+@_jit
+def _route(loads_SE, rep, quota_RD, node_start, out):
+    """`route_replicated`'s walk; writes the pieces into `out` (int64 [4, K]) unless it has no
+    columns, and returns how many there are."""
+    R, D = quota_RD.shape
+    write = out.shape[1] > 0
+    k = 0
+    supply = np.empty(D, dtype=np.int64)
+    capacity = np.empty(D, dtype=np.int64)
+    for r in range(R):
+        e = rep[r]
+        for d in range(D):
+            tokens = loads_SE[d, e]
+            kept = min(tokens, quota_RD[r, d])
+            supply[d] = tokens - kept
+            capacity[d] = quota_RD[r, d] - kept
+            if kept > 0:
+                if write:
+                    out[0, k], out[1, k], out[2, k], out[3, k] = d, e, d, kept
+                k += 1
+        for n in range(node_start.size):  # the nodes, then (n = last + 1) all devices at once
+            lo = node_start[n] if n < node_start.size - 1 else 0
+            hi = node_start[n + 1] if n < node_start.size - 1 else D
+            a, b = lo, lo
+            while True:
+                while a < hi and supply[a] == 0:
+                    a += 1
+                while b < hi and capacity[b] == 0:
+                    b += 1
+                if a == hi or b == hi:
+                    break
+                amount = min(supply[a], capacity[b])
+                if write:
+                    out[0, k], out[1, k], out[2, k], out[3, k] = a, e, b, amount
+                k += 1
+                supply[a] -= amount
+                capacity[b] -= amount
+    return k
+
+
+@_jit
+def route_replicated(loads_SE, rep, quota_RD, node_start):
+    """The pieces of `dispatch.dispatch` for the replicated experts `rep`, given their quotas
+    quota_RD (int64 [R, D]); devices are numbered node-major, node n spanning
+    node_start[n]:node_start[n + 1].
+
+    Per expert: each source keeps up to its quota of its own tokens; then, node by node,
+    sources in ascending id fill the node's holders' remaining quotas in ascending id (two
+    pointers: the north-west corner rule); then what is left is matched the same way across
+    all devices. Returns int64 [4, K]: source, expert, destination, tokens of each piece.
+
+    Walks twice, counting and then writing: a worst-case buffer and a trimmed copy cost more
+    (each fresh megabyte is page faults; K is about R x D pieces).
+    """
+    out = np.empty((4, _route(loads_SE, rep, quota_RD, node_start, np.empty((4, 0), dtype=np.int64))),
+                   dtype=np.int64)
+    _route(loads_SE, rep, quota_RD, node_start, out)
+    return out
+
+
+@_jit
+def _sort_by_load(devices, n, load_D):
+    """Sorts devices[:n] (ascending ids) in place by (load, id): stable, insertion sort for the
+    few devices of a node or a round, merge sort beyond."""
+    if n > 32:
+        devices[:n] = devices[:n][np.argsort(load_D[devices[:n]], kind="mergesort")]
+        return
+    for i in range(1, n):
+        d = devices[i]
+        key = load_D[d]
+        j = i - 1
+        while j >= 0 and load_D[devices[j]] > key:
+            devices[j + 1] = devices[j]
+            j -= 1
+        devices[j + 1] = d
+
+
+@_jit
+def copy_candidates(free_D, holds_D, load_D, devices_per_node, budget):
+    """The first `budget` eligible devices (a free slot and no copy of the expert yet) in the
+    order copies of one expert should go to them (DESIGN 4.2 step 3).
+
+    Node by node, preferring nodes that do not hold the expert yet: a round robin over nodes in
+    which a node's devices are ranked by (predicted load, id), giving each a round number
+    0, 1, 2, ...; a node that already holds the expert starts at round 1. Devices are ordered
+    by (round, predicted load, id), so the first copies land on distinct nodes that lack the
+    expert, a node gets a second copy only when every node has one, and within a round the
+    least-loaded devices come first.
+
+    DESIGN ranks by "more free slots" where this ranks by predicted load: free-slot order puts
+    copies on devices whose owned experts already exceed the mean load (docs/benchmarks.md,
+    "Copy placement").
+
+    Built round by round from each node's sorted devices, so only the rounds the budget reaches
+    are sorted (before issue 44 this sorted all D devices three times per expert).
+    """
+    D = free_D.size
+    nodes = D // devices_per_node
+    sorted_D = np.empty(D, dtype=np.int64)  # node n's eligible devices, by (load, id), from n * devices_per_node
+    count_N = np.zeros(nodes, dtype=np.int64)
+    first_round_N = np.zeros(nodes, dtype=np.int64)
+    last_round = -1
+    for n in range(nodes):
+        base = n * devices_per_node
+        c = 0
+        for d in range(base, base + devices_per_node):
+            if holds_D[d]:
+                first_round_N[n] = 1
+            elif free_D[d] > 0:
+                sorted_D[base + c] = d
+                c += 1
+        count_N[n] = c
+        _sort_by_load(sorted_D[base:], c, load_D)
+    for n in range(nodes):
+        if count_N[n]:
+            last_round = max(last_round, first_round_N[n] + count_N[n] - 1)
+    cand = np.empty(min(budget, D), dtype=np.int64)
+    k = 0
+    batch = np.empty(nodes, dtype=np.int64)
+    for rnd in range(last_round + 1):
+        b = 0
+        for n in range(nodes):
+            i = rnd - first_round_N[n]
+            if 0 <= i < count_N[n]:
+                batch[b] = sorted_D[n * devices_per_node + i]
+                b += 1
+        _sort_by_load(batch, b, load_D)
+        take = min(b, cand.size - k)
+        cand[k : k + take] = batch[:take]
+        k += take
+        if k == cand.size:
+            break
+    return cand[:k]
+
+
+@_jit
+def place_copies(holds_ED, free_D, load_D, experts, budgets, loads_E, devices_per_node):
+    """Gives each of `experts` (in the given order) up to its budget of copies; updates the arrays.
+
+    `load_D` is the predicted device load (float [D]) so far; each expert's load is added to it
+    split evenly over the expert's holders once its copies are placed, so later experts see
+    where earlier ones went. For expert e with r current holders and load f, the candidates
+    are `copy_candidates` (free slot, no copy of e yet) cut to the budget, and e takes the
+    first j of them for the j in [0, budget] minimizing
+
+        max(load of its current holders, load of the first j candidates) + f / (r + j),
+
+    the predicted load of its busiest holder; ties go to fewer copies. An expert therefore
+    stops short of its budget when the next candidate is already so loaded that another copy
+    would only move the peak there.
+
+    Deviation from DESIGN 4.2 step 3, which fills every budgeted copy: with all D*m slots
+    filled, every device takes exactly m copies however the copies are ordered, including a
+    device whose owned experts alone exceed the mean load. Stopping early balances better with
+    an even-split dispatch and moves fewer spAG / spRS bytes with the balanced one
+    (docs/benchmarks.md, "Copy placement").
+    """
+    for x in range(experts.size):
+        e, budget, f = experts[x], budgets[x], loads_E[experts[x]]
+        holds_D = holds_ED[e]
+        r = 0
+        holders_peak = -np.inf
+        for d in range(holds_D.size):
+            if holds_D[d]:
+                r += 1
+                holders_peak = max(holders_peak, load_D[d])
+        j = 0
+        if budget > 0 and f > 0:
+            cand = copy_candidates(free_D, holds_D, load_D, devices_per_node, budget)
+            if cand.size:
+                # busiest holder's predicted load with the first j >= 1 candidates, vs j = 0
+                best = np.inf
+                peak = holders_peak
+                for i in range(cand.size):
+                    peak = max(peak, load_D[cand[i]])
+                    value = peak + f / (r + 1 + i)
+                    if value < best:
+                        best, j = value, i + 1
+                if holders_peak + f / r <= best:
+                    j = 0
+                for i in range(j):
+                    holds_D[cand[i]] = True
+                    free_D[cand[i]] -= 1
+        share = f / (r + j)
+        for d in range(holds_D.size):
+            if holds_D[d]:
+                load_D[d] += share
