@@ -456,8 +456,17 @@ class InstancePlacement:
 
     def holds_ED(self) -> np.ndarray:
         """Boolean [E, D]: device d holds at least one instance of expert e (a fresh array)."""
+        return self.held_ED().copy()
+
+    def held_ED(self) -> np.ndarray:
+        """`holds_ED()` read-only, without a copy where the placement keeps one (`trusted`): the
+        planners read it several times per layer, and at E = 256, D = 1,024 each copy costs as
+        much as the compiled step that reads it."""
         holds = self.__dict__.get("_holds_ED")
-        return holds.copy() if holds is not None else self.counts_ED > 0
+        if holds is None:
+            holds = self.counts_ED > 0
+            holds.setflags(write=False)
+        return holds
 
     def holders(self, expert: int) -> np.ndarray:
         """Devices holding expert `expert`, ascending; int64."""
@@ -492,7 +501,7 @@ class InstancePlacement:
     def require_contains(self, shard: ShardLayout) -> None:
         """Raise PlacementError naming the first expert whose owner holds no instance of it."""
         self._check_shard_shape(shard)
-        lacking = np.flatnonzero(self.counts_ED[np.arange(self.num_experts), shard.owner_E] == 0)
+        lacking = np.flatnonzero(~self.held_ED()[np.arange(self.num_experts), shard.owner_E])
         if lacking.size:
             e = int(lacking[0])
             raise PlacementError(
@@ -505,7 +514,7 @@ class InstancePlacement:
         Counts distinct experts held but not owned; requires the placement to contain `shard`.
         """
         self.require_contains(shard)
-        return (self.counts_ED > 0).sum(axis=0) - shard.counts_D()
+        return self.held_ED().sum(axis=0) - shard.counts_D()
 
     def check_slot_limit(self, slots_per_device) -> None:
         """Raise PlacementError naming a device holding more instances than its slot limit.

@@ -9,8 +9,9 @@ from typing import Callable
 import numpy as np
 
 from megatron_patches.placement.fssdp.dispatch import dispatch
-from megatron_patches.placement.fssdp.inputs import descending, largest_first
-from megatron_patches.placement.fssdp.quotas import balanced_quotas, fill_holders_array, replicated_quotas
+from megatron_patches.placement.fssdp.inputs import descending
+from megatron_patches.placement.fssdp import kernels
+from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -71,7 +72,7 @@ class FSSDPCostModel:
         over the topology's point-to-point bandwidths plus `latency_s` (0 without copies)."""
         if self.gather_seconds is not None:
             return float(self.gather_seconds(shard, placement))
-        return self._copies_seconds(placement.holds_ED() & ~shard.holds_ED().astype(bool), shard, topology)
+        return self._copies_seconds(placement.holds_ED(), shard.holds_ED() > 0, shard, topology)
 
     def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
                              topology: Topology) -> float:
@@ -81,14 +82,18 @@ class FSSDPCostModel:
         prices up to a few candidates per layer per iteration)."""
         if self.gather_seconds is not None:
             return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
-        return self._copies_seconds((np.asarray(holds_ED) > 0) > current.holds_ED(), shard, topology)
+        return self._copies_seconds(np.asarray(holds_ED) > 0, current.held_ED(), shard, topology)
 
-    def _copies_seconds(self, new_ED: np.ndarray, shard: ShardLayout, topology: Topology) -> float:
-        """The point-to-point model's gather of the copies new_ED (bool [E, D]) from their owners:
-        the busiest device's transfers plus `latency_s`, 0 without copies."""
-        if not new_ED.any():
-            return 0.0
-        return _gather_seconds(new_ED, shard.owner_E, topology, self.expert_bytes) + self.latency_s
+    def _copies_seconds(self, holds_ED: np.ndarray, have_ED: np.ndarray, shard: ShardLayout,
+                        topology: Topology) -> float:
+        """The point-to-point model's gather of the copies in holds_ED that have_ED lacks (bool
+        [E, D] each) from their owners: the busiest device's transfers (its receives or its sends,
+        each copy's `expert_bytes` over the intra- or inter-node bandwidth) plus `latency_s`, 0
+        without copies."""
+        seconds = kernels.copies_seconds(holds_ED, have_ED, shard.owner_E.astype(np.int64), topology.node_of,
+                                         self.expert_bytes / topology.intra_node_bw,
+                                         self.expert_bytes / topology.inter_node_bw)
+        return 0.0 if seconds < 0 else float(seconds) + self.latency_s
 
     def layer_seconds(self, holds_ED, tokens_E: np.ndarray, source_loads_DE: np.ndarray | None,
                       topology: Topology) -> tuple[float, float]:
@@ -105,7 +110,8 @@ class FSSDPCostModel:
 
     def compute_seconds(self, tokens_D: np.ndarray, instances_D: np.ndarray) -> float:
         """The busiest device's expert time, from tokens and instances with tokens per device."""
-        return float((tokens_D * self.seconds_per_token + instances_D * self.seconds_per_instance).max())
+        return float(kernels.compute_seconds(np.asarray(tokens_D), np.asarray(instances_D), self.seconds_per_token,
+                                             self.seconds_per_instance))
 
     def exposed_seconds(self, gather_s: float, gather_hidden_s: float, compute_s: float, a2a_s: float) -> float:
         """What a gather of `gather_s` costs beyond the work that runs beside it.
@@ -123,12 +129,13 @@ class FSSDPCostModel:
         """A lower bound of `exposed_seconds(gather_s, 0, c, a)` for any placement that can beat
         `best_s` (c + a < best_s, so the MoE backward hides at most 2/3 of best_s): lets
         calibration skip a candidate before pricing its dispatch."""
-        return gather_s + max(0.0, self.reduce_ratio * gather_s - self.reduce_hidden_s - MOE_BACKWARD_SHARE * best_s)
+        return kernels.least_exposed_seconds(gather_s, best_s, self.reduce_ratio, self.reduce_hidden_s,
+                                             MOE_BACKWARD_SHARE)
 
     def exposed_reduce_seconds(self, gather_s: float, compute_s: float, a2a_s: float) -> float:
         """The reduce part of `exposed_seconds`."""
-        backward_s = self.reduce_hidden_s + MOE_BACKWARD_SHARE * compute_s + 0.5 * a2a_s
-        return max(0.0, self.reduce_ratio * gather_s - backward_s)
+        return kernels.exposed_reduce_seconds(gather_s, compute_s, a2a_s, self.reduce_ratio, self.reduce_hidden_s,
+                                              MOE_BACKWARD_SHARE)
 
 
 BACKWARD_OVER_FORWARD = 2.0
@@ -143,26 +150,6 @@ def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED)
     """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
     [E, D]) that `current` lacks."""
     return InstancePlacement((shard.holds_ED() > 0) | ((np.asarray(holds_ED) > 0) & ~current.holds_ED()))
-
-
-def _gather_seconds(new_ED: np.ndarray, owner_E: np.ndarray, topology: Topology, expert_bytes: float) -> float:
-    """Transfer time of gathering the new copies new_ED from their owners (busiest device)."""
-    e_idx, d_idx = np.nonzero(new_ED)
-    if e_idx.size == 0:
-        return 0.0
-    src = owner_E[e_idx]
-    seconds = _copy_seconds(src, d_idx, topology, expert_bytes)
-    D = topology.num_devices
-    recv_D = np.bincount(d_idx, weights=seconds, minlength=D)
-    send_D = np.bincount(src, weights=seconds, minlength=D)
-    return float(max(recv_D.max(), send_D.max()))
-
-
-def _copy_seconds(src, dst, topology: Topology, expert_bytes: float):
-    """Transfer time of one expert from src to dst (elementwise on arrays): `expert_bytes` over
-    the intra- or inter-node bandwidth, divided in that order, as every price of a copy here."""
-    return np.where(topology.same_node(src, dst), expert_bytes / topology.intra_node_bw,
-                    expert_bytes / topology.inter_node_bw)
 
 
 def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -254,7 +241,7 @@ def calibrate(
     total = int(tokens_E.sum())
     if total == 0 or free_D.sum() == 0:
         return current, False
-    held_ED = current.holds_ED()
+    held_ED = current.held_ED()
     with_a2a = source_loads_DE is not None and cost.dispatch_seconds is not None
     if with_a2a:
         source_loads_DE = check_loads(source_loads_DE, "source_loads_DE", 2)
@@ -303,66 +290,13 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     point-to-point gather model (busiest sender or receiver); the cheapest prefix is returned
     (possibly none of the copies: then `held_ED` itself).
     """
-    D = held_ED.shape[1]
-    holds_ED = held_ED.copy()
-    free_D = free_D.copy()
-    has_free_D = free_D > 0
-    open_slots = int(has_free_D.sum())  # devices with a free slot
-    quota_ED = quota_ED.copy()  # `balanced_quotas(held_ED, tokens_E)`, refilled expert by expert below
-    load_D = quota_ED.sum(axis=0)
-    floor = -(-int(tokens_E.sum()) // D)  # no placement gets the peak below this
-    spt = cost.seconds_per_token
-    send_D = np.zeros(D)
-    recv_D = np.zeros(D)
-    gather_s = 0.0  # busiest sender or receiver so far
-    instances_D = (quota_ED > 0).sum(axis=0)
-    d = int(load_D.argmax())
-    best_s, best_n, chain = cost.compute_seconds(load_D, instances_D), 0, []
-    while open_slots:
-        peak = int(load_D[d])
-        if peak <= floor:
-            break
-        picked = None
-        for e in largest_first(quota_ED[:, d]):
-            if quota_ED[e, d] == 0:
-                break
-            targets = np.flatnonzero(~holds_ED[e] & has_free_D & (load_D < peak - 1))
-            if targets.size:
-                src = int(owner_E[e])
-                price = load_D[targets] * spt + _copy_seconds(src, targets, topology, cost.expert_bytes)
-                picked = e, int(targets[price.argmin()]), src
-                break
-        if picked is None:
-            break
-        e, target, src = picked
-        holds_ED[e, target] = True
-        free_D[target] -= 1
-        if free_D[target] == 0:
-            has_free_D[target] = False
-            open_slots -= 1
-        copy_s = float(_copy_seconds(src, target, topology, cost.expert_bytes))
-        send_D[src] += copy_s
-        recv_D[target] += copy_s
-        gather_s = max(gather_s, send_D[src], recv_D[target])
-        chain_gather_s = gather_s + cost.latency_s
-        if floor * spt + cost.least_exposed_seconds(chain_gather_s, best_s) >= best_s:
-            break  # the gather only grows along the chain: no longer prefix can be cheaper
-        chain.append((e, target))
-        holders = np.flatnonzero(holds_ED[e])
-        old_H = quota_ED[e, holders]
-        base_H = load_D[holders] - old_H
-        new = fill_holders_array(base_H, int(tokens_E[e]))
-        quota_ED[e, holders] = new
-        load_D[holders] = base_H + new
-        instances_D[holders] += (new > 0).astype(np.int64) - (old_H > 0)
-        d = int(load_D.argmax())
-        compute_s = cost.compute_seconds(load_D, instances_D)
-        seconds = compute_s + cost.exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0)
-        if seconds < best_s:
-            best_s, best_n = seconds, len(chain)
+    expert_N, target_N = kernels.relief_chain(
+        held_ED, quota_ED, owner_E.astype(np.int64), tokens_E, free_D, topology.node_of,
+        cost.expert_bytes / topology.intra_node_bw, cost.expert_bytes / topology.inter_node_bw,
+        cost.seconds_per_token, cost.seconds_per_instance, cost.latency_s, cost.reduce_ratio, cost.reduce_hidden_s,
+        MOE_BACKWARD_SHARE)
     out = held_ED.copy()
-    for e, target in chain[:best_n]:
-        out[e, target] = True
+    out[expert_N, target_N] = True
     return out
 
 

@@ -52,7 +52,7 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         raise PlacementError(f"placement spans {D} devices but the topology has {topology.num_devices}")
     if loads_SE.shape != (D, E):
         raise PlacementError(f"source_loads_DE must have shape ({D}, {E}) (sources are the devices), got {loads_SE.shape}")
-    holds_ED = placement.holds_ED()
+    holds_ED = placement.held_ED()
     replicas_E = holds_ED.sum(axis=1)
     rep = np.flatnonzero(replicas_E > 1)
     first_holder_E = np.argmax(holds_ED, axis=1)

@@ -23,10 +23,3 @@ def check_weights(weights, name: str, size: int | None = None) -> np.ndarray:
 def descending(weights: np.ndarray) -> np.ndarray:
     """Indices by descending weight, ties towards the lower index."""
     return np.argsort(-weights, kind="stable")
-
-
-def largest_first(x: np.ndarray):
-    """Yields the indices of `descending(x)` in order, the first from one argmax (callers that
-    usually stop at the first skip the sort)."""
-    yield int(x.argmax())
-    yield from descending(x).tolist()[1:]

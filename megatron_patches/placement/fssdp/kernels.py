@@ -255,3 +255,149 @@ def place_copies(holds_ED, free_D, load_D, experts, budgets, loads_E, devices_pe
         for d in range(holds_D.size):
             if holds_D[d]:
                 load_D[d] += share
+
+
+@_jit
+def compute_seconds(tokens_D, instances_D, seconds_per_token, seconds_per_instance):
+    """`FSSDPCostModel.compute_seconds`: the busiest device's expert time."""
+    peak = -np.inf
+    for d in range(tokens_D.size):
+        peak = max(peak, tokens_D[d] * seconds_per_token + instances_D[d] * seconds_per_instance)
+    return peak
+
+
+@_jit
+def exposed_reduce_seconds(gather_s, compute_s, a2a_s, reduce_ratio, reduce_hidden_s, backward_share):
+    """`FSSDPCostModel.exposed_reduce_seconds`: the copies' reduce past the backward beside it."""
+    return max(0.0, reduce_ratio * gather_s - (reduce_hidden_s + backward_share * compute_s + 0.5 * a2a_s))
+
+
+@_jit
+def least_exposed_seconds(gather_s, best_s, reduce_ratio, reduce_hidden_s, backward_share):
+    """`FSSDPCostModel.least_exposed_seconds`."""
+    return gather_s + max(0.0, reduce_ratio * gather_s - reduce_hidden_s - backward_share * best_s)
+
+
+@_jit
+def _cheapest_target(holds_D, has_free_D, load_D, peak, src, node_of, copy_intra_s, copy_inter_s,
+                     seconds_per_token):
+    """The device without a copy, with a free slot and a load below peak - 1 where a copy from
+    `src` is cheapest (load x seconds per token + transfer), the lowest id on ties; -1 if none."""
+    best, target = np.inf, -1
+    for t in range(load_D.size):
+        if not holds_D[t] and has_free_D[t] and load_D[t] < peak - 1:
+            price = load_D[t] * seconds_per_token + (copy_intra_s if node_of[t] == node_of[src] else copy_inter_s)
+            if price < best:
+                best, target = price, t
+    return target
+
+
+@_jit
+def relief_chain(held_ED, quota_ED, owner_E, tokens_E, free_D, node_of, copy_intra_s, copy_inter_s,
+                 seconds_per_token, seconds_per_instance, latency_s, reduce_ratio, reduce_hidden_s,
+                 backward_share):
+    """The chain of `calibrate._relief_candidate` (its docstring has the rule), cut at its
+    cheapest prefix; returns (experts, targets) of the copies, int64 [n] each."""
+    E, D = held_ED.shape
+    holds_ED = held_ED.copy()
+    free_D = free_D.copy()
+    has_free_D = free_D > 0
+    open_slots = np.count_nonzero(has_free_D)
+    quota_ED = quota_ED.copy()
+    load_D = quota_ED.sum(axis=0)
+    instances_D = np.zeros(D, dtype=np.int64)
+    for e in range(E):
+        for d in range(D):
+            if quota_ED[e, d] > 0:
+                instances_D[d] += 1
+    floor = -(-tokens_E.sum() // D)  # no placement gets the peak below this
+    send_D = np.zeros(D)
+    recv_D = np.zeros(D)
+    gather_s = 0.0  # busiest sender or receiver so far
+    chain_E = np.empty(max(free_D.sum(), 0), dtype=np.int64)
+    chain_T = np.empty_like(chain_E)
+    n = 0
+    d = np.argmax(load_D)
+    best_s, best_n = compute_seconds(load_D, instances_D, seconds_per_token, seconds_per_instance), 0
+    new_H = np.empty(D, dtype=np.int64)
+    while open_slots:
+        peak = load_D[d]
+        if peak <= floor:
+            break
+        # the busiest device's experts by quota, largest first (ties: lower id), the first that
+        # can still get a copy
+        e = np.argmax(quota_ED[:, d])
+        target = -1
+        if quota_ED[e, d] > 0:
+            target = _cheapest_target(holds_ED[e], has_free_D, load_D, peak, owner_E[e], node_of, copy_intra_s,
+                                      copy_inter_s, seconds_per_token)
+            if target < 0:
+                order = np.argsort(-quota_ED[:, d], kind="mergesort")
+                for i in range(1, E):
+                    e = order[i]
+                    if quota_ED[e, d] == 0:
+                        break
+                    target = _cheapest_target(holds_ED[e], has_free_D, load_D, peak, owner_E[e], node_of,
+                                              copy_intra_s, copy_inter_s, seconds_per_token)
+                    if target >= 0:
+                        break
+        if target < 0:
+            break
+        src = owner_E[e]
+        holds_ED[e, target] = True
+        free_D[target] -= 1
+        if free_D[target] == 0:
+            has_free_D[target] = False
+            open_slots -= 1
+        copy_s = copy_intra_s if node_of[target] == node_of[src] else copy_inter_s
+        send_D[src] += copy_s
+        recv_D[target] += copy_s
+        gather_s = max(gather_s, send_D[src], recv_D[target])
+        chain_gather_s = gather_s + latency_s
+        if floor * seconds_per_token + least_exposed_seconds(chain_gather_s, best_s, reduce_ratio, reduce_hidden_s,
+                                                             backward_share) >= best_s:
+            break  # the gather only grows along the chain: no longer prefix can be cheaper
+        chain_E[n], chain_T[n] = e, target
+        n += 1
+        # refill e's tokens over its holders
+        H = 0
+        for h in range(D):
+            if holds_ED[e, h]:
+                new_H[H] = load_D[h] - quota_ED[e, h]
+                H += 1
+        base_H = new_H[:H].copy()
+        fill_sorted(base_H, tokens_E[e], new_H[:H])
+        i = 0
+        for h in range(D):
+            if holds_ED[e, h]:
+                instances_D[h] += (1 if new_H[i] > 0 else 0) - (1 if quota_ED[e, h] > 0 else 0)
+                quota_ED[e, h] = new_H[i]
+                load_D[h] = base_H[i] + new_H[i]
+                i += 1
+        d = np.argmax(load_D)
+        compute_s = compute_seconds(load_D, instances_D, seconds_per_token, seconds_per_instance)
+        seconds = compute_s + max(0.0, chain_gather_s - 0.0) + exposed_reduce_seconds(
+            chain_gather_s, compute_s, 0.0, reduce_ratio, reduce_hidden_s, backward_share)
+        if seconds < best_s:
+            best_s, best_n = seconds, n
+    return chain_E[:best_n].copy(), chain_T[:best_n].copy()
+
+
+@_jit
+def copies_seconds(holds_ED, have_ED, owner_E, node_of, copy_intra_s, copy_inter_s):
+    """Transfer time of gathering the copies in holds_ED that have_ED lacks from their owners:
+    the busiest device's receives or sends, each copy at copy_intra_s or copy_inter_s; -1.0
+    when there is no such copy (`FSSDPCostModel`'s point-to-point gather model)."""
+    E, D = holds_ED.shape
+    recv_D = np.zeros(D)
+    send_D = np.zeros(D)
+    any_copy = False
+    for e in range(E):
+        src = owner_E[e]
+        for d in range(D):
+            if holds_ED[e, d] and not have_ED[e, d]:
+                seconds = copy_intra_s if node_of[d] == node_of[src] else copy_inter_s
+                recv_D[d] += seconds
+                send_D[src] += seconds
+                any_copy = True
+    return max(recv_D.max(), send_D.max()) if any_copy else -1.0
