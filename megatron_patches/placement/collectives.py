@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement import kernels
 from megatron_patches.placement.links import CommBytes, transfer_seconds
 from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout, Topology
 
@@ -73,12 +74,9 @@ class CopySources:
 
     def stage_bytes(self, chunk_bytes, topology: Topology) -> tuple[CommBytes, CommBytes, CommBytes]:
         """The bytes of each stage (`stages_ED`) for chunks of `chunk_bytes` (a number or float [E])."""
-        size_E = np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), self.ring_E.shape)
-        stages = []
-        for mask_ED in self.stages_ED():
-            e, d = np.nonzero(mask_ED)
-            stages.append(CommBytes.from_transfers(self.source_ED[e, d], d, size_E[e], topology))
-        return stages[0], stages[1], stages[2]
+        size_E = np.ascontiguousarray(np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), self.ring_E.shape))
+        by_stage = kernels.stage_bytes(self.source_ED, self.ring_E, self.owner_E, size_E, topology.node_of)
+        return tuple(CommBytes(*rows) for rows in by_stage)
 
 
 def ring_pays(relayed: CopySources, ringed: CopySources, topology: Topology) -> bool:
@@ -103,7 +101,7 @@ def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Top
     """
     relayed = CopySources(relay_sources_ED(shard, placement, topology, algorithm),
                           np.zeros(shard.num_experts, dtype=bool), shard.owner_E)
-    everywhere_E = placement.holds_ED().astype(bool).all(axis=1)
+    everywhere_E = placement.held_ED().all(axis=1)
     D = topology.num_devices
     if algorithm == "flat" or D < 3 or not everywhere_E.any():
         return relayed  # with 2 devices a ring is one point-to-point copy
@@ -132,23 +130,5 @@ def relay_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology:
     placement.require_contains(shard)
     if topology.num_devices != placement.num_devices:
         raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
-    owner_E = shard.owner_E
-    holds_ED = placement.holds_ED().astype(bool)
-    receives_ED = holds_ED.copy()
-    receives_ED[np.arange(owner_E.size), owner_E] = False
-    source_ED = np.where(receives_ED, owner_E[:, None], -1).astype(np.int64)
-    if algorithm == "flat" or topology.nodes == 1:
-        return source_ED
-    E, N, P = owner_E.size, topology.nodes, topology.devices_per_node
-    receives_ENP = receives_ED.reshape(E, N, P)
-    # (expert, node) pairs served by a relay: the node holds copies and is not the owner's
-    relayed_EN = receives_ENP.any(axis=2) & (owner_E[:, None] // P != np.arange(N)[None, :])
-    count_EN = np.maximum(receives_ENP.sum(axis=2), 1)
-    position_ENP = np.cumsum(receives_ENP, axis=2) - 1  # a holder's place among its node's holders
-    is_relay_ENP = receives_ENP & relayed_EN[:, :, None] & (position_ENP == (np.arange(E)[:, None] % count_EN)[:, :, None])
-    relay_EN = np.argmax(is_relay_ENP, axis=2) + np.arange(N)[None, :] * P
-    source_ENP = source_ED.reshape(E, N, P)
-    source_ENP[receives_ENP & relayed_EN[:, :, None]] = np.broadcast_to(relay_EN[:, :, None], (E, N, P))[
-        receives_ENP & relayed_EN[:, :, None]]
-    source_ENP[is_relay_ENP] = np.broadcast_to(owner_E[:, None, None], (E, N, P))[is_relay_ENP]
-    return source_ENP.reshape(E, N * P)
+    relays = algorithm == "hierarchical" and topology.nodes > 1
+    return kernels.relay_sources(placement.held_ED(), shard.owner_E.astype(np.int64), topology.devices_per_node, relays)

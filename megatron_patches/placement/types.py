@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron_patches.placement import kernels
+
 __all__ = [
     "PlacementError",
     "Topology",
@@ -605,23 +607,29 @@ class DispatchPlan:
 
     @classmethod
     def by_owner(cls, loads_SE: np.ndarray, dest_E: np.ndarray, grid_E: np.ndarray, tokens_E: np.ndarray,
-                 pieces: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], num_devices: int) -> DispatchPlan:
-        """A plan in which every source sends all its tokens of each expert e with grid_E[e] to
-        dest_E[e], plus explicit entries (`pieces`: source, expert, destination, tokens) for the
-        other experts; kept in that form, without validation or copies (the arrays must be int64
-        (grid_E bool) and no longer written to; `tokens_E` is loads_SE's column sums).
+                 rep: np.ndarray, quota_RD: np.ndarray, node_start: np.ndarray, num_devices: int) -> DispatchPlan:
+        """`dispatch`'s plan, kept in the form it is decided in, without validation or copies (the
+        arrays must be int64, grid_E bool, and no longer written to; S = D):
 
-        This is `dispatch`'s plan: at S = D = 1,024 and E = 256 its entry arrays are a quarter
-        of a million entries each, whose construction alone would cost more than planning the
-        layer, while the runtime asks one source's row and per-device totals of it
-        (`tokens_from_source`, `device_loads_D`, `remote_tokens`, `link_tokens`), which this form
-        answers in O(S + E + pieces) or one pass over loads_SE. The entry arrays are built on
-        first access, exactly as `dispatch` built them before (every (source, expert) pair in
-        source-major order, the experts outside the grid with 0 tokens, then the pieces).
+        - every source sends all its tokens of each expert e with grid_E[e] to dest_E[e]
+          (`tokens_E` is loads_SE's column sums);
+        - the tokens of the replicated experts rep[r] fill their holders' quotas quota_RD[r]
+          as `kernels.route_replicated` routes them (devices node-major, node n spanning
+          node_start[n]:node_start[n + 1]).
+
+        At S = D = 1,024 and E = 256 its entries are a quarter of a million (single-holder
+        experts) plus about R x D pieces (R replicated experts), whose construction alone would
+        cost more than planning the layer, while the runtime asks one source's row
+        (`tokens_from_source`) and per-device totals (`device_loads_D`, `remote_tokens`,
+        `link_tokens`, `instances_with_tokens_D`), which this form answers from the loads and
+        the quotas (the quotas are filled exactly: the loads per device are the quotas'
+        sums) or one walk without writes. The entry arrays are built on first access: every
+        (source, expert) pair in source-major order, the experts outside the grid with 0
+        tokens, then the pieces.
         """
         plan = object.__new__(cls)
         for name, arr in (("loads_SE", loads_SE), ("dest_E", dest_E), ("grid_E", grid_E), ("tokens_E", tokens_E),
-                          *zip(("source_P", "expert_P", "dest_P", "tokens_P"), pieces)):
+                          ("rep", rep), ("quota_RD", quota_RD), ("node_start", node_start)):
             arr.setflags(write=False)
             object.__setattr__(plan, f"_{name}", arr)
         S, E = loads_SE.shape
@@ -644,11 +652,17 @@ class DispatchPlan:
         """Whether the plan is kept in `by_owner`'s form."""
         return "_loads_SE" in self.__dict__
 
+    def _pieces(self, only_source: int = -1) -> np.ndarray:
+        """The replicated experts' pieces of a `by_owner` plan (source, expert, destination,
+        tokens; int64 [4, K]), or only those from `only_source`."""
+        d = self.__dict__
+        return kernels.route_replicated(d["_loads_SE"], d["_rep"], d["_quota_RD"], d["_node_start"], only_source)
+
     def _owner_entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         d = self.__dict__
         S, E = self.num_sources, self.num_experts
         G = S * E
-        source_P, expert_P, dest_P, tokens_P = d["_source_P"], d["_expert_P"], d["_dest_P"], d["_tokens_P"]
+        source_P, expert_P, dest_P, tokens_P = self._pieces()
         K = G + source_P.size
         source_K = np.empty(K, dtype=np.int64)
         expert_K = np.empty(K, dtype=np.int64)
@@ -664,7 +678,7 @@ class DispatchPlan:
         return source_K, expert_K, dest_K, tokens_K
 
     def _grid_tokens_E(self) -> np.ndarray:
-        """Tokens per expert sent by the grid (0 for the experts in the pieces); int64 [E]."""
+        """Tokens per expert sent by the grid (0 for the replicated experts); int64 [E]."""
         return np.where(self.__dict__["_grid_E"], self.__dict__["_tokens_E"], 0)
 
     def remote_tokens(self) -> int:
@@ -672,10 +686,11 @@ class DispatchPlan:
         if not self.by_owner_form:
             return int(self.tokens_K[self.source_K != self.dest_K].sum())
         d = self.__dict__
-        grid = np.flatnonzero(d["_grid_E"])
+        grid, rep = np.flatnonzero(d["_grid_E"]), d["_rep"]
         kept = d["_loads_SE"][d["_dest_E"][grid], grid]  # what each grid expert's owner routed to itself
-        pieces = d["_tokens_P"][d["_source_P"] != d["_dest_P"]]
-        return int(self._grid_tokens_E().sum() - kept.sum() + pieces.sum())
+        # a replicated expert's source keeps up to its quota of its own tokens, the rest moves
+        kept_rep = np.minimum(d["_loads_SE"][:, rep].T, d["_quota_RD"])
+        return int(self._grid_tokens_E().sum() - kept.sum() + d["_tokens_E"][rep].sum() - kept_rep.sum())
 
     def link_tokens(self, node_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Tokens (sent within the node, sent to other nodes) per source and (received within the
@@ -690,28 +705,13 @@ class DispatchPlan:
                          for index, mask in ((self.source_K, intra), (self.source_K, inter),
                                              (self.dest_K, intra), (self.dest_K, inter)))
         d = self.__dict__
-        S, D = self.num_sources, self.num_devices
         grid = np.flatnonzero(d["_grid_E"])
-        loads_SG, dest_G = d["_loads_SE"][:, grid], d["_dest_E"][grid]
-        kept_G = loads_SG[dest_G, np.arange(grid.size)]  # what each owner routed to itself
-        same_SG = node_of[:S, None] == node_of[dest_G][None, :]
-        intra_SG = np.where(same_SG, loads_SG, 0)
-        sent_intra_S = intra_SG.sum(axis=1) - np.bincount(dest_G, weights=kept_G, minlength=S).astype(np.int64)
-        sent_inter_S = loads_SG.sum(axis=1) - intra_SG.sum(axis=1)
-        recv_intra_G = intra_SG.sum(axis=0) - kept_G
-        recv_inter_G = d["_tokens_E"][grid] - intra_SG.sum(axis=0)
-        recv_intra_D = np.bincount(dest_G, weights=recv_intra_G, minlength=D).astype(np.int64)
-        recv_inter_D = np.bincount(dest_G, weights=recv_inter_G, minlength=D).astype(np.int64)
-        source_P, dest_P, tokens_P = d["_source_P"], d["_dest_P"], d["_tokens_P"]
-        moved = source_P != dest_P
-        intra = moved & (node_of[source_P] == node_of[dest_P])
-        inter = moved & ~intra
-        return (
-            sent_intra_S + self._sum_by(source_P[intra], S, tokens_P[intra]),
-            sent_inter_S + self._sum_by(source_P[inter], S, tokens_P[inter]),
-            recv_intra_D + self._sum_by(dest_P[intra], D, tokens_P[intra]),
-            recv_inter_D + self._sum_by(dest_P[inter], D, tokens_P[inter]),
-        )
+        node_of = np.asarray(node_of, dtype=np.int64)
+        links = kernels.grid_link_tokens(d["_loads_SE"], grid, d["_dest_E"][grid], node_of)
+        if d["_rep"].size:
+            links += kernels.replicated_link_tokens(d["_loads_SE"], d["_rep"], d["_quota_RD"], d["_node_start"],
+                                                    node_of)
+        return tuple(links)
 
     def source_row(self, source: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(expert, destination, tokens) of the entries from `source`; int64 arrays."""
@@ -720,10 +720,9 @@ class DispatchPlan:
             return self.expert_K[mine], self.dest_K[mine], self.tokens_K[mine]
         d = self.__dict__
         grid = np.flatnonzero(d["_grid_E"])
-        mine = d["_source_P"] == source
-        return (np.concatenate((grid, d["_expert_P"][mine])),
-                np.concatenate((d["_dest_E"][grid], d["_dest_P"][mine])),
-                np.concatenate((d["_loads_SE"][source, grid], d["_tokens_P"][mine])))
+        _, expert_P, dest_P, tokens_P = self._pieces(source)
+        return (np.concatenate((grid, expert_P)), np.concatenate((d["_dest_E"][grid], dest_P)),
+                np.concatenate((d["_loads_SE"][source, grid], tokens_P)))
 
     def instances_with_tokens_D(self) -> np.ndarray:
         """Distinct experts per device that receive at least one token; int64 [D]."""
@@ -734,9 +733,8 @@ class DispatchPlan:
             return np.bincount(pairs % D, minlength=D)
         d = self.__dict__
         grid_busy = d["_grid_E"] & (d["_tokens_E"] > 0)
-        busy = d["_tokens_P"] > 0
-        pairs = np.unique(d["_expert_P"][busy] * D + d["_dest_P"][busy])
-        return np.bincount(d["_dest_E"][grid_busy], minlength=D) + np.bincount(pairs % D, minlength=D)
+        # a holder of a replicated expert receives exactly its quota
+        return np.bincount(d["_dest_E"][grid_busy], minlength=D) + np.count_nonzero(d["_quota_RD"], axis=0)
 
     @classmethod
     def from_dense(cls, tokens_SED) -> DispatchPlan:
@@ -788,8 +786,7 @@ class DispatchPlan:
         if not self.by_owner_form:
             return self._sum_by(self.dest_K, self.num_devices)
         d = self.__dict__
-        return (self._sum_by(d["_dest_E"], self.num_devices, self._grid_tokens_E())
-                + self._sum_by(d["_dest_P"], self.num_devices, d["_tokens_P"]))
+        return self._sum_by(d["_dest_E"], self.num_devices, self._grid_tokens_E()) + d["_quota_RD"].sum(axis=0)
 
     def traffic_SD(self) -> np.ndarray:
         """Tokens sent from each source to each destination (including to itself); int64 [S, D]."""

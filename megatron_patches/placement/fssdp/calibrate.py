@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_patches.placement.fssdp.dispatch import dispatch
 from megatron_patches.placement.fssdp.inputs import descending
-from megatron_patches.placement.fssdp import kernels
+from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
@@ -149,7 +149,7 @@ MOE_BACKWARD_SHARE = BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
 def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
     """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
     [E, D]) that `current` lacks."""
-    return InstancePlacement((shard.holds_ED() > 0) | ((np.asarray(holds_ED) > 0) & ~current.holds_ED()))
+    return InstancePlacement.trusted((shard.holds_ED(bool)) | ((np.asarray(holds_ED) > 0) & ~current.held_ED()))
 
 
 def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

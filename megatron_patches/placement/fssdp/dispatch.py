@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_patches.placement.fssdp import kernels
 from megatron_patches.placement.fssdp.quotas import replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
@@ -57,15 +56,13 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
     rep = np.flatnonzero(replicas_E > 1)
     first_holder_E = np.argmax(holds_ED, axis=1)
     tokens_E = loads_SE.sum(axis=0)
-    if rep.size:
-        single = replicas_E == 1
-        load_D = np.bincount(first_holder_E[single], weights=tokens_E[single], minlength=D).astype(np.int64)
-        quota_RD = replicated_quotas(holds_ED, tokens_E, load_D, rep)
-        node_start = np.searchsorted(topology.node_of, np.arange(topology.nodes + 1))
-        piece_arrays = tuple(kernels.route_replicated(loads_SE, rep, quota_RD, node_start))
-    else:
-        piece_arrays = tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-    # the single-holder experts' tokens go to their holder from every source, kept as the
-    # source loads themselves (`DispatchPlan.by_owner`): at D = 1024 writing them out as entries
-    # would cost more than the rest of the plan
-    return DispatchPlan.by_owner(loads_SE, first_holder_E, replicas_E == 1, tokens_E, piece_arrays, D)
+    single = replicas_E == 1
+    load_D = np.bincount(first_holder_E[single], weights=tokens_E[single], minlength=D).astype(np.int64)
+    quota_RD = replicated_quotas(holds_ED, tokens_E, load_D, rep) if rep.size else np.zeros((0, D), dtype=np.int64)
+    # the plan keeps the loads and the quotas: the single-holder experts' tokens go to their
+    # holder from every source, the replicated experts' are routed as above when asked
+    # (`DispatchPlan.by_owner`): at D = 1024 writing every piece out would cost more than the
+    # rest of the plan, and a rank needs only its own row
+    node_start = np.searchsorted(topology.node_of, np.arange(topology.nodes + 1))
+    return DispatchPlan.by_owner(loads_SE, first_holder_E, single, tokens_E, rep.astype(np.int64), quota_RD,
+                                 node_start.astype(np.int64), D)

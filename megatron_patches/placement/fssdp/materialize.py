@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_patches.placement.fssdp import kernels
+from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.inputs import check_weights, descending
 from megatron_patches.placement.types import (
     InstancePlacement,

@@ -1,4 +1,4 @@
-"""Compiled inner loops of the per-iteration FSSDP planner (issue 44: plan a layer of E = 256
+"""Compiled inner loops of the placement planners (issue 44: plan a layer of E = 256
 experts over D = 1,024 devices in about a millisecond).
 
 The planner's steps are sequences of small dependent decisions: water-fill one expert's tokens
@@ -69,11 +69,13 @@ def sweep_quotas(holder_ptr, holder_dev, tokens_R, load_D, order_R, bound):
 
 
 @_jit
-def _route(loads_SE, rep, quota_RD, node_start, out):
-    """`route_replicated`'s walk; writes the pieces into `out` (int64 [4, K]) unless it has no
-    columns, and returns how many there are."""
+def _route(loads_SE, rep, quota_RD, node_start, node_of, out, links, only_source):
+    """`route_replicated`'s walk. Writes the pieces into `out` (int64 [4, K]) unless it has no
+    columns, only those from `only_source` when that is >= 0; adds every piece's tokens to
+    `links` (int64 [4, D], rows as `grid_link_tokens`) unless it has no columns. Returns the
+    number of pieces it writes or would write."""
     R, D = quota_RD.shape
-    write = out.shape[1] > 0
+    write, accumulate = out.shape[1] > 0, links.shape[1] > 0
     k = 0
     supply = np.empty(D, dtype=np.int64)
     capacity = np.empty(D, dtype=np.int64)
@@ -84,7 +86,7 @@ def _route(loads_SE, rep, quota_RD, node_start, out):
             kept = min(tokens, quota_RD[r, d])
             supply[d] = tokens - kept
             capacity[d] = quota_RD[r, d] - kept
-            if kept > 0:
+            if kept > 0 and (only_source < 0 or d == only_source):
                 if write:
                     out[0, k], out[1, k], out[2, k], out[3, k] = d, e, d, kept
                 k += 1
@@ -100,19 +102,24 @@ def _route(loads_SE, rep, quota_RD, node_start, out):
                 if a == hi or b == hi:
                     break
                 amount = min(supply[a], capacity[b])
-                if write:
-                    out[0, k], out[1, k], out[2, k], out[3, k] = a, e, b, amount
-                k += 1
+                if only_source < 0 or a == only_source:
+                    if write:
+                        out[0, k], out[1, k], out[2, k], out[3, k] = a, e, b, amount
+                    k += 1
+                if accumulate:  # a != b: one has supply left, the other capacity
+                    link = 0 if node_of[a] == node_of[b] else 1
+                    links[link, a] += amount
+                    links[link + 2, b] += amount
                 supply[a] -= amount
                 capacity[b] -= amount
     return k
 
 
 @_jit
-def route_replicated(loads_SE, rep, quota_RD, node_start):
+def route_replicated(loads_SE, rep, quota_RD, node_start, only_source):
     """The pieces of `dispatch.dispatch` for the replicated experts `rep`, given their quotas
     quota_RD (int64 [R, D]); devices are numbered node-major, node n spanning
-    node_start[n]:node_start[n + 1].
+    node_start[n]:node_start[n + 1]. With only_source >= 0, only that source's pieces.
 
     Per expert: each source keeps up to its quota of its own tokens; then, node by node,
     sources in ascending id fill the node's holders' remaining quotas in ascending id (two
@@ -122,10 +129,20 @@ def route_replicated(loads_SE, rep, quota_RD, node_start):
     Walks twice, counting and then writing: a worst-case buffer and a trimmed copy cost more
     (each fresh megabyte is page faults; K is about R x D pieces).
     """
-    out = np.empty((4, _route(loads_SE, rep, quota_RD, node_start, np.empty((4, 0), dtype=np.int64))),
+    none = np.empty((4, 0), dtype=np.int64)
+    out = np.empty((4, _route(loads_SE, rep, quota_RD, node_start, node_start, none, none, only_source)),
                    dtype=np.int64)
-    _route(loads_SE, rep, quota_RD, node_start, out)
+    _route(loads_SE, rep, quota_RD, node_start, node_start, out, none, only_source)
     return out
+
+
+@_jit
+def replicated_link_tokens(loads_SE, rep, quota_RD, node_start, node_of):
+    """The link tokens (rows as `grid_link_tokens`) of `route_replicated`'s pieces, without
+    building them; int64 [4, D]."""
+    links = np.zeros((4, node_of.size), dtype=np.int64)
+    _route(loads_SE, rep, quota_RD, node_start, node_of, np.empty((4, 0), dtype=np.int64), links, -1)
+    return links
 
 
 @_jit
@@ -401,3 +418,76 @@ def copies_seconds(holds_ED, have_ED, owner_E, node_of, copy_intra_s, copy_inter
                 send_D[src] += seconds
                 any_copy = True
     return max(recv_D.max(), send_D.max()) if any_copy else -1.0
+
+
+@_jit
+def relay_sources(holds_ED, owner_E, devices_per_node, relays):
+    """`collectives.relay_sources_ED` of valid inputs (its docstring has the rule): who sends
+    each copy, -1 where nothing is received; int64 [E, D]. Without `relays` (flat, or one node)
+    every copy comes from its owner."""
+    E, D = holds_ED.shape
+    P = devices_per_node
+    source_ED = np.full((E, D), -1, dtype=np.int64)
+    for e in range(E):
+        owner = owner_E[e]
+        for n in range(D // P):
+            base = n * P
+            if not relays or n == owner // P:
+                for d in range(base, base + P):
+                    if holds_ED[e, d] and d != owner:
+                        source_ED[e, d] = owner
+                continue
+            count = 0
+            for d in range(base, base + P):
+                if holds_ED[e, d]:
+                    count += 1
+            if count == 0:
+                continue
+            relay, i = -1, 0
+            for d in range(base, base + P):  # holder number e mod count, ascending
+                if holds_ED[e, d]:
+                    if i == e % count:
+                        relay = d
+                    i += 1
+            for d in range(base, base + P):
+                if holds_ED[e, d]:
+                    source_ED[e, d] = owner if d == relay else relay
+    return source_ED
+
+
+@_jit
+def stage_bytes(source_ED, ring_E, owner_E, size_E, node_of):
+    """`collectives.CopySources.stage_bytes`: bytes per device of the three stages (owners'
+    sends, ring broadcasts, relays' sends), int64 [3, 4, D] with rows (sent within the node,
+    sent to other nodes, received within the node, from other nodes). Sums in the order of
+    `links.CommBytes.from_transfers` over row-major (expert, device) pairs, truncated the same
+    way, so the bytes are the same."""
+    E, D = source_ED.shape
+    out = np.zeros((3, 4, D))
+    for e in range(E):
+        for d in range(D):
+            s = source_ED[e, d]
+            if s < 0 or s == d:
+                continue
+            stage = 1 if ring_E[e] else (0 if s == owner_E[e] else 2)
+            intra = node_of[s] == node_of[d]
+            out[stage, 0 if intra else 1, s] += size_E[e]
+            out[stage, 2 if intra else 3, d] += size_E[e]
+    return out.astype(np.int64)
+
+
+@_jit
+def grid_link_tokens(loads_SE, grid, dest_G, node_of):
+    """The single-holder experts' part of `DispatchPlan.link_tokens` for a `by_owner` plan: every
+    source sends all its tokens of grid expert grid[g] to dest_G[g]. Tokens (sent within the
+    node, sent to other nodes) per source and (received within the node, from other nodes) per
+    device, transfers to self excluded; int64 [4, D] (S = D)."""
+    out = np.zeros((4, node_of.size), dtype=np.int64)
+    for source in range(loads_SE.shape[0]):
+        for g in range(grid.size):
+            dest, tokens = dest_G[g], loads_SE[source, grid[g]]
+            if tokens > 0 and source != dest:
+                link = 0 if node_of[source] == node_of[dest] else 1
+                out[link, source] += tokens
+                out[link + 2, dest] += tokens
+    return out
