@@ -13,7 +13,9 @@ Cases (loads are Zipf-skewed, exponent 1.2, with per-device source loads; fixed 
 Materialization runs with t=8 > m=4, the memory-bound branch; a row with t=4 <= m=4 (top-t
 copied everywhere) is shown too, and a row per size with calibration after the gate (issue 17:
 the whole per-layer planner stays under 1 ms at E=64, D=32; issue 44: and at E=256, D=1024, with
-a load spike after the gate and without). Times are the median and the minimum over --repeats calls
+a load spike after the gate and without; the "-rt" rows price the candidates as the fssdp
+runtime does, by the hierarchical sparse all-gather's stages and the plan's all-to-all bytes,
+where the other rows use the point-to-point gather and no all-to-all). Times are the median and the minimum over --repeats calls
 after one warm-up call; the verdict uses the median. The minimum is the better estimate of
 the code's own cost on a busy machine: the load average is printed, and a load above the core
 count means other processes inflated the times. The breakdown column times the two halves of
@@ -35,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_patches.placement import fssdp
+from megatron_patches.placement.accounting import dispatch_bytes, sparse_all_gather_seconds, transfer_seconds
 from megatron_patches.placement.replicate import assign_slots, replica_counts, slot_placement
 from megatron_patches.placement.types import ShardLayout, Topology
 
@@ -94,14 +97,18 @@ def layer_case(name: str, experts: int, nodes: int, per_node: int, t: int, m: in
     )
 
 
-def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, rng, spike: bool = True) -> Case:
+def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, rng, spike: bool = True,
+                    runtime_cost: bool = False) -> Case:
     """The whole per-layer planner with --fssdp-calibrate (t = 8, m = 4): materialize from the
     prediction with one slot per device kept for calibration, calibrate on the actual loads,
     dispatch. With `spike`, the actual loads are the prediction with the coldest expert turned
     into the second hottest (the rising expert of a drifting trace: calibration's worst case);
     without, a fresh sample of every device's tokens from the same popularity (a stationary
     iteration). The cost model is GPT-MoE-S's (bf16 expert of 4.7 MB, 0.14 us per token at
-    100 TFLOP/s)."""
+    100 TFLOP/s); with `runtime_cost`, priced as the fssdp runtime prices it
+    (`FSSDPTuning.cost_model`): each candidate's gather by the hierarchical sparse all-gather's
+    stages, its all-to-all from the dispatch plan's link bytes (4 x, 4 KiB per token), the
+    reduce beyond 1 ms of attention backward."""
     topology = Topology(nodes, per_node, 300e9, 12.5e9)
     D = topology.num_devices
     shard = ShardLayout.even(experts, D)
@@ -115,6 +122,13 @@ def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, 
     else:
         actual_DE = np.stack([rng.multinomial(4096 * 2, popularity) for _ in range(D)])
     cost = fssdp.FSSDPCostModel(seconds_per_token=1.4e-7, expert_bytes=4718592.0, reduce_ratio=1.0)
+    if runtime_cost:
+        cost = fssdp.FSSDPCostModel(
+            seconds_per_token=1.4e-7, expert_bytes=4718592.0, reduce_ratio=1.0, reduce_hidden_s=1e-3,
+            gather_seconds=lambda shard, placement: sparse_all_gather_seconds(shard, placement, 4718592.0, topology,
+                                                                              "hierarchical"),
+            dispatch_seconds=lambda plan: 4.0 * transfer_seconds(dispatch_bytes(plan, topology, 4096), topology),
+        )
     placement = fssdp.materialize(shard, predicted_E, 8, 3, topology)
     remaining_D = 4 - placement.extra_copies_D(shard)
 
@@ -128,7 +142,8 @@ def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, 
 
     return Case(
         name,
-        f"materialize + calibrate + dispatch, E={experts}, D={D}, {'spike' if spike else 'stationary'}",
+        f"materialize + calibrate + dispatch, E={experts}, D={D}, {'spike' if spike else 'stationary'}"
+        + (", runtime cost" if runtime_cost else ""),
         target,
         whole,
         {"calibrate": calibrate},
@@ -177,6 +192,10 @@ def build_cases() -> list[Case]:
             },
         )
     )
+    # priced as the runtime prices (a generator of their own, so the rows above keep their loads)
+    rt_rng = np.random.default_rng(1)
+    cases += [calibrated_case("layer-small-cal-rt", 64, 4, 8, 1.0, rt_rng, runtime_cost=True),
+              calibrated_case("layer-large-cal-rt", 256, 128, 8, 1.0, rt_rng, runtime_cost=True)]
     return cases
 
 

@@ -24,10 +24,14 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def fill_sorted(load_H, tokens, quota_H):
-    """Water-fill `tokens` over holders with loads load_H (int64 [H]) into quota_H (int64 [H],
-    overwritten); `quotas.fill_holders`'s rule exactly: the least-loaded holders (ties by
-    position) are raised to a common level, floor(level) - load each, and the level's remainder
-    goes one token each to the first filled holders in that order."""
+    """Water-fill `tokens` over holders with integer loads load_H (int64 [H]) into quota_H
+    (int64 [H], overwritten).
+
+    The least-loaded holders are raised to a common level: with the loads sorted ascending
+    (s_0 <= s_1 <= ..., ties by position), the first j+1 holders are filled, j the smallest
+    index with tokens + s_0 + ... + s_j <= (j+1) * s_{j+1}. Each filled holder gets
+    floor(level) - load, and the level's remainder goes one token each to the first filled
+    holders in that order. Integer arithmetic, so the quotas sum to `tokens` exactly."""
     H = load_H.size
     order = np.argsort(load_H, kind="mergesort")  # stable: ties by position
     total = tokens
@@ -490,4 +494,19 @@ def grid_link_tokens(loads_SE, grid, dest_G, node_of):
                 link = 0 if node_of[source] == node_of[dest] else 1
                 out[link, source] += tokens
                 out[link + 2, dest] += tokens
+    return out
+
+
+@_jit
+def owner_traffic(loads_SE, grid, dest_G, source_P, dest_P, tokens_P, num_devices):
+    """`DispatchPlan.traffic_SD` of a `by_owner` plan: tokens from each source to each device,
+    to itself included; the grid experts' (source s sends all of grid[g] to dest_G[g]) and the
+    pieces'; int64 [S, D]."""
+    S = loads_SE.shape[0]
+    out = np.zeros((S, num_devices), dtype=np.int64)
+    for source in range(S):
+        for g in range(grid.size):
+            out[source, dest_G[g]] += loads_SE[source, grid[g]]
+    for p in range(source_P.size):
+        out[source_P[p], dest_P[p]] += tokens_P[p]
     return out

@@ -790,6 +790,12 @@ class DispatchPlan:
 
     def traffic_SD(self) -> np.ndarray:
         """Tokens sent from each source to each destination (including to itself); int64 [S, D]."""
+        if self.by_owner_form and "source_K" not in self.__dict__:
+            d = self.__dict__
+            grid = np.flatnonzero(d["_grid_E"])
+            source_P, _, dest_P, tokens_P = self._pieces()
+            return kernels.owner_traffic(d["_loads_SE"], grid, d["_dest_E"][grid], source_P, dest_P, tokens_P,
+                                         self.num_devices)
         flat = self._sum_by(self.source_K * self.num_devices + self.dest_K, self.num_sources * self.num_devices)
         return flat.reshape(self.num_sources, self.num_devices)
 

@@ -285,7 +285,7 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     busiest device (device loads as `balanced_quotas` makes them), its expert with the largest
     quota that can still get a copy, and copy it to the device where its transfer time from the
     owner plus that device's load is least (a same-node device first when loads are alike);
-    refill that expert's tokens over its holders (`fill_holders`) and repeat while the peak falls.
+    refill that expert's tokens over its holders (`kernels.fill_sorted`) and repeat while the peak falls.
     Each prefix of the chain is priced like `calibrate` prices a candidate, with the
     point-to-point gather model (busiest sender or receiver); the cheapest prefix is returned
     (possibly none of the copies: then `held_ED` itself).

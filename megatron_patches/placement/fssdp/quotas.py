@@ -8,55 +8,6 @@ import numpy as np
 from megatron_patches.placement import kernels
 from megatron_patches.placement.types import PlacementError, check_loads
 
-
-def fill_holders(load_H: list, tokens: int) -> list:
-    """Water-fill `tokens` over holders with integer loads load_H; integer quotas, same order.
-
-    The least-loaded holders are raised to a common level: with the loads sorted ascending
-    (s_0 <= s_1 <= ..., ties by position), the first j+1 holders are filled, j the smallest
-    index with tokens + s_0 + ... + s_j <= (j+1) * s_{j+1}. Each filled holder gets
-    floor(level) - load, and the level's remainder goes one token each to the first filled
-    holders in that order. Integer arithmetic, so the quotas sum to `tokens` exactly.
-
-    Plain Python on lists: the fills run one after another, and at the holder counts that
-    occur (tens to a thousand) this beats numpy's per-call overhead at the small end (4 vs 9 us
-    for 16 holders) and costs 0.12 ms at 1024.
-    """
-    order = sorted(range(len(load_H)), key=load_H.__getitem__)
-    last = len(order) - 1
-    total = tokens
-    for j, h in enumerate(order):
-        total += load_H[h]
-        if j == last or total <= load_H[order[j + 1]] * (j + 1):
-            break
-    level, rem = divmod(total, j + 1)
-    quota = [0] * len(load_H)
-    for i in range(j + 1):
-        h = order[i]
-        quota[h] = level - load_H[h] + (i < rem)
-    return quota
-
-
-FILL_IN_NUMPY = 48
-"""Holder counts above which `fill_holders_array` water-fills with numpy instead of lists: the
-two agree exactly; numpy's fixed cost per call is paid back from about this many holders."""
-
-
-def fill_holders_array(load_H: np.ndarray, tokens: int) -> np.ndarray:
-    """`fill_holders` of an int64 array; int64 quotas, the same values."""
-    if load_H.size <= FILL_IN_NUMPY:
-        return np.array(fill_holders(load_H.tolist(), tokens), dtype=np.int64)
-    order = np.argsort(load_H, kind="stable")  # ascending, ties by position, as sorted() orders them
-    sorted_H = load_H[order]
-    total_H = np.cumsum(sorted_H) + tokens  # tokens + s_0 + ... + s_j
-    stops = np.flatnonzero(total_H[:-1] <= sorted_H[1:] * np.arange(1, sorted_H.size))
-    j = int(stops[0]) if stops.size else sorted_H.size - 1
-    level, rem = divmod(int(total_H[j]), j + 1)
-    quota_H = np.zeros(sorted_H.size, dtype=np.int64)
-    quota_H[order[: j + 1]] = level - sorted_H[: j + 1] + (np.arange(j + 1) < rem)
-    return quota_H
-
-
 _QUOTA_MEMO: dict[bytes, np.ndarray] = {}
 """The last few `replicated_quotas` results, keyed by their inputs' bytes."""
 _QUOTA_MEMO_SIZE = 4
@@ -92,7 +43,7 @@ def clear_quota_memo() -> None:
 
 
 def _sweep_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray, rep: np.ndarray) -> np.ndarray:
-    """`replicated_quotas` without the memo: water-fills (`fill_holders`) the replicated experts
+    """`replicated_quotas` without the memo: water-fills (`kernels.fill_sorted`) the replicated experts
     heaviest first, then sweeps once more. The second sweep is skipped when the first already
     reaches the lower bound on the peak, max(busiest device with single-holder experts only,
     ceil(total / D)): it cannot lower the peak then."""
@@ -114,7 +65,7 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
     """Tokens each holder of each expert should process so that device loads even out; int64 [E, D].
 
     An expert with one holder sends it everything. The tokens of a replicated expert are
-    water-filled over its holders (`fill_holders`): the least-loaded holders, counting what they
+    water-filled over its holders (`kernels.fill_sorted`): the least-loaded holders, counting what they
     already process for other experts, are topped up to a common level. Replicated experts go
     heaviest first (ties: lower id), and a second sweep refills each of them with the others'
     quotas fixed, which undoes most of the first sweep's order effects (unless the first
