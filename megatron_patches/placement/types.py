@@ -778,6 +778,13 @@ class DispatchPlan:
 
     def received_ED(self) -> np.ndarray:
         """Tokens per (expert, destination device); int64 [E, D]."""
+        if self.by_owner_form:  # the grid experts' tokens at their holder, the quotas elsewhere
+            d = self.__dict__
+            out = np.zeros((self.num_experts, self.num_devices), dtype=np.int64)
+            grid = np.flatnonzero(d["_grid_E"])
+            out[grid, d["_dest_E"][grid]] = d["_tokens_E"][grid]
+            out[d["_rep"]] = d["_quota_RD"]
+            return out
         flat = self._sum_by(self.expert_K * self.num_devices + self.dest_K, self.num_experts * self.num_devices)
         return flat.reshape(self.num_experts, self.num_devices)
 

@@ -449,7 +449,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
             calibrate=spec.policy == "fssdp" and o.fssdp_calibrate and spec.fssdp_mode != "shard",
             gather_seconds=lambda shard, placement: _sparse_gather_seconds(scn, shard, placement),
             dispatch_seconds=lambda plan: 4.0 * float(scn.comm.transfer_time(
-                *all_to_all_bytes(plan.traffic_SD()[None], topo, bm.token_bytes)[0])),
+                *all_to_all_bytes([plan], topo, bm.token_bytes)[0])),
             reduce_hidden_s=float(np.max(compute.attention_bwd_D())),
             collectives="flat" if o.sparse_collectives == "flat" else "hierarchical",
             device_flops=device_flops,
@@ -580,8 +580,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])
         out.expert_fwd_ILD[i] = scn.compute.expert_fwd(processed_LED)
         out.processed_ILD[i] = processed_LED.sum(axis=1)
-        traffic_LSD = np.stack([lp.dispatch.traffic_SD() for lp in step.layers])
-        out.a2a.data[i] = all_to_all_bytes(traffic_LSD, topo, bm.token_bytes)
+        out.a2a.data[i] = all_to_all_bytes([lp.dispatch for lp in step.layers], topo, bm.token_bytes)
         for k, lp in enumerate(step.layers):
             traffic = policy.traffic(PolicyStep(i, (lp,)))
             traffic.pop("all_to_all", None)

@@ -20,7 +20,7 @@ def test_plans_are_byte_identical_to_the_pinned_ones():
 def test_by_owner_plans_answer_as_their_entries_do():
     """`dispatch` keeps its plan in `DispatchPlan.by_owner`'s form; every question the runtime and
     the cost models ask of it (device loads, remote tokens, link bytes, one source's row, busy
-    instances, the simulator's source-to-device traffic) gets the answer of the same plan stored as plain entries."""
+    instances, the simulator's source-to-device traffic and received tokens) gets the answer of the same plan stored as plain entries."""
     import numpy as np
 
     from megatron_patches.placement import fssdp
@@ -48,6 +48,7 @@ def test_by_owner_plans_answer_as_their_entries_do():
                 np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=name)
         np.testing.assert_array_equal(fresh.instances_with_tokens_D(), plain.instances_with_tokens_D(), err_msg=name)
         np.testing.assert_array_equal(fresh.traffic_SD(), plain.traffic_SD(), err_msg=name)
+        np.testing.assert_array_equal(fresh.received_ED(), plain.received_ED(), err_msg=name)
         for source in (0, topology.num_devices - 1):
             rows = [np.zeros((compact.num_experts, compact.num_devices), dtype=np.int64) for _ in range(2)]
             for row, plan in zip(rows, (fresh, plain)):

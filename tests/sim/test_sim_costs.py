@@ -94,8 +94,10 @@ def test_transfer_time_counts_per_nic_contention():
     assert model.transfer_time(zero, zero, zero, zero) == 0.0
 
 
-def test_vectorised_all_to_all_bytes_equal_the_accounting():
-    """The simulator's batched byte count of dispatch plans equals `accounting.dispatch_bytes`."""
+def test_all_to_all_bytes_equal_the_dense_traffic():
+    """The simulator's byte count of dispatch plans (the accounting's, which fssdp's compact plans
+    answer without their entries) equals what the dense source-to-device traffic implies (token
+    bytes are whole: hidden size x element size)."""
     rng = np.random.default_rng(5)
     hw = hardware(2, 4)
     plans = []
@@ -103,11 +105,15 @@ def test_vectorised_all_to_all_bytes_equal_the_accounting():
         loads = rng.integers(0, 200, size=(8, 16))
         placement = materialize(ShardLayout.even(16, 8), loads.sum(axis=0), 3, 2, hw.topology)
         plans.append(dispatch(placement, loads, hw.topology))
-    batched = all_to_all_bytes(np.stack([p.traffic_SD() for p in plans]), hw.topology, 512)
-    for plan, got in zip(plans, batched):
-        want = dispatch_bytes(plan, hw.topology, 512)
-        for row, name in enumerate(("sent_intra_D", "sent_inter_D", "recv_intra_D", "recv_inter_D")):
-            np.testing.assert_array_equal(got[row], getattr(want, name))
+    same = hw.topology.same_node_DD()
+    for token_bytes in (512, 768.0):
+        for plan, got in zip(plans, all_to_all_bytes(plans, hw.topology, token_bytes)):
+            t = plan.traffic_SD() * token_bytes
+            intra = np.where(same & ~np.eye(8, dtype=bool), t, 0.0)
+            inter = np.where(same, 0.0, t)
+            np.testing.assert_array_equal(got, [intra.sum(axis=1), inter.sum(axis=1), intra.sum(axis=0),
+                                                inter.sum(axis=0)])
+        assert all_to_all_bytes(plans, hw.topology, token_bytes)[:, 1].sum() > 0  # some bytes cross nodes
 
 
 def test_vectorised_imbalance_equals_the_accounting():

@@ -331,6 +331,7 @@ DATASHEET = {  # FP32, TF32 tensor (dense), bf16: NVIDIA datasheets
     "A40-48GB": (37.4, 74.8, True),
     "L40S-48GB": (91.6, 183.0, True),
     "T4-16GB": (8.1, None, False),
+    "H100-SXM5-80GB": (67.0, 494.5, True),
     "cpu-rank": (0.0375, None, False),
 }
 
