@@ -510,3 +510,74 @@ def owner_traffic(loads_SE, grid, dest_G, source_P, dest_P, tokens_P, num_device
     for p in range(source_P.size):
         out[source_P[p], dest_P[p]] += tokens_P[p]
     return out
+
+
+@_jit
+def spread_replicated(loads_RE, counts_ED, cap):
+    """`replicate.spread_tokens`'s spread (its docstring has the rule) of validated inputs: each
+    rank's tokens of an expert go to its own instances up to their capacity, the rest evenly
+    over the expert's other instances, and a receiver serves its local tokens first, then the
+    arrivals in ascending source order. One pass in (expert, source) order, which is the
+    order a receiver serves its arrivals in, so each transfer's kept tokens are known when it
+    is made.
+
+    Returns (processed_ED, dropped_E, entries int64 [5, K]: source, expert, destination,
+    tokens, kept), the entries in `spread_tokens`' order: the local ones by (expert, rank),
+    then the remote shares by (expert, source, position among the remote instances).
+    """
+    R, E = loads_RE.shape
+    inst_E = counts_ED.sum(axis=1)
+    start_E = np.zeros(E + 1, dtype=np.int64)
+    for e in range(E):
+        start_E[e + 1] = start_E[e] + inst_E[e]
+    inst_rank = np.empty(start_E[E], dtype=np.int64)  # each expert's instances' ranks, ascending
+    local_ED = np.empty((E, R), dtype=np.int64)
+    K = 0
+    for e in range(E):
+        i = start_E[e]
+        for r in range(R):
+            for _ in range(counts_ED[e, r]):
+                inst_rank[i] = r
+                i += 1
+            local_ED[e, r] = min(loads_RE[r, e], cap * counts_ED[e, r])
+            over = loads_RE[r, e] - local_ED[e, r]
+            K += (local_ED[e, r] > 0) + (min(over, inst_E[e] - counts_ED[e, r]) if over > 0 else 0)
+    out = np.empty((5, K), dtype=np.int64)
+    k = 0
+    for e in range(E):
+        for r in range(R):
+            if local_ED[e, r] > 0:
+                out[0, k], out[1, k], out[2, k], out[3, k], out[4, k] = r, e, r, local_ED[e, r], local_ED[e, r]
+                k += 1
+    arrivals_ED = np.zeros((E, R), dtype=np.int64)
+    dropped_E = np.zeros(E, dtype=np.int64)
+    for e in range(E):
+        own_start = 0  # where rank r's own run of instances starts in e's list
+        for r in range(R):
+            n = loads_RE[r, e] - local_ED[e, r]
+            remote = inst_E[e] - counts_ED[e, r]
+            if n > 0 and remote == 0:
+                dropped_E[e] += n
+            elif n > 0:
+                quotient, remainder = n // remote, n % remote
+                for i in range(min(n, remote)):
+                    pos = r % remote + i  # remote instance r mod k + i (mod k), skipping r's own run
+                    if pos >= remote:
+                        pos -= remote
+                    if pos >= own_start:
+                        pos += counts_ED[e, r]
+                    dest = inst_rank[start_E[e] + pos]
+                    share = quotient + (1 if i < remainder else 0)
+                    room = cap * counts_ED[e, dest] - local_ED[e, dest]
+                    kept = min(max(room - arrivals_ED[e, dest], 0), share)
+                    arrivals_ED[e, dest] += share
+                    out[0, k], out[1, k], out[2, k], out[3, k], out[4, k] = r, e, dest, share, kept
+                    k += 1
+            own_start += counts_ED[e, r]
+    processed_ED = local_ED.copy()
+    for e in range(E):
+        for r in range(R):
+            remote_kept = min(arrivals_ED[e, r], cap * counts_ED[e, r] - local_ED[e, r])
+            processed_ED[e, r] += remote_kept
+            dropped_E[e] += arrivals_ED[e, r] - remote_kept
+    return processed_ED, dropped_E, out

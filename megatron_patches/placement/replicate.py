@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement import kernels
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
     PlacementError,
     check_int,
     check_loads,
-    even_shares,
 )
 
 __all__ = [
@@ -257,49 +257,8 @@ def spread_tokens(
     if tokens_per_batch is None:
         tokens_per_batch = int(loads_RE.sum())
     cap = instance_capacity(capacity_factor, tokens_per_batch, R, slots_per_rank)
-    cap_ED = cap * counts_ED
-    local_ED = np.minimum(loads_RE.T, cap_ED)
-    over_ER = loads_RE.T - local_ED
-
-    # instance list per expert with multiplicity: rank of each instance, expert-major, ranks ascending
-    inst_rank = np.repeat(np.tile(np.arange(R, dtype=np.int64), E), counts_ED.ravel())
-    inst_E = placement.instances_E()
-    start_E = np.concatenate(([0], np.cumsum(inst_E)[:-1]))
-    # where rank r's own run of instances starts inside expert e's list
-    own_start_ED = np.cumsum(counts_ED, axis=1) - counts_ED
-
-    e, r = np.nonzero(over_ER)
-    n = over_ER[e, r]
-    k = inst_E[e] - counts_ED[e, r]  # remote instances
-    no_remote = k == 0
-    dropped_E = np.bincount(e[no_remote], weights=n[no_remote], minlength=E).astype(np.int64)
-    e, r, n, k = e[~no_remote], r[~no_remote], n[~no_remote], k[~no_remote]
-    pair, pos, share = even_shares(n, k, r % k)  # pos counts the remote instances only
-    e_p, r_p = e[pair], r[pair]
-    pos += np.where(pos >= own_start_ED[e_p, r_p], counts_ED[e_p, r_p], 0)  # skip r's own run of instances
-    dest = inst_rank[start_E[e_p] + pos]
-    arrivals_ED = np.bincount(e_p * R + dest, weights=share, minlength=E * R).astype(np.int64).reshape(E, R)
-    remote_ED = np.minimum(arrivals_ED, cap_ED - local_ED)
-    dropped_E += (arrivals_ED - remote_ED).sum(axis=1)
-    # Step 3 per transfer: the room left after the local tokens, served in ascending source order.
-    order = np.lexsort((r_p, dest, e_p))
-    share_sorted = share[order]
-    cell = e_p[order] * R + dest[order]
-    before = np.cumsum(share_sorted) - share_sorted  # arrivals ahead of it, across cells
-    first = np.concatenate(([True], cell[1:] != cell[:-1]))
-    before -= np.maximum.accumulate(np.where(first, before, 0))  # ... within its (expert, destination)
-    room = (cap_ED - local_ED).ravel()[cell]
-    kept_remote = np.empty_like(share)
-    kept_remote[order] = np.clip(room - before, 0, share_sorted)
-    le, lr = np.nonzero(local_ED)
-    plan = DispatchPlan(
-        np.concatenate((lr, r_p)),
-        np.concatenate((le, e_p)),
-        np.concatenate((lr, dest)),
-        np.concatenate((local_ED[le, lr], share)),
-        R,
-        E,
-        R,
-    )
-    kept_K = np.concatenate((local_ED[le, lr], kept_remote)).astype(np.int64)
-    return TokenSpread(local_ED + remote_ED, dropped_E, cap, plan, kept_K)
+    processed_ED, dropped_E, entries = kernels.spread_replicated(loads_RE, counts_ED.astype(np.int64), cap)
+    source_K, expert_K, dest_K, tokens_K, kept_K = entries  # valid by construction
+    plan = DispatchPlan.trusted(source_K, expert_K, dest_K, tokens_K, R, E, R)
+    kept_K.setflags(write=False)
+    return TokenSpread(processed_ED, dropped_E, cap, plan, kept_K)
