@@ -581,3 +581,18 @@ def spread_replicated(loads_RE, counts_ED, cap):
             processed_ED[e, r] += remote_kept
             dropped_E[e] += arrivals_ED[e, r] - remote_kept
     return processed_ED, dropped_E, out
+
+
+@_jit
+def link_sums(src_K, dst_K, amount_K, node_of):
+    """Per-device sums of point-to-point transfers by link class: (sent within the node, sent to
+    other nodes, received within the node, from other nodes), float [4, D]; transfers to self
+    are free. Sums in the transfers' order, as `np.bincount` with weights does."""
+    out = np.zeros((4, node_of.size))
+    for k in range(src_K.size):
+        src, dst = src_K[k], dst_K[k]
+        if src != dst:
+            link = 0 if node_of[src] == node_of[dst] else 1
+            out[link, src] += amount_K[k]
+            out[link + 2, dst] += amount_K[k]
+    return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_patches.placement import kernels
 from megatron_patches.placement.types import Topology
 
 __all__ = ["CommBytes", "transfer_seconds"]
@@ -37,16 +38,8 @@ class CommBytes:
         src_K = np.asarray(src_K, dtype=np.int64)
         dst_K = np.asarray(dst_K, dtype=np.int64)
         bytes_K = np.broadcast_to(np.asarray(bytes_K, dtype=np.float64), src_K.shape)
-        D = topology.num_devices
-        moved = src_K != dst_K
-        intra = moved & topology.same_node(src_K, dst_K)
-        inter = moved & ~intra
-
-        def total(index, mask):
-            # float bincount is exact for byte counts below 2**53 (8 PiB)
-            return np.bincount(index[mask], weights=bytes_K[mask], minlength=D).astype(np.int64)
-
-        return cls(total(src_K, intra), total(src_K, inter), total(dst_K, intra), total(dst_K, inter))
+        # float sums are exact for byte counts below 2**53 (8 PiB)
+        return cls(*kernels.link_sums(src_K, dst_K, bytes_K, topology.node_of).astype(np.int64))
 
     def reversed(self) -> CommBytes:
         """The same transfers in the opposite direction (e.g. combine after dispatch, spRS after spAG)."""

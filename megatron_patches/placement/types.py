@@ -697,13 +697,8 @@ class DispatchPlan:
         node, from other nodes) per device, transfers to self excluded; four int64 arrays, the
         devices' node ids `node_of` [D] (S = D)."""
         if not self.by_owner_form:
-            moved = self.source_K != self.dest_K
-            intra = moved & (node_of[self.source_K] == node_of[self.dest_K])
-            inter = moved & ~intra
-            D = self.num_devices
-            return tuple(self._sum_by(index[mask], D, self.tokens_K[mask])
-                         for index, mask in ((self.source_K, intra), (self.source_K, inter),
-                                             (self.dest_K, intra), (self.dest_K, inter)))
+            return tuple(kernels.link_sums(self.source_K, self.dest_K, self.tokens_K.astype(np.float64),
+                                           np.asarray(node_of, dtype=np.int64)).astype(np.int64))
         d = self.__dict__
         grid = np.flatnonzero(d["_grid_E"])
         node_of = np.asarray(node_of, dtype=np.int64)
