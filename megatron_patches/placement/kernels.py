@@ -13,18 +13,38 @@ tests/placement/test_planner_golden.py pins 165 FSSDP plans byte for byte, and t
 spread of replicate was compared entry for entry on 96 random cases (the brute-force tests in
 tests/placement/test_replicate.py keep checking it).
 
-Compiled on first use and cached next to this file (`cache=True`): one process compiles (about
-7 s for all of them on a 2-core VM), every later one loads the machine code in milliseconds.
+Compiled on first use and cached next to this file (`cache=True`; numba's user cache where the
+install is read-only; `_jit`): one process compiles (about 7 s for all of them on a 2-core VM),
+every later one loads the machine code in milliseconds.
 A helper called once per element of a hot loop is written out in the loop instead: numba's
 calls, even inlined, made such a loop 20 times slower (`grid_link_tokens`).
 """
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
 
-_jit = numba.njit(cache=True, nogil=True)
+_UNCACHED: list[str] = []
+"""Kernels compiled without a cache, because no cache directory was writable."""
+
+
+def _jit(func):
+    """numba.njit with the machine code cached (`cache=True`) beside this file or, where the
+    install is read-only, in numba's user cache (~/.cache/numba). Where neither is writable numba
+    refuses to cache: the kernels are then compiled in every process, and the first of them
+    says so on stderr with the way out (NUMBA_CACHE_DIR), rather than failing the import."""
+    try:
+        return numba.njit(cache=True, nogil=True)(func)
+    except RuntimeError as error:  # numba's "cannot cache function ...: no locator available"
+        if not _UNCACHED:
+            print(f"megatron_patches: the placement planner's compiled kernels cannot be cached ({error}); they are "
+                  "compiled in every process instead (seconds at start-up). Set NUMBA_CACHE_DIR to a writable "
+                  "directory to cache them.", file=sys.stderr)
+        _UNCACHED.append(func.__name__)
+        return numba.njit(nogil=True)(func)
 
 
 @_jit
