@@ -8,9 +8,9 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.dispatch import dispatch
 from megatron_patches.placement.fssdp.inputs import descending
-from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
@@ -72,7 +72,7 @@ class FSSDPCostModel:
         over the topology's point-to-point bandwidths plus `latency_s` (0 without copies)."""
         if self.gather_seconds is not None:
             return float(self.gather_seconds(shard, placement))
-        return self._copies_seconds(placement.holds_ED(), shard.holds_ED() > 0, shard, topology)
+        return self._copies_seconds(placement.held_ED(), shard.holds_ED(bool), shard, topology)
 
     def extra_gather_seconds(self, shard: ShardLayout, current: InstancePlacement, holds_ED: np.ndarray,
                              topology: Topology) -> float:
@@ -123,7 +123,8 @@ class FSSDPCostModel:
         layer l-1's is (`FSSDPRuntime.drain`), so the attention backward (`reduce_hidden_s`) and
         one MoE backward hide it, modelled as this layer's: 2/3 of its expert compute (forward
         + backward = 3 forwards) and half its all-to-all (two of its four)."""
-        return max(0.0, gather_s - gather_hidden_s) + self.exposed_reduce_seconds(gather_s, compute_s, a2a_s)
+        return kernels.exposed_seconds(gather_s, gather_hidden_s, compute_s, a2a_s, self.reduce_ratio,
+                                       self.reduce_hidden_s, MOE_BACKWARD_SHARE)
 
     def least_exposed_seconds(self, gather_s: float, best_s: float) -> float:
         """A lower bound of `exposed_seconds(gather_s, 0, c, a)` for any placement that can beat
@@ -149,7 +150,7 @@ MOE_BACKWARD_SHARE = BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
 def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
     """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
     [E, D]) that `current` lacks."""
-    return InstancePlacement.trusted((shard.holds_ED(bool)) | ((np.asarray(holds_ED) > 0) & ~current.held_ED()))
+    return InstancePlacement.trusted(shard.holds_ED(bool) | ((np.asarray(holds_ED) > 0) & ~current.held_ED()))
 
 
 def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
