@@ -9,8 +9,8 @@ Example (a skewed synthetic trace on 4 nodes x 8 GPUs):
 
 Every policy is replayed iteration by iteration: it plans from loads predicted out of the
 previous iterations only (sliding window, adaptive by default: --load-predictor); the actual routed tokens of the iteration are used
-for dispatch and for the decisions a system makes after the gate (FSSDP calibration with
---calibrate, FasterMoE shadowing). Metrics follow DESIGN 5: imbalance = max / mean device
+for dispatch and for the decisions a system makes after the gate (FSSDP calibration,
+on unless --no-calibrate; FasterMoE shadowing). Metrics follow DESIGN 5: imbalance = max / mean device
 load per layer and iteration, survival = processed / routed tokens.
 
 `--json OUT` writes {"setup": ..., "policies": {name: metrics}}; per policy:
@@ -102,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1.5,
         help="FlexMoE also adjusts a layer whose predicted imbalance exceeds this; 0 disables (default 1.5)",
     )
-    parser.add_argument("--calibrate", action="store_true", help="FSSDP: calibrate the placement after the gate")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="FSSDP: calibrate the placement after the gate (default on, as the runtime's "
+                        "--fssdp-calibrate; --no-calibrate plans from the predicted loads alone)")
     parser.add_argument(
         "--expert-bytes",
         type=int,

@@ -123,8 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default, or the run's: one copy per remote node to a relay, then inside the node) or flat "
                         "(point to point from the owner to every holder); or as pipelined ring broadcasts/reduces "
                         "over the holders (ring, NCCL's algorithm, not run by the runtime)")
-    parser.add_argument("--fssdp-calibrate", action="store_true", default=None,
-                        help="FSSDP calibrates after the gate (default off, or the run's --fssdp-calibrate): with the "
+    parser.add_argument("--fssdp-calibrate", action=argparse.BooleanOptionalAction, default=None,
+                        help="FSSDP calibrates after the gate (default on, as the runtime; or the run's "
+                        "fssdp_calibrate; --no-fssdp-calibrate turns it off): with the "
                         "actual loads it gathers more copies when that saves more than the extra gather costs")
     parser.add_argument("--efficiency", action="append", default=[], metavar="KEY=VALUE",
                         help="override a kernel efficiency, e.g. expert_gemm=0.6 (repeatable; keys: "
@@ -246,7 +247,7 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
                         f"{source}; --num-experts {args.num_experts}")
     defaults = {"micro_batch_size": 1, "seq_length": None, "precision": None, "recompute": "none",
                 "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None,
-                "fssdp_calibrate": False, "sparse_collectives": SPARSE_COLLECTIVES[0]}
+                "fssdp_calibrate": True, "sparse_collectives": SPARSE_COLLECTIVES[0]}
     for name in ("gpus", "micro_batch_size", "seq_length", "precision", "recompute", "systems",
                  "overlap_degree", "memory_capacity", "slots_per_rank", "capacity_factor", "reshard_interval",
                  "zebra_microbatches", "fssdp_calibrate", "sparse_collectives"):

@@ -66,11 +66,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "per node. Without such experts, identical on one node. New flag.",
     )
     group.add_argument(
-        "--fssdp-calibrate", action="store_true",
+        "--fssdp-calibrate", action=argparse.BooleanOptionalAction, default=True,
         help="After the gate, add copies for the actual loads (relieving the busiest rank one copy at "
         "a time, or FasterMoE-style shadowing) and gather them when the cost model says it pays off. "
         "Before the gate, each layer then keeps m x the share of tokens the load predictor "
-        "recently misplaced (rounded) copy slots free for it. New flag.",
+        "recently misplaced (rounded) copy slots free for it. On by default: routing drifts, and the "
+        "prediction from past iterations misses the expert that turns hot (docs/benchmarks.md, "
+        "Drift); --no-fssdp-calibrate plans from the prediction alone. New flag.",
     )
 
 

@@ -47,6 +47,7 @@ from megatron_patches.config.models import (
 )
 from megatron_patches.sim.costs import Precision
 from megatron_patches.training import arguments, modes, validation
+from megatron_patches.training.yaml_config import is_bool_flag
 
 REPO = Path(__file__).resolve().parents[2]
 """The repository (the package is installed in editable mode): configs/, launch/, the entry point."""
@@ -311,8 +312,6 @@ def _shell_word(token: str) -> str:
     return f'"{variable}"' + (shlex.quote(rest) if rest else "")
 
 
-def _is_switch(action: argparse.Action) -> bool:
-    return action.nargs == 0 and isinstance(action.const, bool)
 
 
 def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.Action], model_values: dict,
@@ -332,12 +331,14 @@ def _flags_from_mapping(values: Mapping[str, Any], actions: dict[str, argparse.A
         option = action.option_strings[0]
         # What the flag's dest holds when the flag is left out: the model config's value, else the default.
         without = model_values.get(dest, action.default)
-        if _is_switch(action):
+        if is_bool_flag(action):
             if not isinstance(value, bool):
                 raise SubmitError(f"{where}.{dest}={value!r}: expected true or false ({option})")
             if value == without:
                 continue
-            if value != action.const:
+            if isinstance(action, argparse.BooleanOptionalAction):
+                option = action.option_strings[0 if value else 1]  # --x / --no-x
+            elif value != action.const:
                 raise SubmitError(f"{where}.{dest}={value!r}: {option} can only set it to {action.const}, and "
                                   f"without it the value is {without}; use a model config with {dest}: {value}")
             tokens: tuple[str, ...] = (option,)

@@ -121,8 +121,9 @@ class ReplayConfig:
     """Iterations between FSSDP re-sharding, SmartMoE swapping and FlexMoE's periodic adjustment."""
     skew_threshold: float | None = 1.5
     """FlexMoE also adjusts a layer whose predicted imbalance exceeds this; None = interval only."""
-    calibrate: bool = False
-    """FSSDP: run the calibration step after the gate (DESIGN 4.2 step 4)."""
+    calibrate: bool = True
+    """FSSDP: run the calibration step after the gate (DESIGN 4.2 step 4); on by default, as the
+    runtime's --fssdp-calibrate."""
     gather_seconds: Callable[[ShardLayout, InstancePlacement], float] | None = None
     """FSSDP calibration's price of an extra gather (`fssdp.FSSDPCostModel.gather_seconds`; the
     simulator passes its link model); None: the topology's point-to-point model."""

@@ -58,8 +58,8 @@ class SimOptions:
     """R, micro-batches of a zebra iteration (zebra and zebra-asym; zebra-naive uses 1)."""
     memory_reserve_gb: float | None = None
     """Per-device memory kept free for the CUDA context and workspaces; None: the model's default."""
-    fssdp_calibrate: bool = False
-    """FSSDP's calibration after the gate (`--fssdp-calibrate`): with the actual loads, gather more
+    fssdp_calibrate: bool = True
+    """FSSDP's calibration after the gate (`--fssdp-calibrate`, on by default as in the runtime): with the actual loads, gather more
     copies when the saving beats the extra gather's time, as priced here (FasterMoE's shadowing is
     among the candidates)."""
     sparse_collectives: str = "hierarchical"

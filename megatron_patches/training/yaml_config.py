@@ -67,7 +67,9 @@ def _unknown_key_message(path: Path, key, actions: dict) -> str:
 
 
 def is_bool_flag(action) -> bool:
-    return action.nargs == 0 and isinstance(action.const, bool)
+    """A flag that takes no value and sets True or False: store_true / store_false, and
+    BooleanOptionalAction (`--x` / `--no-x`, whose const is None)."""
+    return action.nargs == 0 and (isinstance(action.const, bool) or isinstance(action, argparse.BooleanOptionalAction))
 
 
 def type_name(action) -> str:

@@ -34,7 +34,9 @@ TOKENS_PER_ITERATION = 16 * 128  # 4 ranks x micro-batch 4 x 128 tokens, one mic
 # The same 16 sequences per iteration as k micro-batches of 4 / k per rank (gradient accumulation).
 MICRO_BATCHES = {2: ["--micro-batch-size", "2", "--global-batch-size", "16"],
                  4: ["--micro-batch-size", "1", "--global-batch-size", "16"]}
-FIXED = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2"]
+# fixed t and m, calibration off (its gathers follow measured times): the same plans in every run
+FIXED = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2",
+         "--no-fssdp-calibrate"]
 EXPERT_BYTES = 16_576 * 4  # fc1 64x128 + 128, fc2 128x64 + 64, fp32
 LAYERS, EXPERTS = 2, 8
 

@@ -225,6 +225,13 @@ def test_switches_render_as_their_flags():
     assert "--disable-bias-linear" in argv and job.args.add_bias_linear is False
     assert "--swiglu" not in argv and "--sequence-parallel" not in argv
     assert job.args.swiglu is False
+    # a --x / --no-x flag (BooleanOptionalAction) renders as the one that sets the value
+    off = plan(tiny_run(mode="fssdp", mode_flags={"fssdp": {"fssdp_calibrate": False}}))
+    assert "--no-fssdp-calibrate" in [t for f in off.flags for t in f.tokens] and off.args.fssdp_calibrate is False
+    on = plan(tiny_run(mode="fssdp", mode_flags={"fssdp": {"fssdp_calibrate": True}}))
+    assert not any("calibrate" in t for f in on.flags for t in f.tokens) and on.args.fssdp_calibrate is True
+    assert refused(tiny_run(mode="fssdp", mode_flags={"fssdp": {"fssdp_calibrate": "no"}})) == (
+        "inline mode_flags.fssdp.fssdp_calibrate='no': expected true or false (--fssdp-calibrate)")
 
 
 def test_hostile_values_never_run_as_shell(tmp_path):

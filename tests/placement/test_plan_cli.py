@@ -118,11 +118,15 @@ def test_plan_fssdp_beats_ep_and_accounts_bytes(plan_json):
     # dropless systems keep every token; the capacity-based ones may drop some
     for name in ("ep", "fssdp", "fastermoe", "smartmoe", "flexmoe"):
         assert p[name]["survival_mean"] == 1.0
-    # EP never replicates or moves; FSSDP's copies are gathered and reduced (same chunk size)
+    # EP never replicates or moves; FSSDP's copies are gathered (before the gate, and by the
+    # default calibration after it) and reduced (same chunk size): spRS = spAG + calibration's spAG
     assert p["ep"]["extra_copies_per_device"] == 0 and p["ep"]["rearrange_bytes"] == 0
     assert p["fssdp"]["extra_copies_per_device"] > 0
-    spag, sprs = p["fssdp"]["bytes"]["spag"], p["fssdp"]["bytes"]["sprs"]
-    assert spag["intra"] + spag["inter"] > 0 and spag == sprs
+    fssdp_bytes = p["fssdp"]["bytes"]
+    spag, sprs, extra = fssdp_bytes["spag"], fssdp_bytes["sprs"], fssdp_bytes["spag_calibrate"]
+    assert spag["intra"] + spag["inter"] > 0 and extra["intra"] + extra["inter"] > 0
+    for link in ("intra", "inter"):
+        assert sprs[link] == pytest.approx(spag[link] + extra[link], rel=1e-12)
     # replicate mode never moves optimizer state
     assert p["replicate"]["rearrange_bytes"] == 0
 

@@ -179,7 +179,7 @@ def test_sparse_collective_bytes_equal_the_placement_accounting(pricing):
     trace = skewed_trace(8, 2, 8, 8, 16384, seed=1)
     scn = build_scenario(MODEL, make_cluster(), 8, trace,
                          options=SimOptions(reshard_interval=3, overlap_degree=2, memory_capacity=1,
-                                            sparse_collectives=pricing))
+                                            sparse_collectives=pricing, fssdp_calibrate=False))
     spec = resolve_systems(["fssdp"])[0]
     result = simulate(scn, spec)
     config, _ = replay_config(scn, spec)

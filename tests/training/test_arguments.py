@@ -212,8 +212,10 @@ def test_moe_biases_need_etp_1(parse):
 def test_yaml_values_are_converted_to_the_flag_types(write_yaml):
     config = write_yaml("types.yaml", "num_layers: 2\nlr: 1e-3\nadd_bias_linear: false\n"
                                       "split: 100\ndata_path: [0.3, a, 0.7, b]\n"
-                                      "moe_expert_capacity_factor: 2\nsave: null\n")
+                                      "moe_expert_capacity_factor: 2\nsave: null\nfssdp_calibrate: false\n")
     args = parse_args(["--config", config])
+    assert args.fssdp_calibrate is False  # a --x / --no-x flag takes true / false too
+    assert parse_args(["--config", config, "--fssdp-calibrate"]).fssdp_calibrate is True
     assert args.lr == 0.001 and isinstance(args.lr, float)  # PyYAML reads 1e-3 as a string
     assert args.add_bias_linear is False
     assert args.split == "100"
@@ -244,6 +246,7 @@ def test_yaml_key_spelled_as_a_flag_with_another_dest_says_which_dest(write_yaml
     ("num_layers", True, "expected int"),
     ("lr", "fast", "expected float"),
     ("bf16", "yes", "expected bool"),
+    ("fssdp_calibrate", "no", "expected bool"),
     ("seed", None, "expected int"),
     ("data_path", {"a": 1}, "expected list of str"),
     ("moe_layer_freq", "every other", "expected int or list of 0/1"),
@@ -772,7 +775,7 @@ def test_a_mode_is_one_registry_line_with_its_own_flags_and_rules(parse, monkeyp
     expect_error(parse("--moe-parallel-mode", "swift", "--swift-knob", "6"), 1, "--swift-knob=6", "valid: at most 5")
     # its flags are refused in another mode, and the other modes' flags in it
     expect_error(parse("--swift-knob", "4"), 1, "--swift-knob=4", "only applies with --moe-parallel-mode swift (mode is ep)")
-    expect_error(parse("--moe-parallel-mode", "swift", "--fssdp-calibrate"), 4, "--fssdp-calibrate=True",
+    expect_error(parse("--moe-parallel-mode", "swift", "--no-fssdp-calibrate"), 4, "--fssdp-calibrate=False",
                  "only applies with --moe-parallel-mode fssdp (mode is swift)")
     # it places experts statically (no default_load_window), so the load window is refused
     expect_error(parse("--moe-parallel-mode", "swift", "--moe-load-window", "2"), 1, "--moe-load-window=2",

@@ -58,9 +58,10 @@ COMMON = [*BASE, "--expert-model-parallel-size", "4"]
 COMBINED = [*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"]
 # t = m = 1: one copy of the hottest expert per layer, so who owns the others matters and
-# re-sharding moves experts
+# re-sharding moves experts; calibration off, as its gathers follow measured times (resumes compare
+# bit for bit)
 FSSDP_RESHARDING = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "1", "--fssdp-memory-capacity", "1",
-                    "--fssdp-reshard-interval", str(RESHARD_EVERY)]
+                    "--no-fssdp-calibrate", "--fssdp-reshard-interval", str(RESHARD_EVERY)]
 LAYERS, EXPERTS, TOPK, GROUP = 2, 8, 2, 4
 FEW_EXPERTS = 4  # the more-ranks-than-experts cell: 8 ranks for 4 experts
 TOKEN_COPIES = 8 * 128 * TOPK  # per layer and iteration, over the world

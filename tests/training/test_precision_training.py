@@ -58,7 +58,9 @@ COMMON = [
     "--moe-aux-loss-coeff", "0",
 ]
 REPLICATE = ["--moe-parallel-mode", "replicate", "--replicate-slots-per-rank", "4"]
-FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2"]
+# t, m fixed and calibration off (its gathers follow measured times), so runs compare bit for bit
+FSSDP = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "2", "--fssdp-memory-capacity", "2",
+         "--no-fssdp-calibrate"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2"]
