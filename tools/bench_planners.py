@@ -176,7 +176,7 @@ def build_cases() -> list[Case]:
 
     def replicate():
         counts_E = replica_counts(popularity_E, 1024, 4)
-        return slot_placement(assign_slots(counts_E, 1024, 4), 256)
+        return slot_placement(assign_slots(counts_E, popularity_E, 1024, 4), 256)
 
     cases.append(
         Case(
@@ -187,7 +187,7 @@ def build_cases() -> list[Case]:
             {
                 "counts": lambda: replica_counts(popularity_E, 1024, 4),
                 "slots+placement": lambda: slot_placement(
-                    assign_slots(replica_counts(popularity_E, 1024, 4), 1024, 4), 256
+                    assign_slots(replica_counts(popularity_E, 1024, 4), popularity_E, 1024, 4), 256
                 ),
             },
         )

@@ -53,6 +53,10 @@ class IterationStats:
     """Token copies those seconds processed."""
     calibrations: int = 0
     """Layer forwards in which calibration gathered extra copies."""
+    calibrated_copies: dict = field(default_factory=lambda: defaultdict(int))
+    """Per MoE layer number, the copies calibration gathered in its training forwards (summed
+    over the forwards that calibrated: one per iteration, or one per micro-batch with
+    re-materialization)."""
     planner_s: dict = field(default_factory=lambda: defaultdict(float))
     """Host seconds in the planner per step (`PLANNER_STEPS`), wall clock on the calling thread.
     All of it is on the critical path: the plans before the forward run while the device is idle
@@ -121,6 +125,7 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
                 "ring_experts": int(plan.reduce.relay.ring_chunks.size) if isinstance(plan.reduce, RelayReduceScatter) else 0,
                 "owned": plan.shard.counts_D().tolist(),
                 "calibration_reserve": stats.reserved[layer.layer_number],
+                "calibrated_copies": stats.calibrated_copies[layer.layer_number],
             }
         )
     copies_D = np.stack([np.asarray(r["copies"]) for r in rows])

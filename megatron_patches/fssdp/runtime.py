@@ -401,6 +401,7 @@ class FSSDPRuntime(ModeRuntime):
         copies.plan = self._layer_plan(plan.index, plan.shard, placement)
         if copies.layer.training:
             self.stats.calibrations += 1
+            self.stats.calibrated_copies[copies.layer.layer_number] += int(delta.extra_copies_D(plan.shard).sum())
 
     def end_iteration(self, step: StepResult) -> dict:
         """Feed the iteration's global processed loads to the predictor; the iteration's FSSDP

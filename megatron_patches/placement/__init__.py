@@ -79,7 +79,6 @@ from megatron_patches.placement.policies import (
 from megatron_patches.placement.replicate import (
     TokenSpread,
     assign_slots,
-    expert_rank_ranges,
     instance_capacity,
     replica_counts,
     slot_placement,
@@ -148,7 +147,6 @@ __all__ = [
     "even_shard",
     "even_shares",
     "even_source_loads",
-    "expert_rank_ranges",
     "extra_memory_bytes",
     "fastermoe_shadow",
     "flexmoe_adjust",

@@ -612,8 +612,8 @@ def static_replication(num_experts: int, num_ranks: int, slots_per_rank: int) ->
     paper's baseline (16 ranks x 4 slots, 16 classes) gives 4 instances of each class on 4
     different ranks, whose gradients are all-reduced every iteration (`StaticPolicy`). Counts are
     `popularity_slots`'s for equal popularity (the first G*s mod E classes get one more); the
-    layout is not: replicate's contiguous layout would put all 4 instances of class e on rank e,
-    which is EP with a capacity and no replica at all. Tokens over an instance's capacity are
+    layout is DeepSpeed's expert-parallel groups, where replicate's balanced layout deals the
+    instances out in expert order. Tokens over an instance's capacity are
     dropped (`replicate.spread_tokens`); the placement never changes, so nothing moves.
     """
     E = check_int(num_experts, "num_experts", 1)

@@ -23,6 +23,7 @@ return made such a loop 20 times slower.
 
 from __future__ import annotations
 
+import heapq
 import sys
 
 import numba
@@ -618,6 +619,28 @@ def spread_replicated(loads_RE, counts_ED, cap):
             processed_ED[e, r] += remote_kept
             dropped_E[e] += arrivals_ED[e, r] - remote_kept
     return processed_ED, dropped_E, out
+
+
+@_jit
+def balanced_slots(order_E, counts_E, weight_E, num_ranks, slots_per_rank):
+    """`replicate.assign_slots`'s layout (its docstring has the rule) of validated inputs:
+    experts in `order_E`, each expert's counts_E[e] instances of weight weight_E[e] one after
+    the other, each to the rank with the least weight so far among those with a free slot
+    (ties: the lower rank; a min-heap of (weight, rank)). Returns int64 [G, s], each row
+    ascending."""
+    heap = [(0.0, r) for r in range(num_ranks)]  # ascending: already a heap
+    slot_RS = np.empty((num_ranks, slots_per_rank), dtype=np.int64)
+    used_R = np.zeros(num_ranks, dtype=np.int64)
+    for e in order_E:
+        for _ in range(counts_E[e]):
+            weight, r = heapq.heappop(heap)
+            slot_RS[r, used_R[r]] = e
+            used_R[r] += 1
+            if used_R[r] < slots_per_rank:
+                heapq.heappush(heap, (weight + weight_E[e], r))
+    for r in range(num_ranks):
+        slot_RS[r].sort()
+    return slot_RS
 
 
 @_jit

@@ -1,6 +1,6 @@
 """Replicate mode's runtime: adaptive per-iteration expert replication with a decoupled optimizer.
 
-DESIGN 4.6. The planning (replica counts, contiguous slot assignment, token spreading) is pure numpy in `placement.replicate`; this package moves the tensors of one MoE
+DESIGN 4.6. The planning (replica counts, balanced slot assignment, token spreading) is pure numpy in `placement.replicate`; this package moves the tensors of one MoE
 layer's experts:
 
 - `ExpertSlices` (`slices`): rank r's never-moving slice r of every expert's fp32 master

@@ -17,10 +17,10 @@ DEFAULT_REBALANCE_INTERVAL = 10
 
 POLICIES = ("adaptive", "static", "periodic")
 """adaptive: new replica counts every iteration from the predicted popularity (DESIGN 4.6);
-static: every class keeps ranks x slots / E instances, DeepSpeed's counts, laid out contiguously
-as every replicate placement is (with as many classes as ranks, all instances of a class sit on
-one rank: EP with a capacity; the simulator's `static` is DeepSpeed's layout, replicas on
-distinct ranks, `placement.baselines.static_replication`);
+static: every class keeps ranks x slots / E instances, DeepSpeed's counts, laid out by the
+balanced rule as every replicate placement is (equal loads: each class's instances on distinct
+ranks where the counts allow; the simulator's `static` is DeepSpeed's own layout,
+`placement.baselines.static_replication`);
 periodic: new replica counts only every `rebalance_interval` iterations, moving optimizer state
 with the experts (a baseline with FlexMoE's cost of moving state, DESIGN 4.9; the simulator's
 `flexmoe` system is FlexMoE's incremental replicate/relocate, a different policy)."""
@@ -45,8 +45,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--replicate-policy", type=str, default="adaptive",
         help="adaptive: new replica counts every iteration (DESIGN 4.6); static: every expert keeps "
-        "ranks x s / experts instances (DeepSpeed's counts in replicate's contiguous layout, so with "
-        "as many experts as ranks each class sits on one rank); periodic: new counts every "
+        "ranks x s / experts instances (DeepSpeed's counts in replicate's balanced layout: each "
+        "expert's instances on distinct ranks where the counts allow); periodic: new counts every "
         "--replicate-rebalance-interval iterations, moving optimizer state with the experts "
         "(FlexMoE-style baseline). New flag.",
     )

@@ -29,8 +29,8 @@ class IterationStats:
     """Token copies routed per layer and expert, before dropping."""
     processed_LED: np.ndarray
     """Token copies processed per layer, expert and rank."""
-    replicas_LE: np.ndarray
-    """Instances per layer and expert class of the placement the iteration ran with."""
+    slots_LRS: np.ndarray
+    """The slot assignment the iteration ran with: expert of slot j of rank r, per layer; int [L, G, s]."""
     backwards_L: np.ndarray
     """Backward passes that reached each layer's slots so far (the reduce starts at k)."""
     remote_copies: int = 0
@@ -69,7 +69,8 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
                 "device_tokens": device_D.tolist(),
                 "imbalance": imbalance(device_D),
                 "popularity": routed_E.tolist(),
-                "replicas": stats.replicas_LE[index].tolist(),
+                "replicas": np.bincount(stats.slots_LRS[index].ravel(), minlength=routed_E.size).tolist(),
+                "slots": stats.slots_LRS[index].tolist(),
                 "reduce_started_in_backward": bool(stats.backwards_L[index] == microbatches),
             }
         )

@@ -217,7 +217,7 @@ class ReplicateRuntime(ModeRuntime):
         self.stats = IterationStats(
             np.zeros((L, self.num_experts), dtype=np.int64),
             np.zeros((L, self.num_experts, self.num_devices), dtype=np.int64),
-            np.stack([self.experts[layer.layer_number].slots.placement.instances_E() for layer in self.layers]),
+            np.stack([self.experts[layer.layer_number].slots.slot_expert_RS for layer in self.layers]),
             np.zeros(L, dtype=np.int64),
         )
         self.grads, self.pending = {}, {}

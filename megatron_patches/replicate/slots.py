@@ -1,9 +1,9 @@
 """One rank's expert slots in replicate mode: s flat weight vectors of the current placement.
 
 Every iteration each of the G ranks runs s expert instances ("slots"). `slot_expert_RS[r, j]`
-(from `placement.replicate.assign_slots`) names the expert class in slot j of rank r. The
-contiguous assignment sorts every rank's row, so the slots of one class on a rank are
-adjacent; this module relies on it to fill the slots in place (see `SlotWeights.fill_from_held`).
+(from `placement.replicate.assign_slots`) names the expert class in slot j of rank r. Every
+rank's row is sorted, so the slots of one class on a rank are adjacent; this module relies on it
+to fill the slots in place (see `SlotWeights.fill_from_held`).
 
 The slot buffer is one `torch.nn.Parameter` [s, N]: the MoE layer views slot j's row as the
 expert's weight matrices, autograd accumulates every slot's gradient into `slots_SN.grad`, and
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from megatron_patches.compat import activations
-from megatron_patches.placement.replicate import expert_rank_ranges, slot_placement
+from megatron_patches.placement.replicate import slot_placement
 from megatron_patches.placement.types import InstancePlacement, PlacementError
 
 __all__ = ["SlotWeights"]
@@ -27,7 +27,7 @@ class SlotWeights:
 
     Args:
         slot_expert_RS: expert of every slot of every rank; int [G, s], every rank's row
-            non-decreasing and every expert's holders consecutive ranks (as `assign_slots` makes).
+            non-decreasing (as `assign_slots` makes it).
         rank: r, this rank.
         num_experts: E.
         expert_numel: N, elements of one expert's flat parameter vector.
@@ -59,9 +59,8 @@ class SlotWeights:
     def assign(self, slot_expert_RS) -> None:
         """Adopt a new slot assignment of the same G and s; the buffer's contents are not touched.
 
-        Raises PlacementError, keeping the old assignment, if the new one is malformed, a rank's
-        row is not sorted, or an expert's holders are not consecutive ranks (the contiguous
-        assignment's form, which keeps one class's slots adjacent).
+        Raises PlacementError, keeping the old assignment, if the new one is malformed or a
+        rank's row is not sorted (which keeps one class's slots adjacent).
         """
         self._adopt(*self._checked(slot_expert_RS, self.slot_expert_RS.shape))
 
@@ -82,9 +81,8 @@ class SlotWeights:
             r = int(unsorted[0][0])
             raise PlacementError(
                 f"rank {r}'s slots hold experts {slots[r].tolist()}, not in ascending order; "
-                "slot assignments must be contiguous (placement.replicate.assign_slots)"
+                "every rank's slots must be sorted (placement.replicate.assign_slots)"
             )
-        expert_rank_ranges(placement)
         slots.setflags(write=False)
         return slots, placement
 

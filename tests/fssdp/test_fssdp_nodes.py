@@ -31,7 +31,10 @@ COMMON = [
     "--train-iters", str(ITERS), "--lr-warmup-iters", "2", "--lr-decay-iters", str(ITERS),
     "--log-interval", "1", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]
-FULL = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "7", "--fssdp-memory-capacity", "7"]
+# calibration off: the closed form is the plan made before the gate (calibration would keep a slot
+# free for the experts the predictor misplaces and fill it after the gate when that pays)
+FULL = ["--moe-parallel-mode", "fssdp", "--fssdp-overlap-degree", "7", "--fssdp-memory-capacity", "7",
+        "--no-fssdp-calibrate"]
 
 
 @pytest.fixture(scope="module", params=[(2, 4), (4, 2)], ids=["2x4", "4x2"])

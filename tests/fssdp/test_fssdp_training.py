@@ -99,6 +99,8 @@ def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
         # gathered apart and reduced with the others.
         per = micro_batches if remat else 1
         assert spag == {"intra": per * copies * EXPERT_BYTES, "inter": 0}
+        calibrated = [layer["calibrated_copies"] for layer in fssdp["layers"]]
+        assert calibrate == {"intra": sum(calibrated) * EXPERT_BYTES, "inter": 0}
         assert sprs == {"intra": spag["intra"] + calibrate["intra"], "inter": 0}
         assert (calibrate["intra"] > 0) == (fssdp["calibrations"] > 0)
         # the host planner's time per step (issue 44): every iteration plans and dispatches
@@ -108,8 +110,10 @@ def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
         assert planner["calibrate"] >= 0 and (fssdp["calibrations"] == 0 or planner["calibrate"] > 0)
         remat_bytes = fssdp["bytes"]["spag_remat"]["intra"]
         if remat:
-            # every layer but the stage's last is gathered again for its backward
-            assert remat_bytes == per * sum(fssdp["layers"][0]["copies"]) * EXPERT_BYTES
+            # every layer but the stage's last is gathered again for its backward, with the
+            # copies calibration added to that micro-batch's forward (on by default)
+            layer0 = fssdp["layers"][0]
+            assert remat_bytes == (per * sum(layer0["copies"]) + layer0["calibrated_copies"]) * EXPERT_BYTES
         else:
             assert remat_bytes == 0
         # all-to-all: 4 transfers (dispatch, combine, forward and backward) of each remote copy

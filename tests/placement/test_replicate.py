@@ -1,4 +1,4 @@
-"""Tests of replicate-mode planning (DESIGN 4.6): counts, slots, holder ranges, capacity."""
+"""Tests of replicate-mode planning (DESIGN 4.6): counts, the balanced slot layout, capacity."""
 
 from fractions import Fraction
 
@@ -12,12 +12,12 @@ from megatron_patches.placement import (
     PlacementError,
     apply_capacity,
     assign_slots,
-    expert_rank_ranges,
     instance_capacity,
     replica_counts,
     slot_placement,
     spread_tokens,
 )
+from megatron_patches.placement.replicate import popularity_slots
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -101,46 +101,59 @@ def test_replica_counts_errors():
 # ---------------------------------------------------------------------------- slots
 
 
+def reference_slots(counts, p, G, s):
+    """DESIGN 4.6 step 3 written out: instances by descending p_e / count_e (ties: lower id), each
+    to the rank with the least expected tokens among those with a free slot (ties: lower rank)."""
+    p = np.asarray(p, dtype=float)
+    if p.sum() == 0:
+        p = np.ones_like(p)
+    weight = [p[e] / counts[e] for e in range(len(counts))]
+    load, rows = [0.0] * G, [[] for _ in range(G)]
+    for e in sorted(range(len(counts)), key=lambda e: (-weight[e], e)):
+        for _ in range(counts[e]):
+            r = min((r for r in range(G) if len(rows[r]) < s), key=lambda r: (load[r], r))
+            rows[r].append(e)
+            load[r] += weight[e]
+    return [sorted(row) for row in rows]
+
+
 def test_assign_slots_worked_example():
-    slots = assign_slots([1, 1, 1, 5], 4, 2)
-    assert slots.tolist() == [[0, 1], [2, 3], [3, 3], [3, 3]]
+    # every instance expects one token's worth (1 / 1 and 5 / 5): experts 0-2 take a rank each,
+    # expert 3's five instances fill rank 3 and then the least-loaded ranks, lowest first
+    slots = assign_slots([1, 1, 1, 5], [1, 1, 1, 5], 4, 2)
+    assert slots.tolist() == [[0, 3], [1, 3], [2, 3], [3, 3]]
     placement = slot_placement(slots, 4)
-    assert placement.counts_ED.tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 2, 2]]
-    assert expert_rank_ranges(placement).tolist() == [[0, 1], [0, 1], [1, 2], [1, 4]]
+    assert placement.counts_ED.tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [1, 1, 1, 2]]
+    # equal popularity: each expert's instances on distinct ranks (the paper's contiguous layout
+    # put both of expert e's on rank e // 2, leaving no replica anywhere)
+    assert popularity_slots(np.ones(8), 4, 4).tolist() == [[0, 2, 4, 6], [0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
 
 
 @FAST
 @given(case=popularity_cases())
-def test_slots_are_contiguous_and_full(case):
+def test_slots_are_balanced_and_full(case):
     p, G, s = case
     counts = replica_counts(p, G, s)
-    slots = assign_slots(counts, G, s)
+    slots = assign_slots(counts, p, G, s)
     assert slots.shape == (G, s)
-    assert np.all(np.diff(slots.ravel()) >= 0)  # expert 0's slots first, then expert 1, ...
+    assert np.all(np.diff(slots, axis=1) >= 0)  # every rank's row ascending
+    assert slots.tolist() == reference_slots(counts, p, G, s)
     placement = slot_placement(slots, p.size)
     assert np.array_equal(placement.instances_E(), counts)
     placement.check_slot_limit(s)
-    ranges = expert_rank_ranges(placement)
-    for e in range(p.size):
-        start, stop = ranges[e]
-        assert placement.holders(e).tolist() == list(range(start, stop))
 
 
 def test_assign_slots_errors():
     with pytest.raises(PlacementError, match="sum to 7, but there are 4 x 2 = 8 slots"):
-        assign_slots([2, 5], 4, 2)
+        assign_slots([2, 5], [2, 5], 4, 2)
     with pytest.raises(PlacementError, match="expert 1 has 0 instances"):
-        assign_slots([8, 0], 4, 2)
+        assign_slots([8, 0], [8, 0], 4, 2)
+    with pytest.raises(PlacementError, match="popularity_E must be 2 finite values >= 0"):
+        assign_slots([4, 4], [1, -1], 4, 2)
+    with pytest.raises(PlacementError, match="popularity_E must be 2 finite values >= 0"):
+        assign_slots([4, 4], [1, 1, 1], 4, 2)
     with pytest.raises(PlacementError, match="slot 1 of rank 0 holds expert 3"):
         slot_placement([[0, 3]], 2)
-
-
-# ---------------------------------------------------------------------------- holder ranges
-
-
-def test_expert_rank_ranges_rejects_gaps():
-    with pytest.raises(PlacementError, match=r"expert 0 is held by ranks \[0, 2\], which are not consecutive"):
-        expert_rank_ranges(InstancePlacement([[1, 0, 1]]))
 
 
 # ---------------------------------------------------------------------------- capacity and spreading
@@ -188,7 +201,7 @@ def brute_force_spread(counts_ED, loads_RE, cap):
 @given(case=popularity_cases(), cf=st.sampled_from([0.5, 1.0, 1.3, 100.0]), seed=st.integers(0, 2**32 - 1))
 def test_spread_tokens_matches_brute_force(case, cf, seed):
     p, G, s = case
-    placement = slot_placement(assign_slots(replica_counts(p, G, s), G, s), p.size)
+    placement = slot_placement(popularity_slots(p, G, s), p.size)
     rng = np.random.default_rng(seed)
     loads = rng.integers(0, 30, size=(G, p.size))
     spread = spread_tokens(placement, loads, cf, s)
@@ -203,14 +216,15 @@ def test_spread_tokens_matches_brute_force(case, cf, seed):
 
 def test_spread_tokens_worked_example():
     # 4 ranks x 2 slots, counts [1, 1, 1, 5] (see test_assign_slots_worked_example); 95 tokens
-    # -> capacity ceil(95 / 8) = 12 per instance. Expert 3 has 5 instances (60 tokens of room)
-    # for 80 tokens: 20 dropped. Expert 0 (10 tokens, one instance on rank 0) fits.
-    placement = slot_placement(assign_slots([1, 1, 1, 5], 4, 2), 4)
+    # -> capacity ceil(95 / 8) = 12 per instance. Expert 3 has 5 instances (60 tokens of room: one
+    # on each of ranks 0-2, two on rank 3) for 80 tokens: each rank keeps its own up to its room,
+    # 20 dropped. Expert 0 (10 tokens, one instance on rank 0) fits.
+    placement = slot_placement(assign_slots([1, 1, 1, 5], [1, 1, 1, 5], 4, 2), 4)
     loads = np.array([[3, 0, 1, 20], [2, 0, 2, 20], [3, 0, 1, 20], [2, 0, 1, 20]])
     spread = spread_tokens(placement, loads, 1.0, 2)
     assert spread.capacity == 12
     assert spread.processed_ED[0].tolist() == [10, 0, 0, 0]
-    assert spread.processed_ED[3].tolist() == [0, 12, 24, 24]
+    assert spread.processed_ED[3].tolist() == [12, 12, 12, 24]
     assert spread.dropped_E.tolist() == [0, 0, 0, 20]
     assert spread.survival == pytest.approx(75 / 95)
 
@@ -221,8 +235,8 @@ def test_replication_drops_fewer_tokens_than_static_ep_under_skew():
     G, s, E = 8, 4, 16
     w = 1 / np.arange(1, E + 1) ** 1.2
     loads = rng.multinomial(2048, rng.permutation(w) / w.sum(), size=G)
-    adaptive = slot_placement(assign_slots(replica_counts(loads.sum(axis=0), G, s), G, s), E)
-    static = slot_placement(assign_slots(np.full(E, G * s // E), G, s), E)
+    adaptive = slot_placement(popularity_slots(loads.sum(axis=0), G, s), E)
+    static = slot_placement(popularity_slots(np.ones(E), G, s), E)
     assert spread_tokens(adaptive, loads, 1.0, s).survival > spread_tokens(static, loads, 1.0, s).survival + 0.1
 
 

@@ -39,10 +39,10 @@ from megatron_patches.placement import (
     ShardLayout,
     Topology,
     assign_slots,
-    replica_counts,
     slot_placement,
 )
 from megatron_patches.mode.adam import AdamSettings
+from megatron_patches.placement.replicate import popularity_slots
 from megatron_patches.replicate.experts import STATE_NAMES, ReplicatedExperts
 from megatron_patches.replicate.slices import ExpertSlices
 from megatron_patches.replicate.slots import SlotWeights
@@ -82,12 +82,13 @@ def placements(case: dict, world_size: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     popularity = np.ones(E)
     popularity[rng.integers(E)] = 100.0 * G * s
-    out = [assign_slots(replica_counts(popularity, G, s), G, s)]
+    out = [popularity_slots(popularity, G, s)]
     if "extra_counts" in case:
-        out.append(assign_slots(case["extra_counts"], G, s))
+        out.append(assign_slots(case["extra_counts"], case["extra_counts"], G, s))
     while len(out) < ITERATIONS + 1:
         cuts = np.sort(rng.choice(np.arange(1, G * s), E - 1, replace=False))
-        out.append(assign_slots(np.diff(np.concatenate(([0], cuts, [G * s]))), G, s))
+        counts = np.diff(np.concatenate(([0], cuts, [G * s])))
+        out.append(assign_slots(counts, counts, G, s))
     return out
 
 
@@ -371,8 +372,9 @@ def test_slot_weights_assignment_and_in_place_fill():
 
     with pytest.raises(PlacementError, match=r"rank 1's slots hold experts \[1, 2, 3, 3, 3, 2\], not in ascending"):
         slots.assign([[0, 0, 0, 0, 0, 1], [1, 2, 3, 3, 3, 2]])
-    with pytest.raises(PlacementError, match=r"expert 0 is held by ranks \[0, 2\], which are not consecutive"):
-        SlotWeights([[0], [1], [0]], 0, 2, 4, dtype=torch.float32, device="cpu")
+    # an expert's holders need not be consecutive ranks (the balanced layout spreads them)
+    spread = SlotWeights([[0], [1], [0]], 0, 2, 4, dtype=torch.float32, device="cpu")
+    assert spread.placement.holders(0).tolist() == [0, 2]
     with pytest.raises(PlacementError, match=r"slot_expert_RS has shape \(2, 3\) but this rank's slots were built"):
         slots.assign([[0, 1, 2], [2, 3, 3]])
     with pytest.raises(PlacementError, match=r"slot 1 of rank 0 holds expert 4, not in \[0, 4\)"):

@@ -19,7 +19,7 @@ import pytest
 
 from support.training import TINY_JOB, launch_many, tensorboard_scalars
 
-from megatron_patches.placement.replicate import assign_slots, slot_placement
+from megatron_patches.placement.replicate import slot_placement
 
 pytestmark = pytest.mark.e2e
 
@@ -66,15 +66,20 @@ def train_records(run):
     return [record for record in run.records if "loss" in record]
 
 
-def holders(replicas_E, slots: int = S) -> np.ndarray:
-    """bool [E, G]: which ranks hold a class, for the contiguous assignment of these counts."""
-    return slot_placement(assign_slots(np.asarray(replicas_E), G, slots), len(replicas_E)).counts_ED > 0
+def holders(layer: dict) -> np.ndarray:
+    """bool [E, G]: which ranks hold a class in a layer record's slot assignment, after checking
+    that the assignment has the record's instance counts and every rank's row ascending."""
+    slots = np.asarray(layer["slots"])
+    assert np.all(np.diff(slots, axis=1) >= 0)
+    placement = slot_placement(slots, len(layer["replicas"]))
+    assert placement.instances_E().tolist() == layer["replicas"]
+    return placement.counts_ED > 0
 
 
-def formula_bytes(replicas_E, element_bytes: int = 4) -> dict[str, int]:
+def formula_bytes(layer: dict, element_bytes: int = 4) -> dict[str, int]:
     """DESIGN 4.6 per layer: (b) each rank sends the other slices of the classes it holds to
     their owners, (e) each rank receives the other slices of the classes it holds."""
-    h_G = holders(replicas_E).sum(axis=0)
+    h_G = holders(layer).sum(axis=0)
     return {
         "grad_reduce_scatter": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
         "weight_scatter": int((h_G * (N - SLICE_R)).sum()) * element_bytes,
@@ -112,14 +117,14 @@ def test_dropless_replicate_equals_ep_with_formula_bytes(ep_run, runs, workdir):
             assert sum(layer["device_tokens"]) == layer["routed"] and sum(layer["popularity"]) == layer["routed"]
             replicas = np.array(layer["replicas"])
             assert replicas.min() >= 1 and replicas.sum() == G * S
-            several_slots_one_class += int((holders(replicas).sum(axis=0) < S).any())
+            several_slots_one_class += int((holders(layer).sum(axis=0) < S).any())
             changed += int(not np.array_equal(replicas, static_counts))
-            this = formula_bytes(replicas)
+            this = formula_bytes(layer)
             expected["grad_reduce_scatter"] += this["grad_reduce_scatter"]
             # the weights pushed at the end of iteration i fill iteration i+1's slots
-            expected["weight_scatter"] += formula_bytes(next_layer["replicas"])["weight_scatter"]
+            expected["weight_scatter"] += formula_bytes(next_layer)["weight_scatter"]
             # never more than static replication's volumes; equal when a rank's slots hold distinct classes
-            distinct = bool((holders(replicas).sum(axis=0) == S).all())
+            distinct = bool((holders(layer).sum(axis=0) == S).all())
             grad = this["grad_reduce_scatter"]
             assert grad == static_grad if distinct else grad < static_grad
             assert this["weight_scatter"] == static_weights if distinct else this["weight_scatter"] < static_weights
@@ -169,7 +174,7 @@ def test_adaptive_replication_keeps_more_tokens_than_static_and_periodic_moves_s
         for old, new in zip(before["replicate"]["layers"], after["replicate"]["layers"]):
             if not rebalanced:
                 assert old["replicas"] == new["replicas"]
-            old_held, new_held = holders(old["replicas"], 8), holders(new["replicas"], 8)
+            old_held, new_held = holders(old), holders(new)
             gained += int(((new_held & ~old_held) * (N - SLICE_R)).sum())
         # a rank gaining a class receives its master weights and both Adam moments (fp32)
         assert before["replicate"]["bytes"]["rearrange"]["intra"] == 3 * 4 * gained
