@@ -73,7 +73,7 @@ def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
     systems pay only for what replication costs (gradient synchronisation, optimizer state), never
     for imbalance."""
     ep = run(balanced, "ep")
-    for name in ("smartmoe", "flexmoe-2", "fastermoe", "fssdp-shard", "replicate"):
+    for name in ("smartmoe", "flexmoe-2", "fastermoe", "fssdp-shard"):
         r = run(balanced, name)
         np.testing.assert_allclose(r.imbalance_IL, 1.0, err_msg=name)
         np.testing.assert_allclose(r.survival_IL, 1.0, err_msg=name)
@@ -91,6 +91,22 @@ def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
     np.testing.assert_allclose(static.survival_IL, 1.0)
     assert np.all(static.breakdown_I["all_to_all"] < run(four, "ep").breakdown_I["all_to_all"])
     assert static.details["collective_s"]["grad_allreduce"] > 0
+    # replicate's balanced layout deals equal experts' instances out over distinct devices, as
+    # DeepSpeed's does: local replicas, less all-to-all than ep, whole-token unevenness only
+    replicate = run(four, "replicate")
+    np.testing.assert_allclose(replicate.imbalance_IL, 1.0, rtol=1e-3)
+    np.testing.assert_allclose(replicate.survival_IL, 1.0)
+    assert np.all(replicate.breakdown_I["all_to_all"] < run(four, "ep").breakdown_I["all_to_all"])
+    # At the default 9 slots (8 experts, 8 devices) each expert has 9 instances: two on one device,
+    # one on each other. 64 tokens per source and expert, capacity ceil(4,096 / 72) = 57: a source
+    # with one local instance keeps 57 and splits 7 evenly over the other 8 instances, 6 of which
+    # are full, so about 3 in 4 of those are dropped (survival 475.25 / 512). The paper's contiguous
+    # layout put all 9 on one device (ep with a capacity of 513) and kept everything; this is the
+    # balanced layout's one known loss, measured on the drifting traces as 0.822 survival against
+    # 0.825 (docs/benchmarks.md, "Replicate's slot layout").
+    replicate = run(balanced, "replicate")
+    np.testing.assert_allclose(replicate.survival_IL, 3802 / 4096)
+    np.testing.assert_allclose(replicate.imbalance_IL, 1.0, rtol=1e-3)
 
 
 def test_static_replication_hand_case():
@@ -100,9 +116,10 @@ def test_static_replication_hand_case():
     2 x 256 x 512 + 512 + 256 = 262,912 parameters, 1,051,648 B of fp32 gradients (bf16 run); each
     device sends one buffer per expert (2 (r - 1) / r = 1): 2,103,296 B through its NIC at
     10 GB/s x 0.85 efficiency = 247.45 us, plus 2 ring steps x 25 us latency = 297.45 us per
-    iteration. Replicate mode's contiguous layout with equal loads puts both slots of expert e on
-    device e: EP's all-to-all, no replica all-reduce; its reduce-scatter sends the other device's
-    half of the expert's gradient, 525,824 B through the NIC: 25 us + 61.86 us."""
+    iteration. Replicate mode's balanced layout with equal loads puts one instance of each expert
+    on each device too: no all-to-all, no replica all-reduce; its reduce-scatter sends the other
+    device its half of both experts' gradients, 2 x 525,824 B through the NIC in one exchange:
+    25 us + 123.72 us (half static's bytes and one latency step: the decoupled optimizer)."""
     model = make_model(layers=1, experts=2, hidden=256, seq=512)
     scn = build_scenario(model, make_cluster(nodes=2, gpus_per_node=1), 2, balanced_trace(2, 1, 2, 2, 64),
                          options=SimOptions(slots_per_rank=2, capacity_factor=1.0))
@@ -111,10 +128,12 @@ def test_static_replication_hand_case():
     assert static.details["collective_s"]["grad_allreduce"] == pytest.approx(2 * 25e-6 + 2_103_296 / 8.5e9, rel=1e-12)
     assert static.details["collective_s"]["all_to_all"] == 0.0
     assert static.traffic["grad_allreduce"].tolist() == [0.0, 2 * 2_103_296]
-    assert replicate.details["collective_s"]["all_to_all"] == pytest.approx(ep.details["collective_s"]["all_to_all"])
+    assert ep.details["collective_s"]["all_to_all"] > 0
+    assert replicate.details["collective_s"]["all_to_all"] == 0.0
     assert "grad_allreduce" not in replicate.details["collective_s"]
-    assert replicate.details["collective_s"]["grad_reduce_scatter"] == pytest.approx(25e-6 + 525_824 / 8.5e9, rel=1e-12)
-    assert replicate.traffic["grad_reduce_scatter"].tolist() == [0.0, 2 * 525_824]
+    assert replicate.details["collective_s"]["grad_reduce_scatter"] == pytest.approx(25e-6 + 2 * 525_824 / 8.5e9,
+                                                                                     rel=1e-12)
+    assert replicate.traffic["grad_reduce_scatter"].tolist() == [0.0, 2 * 2 * 525_824]
 
 
 @pytest.mark.parametrize("nodes, per_node", [(8, 1), (2, 4)])
