@@ -58,10 +58,13 @@ class IterationStats:
     over the forwards that calibrated: one per iteration, or one per micro-batch with
     re-materialization)."""
     planner_s: dict = field(default_factory=lambda: defaultdict(float))
-    """Host seconds in the planner per step (`PLANNER_STEPS`), wall clock on the calling thread.
-    All of it is on the critical path: the plans before the forward run while the device is idle
-    (the iteration ended with a synchronising loss reduction), and the per-layer steps run
-    after the gate's counts reach the host and before the dispatch they decide is launched."""
+    """Host seconds in the planner per step (`PLANNER_STEPS`), wall clock on the thread that ran
+    it: "materialize" on the planner thread (the plans before the gate, made while the layers
+    before them run), "calibrate" and "dispatch" on the training thread after each gate, on the
+    critical path (their counts reach the host before the dispatch they decide is launched)."""
+    planner_wait_s: float = 0.0
+    """Seconds the training thread waited for the planner thread's plans: the first layer's
+    (needed as the forward starts) and any not ready when its layer started."""
     reserved: dict = field(default_factory=dict)
     """Per MoE layer number, the copy slots per device materialization left free for
     calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""
@@ -104,11 +107,14 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
                                                      stats.remote_copies)
     stats.remote_copies = int(remote)
     sent = traffic.sent_over(TRAFFIC_KINDS, groups["fssdp"])
-    exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s]
+    # the planner time the training thread spent: waiting for plans, then calibrating and dispatching
+    planner_exposed = stats.planner_wait_s + stats.planner_s["calibrate"] + stats.planner_s["dispatch"]
+    exposed = torch.tensor([stats.exposed_s[k] for k in EXPOSED_KINDS] + [stats.reshard_s, planner_exposed]
                            + [stats.planner_s[k] for k in PLANNER_STEPS], dtype=torch.float64)
     dist.all_reduce(exposed, op=dist.ReduceOp.MAX, group=groups["fssdp"])
     exposed = exposed.tolist()
-    exposed_s, reshard_s, planner_s = exposed[:len(EXPOSED_KINDS)], exposed[len(EXPOSED_KINDS)], exposed[-len(PLANNER_STEPS):]
+    exposed_s, planner_s = exposed[:len(EXPOSED_KINDS)], exposed[-len(PLANNER_STEPS):]
+    reshard_s, planner_exposed_s = exposed[len(EXPOSED_KINDS)], exposed[len(EXPOSED_KINDS) + 1]
     rows = []
     for layer in layers:
         plan = plans[layer.layer_number]
@@ -141,6 +147,9 @@ def iteration_record(stats: IterationStats, traffic: TrafficCounter, layers: lis
         "calibrations": stats.calibrations,
         # the slowest rank's host seconds in the planner, per step (IterationStats.planner_s)
         "planner_s": dict(zip(PLANNER_STEPS, planner_s)),
+        # the slowest rank's planner time on the training thread: its waits for the planner
+        # thread's plans plus calibration and dispatch after each gate (issue 44 item 2)
+        "planner_exposed_s": planner_exposed_s,
         # every rank computes every plan: this is already the global count
         "a2a_remote_copies": stats.remote_copies,
         "copies_bytes_peak": (alive_D * expert_bytes).tolist(),
@@ -164,6 +173,7 @@ def tensorboard_scalars(fssdp: dict) -> dict[str, float]:
         scalars[f"fssdp/replicas_layer{layer['layer']}"] = sum(layer["replicas"])
     scalars.update(traffic_scalars("fssdp", fssdp["bytes"], fssdp["exposed_s"], "exposed_s"))
     scalars["fssdp/planner_ms"] = 1e3 * sum(fssdp["planner_s"].values())
+    scalars["fssdp/planner_exposed_ms"] = 1e3 * fssdp["planner_exposed_s"]
     for name in ("shard_bytes", "optimizer_state_bytes"):
         if name in fssdp.get("memory", {}):
             scalars[f"fssdp/{name}_max_rank"] = max(fssdp["memory"][name])

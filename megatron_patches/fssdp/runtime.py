@@ -25,7 +25,9 @@ model, t) is `fssdp/tuning.py`; its per-iteration figures are `fssdp/metrics.py`
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
 m)` and the SparseAllGather / SparseReduceScatter pair for it (`--fssdp-collectives`:
-node-aware by default, `comm.relay`; flat, `comm.sparse`). Per layer the layer
+node-aware by default, `comm.relay`; flat, `comm.sparse`). A planner thread makes them in layer
+order while the forward runs, so only the first layer's plan, and any plan not ready when its
+layer starts, are waited for (`plan_of`; the record's `planner_exposed_s`). Per layer the layer
 (`layer.FSSDPMoELayer`) gathers the copies on the iteration's first micro-batch and keeps
 them for the others (`forward_backward` scopes them; with re-materialization per micro-batch),
 dispatches every micro-batch by `placement.fssdp.dispatch` and computes; the copies'
@@ -39,6 +41,7 @@ their point-to-point traffic never interleaves with Megatron's all-to-alls on th
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +131,12 @@ class FSSDPRuntime(ModeRuntime):
         self.layers: list = []
         """This stage's FSSDP MoE layers, in forward order."""
         self.plans: dict[int, FSSDPLayerPlan] = {}
+        """This iteration's plans made so far, by layer number (`plan_of` waits for the others)."""
+        self._planning: dict[int, Future] = {}
+        """The plans the planner thread has yet to hand over, by layer number."""
+        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fssdp-planner")
+        """Plans layers 2..L of an iteration while the layers before them run (one thread, in
+        layer order; the placement kernels release the GIL)."""
         self.pending: list = []
         """(layer copies, spRS handle) launched in the backward, not yet added into main_grad."""
         self.expert_param_sync = None
@@ -288,16 +297,36 @@ class FSSDPRuntime(ModeRuntime):
             self.stats.source_loads_LDE = np.zeros(shape_LDE, dtype=np.int64)
         if planner.reshard_due(iteration - 1, self.config.reshard_interval):
             self._reshard(iteration, predicted_LE, t)
-        self.plans = {}
-        started = time.perf_counter()
+        self.plans, self._planning = {}, {}
         for index, layer in enumerate(self.layers):
-            shard = self.layout.layer(index)
             row = self.moe_layer_numbers.index(layer.layer_number)
             reserve = 0 if misprediction_L is None else planner.calibration_reserve(m, misprediction_L[row])
             self.stats.reserved[layer.layer_number] = reserve
-            placement = planner.materialize(shard, predicted_LE[row], t, m - reserve, self.topology)
-            self.plans[layer.layer_number] = self._layer_plan(index, shard, placement)
-        self.stats.planner_s["materialize"] += time.perf_counter() - started
+            # The first layer's plan is needed as soon as the forward starts; the planner thread
+            # makes the others while the layers before them run (DESIGN 4.2, issue 44 item 2).
+            self._planning[layer.layer_number] = self._planner.submit(
+                self._plan_layer, index, self.layout.layer(index), predicted_LE[row], t, m - reserve)
+        if self.layers:
+            self.plan_of(self.layers[0].layer_number)
+
+    def _plan_layer(self, index: int, shard: ShardLayout, predicted_E: np.ndarray, t: int,
+                    m: int) -> tuple[FSSDPLayerPlan, float]:
+        """Layer `index`'s plan before the gate and the seconds it took (on the planner thread)."""
+        started = time.perf_counter()
+        placement = planner.materialize(shard, predicted_E, t, m, self.topology)
+        return self._layer_plan(index, shard, placement), time.perf_counter() - started
+
+    def plan_of(self, layer_number: int) -> FSSDPLayerPlan:
+        """This iteration's plan of a layer; waits for the planner thread if it is not made yet
+        (the wait is the planner's exposed time, `IterationStats.planner_wait_s`)."""
+        plan = self.plans.get(layer_number)
+        if plan is None:
+            started = time.perf_counter()
+            plan, seconds = self._planning.pop(layer_number).result()  # re-raises the planner's error
+            self.stats.planner_wait_s += time.perf_counter() - started
+            self.stats.planner_s["materialize"] += seconds
+            self.plans[layer_number] = plan
+        return plan
 
     def _reshard(self, iteration: int, predicted_LE: np.ndarray, t: int) -> None:
         """Heterogeneous re-sharding by `placement.fssdp.decide_reshard` (the simulator's rule
@@ -411,6 +440,8 @@ class FSSDPRuntime(ModeRuntime):
         """
         if self.pending:
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
+        for layer in self.layers:  # the plans of layers this iteration never ran (e.g. an empty stage)
+            self.plan_of(layer.layer_number)
         stats = self.stats
         stats.add_times(self.timer.collect())  # one device synchronisation on GPU
         self.tracker.observe(step.processed_LE)
@@ -485,7 +516,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def _gather_copies(self, layer, passes: int, keeps: bool) -> LayerCopies:
         """Launch spAG(l) of this iteration's plan over this rank's owned experts of `layer`."""
-        plan = self.plans[layer.layer_number]
+        plan = self.plan_of(layer.layer_number)
         slots = self.table.slots_of(plan.index)
         owned_ON = torch.empty((0, self.expert_numel), dtype=layer.experts.local_experts[0].linear_fc1.weight.dtype, device=self.device)
         if slots.size:

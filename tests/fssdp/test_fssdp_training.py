@@ -108,6 +108,8 @@ def check_fssdp_records(run, remat: bool, micro_batches: int = 1):
         assert set(planner) == {"materialize", "calibrate", "dispatch"}
         assert planner["materialize"] > 0 and planner["dispatch"] > 0
         assert planner["calibrate"] >= 0 and (fssdp["calibrations"] == 0 or planner["calibrate"] > 0)
+        # the training thread waits for the first layer's plan at least, and dispatches after every gate
+        assert fssdp["planner_exposed_s"] >= planner["dispatch"] > 0
         remat_bytes = fssdp["bytes"]["spag_remat"]["intra"]
         if remat:
             # every layer but the stage's last is gathered again for its backward, with the
@@ -145,6 +147,7 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
         assert scalars["fssdp/overlap_degree"][step] == fssdp["t"]
         assert scalars["fssdp/bytes_spag_intra"][step] == pytest.approx(fssdp["bytes"]["spag"]["intra"])
         assert scalars["fssdp/planner_ms"][step] == pytest.approx(1e3 * sum(fssdp["planner_s"].values()), rel=1e-6)
+        assert scalars["fssdp/planner_exposed_ms"][step] == pytest.approx(1e3 * fssdp["planner_exposed_s"], rel=1e-6)
         for layer in fssdp["layers"]:
             assert scalars[f"fssdp/imbalance_layer{layer['layer']}"][step] == pytest.approx(layer["imbalance"])
     before, after = check_fssdp_records(auto, remat=False)
