@@ -74,6 +74,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "prediction from past iterations misses the expert that turns hot (docs/benchmarks.md, "
         "Drift); --no-fssdp-calibrate plans from the prediction alone. New flag.",
     )
+    group.add_argument(
+        "--fssdp-planner-thread", action=argparse.BooleanOptionalAction, default=False,
+        help="Make each iteration's plans before the gate on a host thread, in layer order, while the "
+        "layers before them run (only the first layer's plan is waited for, and any not ready when "
+        "its layer starts). Off by default: on CPU, where the ranks' compute fills the cores, it did "
+        "not shorten iterations (docs/benchmarks.md, 'Planner thread'), and on GPU it is not measured "
+        "yet. The records' planner_exposed_s shows the planner time left on the training thread "
+        "either way. New flag.",
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -129,6 +138,9 @@ class FSSDPConfig:
     always on with --bf16), as Megatron's DDP reduces the dense gradients in fp32; otherwise in
     the compute dtype (fp16 without the flag, half the spRS bytes). The copies themselves, and so
     spAG, stay in the compute dtype."""
+    planner_thread: bool = False
+    """Make the plans before the gate on a host thread while the layers before them run
+    (`--fssdp-planner-thread`); otherwise all of them in `begin_iteration`."""
     grouped_gemm: bool = False
     """Run the instances a rank computes in one MoE layer pass as one grouped GEMM over their
     weight rows (`--moe-grouped-gemm`; `mode.layer.InstanceMoELayer.run_instances`); Megatron's
@@ -150,6 +162,7 @@ class FSSDPConfig:
             microbatches=args.num_micro_batches,
             reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             grouped_gemm=args.moe_grouped_gemm,
+            planner_thread=args.fssdp_planner_thread,
         )
 
 

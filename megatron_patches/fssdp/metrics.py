@@ -59,12 +59,14 @@ class IterationStats:
     re-materialization)."""
     planner_s: dict = field(default_factory=lambda: defaultdict(float))
     """Host seconds in the planner per step (`PLANNER_STEPS`), wall clock on the thread that ran
-    it: "materialize" on the planner thread (the plans before the gate, made while the layers
-    before them run), "calibrate" and "dispatch" on the training thread after each gate, on the
-    critical path (their counts reach the host before the dispatch they decide is launched)."""
+    it: "materialize" (the plans before the gate: on the training thread before the forward, or
+    with --fssdp-planner-thread on the planner thread while the layers before them run),
+    "calibrate" and "dispatch" on the training thread after each gate, on the critical path
+    (their counts reach the host before the dispatch they decide is launched)."""
     planner_wait_s: float = 0.0
-    """Seconds the training thread waited for the planner thread's plans: the first layer's
-    (needed as the forward starts) and any not ready when its layer started."""
+    """Seconds the training thread spent on the plans before the gate: making them (without
+    --fssdp-planner-thread), or waiting for the planner thread's (the first layer's, needed as
+    the forward starts, and any not ready when its layer started)."""
     reserved: dict = field(default_factory=dict)
     """Per MoE layer number, the copy slots per device materialization left free for
     calibration (`placement.fssdp.calibration_reserve`; 0 without calibration)."""

@@ -25,9 +25,10 @@ model, t) is `fssdp/tuning.py`; its per-iteration figures are `fssdp/metrics.py`
 Per iteration (the materialization phase), every rank computes the same plan from the same
 all-reduced loads: for each layer, `placement.fssdp.materialize(shard, predicted loads, t,
 m)` and the SparseAllGather / SparseReduceScatter pair for it (`--fssdp-collectives`:
-node-aware by default, `comm.relay`; flat, `comm.sparse`). A planner thread makes them in layer
-order while the forward runs, so only the first layer's plan, and any plan not ready when its
-layer starts, are waited for (`plan_of`; the record's `planner_exposed_s`). Per layer the layer
+node-aware by default, `comm.relay`; flat, `comm.sparse`). With --fssdp-planner-thread a host
+thread makes them in layer order while the forward runs, so only the first layer's plan, and any
+plan not ready when its layer starts, are waited for (`plan_of`; the record's
+`planner_exposed_s` has the training thread's share either way). Per layer the layer
 (`layer.FSSDPMoELayer`) gathers the copies on the iteration's first micro-batch and keeps
 them for the others (`forward_backward` scopes them; with re-materialization per micro-batch),
 dispatches every micro-batch by `placement.fssdp.dispatch` and computes; the copies'
@@ -134,9 +135,11 @@ class FSSDPRuntime(ModeRuntime):
         """This iteration's plans made so far, by layer number (`plan_of` waits for the others)."""
         self._planning: dict[int, Future] = {}
         """The plans the planner thread has yet to hand over, by layer number."""
-        self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fssdp-planner")
-        """Plans layers 2..L of an iteration while the layers before them run (one thread, in
-        layer order; the placement kernels release the GIL)."""
+        self._planner = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="fssdp-planner")
+                         if config.planner_thread else None)
+        """--fssdp-planner-thread: plans the layers of an iteration in layer order while the
+        layers before them run (one thread; the placement kernels release the GIL). None: every
+        plan is made in `begin_iteration`, on the training thread."""
         self.pending: list = []
         """(layer copies, spRS handle) launched in the backward, not yet added into main_grad."""
         self.expert_param_sync = None
@@ -302,10 +305,16 @@ class FSSDPRuntime(ModeRuntime):
             row = self.moe_layer_numbers.index(layer.layer_number)
             reserve = 0 if misprediction_L is None else planner.calibration_reserve(m, misprediction_L[row])
             self.stats.reserved[layer.layer_number] = reserve
-            # The first layer's plan is needed as soon as the forward starts; the planner thread
-            # makes the others while the layers before them run (DESIGN 4.2, issue 44 item 2).
-            self._planning[layer.layer_number] = self._planner.submit(
-                self._plan_layer, index, self.layout.layer(index), predicted_LE[row], t, m - reserve)
+            job = (index, self.layout.layer(index), predicted_LE[row], t, m - reserve)
+            if self._planner is None:
+                plan, seconds = self._plan_layer(*job)
+                self.plans[layer.layer_number] = plan
+                self.stats.planner_s["materialize"] += seconds
+                self.stats.planner_wait_s += seconds
+            else:
+                # The first layer's plan is needed as soon as the forward starts; the thread makes
+                # the others while the layers before them run.
+                self._planning[layer.layer_number] = self._planner.submit(self._plan_layer, *job)
         if self.layers:
             self.plan_of(self.layers[0].layer_number)
 
@@ -318,7 +327,7 @@ class FSSDPRuntime(ModeRuntime):
 
     def plan_of(self, layer_number: int) -> FSSDPLayerPlan:
         """This iteration's plan of a layer; waits for the planner thread if it is not made yet
-        (the wait is the planner's exposed time, `IterationStats.planner_wait_s`)."""
+        (the wait is planner time exposed on the training thread, `IterationStats.planner_wait_s`)."""
         plan = self.plans.get(layer_number)
         if plan is None:
             started = time.perf_counter()

@@ -57,9 +57,11 @@ def runs(workdir):
         # iterations 10, 20 and 30) and a memory-bound one with re-materialization
         "fssdp": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-reshard-interval",
                   str(RECHECK), "--tensorboard-dir", str(workdir / "tb_fssdp")],
-        # (re-materialization gathers, re-gathers and reduces per micro-batch: 2 here)
+        # (re-materialization gathers, re-gathers and reduces per micro-batch: 2 here; the plans
+        # before the gate made by the planner thread while the layers before them run)
         "fssdp_remat": [*COMMON, "--train-iters", str(ITERS), "--moe-parallel-mode", "fssdp", "--fssdp-rematerialize",
-                        "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1", *MICRO_BATCHES[2]],
+                        "--fssdp-overlap-degree", "3", "--fssdp-memory-capacity", "1", *MICRO_BATCHES[2],
+                        "--fssdp-planner-thread"],
         # one gather and one reduce per iteration whatever the micro-batch count: fixed t and m,
         # so that both runs plan the same copies from the same (integer, global) loads
         "fssdp_k1": [*COMMON, "--train-iters", str(HALF), *FIXED],
