@@ -320,7 +320,8 @@ class FSSDPRuntime(ModeRuntime):
 
     def _plan_layer(self, index: int, shard: ShardLayout, predicted_E: np.ndarray, t: int,
                     m: int) -> tuple[FSSDPLayerPlan, float]:
-        """Layer `index`'s plan before the gate and the seconds it took (on the planner thread)."""
+        """Layer `index`'s plan before the gate and the seconds it took (on the planner thread
+        with --fssdp-planner-thread, else inline)."""
         started = time.perf_counter()
         placement = planner.materialize(shard, predicted_E, t, m, self.topology)
         return self._layer_plan(index, shard, placement), time.perf_counter() - started
@@ -449,7 +450,7 @@ class FSSDPRuntime(ModeRuntime):
         """
         if self.pending:
             raise RuntimeError("fssdp: gradient reductions still in flight at the end of the iteration")
-        for layer in self.layers:  # the plans of layers this iteration never ran (e.g. an empty stage)
+        for layer in self.layers:  # every plan in hand (and the thread idle) before the record reads them
             self.plan_of(layer.layer_number)
         stats = self.stats
         stats.add_times(self.timer.collect())  # one device synchronisation on GPU

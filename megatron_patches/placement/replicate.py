@@ -2,8 +2,9 @@
 
 G ranks each have s expert slots. Every iteration each expert class gets a number of
 instances proportional to last iteration's popularity (at least one), the instances are laid
-out over the slots so that every rank expects about the same tokens, tokens are spread over the instances under a capacity, and
-each rank fetches its gradient slice of every expert from a deterministic holder. This module
+out over the slots so that every rank expects about the same tokens, tokens are spread over the
+instances under a capacity, and each rank fetches its gradient slice of every expert from a
+deterministic holder. This module
 computes all of that as plain arrays; the runtime (`megatron_patches/replicate/`) moves the
 tensors.
 """
@@ -114,8 +115,9 @@ def assign_slots(counts_E, popularity_E, num_ranks: int, slots_per_rank: int) ->
     which sends every hot expert's instances to whole ranks of their own and stacks the
     single instances of several warm experts on one rank. On the drifting trace of
     docs/benchmarks.md ("Replicate's slot layout": 4 x 8 ranks, E = 64, s = 4) the balanced
-    layout lowers the imbalance from 1.23 / 1.45 (mean / p95) to 1.12 / 1.20 at capacity factor
-    1, and from 1.94 / 3.34 to 1.56 / 3.45 dropless, with the same counts.
+    layout lowers the imbalance from 1.24 / 1.45 (mean / p95) to 1.12 / 1.21 at capacity factor
+    1, and the dropless mean from 2.01 to 1.59 (p95 3.56 to 4.01), with the same counts; the
+    gradient and weight paths move more bytes (a rank's slots hold more distinct experts).
 
     Args:
         counts_E: instances per expert (`replica_counts`), each >= 1, summing to G*s [E].
