@@ -119,6 +119,11 @@ def assign_slots(counts_E, popularity_E, num_ranks: int, slots_per_rank: int) ->
     1, and the dropless mean from 2.01 to 1.59 (p95 3.56 to 4.01), with the same counts; the
     gradient and weight paths move more bytes (a rank's slots hold more distinct experts).
 
+    With fewer experts than ranks (E < G: more than s instances per expert on average) the
+    contiguous fill is kept: there an expert's instances fill whole ranks of their own, and
+    spreading them balanced almost nothing (128 x 8 ranks, E = 256: 1.056 against 1.049) for
+    3.4x the gradient and weight bytes, nearly all between nodes.
+
     Args:
         counts_E: instances per expert (`replica_counts`), each >= 1, summing to G*s [E].
         popularity_E: tokens per expert the counts were made from, >= 0 [E]; all zero is
@@ -137,6 +142,8 @@ def assign_slots(counts_E, popularity_E, num_ranks: int, slots_per_rank: int) ->
     p = np.asarray(popularity_E, dtype=np.float64)
     if p.shape != counts_E.shape or not np.all(np.isfinite(p) & (p >= 0)):
         raise PlacementError(f"popularity_E must be {counts_E.size} finite values >= 0, got {p!r}")
+    if counts_E.size < G:
+        return np.repeat(np.arange(counts_E.size, dtype=np.int64), counts_E).reshape(G, s)
     if p.sum() == 0:
         p = np.ones_like(p)
     weight_E = p / counts_E

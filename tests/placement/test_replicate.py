@@ -103,7 +103,11 @@ def test_replica_counts_errors():
 
 def reference_slots(counts, p, G, s):
     """DESIGN 4.6 step 3 written out: instances by descending p_e / count_e (ties: lower id), each
-    to the rank with the least expected tokens among those with a free slot (ties: lower rank)."""
+    to the rank with the least expected tokens among those with a free slot (ties: lower rank);
+    with fewer experts than ranks, expert 0's instances first, rank by rank (contiguous)."""
+    if len(counts) < G:
+        flat = [e for e in range(len(counts)) for _ in range(counts[e])]
+        return [flat[r * s:(r + 1) * s] for r in range(G)]
     p = np.asarray(p, dtype=float)
     if p.sum() == 0:
         p = np.ones_like(p)
@@ -127,6 +131,9 @@ def test_assign_slots_worked_example():
     # equal popularity: each expert's instances on distinct ranks (the paper's contiguous layout
     # put both of expert e's on rank e // 2, leaving no replica anywhere)
     assert popularity_slots(np.ones(8), 4, 4).tolist() == [[0, 2, 4, 6], [0, 2, 4, 6], [1, 3, 5, 7], [1, 3, 5, 7]]
+    # fewer experts than ranks: contiguous, each expert's instances on whole ranks of their own
+    # (expert 0, three times as popular, gets 6 of the 8 slots)
+    assert popularity_slots([3, 1], 4, 2).tolist() == [[0, 0], [0, 0], [0, 0], [1, 1]]
 
 
 @FAST
