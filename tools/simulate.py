@@ -46,6 +46,7 @@ from megatron_patches.sim import (
     PRECISIONS,
     RECOMPUTE,
     SYSTEMS,
+    Hardware,
     KernelEfficiency,
     LinkParameters,
     Precision,
@@ -59,6 +60,7 @@ from megatron_patches.sim import (
     summarize,
     write_json,
 )
+from megatron_patches.sim.profile import load_device_profile
 from megatron_patches.sim.systems import check_memory, ep_layout_problem, simulate_all
 from megatron_patches.sim.scenario import SPARSE_COLLECTIVES
 
@@ -130,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--efficiency", action="append", default=[], metavar="KEY=VALUE",
                         help="override a kernel efficiency, e.g. expert_gemm=0.6 (repeatable; keys: "
                         + ", ".join(f.name for f in dataclasses.fields(KernelEfficiency)) + ")")
+    parser.add_argument("--device-profile", default=None, metavar="FILE",
+                        help="kernel rates measured on the simulated GPU type (tools/device_check.py's kernels "
+                        "stage writes one) in place of the cluster file's peaks x the cited efficiencies; the "
+                        "efficiencies it implies are printed and recorded (an --efficiency key it also sets is refused)")
     parser.add_argument("--link", action="append", default=[], metavar="KEY=VALUE",
                         help="override a link parameter (repeatable; keys: "
                         + ", ".join(f.name for f in dataclasses.fields(LinkParameters)) + ")")
@@ -296,9 +302,9 @@ def main(argv=None) -> int:
         settings = _settings(args)
         value = {name: v for name, (v, _) in settings.items()}
         specs = resolve_systems(["ep"] + value["systems"].split(","))
-        efficiency, link_params, options = _pricing(args, value)
         model, cluster = value["model"], value["cluster"]
         gpus = cluster.num_devices if value["gpus"] is None else value["gpus"]
+        efficiency, link_params, options = _pricing(args, value, Hardware.from_cluster(cluster, gpus))
         seq_length = value["seq_length"] or model.seq_length
         trace, trace_label = _trace(args, model, select_devices(cluster, gpus).num_devices,
                                     value["micro_batch_size"] * seq_length, specs)
@@ -339,9 +345,21 @@ def main(argv=None) -> int:
     return 0
 
 
-def _pricing(args, value: dict) -> tuple[KernelEfficiency, LinkParameters, SimOptions]:
-    """The kernel efficiencies, link parameters and simulator options of the command line."""
-    efficiency = KernelEfficiency().with_overrides(_key_values(args.efficiency, "--efficiency"))
+def _pricing(args, value: dict, hardware: Hardware) -> tuple[KernelEfficiency, LinkParameters, SimOptions]:
+    """The kernel efficiencies (--efficiency, and those a --device-profile implies on `hardware`),
+    link parameters and simulator options of the command line."""
+    overrides = _key_values(args.efficiency, "--efficiency")
+    if args.device_profile is not None:
+        precision = Precision(value["precision"] or hardware.default_precision[0])
+        measured = load_device_profile(args.device_profile).efficiency_overrides(hardware, precision)
+        both = sorted(set(measured) & set(overrides))
+        if both:
+            raise SimError(f"--efficiency {', '.join(both)} and --device-profile {args.device_profile} both set "
+                           f"{', '.join(both)}; give one of them")
+        print(f"device profile {args.device_profile} ({precision.name}): "
+              + ", ".join(f"{k}={v:.3g}" for k, v in measured.items()))
+        overrides.update(measured)
+    efficiency = KernelEfficiency().with_overrides(overrides)
     links = _key_values(args.link, "--link")
     valid_links = [f.name for f in dataclasses.fields(LinkParameters)]
     unknown = sorted(set(links) - set(valid_links))

@@ -190,8 +190,9 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         fp16=run.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        # CPU: initialise on the host; the fused kernels below need Apex/TE/CUDA.
-        use_cpu_initialization=not on_gpu,
+        # CPU: initialise on the host (on GPU too with --use-cpu-initialization); the fused
+        # kernels below need Apex/TE/CUDA.
+        use_cpu_initialization=not on_gpu or bool(run.use_cpu_initialization),
         gradient_accumulation_fusion=False,
         # the experts' fused bias + activation with their per-token probabilities exists only for
         # gated SiLU / quick-GELU (transformer/mlp.py:171-193 raises for plain GELU: seen on an H200)

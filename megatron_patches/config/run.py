@@ -49,6 +49,9 @@ class RunSettings:
     """`--attention-dropout`."""
     init_method_std: float = 0.02
     """`--init-method-std`."""
+    use_cpu_initialization: bool | None = None
+    """`--use-cpu-initialization` (Megatron-LM's default None means off): build the weights on the host from the CPU generator, as every
+    CPU run does; on GPU this gives a CPU run's initial weights for the same seed."""
     moe_router_pre_softmax: bool = False
     """`--moe-router-pre-softmax` (see `router_pre_softmax`)."""
     moe_aux_loss_coeff: float = 0.0

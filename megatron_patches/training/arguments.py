@@ -287,6 +287,10 @@ def _add_model_args(parser):
     group.add_argument("--init-method-std", type=float, default=RUN_DEFAULTS.init_method_std,
                        help="Standard deviation of the zero mean normal distribution used for "
                        "weight initialization.")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                       help="If set, initialize weights on the CPU (every CPU run does). On GPU the "
+                       "initial weights are then those of a CPU run with the same seed, so the two "
+                       "runs' losses can be compared (tools/device_check.py).")
     group.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models",
                        help="DEPRECATED in Megatron-LM, where Megatron-Core models are the default: the "
                        "only models here. Accepted, and named in the start-up line of flags without effect.")

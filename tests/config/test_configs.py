@@ -426,9 +426,11 @@ CLUSTERS = {
     "zebra_c2": [("L40S-48GB", 2), ("T4-16GB", 8)],
     "local_cpu": [("cpu-rank", 4)],
     "h100_dgx": [("H100-SXM5-80GB", 2048)],
+    "h200_hgx": [("H200-SXM-141GB", 8)],
 }
 INTER_NODE_GBPS = {"cluster_a": 100, "cluster_b": 400, "replication_a100": 100, "zebra_o1": 100,
-                   "zebra_o2": 100, "zebra_o3": 100, "zebra_c1": 200, "zebra_c2": 200, "h100_dgx": 3200}
+                   "zebra_o2": 100, "zebra_o3": 100, "zebra_c1": 200, "zebra_c2": 200, "h100_dgx": 3200,
+                   "h200_hgx": 3200}
 
 
 def test_every_cluster_has_a_config():
