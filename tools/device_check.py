@@ -55,7 +55,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 ITERATIONS = 5
 """Training iterations per run of the train stage."""
