@@ -74,7 +74,7 @@ PRECISIONS = {
               "uniform", "--recompute-num-layers", "1"], 2e-3),
 }
 """Tolerances: on CPU the three precisions' losses of these runs differ by at most 8e-4 (bf16 vs
-fp32) and 2e-4 (fp16 vs fp32) over 5 iterations, while one lost update moves the loss by ~0.05."""
+fp32) and 3.1e-4 (fp16 vs fp32) over 5 iterations, while one lost update moves the loss by ~0.05."""
 OVERLAP_COPIES = 8
 """t, expert copies gathered per layer in the overlap stage (FSSDP's typical overlap degree)."""
 OVERLAP_TARGET = 0.10
