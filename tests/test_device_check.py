@@ -39,7 +39,7 @@ def test_bad_stage_names_are_refused_naming_the_valid_ones():
     done = subprocess.run([sys.executable, "tools/device_check.py", "--stages", "env,trian"], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
     assert done.returncode == 2
-    assert "--stages: unknown trian; valid: env, train, sync, memory, overlap, kernels, te-apex, multi-gpu" in done.stderr
+    assert "--stages: unknown trian; valid: env, kernels, overlap, train, sync, memory, te-apex, multi-gpu" in done.stderr
 
 
 @pytest.mark.parametrize("name", sorted(kit.kit_runs()))
@@ -70,12 +70,13 @@ def test_the_cpu_halves_and_the_tolerances(tmp_path):
 
 def test_the_sync_child_runs_the_training_script_in_process(tmp_path):
     out = tmp_path / "sync.json"
-    assert kit.SYNC_RUN[-2:] == ["--train-iters", str(kit.SYNC_ITERATION)]
+    assert kit.SYNC_RUN[-2:] == ["--train-iters", str(kit.SYNC_ITERATION + 1)]
     done = subprocess.run([sys.executable, "tools/device_check.py", "--sync-child", str(out), "2",
                            *kit.SYNC_RUN[:-2], "--train-iters", "2", "--cpu"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert json.loads(out.read_text()) == {"iteration": 2, "sources": {}}  # no CUDA, nothing synchronises
+    # no CUDA, nothing synchronises (on a GPU the kit fails the stage when nothing is warned)
+    assert json.loads(out.read_text()) == {"iteration": 2, "warned": 0, "sources": {}}
     assert "iter      2/2" in done.stdout
 
 
