@@ -61,7 +61,13 @@ from megatron_patches.sim import (
     write_json,
 )
 from megatron_patches.sim.profile import load_device_profile
-from megatron_patches.sim.systems import check_memory, ep_layout_problem, simulate_all
+from megatron_patches.sim.systems import (
+    check_memory,
+    ep_layout_problem,
+    periodic_acts,
+    periodic_interval,
+    simulate_all,
+)
 from megatron_patches.sim.scenario import SPARSE_COLLECTIVES
 
 
@@ -89,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to use, the cluster's first ones (default: all, or the run's world size)")
     parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py); "
-                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations, or 2N + 1 "
-                        "for flexmoe-N / smartmoe-N")
+                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations (--iterations "
+                        "N for more; a periodic system that acts fewer than twice in the trace is named in the output)")
     parser.add_argument("--systems", default=None,
                         help="comma-separated systems (default ep,fssdp; with --run, ep and the run's mode)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
@@ -265,20 +271,13 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
     return out
 
 
-def synthetic_iterations(specs) -> int:
-    """Iterations of the synthetic trace without --iterations: SYNTHETIC_ITERATIONS, or enough for
-    the periodic systems asked for (FlexMoE-N, SmartMoE-N) to adjust twice (2 N + 1), since a
-    shorter trace shows them never adjusting."""
-    periods = [spec.interval for spec in specs if spec.interval]
-    return max([SYNTHETIC_ITERATIONS] + [2 * n + 1 for n in periods])
-
-
-def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int, specs):
+def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
     """The --trace file, or with --run a synthetic trace of the run's routing (tools/make_trace.py's
     defaults: Zipf 1.0, drift 0.05, seed 0, per-rank loads for every GPU); (trace, description)."""
     if args.trace is not None:
         return read_trace(args.trace), os.path.abspath(args.trace)
-    iterations = args.iterations or synthetic_iterations(specs)
+    # the same trace whichever systems are asked for: a system's answer must not depend on its company
+    iterations = args.iterations or SYNTHETIC_ITERATIONS
     trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
                             tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0)
     return trace, (f"synthetic (no --trace): {iterations} iterations, Zipf 1.0, drift 0.05, seed 0, "
@@ -307,7 +306,7 @@ def main(argv=None) -> int:
         efficiency, link_params, options = _pricing(args, value, Hardware.from_cluster(cluster, gpus))
         seq_length = value["seq_length"] or model.seq_length
         trace, trace_label = _trace(args, model, select_devices(cluster, gpus).num_devices,
-                                    value["micro_batch_size"] * seq_length, specs)
+                                    value["micro_batch_size"] * seq_length)
         if args.iterations is not None:
             trace = dataclasses.replace(
                 trace,
@@ -327,8 +326,20 @@ def main(argv=None) -> int:
         _print_settings(scn, settings, specs, trace_label)
         if ep_problem is not None:
             print(f"note: ep is not simulated ({ep_problem}), so there are no speedups over it")
-        for warning in check_memory(scn, specs):
-            print(f"warning: {warning}")
+        # a system that cannot fit with balanced loads is not simulated, alone or beside others
+        out_of_memory = check_memory(scn, specs)
+        for name, why in out_of_memory.items():
+            print(f"out of memory: {name} is not simulated: {why}")
+        if "ep" in out_of_memory:
+            print("note: ep does not fit, so there are no speedups over it")
+        specs = [spec for spec in specs if spec.name not in out_of_memory]
+        periodic = {spec.name: acts for spec in specs if (acts := periodic_acts(scn, spec)) is not None}
+        for name, acts in periodic.items():
+            if acts < 2:
+                spec = next(s for s in specs if s.name == name)
+                interval = periodic_interval(scn, spec)
+                print(f"note: {name} rearranges every {interval} iterations: {acts} time{'s' * (acts != 1)} in these "
+                      f"{scn.num_iterations} (--iterations {2 * interval + 1} lets it act twice)")
 
         def progress(name: str, seconds: float) -> None:
             if not args.quiet:
@@ -338,7 +349,9 @@ def main(argv=None) -> int:
     except (SimError, ConfigError, TraceError, PlacementError, OSError) as err:
         return _fail(str(err))
     setup = _setup_record(scn, model, settings, trace_label, efficiency, link_params, options)
-    summary = summarize(results, setup, None if ep_problem else "ep")
+    reference = None if ep_problem or "ep" in out_of_memory else "ep"
+    summary = summarize(results, setup, reference, out_of_memory)
+    summary["setup"]["periodic_acts"] = periodic
     summary["setup"]["wall_s"] = time.perf_counter() - started
     _report(summary, args)
     print(f"simulated in {summary['setup']['wall_s']:.1f} s")

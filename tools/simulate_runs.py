@@ -10,8 +10,10 @@ Each run goes through `tools/simulate.py --run NAME --iterations N` (the run's m
 world size, batch, precision and recompute; a synthetic trace of N iterations, Zipf 1.0, drift
 0.05, seed 0) with the systems its paper compares (`BASELINES`). The table gives EP's iteration
 time and every system's speedup over EP; survival where a system drops tokens; "!" where a
-system needs more memory than a GPU has at its most loaded iteration; a run where nothing fits
-shows the simulator's refusal. The section sits between `BEGIN` and `END` in docs/tools.md, so it
+system needs more memory than a GPU has at its most loaded iteration; "OOM" where it cannot fit
+even with balanced loads (not simulated, as simulate.py reports it alone or in company); a run
+where nothing fits shows the simulator's refusal; "acted Nx" where a periodic system (FlexMoE-N,
+SmartMoE-N, FSSDP's re-shard check) rearranged fewer than twice in the trace. The section sits between `BEGIN` and `END` in docs/tools.md, so it
 can be regenerated and checked (tests/sim/test_sim_cli.py); the published figures can later be
 set beside it.
 """
@@ -85,16 +87,18 @@ def simulate_run(name: str, iterations: int, jobs: int = 1) -> tuple[dict | None
             return json.load(f), ""
 
 
-def _cell(s: dict) -> str:
+def _cell(s: dict, acts: int | None) -> str:
     # without an EP layout on the pool (EP ms "-"): the system's own time per iteration
     speed = f"{s['iteration_s'] * 1e3:.1f} ms" if s["speedup_vs_ep"] is None else f"{s['speedup_vs_ep']:.2f}x"
-    extra = f", surv {s['survival_mean']:.2f}" if s["survival_mean"] < 0.9995 else ""
-    return speed + extra + ("!" if not s["fits_in_memory"] else "")
+    notes = [f"surv {s['survival_mean']:.2f}"] if s["survival_mean"] < 0.9995 else []
+    # a periodic mechanism that acted fewer than twice in the trace: its figure says so
+    notes += [f"acted {acts}x"] if acts is not None and acts < 2 else []
+    return speed + ("!" if not s["fits_in_memory"] else "") + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def table(iterations: int, jobs: int = 1, progress=None) -> str:
     lines = [
-        "| run | setup | EP ms/iter | speedup over EP (ms/iter where EP cannot lay out the experts; survival when tokens drop; ! = over memory) |",
+        "| run | setup | EP ms/iter | speedup over EP (ms/iter where EP cannot lay out the experts or does not fit; survival when tokens drop; ! = over memory at the most loaded iteration; OOM = cannot fit even with balanced loads, not simulated; acted Nx = a periodic system that rearranged fewer than twice in the trace) |",
         "|---|---|---|---|",
     ]
     for name in run_names():
@@ -107,8 +111,12 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
         setup = summary["setup"]
         systems = summary["systems"]
         ep = systems.get("ep")
-        ep_ms = "-" if ep is None else f"{ep['iteration_s'] * 1e3:.1f}" + ("!" if not ep["fits_in_memory"] else "")
-        cells = ", ".join(f"{n} {_cell(s)}" for n, s in systems.items() if n != "ep")
+        oom = summary["out_of_memory"]
+        ep_ms = "OOM" if "ep" in oom else "-" if ep is None else \
+            f"{ep['iteration_s'] * 1e3:.1f}" + ("!" if not ep["fits_in_memory"] else "")
+        acts = setup["periodic_acts"]
+        cells = ", ".join([f"{n} {_cell(s, acts.get(n))}" for n, s in systems.items() if n != "ep"]
+                          + [f"{n} OOM" for n in oom if n != "ep"])
         where = (f"{setup['gpus']} x {setup['cluster'].split(':')[0]}, {setup['micro_batch_size']} x "
                  f"{setup['seq_length']} tok/GPU, {setup['precision']}, recompute {setup['recompute']}")
         lines.append(f"| {name} | {where} | {ep_ms} | {cells} |")

@@ -2,7 +2,9 @@
 
 `SystemResult` holds one system's per-iteration arrays; `summarize` turns a set of results into
 the JSON layout of issue 8 (top-level "systems" -> name -> iteration_s, speedup_vs_ep,
-breakdown_s, imbalance_mean, memory_gb_max, survival_mean, per_layer_speedup, ...);
+breakdown_s, imbalance_mean, memory_gb_max, survival_mean, per_layer_speedup, ...; and
+"out_of_memory" -> name -> why, for the requested systems not simulated because they cannot fit
+even with balanced loads);
 `format_table` prints the same numbers for people; `plot` draws the speedup and breakdown bars
 and the per-layer speedups.
 
@@ -114,12 +116,15 @@ def _mean(x) -> float:
     return float(np.mean(x))
 
 
-def summarize(results: list[SystemResult], setup: dict, reference: str | None = "ep") -> dict:
-    """The JSON document: {"setup": setup, "systems": {name: metrics}} (see the module docstring).
+def summarize(results: list[SystemResult], setup: dict, reference: str | None = "ep",
+              out_of_memory: dict[str, str] | None = None) -> dict:
+    """The JSON document: {"setup": setup, "systems": {name: metrics}, "out_of_memory": {name:
+    why}} (see the module docstring); out_of_memory lists the requested systems that were not
+    simulated because they cannot fit even with balanced loads (`systems.check_memory`).
 
     speedup_vs_ep and per_layer_speedup are relative to the result named `reference`, which
-    must be among `results`; None (EP cannot be laid out on the simulated devices) leaves them
-    None.
+    must be among `results`; None (EP cannot be laid out on the simulated devices, or does not
+    fit) leaves them None.
     """
     by_name = {r.name: r for r in results}
     if reference is not None and reference not in by_name:
@@ -155,7 +160,7 @@ def summarize(results: list[SystemResult], setup: dict, reference: str | None = 
             "planner_s": r.planner_s,
             "details": r.details,
         }
-    return {"setup": setup, "systems": systems}
+    return {"setup": setup, "systems": systems, "out_of_memory": dict(out_of_memory or {})}
 
 
 def _moe_speedup(ref: SystemResult | None, r: SystemResult) -> list[float] | None:
@@ -186,9 +191,11 @@ def format_table(summary: dict) -> str:
             f"{_ms(b['all_to_all'])} {_ms(b['exposed_collectives'])} {_ms(b['rearrangement'])} {_ms(b['optimizer'])} "
             f"{s['imbalance_mean']:6.2f} {s['survival_mean']:6.3f} {mem}"
         )
+    for name, why in summary["out_of_memory"].items():
+        lines.append(f"{name:<14} out of memory with balanced loads, not simulated: {why}")
     lines.append(
         "times: ms per iteration (mean over the trace); attn..optim except 'exp max' add up to 'iter ms'; "
-        "'exp max' = busiest device's expert compute; '!' = exceeds device memory"
+        "'exp max' = busiest device's expert compute; '!' = its most loaded iteration exceeds device memory"
     )
     for name, s in summary["systems"].items():
         if s["per_layer_speedup"] is not None:

@@ -74,6 +74,8 @@ __all__ = [
     "SystemSpec",
     "SYSTEMS",
     "check_memory",
+    "periodic_acts",
+    "periodic_interval",
     "ep_layout_problem",
     "resolve_systems",
     "simulate",
@@ -325,34 +327,37 @@ def ep_memory_need(scn: Scenario) -> MemoryNeed:
     return MemoryNeed("EP", scn.hardware.device_types[d], parts, float(scn.hardware.memory_D[d]))
 
 
-def _memory_needs(scn: Scenario, specs: list[SystemSpec]) -> dict[str, list[MemoryNeed]]:
-    """Balanced-load needs per group of systems: the placement systems share EP's, each zebra
-    system has its attention and expert ranks'."""
-    groups: dict[str, list[MemoryNeed]] = {}
+def _memory_needs(scn: Scenario, specs: list[SystemSpec]) -> dict[str, tuple[list[str], list[MemoryNeed]]]:
+    """Balanced-load needs per group of systems, as {group: (its systems, needs)}: the placement
+    systems share EP's, each zebra system has its attention and expert ranks'."""
+    groups: dict[str, tuple[list[str], list[MemoryNeed]]] = {}
     placement = [s.name for s in specs if s.family == "placement"]
     if placement:
-        groups[", ".join(placement)] = [ep_memory_need(scn)]
+        groups[", ".join(placement)] = (placement, [ep_memory_need(scn)])
     for spec in specs:
         if spec.family == "zebra":
             from megatron_patches.sim.zebra import zebra_memory_needs
 
-            groups[spec.name] = zebra_memory_needs(scn, spec)
+            groups[spec.name] = ([spec.name], zebra_memory_needs(scn, spec))
     return groups
 
 
-def check_memory(scn: Scenario, specs: list[SystemSpec]) -> list[str]:
-    """SimError unless some requested system fits with perfectly balanced loads; warnings for the rest.
+def check_memory(scn: Scenario, specs: list[SystemSpec]) -> dict[str, str]:
+    """The requested systems that cannot fit even with perfectly balanced loads, each with why
+    ({name: "EP needs 17.9 GB per device (...); a V100-SXM2-16GB has 16 GB"}); SimError when
+    none of them fits.
 
-    A system that does not fit is still simulated when another one does (EP, the reference, is
-    simulated wherever it can place the experts) and its result is marked as over memory; a zebra planner that must move
-    experts to fit refuses on its own (`zebra._plan`). When nothing fits, the message gives
-    every group's parts and what each other activation recompute would need.
+    Such a system is never simulated, whichever systems run beside it: its answer is "out of
+    memory" alone or in company (one that fits with balanced loads is simulated, and its result
+    says whether its most loaded iteration exceeds the memory). A zebra planner that must move
+    experts to fit refuses on its own (`zebra._plan`). When nothing fits, the message gives every
+    group's parts and what each other activation recompute would need.
     """
     groups = _memory_needs(scn, specs)
-    failing = {name: [n for n in needs if not n.fits] for name, needs in groups.items()}
+    failing = {group: [n for n in needs if not n.fits] for group, (_, needs) in groups.items()}
     if any(not bad for bad in failing.values()):
-        return [f"{name} cannot fit even with balanced loads: " + "; ".join(n.describe() for n in bad)
-                for name, bad in failing.items() if bad]
+        return {name: "; ".join(n.describe() for n in failing[group])
+                for group, (names, _) in groups.items() if failing[group] for name in names}
     model = scn.workload.model
     reasons = "; ".join(n.describe() for bad in failing.values() for n in bad)
     hints = []
@@ -360,9 +365,9 @@ def check_memory(scn: Scenario, specs: list[SystemSpec]) -> list[str]:
         if recompute in ("none", scn.workload.recompute):
             continue
         other = _memory_needs(scn.with_recompute(recompute), specs)
-        fits = [name for name, needs in other.items() if all(n.fits for n in needs)]
+        fits = [group for group, (_, needs) in other.items() if all(n.fits for n in needs)]
         figures = ", ".join(f"{n.what} {n.need / 1e9:.1f} GB of {n.capacity / 1e9:.0f}"
-                            for needs in other.values() for n in needs)
+                            for _, needs in other.values() for n in needs)
         verdict = f"{' and '.join(fits)} would fit" if fits else "nothing would fit"
         hints.append(f"--recompute {recompute} ({verdict}: {figures})")
     raise SimError(
@@ -371,6 +376,23 @@ def check_memory(scn: Scenario, specs: list[SystemSpec]) -> list[str]:
         f"{scn.workload.recompute}: {reasons}; use more GPUs, a smaller --micro-batch-size or --seq-length"
         + (", or " + " or ".join(hints) if hints else "")
     )
+
+
+def periodic_interval(scn: Scenario, spec: SystemSpec) -> int | None:
+    """Iterations between a system's periodic rearrangements (FlexMoE-N, SmartMoE-N, FSSDP's
+    re-shard check), or None for a system without one. Such a mechanism acts at every iteration
+    i > 0 that the interval divides (`placement.policies`)."""
+    if spec.policy in ("flexmoe", "smartmoe"):
+        return spec.interval or scn.options.reshard_interval
+    if spec.policy == "fssdp" and spec.fssdp_mode != "materialize":
+        return scn.options.reshard_interval
+    return None
+
+
+def periodic_acts(scn: Scenario, spec: SystemSpec) -> int | None:
+    """How often the system's periodic mechanism acts within the scenario's iterations (None: it has none)."""
+    interval = periodic_interval(scn, spec)
+    return None if interval is None else (scn.num_iterations - 1) // interval
 
 
 def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
@@ -426,11 +448,11 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
                  "reshard_interval": interval if spec.fssdp_mode != "materialize" else None}
     elif spec.policy == "flexmoe":
         memory_capacity = reserved
-        interval = spec.interval or interval
+        interval = periodic_interval(scn, spec)
         knobs = {"reserved_slots": reserved, "interval": interval,
                  "capacity_factor": scn.capacity_factor if scn.capacity_set else None}
     elif spec.policy == "smartmoe":
-        interval = spec.interval or interval
+        interval = periodic_interval(scn, spec)
         knobs = {"interval": interval}
     elif spec.policy in ("replicate", "static"):
         knobs = {"slots_per_rank": slots, "capacity_factor": scn.capacity_factor}

@@ -251,7 +251,7 @@ def test_a_model_that_does_not_fit_fails_with_its_parts():
     with pytest.raises(SimError, match=r"does not fit: .* needs [0-9.]+ GB per device .*activations .* has 2 GB"):
         check_memory(scn, ep)
     roomy = build_scenario(make_model(), make_cluster(1, 2), 2, balanced_trace(2, 2, 8, 2, 100))
-    assert check_memory(roomy, ep) == []
+    assert check_memory(roomy, ep) == {}
 
 
 def test_probed_topology_shares_each_nic_among_its_node_as_the_runtimes_probe_measures():

@@ -332,6 +332,7 @@ DATASHEET = {  # FP32, TF32 tensor (dense), bf16: NVIDIA datasheets
     "L40S-48GB": (91.6, 183.0, True),
     "T4-16GB": (8.1, None, False),
     "H100-SXM5-80GB": (67.0, 494.5, True),
+    "H200-SXM-141GB": (67.0, 494.5, True),
     "cpu-rank": (0.0375, None, False),
 }
 
@@ -381,8 +382,15 @@ def test_mixtral_d1_at_16k_fits_zebra_with_fp16_and_full_recompute(capsys, tmp_p
     assert "recompute  full  [--recompute]" in stdout
     systems = json.loads(out.read_text())["systems"]
     assert systems["zebra"]["fits_in_memory"] and np.isfinite(systems["zebra"]["iteration_s"])
-    # EP still cannot: one V100 layer's unfused 16K attention scores alone are 10.7 GB when recomputed
-    assert not systems["ep"]["fits_in_memory"] and "ep cannot fit even with balanced loads" in stdout
+    # EP still cannot: one V100 layer's unfused 16K attention scores alone are 10.7 GB when
+    # recomputed. So it is not simulated: the same answer as when it runs alone (refused below)
+    summary = json.loads(out.read_text())
+    assert list(systems) == ["zebra"] and summary["out_of_memory"]["ep"].startswith("EP needs ")
+    assert "out of memory: ep is not simulated: EP needs " in stdout
+    assert "no speedups over it" in stdout and systems["zebra"]["speedup_vs_ep"] is None
+    rc, _, err = run_tool(capsys, *D1_16K, "--trace", d1_trace, "--precision", "fp16", "--recompute", "full",
+                          "--systems", "ep", "--quiet")
+    assert rc == 2 and summary["out_of_memory"]["ep"] in err
 
 
 def test_mixtral_d1_at_16k_without_recompute_is_refused_with_the_way_out(capsys, d1_trace):
@@ -452,15 +460,28 @@ def test_run_mode_flags_reach_the_systems(capsys, tmp_path):
     assert json.loads(out.read_text())["systems"]["zebra"]["details"]["microbatches"] == 6  # the run config's zebra_microbatches
 
 
-def test_a_run_without_a_trace_is_long_enough_for_the_periodic_systems(capsys, tmp_path):
-    """FlexMoE-10 adjusts at iterations 10 and 20: the synthetic trace has 21 (10 would show it never
-    adjusting, as the replication paper's comparison did before)."""
+def test_a_system_s_answer_does_not_depend_on_its_company_and_short_traces_say_so(capsys, tmp_path):
+    """Without --trace every command simulates the same 10 iterations, whichever systems it asks
+    for (the trace used to grow to 2N + 1 when flexmoe-N was asked for, so EP's figure changed
+    with its company). FlexMoE-10 acts at iterations i > 0 that 10 divides: (10 - 1) // 10 = 0
+    times in 10 iterations, which the output says, and (21 - 1) // 10 = 2 times in 21."""
     out = tmp_path / "run.json"
-    rc, stdout, _ = run_tool(capsys, "--run", "replicate_gpt_small_16", "--systems", "flexmoe-10", "--quiet",
-                             "--json", out)
-    assert rc == 0 and "synthetic (no --trace): 21 iterations" in stdout
+    figures = {}
+    for systems in ("flexmoe-10", "replicate", "flexmoe-10,replicate"):
+        rc, stdout, _ = run_tool(capsys, "--run", "replicate_gpt_small_16", "--systems", systems, "--quiet",
+                                 "--json", out)
+        summary = json.loads(out.read_text())
+        assert rc == 0 and summary["setup"]["iterations"] == 10
+        figures[systems] = {name: s["iteration_s"] for name, s in summary["systems"].items()}
+        assert ("note: flexmoe-10 rearranges every 10 iterations: 0 times in these 10 (--iterations 21 lets it act "
+                "twice)" in stdout) == ("flexmoe-10" in systems)
+    assert figures["flexmoe-10"]["ep"] == figures["replicate"]["ep"] == figures["flexmoe-10,replicate"]["ep"]
+    assert figures["flexmoe-10"]["flexmoe-10"] == figures["flexmoe-10,replicate"]["flexmoe-10"]
+    assert figures["replicate"]["replicate"] == figures["flexmoe-10,replicate"]["replicate"]
+    rc, stdout, _ = run_tool(capsys, "--run", "replicate_gpt_small_16", "--systems", "flexmoe-10", "--iterations",
+                             21, "--quiet", "--json", out)
     summary = json.loads(out.read_text())
-    assert summary["setup"]["iterations"] == 21
+    assert rc == 0 and "rearranges every" not in stdout and summary["setup"]["periodic_acts"] == {"flexmoe-10": 2}
     assert summary["systems"]["flexmoe-10"]["details"]["rearrangement_events"] >= 1
 
 
