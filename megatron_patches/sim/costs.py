@@ -787,14 +787,45 @@ class MemoryModel:
         self._element = float(workload.precision.element_bytes)
         self._fused_D = hardware.fused_attention_D(workload.precision)
 
-    def dense_bytes(self) -> float:
-        """Non-expert parameters: weights and gradients on every device, optimizer state sharded
-        over the D data-parallel ranks by the distributed optimizer."""
+    def dense_parts(self, optimizer_ranks: int | None = None) -> dict[str, float]:
+        """Non-expert parameters' bytes on one device: {"parameters", "gradients", "optimizer
+        state"}; weights and gradients on every device, optimizer state sharded over
+        `optimizer_ranks` (default: the D data-parallel ranks, as the distributed optimizer shards it)."""
         dense = self.workload.dense_params()
         params = sum(dense["per_layer"]) + dense["outer"]
         b = self.workload.byte_model
-        sharded_optimizer = b.optimizer_bytes_per_param / self.workload.num_devices
-        return params * (b.weight_bytes_per_param + b.grad_bytes_per_param + sharded_optimizer)
+        ranks = self.workload.num_devices if optimizer_ranks is None else optimizer_ranks
+        return {"parameters": params * b.weight_bytes_per_param, "gradients": params * b.grad_bytes_per_param,
+                "optimizer state": params * b.optimizer_bytes_per_param / ranks}
+
+    def by_part(self, dense: dict, expert_params, expert_optimizer_params, activations) -> dict[str, np.ndarray]:
+        """A device's bytes by part, parameters, gradients and optimizer state apart for the dense
+        model and for the experts, plus activations and the reserve; arrays broadcast alike.
+
+        dense: `dense_parts()` (or zeros where a device holds no dense model); expert_params:
+        parameters of the expert instances the device holds, owned or copies (weights and
+        gradients); expert_optimizer_params: those whose optimizer state it keeps.
+        """
+        b = self.workload.byte_model
+        experts = np.asarray(expert_params, dtype=np.float64)
+        optimizer = np.asarray(expert_optimizer_params, dtype=np.float64)
+        acts = np.asarray(activations, dtype=np.float64)
+        zero = np.zeros(np.broadcast_shapes(experts.shape, optimizer.shape, acts.shape))
+        return {
+            "dense parameters": zero + dense["parameters"],
+            "dense gradients": zero + dense["gradients"],
+            "dense optimizer state": zero + dense["optimizer state"],
+            "expert parameters": zero + experts * b.weight_bytes_per_param,
+            "expert gradients": zero + experts * b.grad_bytes_per_param,
+            "expert optimizer state": zero + optimizer * b.optimizer_bytes_per_param,
+            "activations": zero + acts,
+            "reserve": zero + self.reserved_bytes,
+        }
+
+    def dense_bytes(self) -> float:
+        """Non-expert parameters: weights and gradients on every device, optimizer state sharded
+        over the D data-parallel ranks by the distributed optimizer (`dense_parts` summed)."""
+        return float(sum(self.dense_parts().values()))
 
     def layer_bytes_per_token_D(self) -> tuple[np.ndarray, np.ndarray]:
         """(attention block + norms, the attention scores among them) that one layer keeps per

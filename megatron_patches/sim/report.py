@@ -84,8 +84,9 @@ class SystemResult:
     NIC); each all-to-all takes latency + max(link, NIC), so they do not add up."""
     memory_parts: dict
     """Bytes by component on the peak device at its peak iteration ("device": its index; then
-    dense weights/grads/optimizer, experts, expert copies, activations, reserve), adding up to
-    memory_D.max()."""
+    `MemoryModel.by_part`'s dense parameters, gradients and optimizer state, expert parameters,
+    gradients (owned instances and copies) and optimizer state, activations, reserve), adding up
+    to memory_D.max()."""
     imbalance_IL: np.ndarray
     """max / mean device load (processed tokens) per iteration and MoE layer; float [I, L]."""
     survival_IL: np.ndarray

@@ -318,12 +318,9 @@ def ep_memory_need(scn: Scenario) -> MemoryNeed:
     mem = scn.memory
     balanced_LD = np.full((L, D), scn.workload.routed_tokens_per_layer / D)
     d = int(np.argmin(mem.free_bytes_D(np.full(D, max(E // D, 1) * L), balanced_LD)))
-    parts = {
-        "dense weights/grads/optimizer": mem.dense_bytes(),
-        "experts": max(E // D, 1) * L * mem.expert_bytes_per_instance(True),
-        "activations": float(mem.activation_bytes(balanced_LD)[d]),
-        "reserve": mem.reserved_bytes,
-    }
+    owned = max(E // D, 1) * L * scn.workload.expert_params
+    parts = {k: float(v) for k, v in
+             mem.by_part(mem.dense_parts(), owned, owned, mem.activation_bytes(balanced_LD)[d]).items()}
     return MemoryNeed("EP", scn.hardware.device_types[d], parts, float(scn.hardware.memory_D[d]))
 
 
@@ -555,9 +552,16 @@ class _Replayed:
     a2a: _Bytes
     kinds: dict[str, _Bytes]
     moves_I4D: np.ndarray
-    resident_ILD: np.ndarray
-    transient_ILD: np.ndarray
+    held_params_ILD: np.ndarray
+    """Parameters of the expert instances a device keeps all iteration (weights and gradients)."""
+    transient_params_ILD: np.ndarray
+    """Parameters of the copies a device holds for one layer only (FSSDP's gathered copies,
+    FasterMoE's shadows; weights and gradients)."""
+    optimizer_state_params_ILD: np.ndarray
+    """Parameters whose optimizer state a device keeps (memory)."""
     optimizer_params_ILD: np.ndarray
+    """Parameters whose optimizer state a device steps (time): FlexMoE keeps state for every slot
+    but steps the filled ones."""
     survival_IL: np.ndarray
     shadowed_IL: np.ndarray
     moves_I: np.ndarray
@@ -577,8 +581,6 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     topo = scn.hardware.topology
     bm = scn.workload.byte_model
     P = float(bm.params_per_expert)
-    full = scn.memory.expert_bytes_per_instance(True) / P  # bytes per parameter of an owned instance
-    copy = scn.memory.expert_bytes_per_instance(False) / P  # weights + gradients only
     ep_owned_D = None
     ep_layout = None  # FasterMoE's static layout: shadows are broadcast from it, it owns the optimizer state
     out = _Replayed(
@@ -587,8 +589,9 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         a2a=_Bytes(I, L, D),
         kinds={},
         moves_I4D=np.zeros((I, 4, D)),
-        resident_ILD=np.zeros((I, L, D)),
-        transient_ILD=np.zeros((I, L, D)),
+        held_params_ILD=np.zeros((I, L, D)),
+        transient_params_ILD=np.zeros((I, L, D)),
+        optimizer_state_params_ILD=np.zeros((I, L, D)),
         optimizer_params_ILD=np.zeros((I, L, D)),
         survival_IL=np.ones((I, L)),
         shadowed_IL=np.zeros((I, L)),
@@ -639,27 +642,27 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
             held_D = lp.placement.counts_ED.sum(axis=0)
             if lp.shard is not None:
                 owned_D = lp.shard.counts_D()
-                out.transient_ILD[i, k] = lp.placement.extra_copies_D(lp.shard) * P * copy
+                out.transient_params_ILD[i, k] = lp.placement.extra_copies_D(lp.shard) * P
             elif lp.shadowed_E is not None:
                 owned_D = ep_owned_D
-                out.transient_ILD[i, k] = (lp.placement.holds_ED().sum(axis=0) - owned_D) * P * copy
+                out.transient_params_ILD[i, k] = (lp.placement.holds_ED().sum(axis=0) - owned_D) * P
                 out.shadowed_IL[i, k] = int(lp.shadowed_E.sum())
             elif policy.name == "replicate":
                 owned_D = None
                 slice_params = E * P / D  # decoupled optimizer: every rank owns 1/D of every expert
-                out.resident_ILD[i, k] = held_D * P * copy + slice_params * (full - copy)
-                out.optimizer_params_ILD[i, k] = slice_params
+                out.held_params_ILD[i, k] = held_D * P
+                out.optimizer_state_params_ILD[i, k] = out.optimizer_params_ILD[i, k] = slice_params
             elif policy.name == "flexmoe":
                 # every slot, reserved or filled, holds memory for weights and optimizer state from
                 # the start; the optimizer steps the filled ones
                 owned_D = None
-                out.resident_ILD[i, k] = policy.slots_per_device * P * full
+                out.held_params_ILD[i, k] = out.optimizer_state_params_ILD[i, k] = policy.slots_per_device * P
                 out.optimizer_params_ILD[i, k] = held_D * P
             else:
                 owned_D = held_D
             if owned_D is not None:
-                out.resident_ILD[i, k] = owned_D * P * full
-                out.optimizer_params_ILD[i, k] = owned_D * P
+                out.held_params_ILD[i, k] = owned_D * P
+                out.optimizer_state_params_ILD[i, k] = out.optimizer_params_ILD[i, k] = owned_D * P
             routed = int(scn.loads_ILE[i, k].sum())
             out.survival_IL[i, k] = 1.0 if routed == 0 else float(lp.processed_ED.sum()) / routed
         if step.moves:
@@ -891,14 +894,11 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         "rearrangement": breakdown["rearrangement"],
         "optimizer": breakdown["optimizer"],
     }
-    transient = rep.transient_ILD.max(axis=1) if spec.remat else rep.transient_ILD.sum(axis=1)
-    memory_parts_ID = {
-        "dense weights/grads/optimizer": np.full((scn.num_iterations, scn.num_devices), scn.memory.dense_bytes()),
-        "experts": rep.resident_ILD.sum(axis=1),
-        "expert copies": transient,
-        "activations": scn.memory.activation_bytes(rep.processed_ILD),
-        "reserve": np.full((scn.num_iterations, scn.num_devices), scn.memory.reserved_bytes),
-    }
+    # remat keeps one layer's copies at a time, the others every layer's
+    transient = rep.transient_params_ILD.max(axis=1) if spec.remat else rep.transient_params_ILD.sum(axis=1)
+    memory_parts_ID = scn.memory.by_part(scn.memory.dense_parts(), rep.held_params_ILD.sum(axis=1) + transient,
+                                         rep.optimizer_state_params_ILD.sum(axis=1),
+                                         scn.memory.activation_bytes(rep.processed_ILD))
     memory_ID = sum(memory_parts_ID.values())
     peak_i, peak_d = np.unravel_index(int(np.argmax(memory_ID)), memory_ID.shape)
     a2a_parts = scn.comm.transfer_parts(*(rep.a2a.data[:, :, j] for j in range(4)))

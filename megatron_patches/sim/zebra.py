@@ -92,17 +92,13 @@ def _attention_rank_parts(scn: Scenario, pools: ZebraPools, R: int) -> dict[str,
     under the workload's recompute (one unit per layer and micro-batch), the logits of one
     micro-batch (the head runs forward and backward back to back), the reserve."""
     mem = scn.memory
-    dense = scn.workload.dense_params()
-    params = sum(dense["per_layer"]) + dense["outer"]
-    b = scn.workload.byte_model
-    weights = params * (b.weight_bytes_per_param + b.grad_bytes_per_param + b.optimizer_bytes_per_param / pools.M)
     per_mb = _tokens_per_microbatch(scn, pools, R)
     layer_D, scores_D = mem.layer_bytes_per_token_D()
     a = int(pools.attention[0])
     full_LD = np.full((scn.workload.model.num_layers, 1), per_mb * layer_D[a])
     layers = float(mem.kept_activation_bytes(full_LD, per_mb * scores_D[a], mem.input_bytes(per_mb), R)[0])
-    return {"dense weights/grads/optimizer": weights, "activations": layers + mem.logits_bytes(per_mb),
-            "reserve": mem.reserved_bytes}
+    return {k: float(v) for k, v in
+            mem.by_part(mem.dense_parts(pools.M), 0.0, 0.0, layers + mem.logits_bytes(per_mb)).items()}
 
 
 def _expert_rank_activation_bytes(scn: Scenario, pools: ZebraPools, R: int) -> float:
@@ -122,9 +118,10 @@ def zebra_memory_needs(scn: Scenario, spec) -> list[MemoryNeed]:
     pools = ZebraPools(scn)
     R = 1 if spec.zebra_mode == "naive" else scn.options.zebra_microbatches
     mem = scn.memory
-    experts = pools.shape.experts_per_expert_rank * scn.num_layers * mem.expert_bytes_per_instance(True)
-    expert_parts = {"experts": experts, "activations": _expert_rank_activation_bytes(scn, pools, R),
-                    "reserve": mem.reserved_bytes}
+    experts = pools.shape.experts_per_expert_rank * scn.num_layers * scn.workload.expert_params
+    no_dense = dict.fromkeys(("parameters", "gradients", "optimizer state"), 0.0)
+    expert_parts = {k: float(v) for k, v in
+                    mem.by_part(no_dense, experts, experts, _expert_rank_activation_bytes(scn, pools, R)).items()}
     hw = scn.hardware
     return [
         MemoryNeed(f"{spec.name} (attention ranks)", pools.attention_type, _attention_rank_parts(scn, pools, R),
@@ -280,15 +277,13 @@ def simulate_zebra_system(scn: Scenario, spec) -> SystemResult:
     imbalance_IL = np.stack(
         [imbalance_rows(processed_ILD[:, l][:, holds_LD[l]]) for l in range(L)], axis=1
     )
-    dense_D = np.zeros(D)
-    dense_D[pools.attention] = _attention_rank_parts(scn, pools, R)["dense weights/grads/optimizer"]
-    memory_parts_D = {
-        "dense weights/grads/optimizer": dense_D,
-        "experts": owned_D * scn.memory.expert_bytes_per_instance(True),
-        "expert copies": np.zeros(D),
-        "activations": _activation_bytes_ID(scn, pools, R, tokens_ILED.sum(axis=2)).max(axis=0),
-        "reserve": np.full(D, scn.memory.reserved_bytes),
-    }
+    # the dense model (optimizer state sharded over the M attention ranks) lives on the attention ranks only
+    on_attention_D = np.zeros(D)
+    on_attention_D[pools.attention] = 1.0
+    dense = {k: on_attention_D * v for k, v in scn.memory.dense_parts(pools.M).items()}
+    owned_params_D = owned_D * scn.workload.expert_params
+    memory_parts_D = scn.memory.by_part(dense, owned_params_D, owned_params_D,
+                                        _activation_bytes_ID(scn, pools, R, tokens_ILED.sum(axis=2)).max(axis=0))
     memory_D = sum(memory_parts_D.values())
     peak = int(np.argmax(memory_D))
     return SystemResult(

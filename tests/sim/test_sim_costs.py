@@ -267,3 +267,30 @@ def test_probed_topology_shares_each_nic_among_its_node_as_the_runtimes_probe_me
     assert gather_bandwidth(probed, "flat") == 12.5e9 / 8
     # one node: no NIC in the way
     assert hardware(1, 8, 300.0, 100.0).probed_topology.inter_node_bw == 300e9
+
+
+def test_memory_parts_separate_parameters_gradients_and_optimizer_state():
+    """By hand (issue 47 item 6): the model has dense parameters 2 x 266,248 + 393,728 = 926,224
+    and experts of 2 x 256 x 512 + 512 + 256 = 262,912 parameters; EP on 2 devices owns 8 / 2 = 4
+    experts per layer, 8 over its 2 layers. bf16: 2 B weights, 4 B fp32 gradients, 12 B optimizer
+    state (fp32 master weights and two moments), the dense optimizer state sharded over D = 2."""
+    from megatron_patches.sim import simulate
+
+    scn = build_scenario(make_model(), make_cluster(1, 2), 2, balanced_trace(2, 2, 8, 2, 100))
+    result = simulate(scn, resolve_systems(["ep"])[0])
+    parts = dict(result.memory_parts)
+    device = parts.pop("device")
+    expected = {
+        "dense parameters": 926_224 * 2, "dense gradients": 926_224 * 4, "dense optimizer state": 926_224 * 12 / 2,
+        "expert parameters": 8 * 262_912 * 2, "expert gradients": 8 * 262_912 * 4,
+        "expert optimizer state": 8 * 262_912 * 12,
+    }
+    assert {k: parts[k] for k in expected} == expected
+    assert list(parts)[-2:] == ["activations", "reserve"] and parts["reserve"] == scn.memory.reserved_bytes
+    assert sum(parts.values()) == pytest.approx(float(result.memory_D[device]), rel=1e-12)
+    # a refusal names the same parts
+    tight = build_scenario(make_model(hidden=1024, seq=2048, layers=4), make_cluster(1, 2, gpu={"memory_gb": 2}), 2,
+                           balanced_trace(2, 4, 8, 2, 100))
+    with pytest.raises(SimError, match=r"dense parameters .* GB, dense gradients .* expert optimizer state [0-9.]+ GB, "
+                                       r"activations"):
+        check_memory(tight, resolve_systems(["ep"]))
