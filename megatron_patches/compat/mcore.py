@@ -615,13 +615,14 @@ def take_mtp_losses(num_mtp_layers: int, num_micro_batches: int) -> list[float]:
     return (sums[:-1] / sums[-1]).tolist() if sums[-1] > 0 else [float("nan")] * num_mtp_layers
 
 
-def params_norm(opt) -> float:
+def params_norm(opt, outside_sq: float = 0.0) -> float:
     """Megatron-LM's --log-params-norm: the L2 norm of the weights the optimizer steps (fp32 main
     weights in half precision, the distributed optimizer's shards), each counted once: every
     chained optimizer's parameters filtered as for its gradient norm (not shared, not a tensor-
     parallel duplicate) and reduced over its gradient-statistics group, the optimizers' norms
-    then combined as ChainedOptimizer.get_grad_norm combines theirs."""
-    squares = 0.0
+    then combined as ChainedOptimizer.get_grad_norm combines theirs; plus `outside_sq`, the
+    squared norm of the weights a mode steps outside it (`ModeRuntime.outside_params_norm_sq`)."""
+    squares = float(outside_sq)
     for sub in getattr(opt, "chained_optimizers", [opt]):
         params = [p for p in sub.get_parameters() if param_is_not_shared(p)
                   and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, getattr(sub, "tp_group", None))]

@@ -188,5 +188,5 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
-    optimizer_holds_every_weight=True,
+    logs_every_weight=True,
 )

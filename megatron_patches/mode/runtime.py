@@ -168,6 +168,18 @@ class ModeRuntime:
         the common ones (training/metrics.py). ep: none. No communication."""
         return {}
 
+    def outside_params_norm_sq(self) -> float:
+        """Squared norm of the weights the mode steps outside Megatron's optimizer, each counted
+        once world-wide (--log-params-norm adds it to Megatron's). A collective on every rank,
+        after the step. ep: none."""
+        return 0.0
+
+    def outside_zeros_in_grad(self) -> int:
+        """Zero elements among the gradients the mode keeps outside Megatron's optimizer, each
+        counted once world-wide (--log-num-zeros-in-grad adds them to Megatron's count). A
+        collective on every rank, after Megatron's step and before `end_iteration`. ep: none."""
+        return 0
+
     def take_log(self) -> list[str]:
         """Decisions since the last call, for rank 0's log (emptied by the call)."""
         lines, self._log = self._log, []

@@ -109,10 +109,11 @@ class ModeSpec:
     """Of `MODEL_FEATURES` and `ROUTING_OPTIONS`, those this mode does not build yet, each with why
     (validation refuses them before any work, naming the modes that take them); every other one it
     builds."""
-    optimizer_holds_every_weight: bool = False
-    """Megatron's optimizer holds every weight and gradient of the model once (ep; fssdp, whose owned
-    experts are Megatron's parameters and copies transient), so --log-params-norm and
-    --log-num-zeros-in-grad read them as in ep; False: the mode keeps expert state outside it and
+    logs_every_weight: bool = False
+    """--log-params-norm and --log-num-zeros-in-grad count every weight and gradient of the model
+    once: Megatron's optimizer holds them all (ep; fssdp, whose owned experts are Megatron's
+    parameters and copies transient), or the runtime adds what it keeps outside it
+    (`ModeRuntime.outside_params_norm_sq`, `outside_zeros_in_grad`: replicate's slices). False:
     validation refuses those flags."""
     component_roles: tuple[str, ...] = ()
     """launch/submit.py: what the ranks of each launch component do, for a job whose cluster has
@@ -138,6 +139,6 @@ EP = ModeSpec(
     name="ep",
     summary="stock Megatron-Core expert parallelism (the baseline every mode is compared with)",
     runtime="megatron_patches.mode.runtime:ModeRuntime",
-    optimizer_holds_every_weight=True,
+    logs_every_weight=True,
 )
 """ep: Megatron's own MoE layer and expert parallelism, unchanged; its runtime is the base class."""

@@ -284,13 +284,27 @@ class ReplicateRuntime(ModeRuntime):
     def grad_norm_sq(self) -> float:
         """Squared norm of every expert gradient, for Megatron's grad norm (collective over the
         world; called by the optimizer step after the gradients are unscaled)."""
+        return self._once_world_wide(lambda t: t.double().square().sum(), self.grads.values())
+
+    def outside_params_norm_sq(self) -> float:
+        """Squared norm of every expert's weights (the slices' fp32 master weights), each element once."""
+        return self._once_world_wide(lambda t: t.double().square().sum(),
+                                     [self.experts[layer.layer_number].slices.master_En for layer in self.layers])
+
+    def outside_zeros_in_grad(self) -> int:
+        """Zero elements of every expert's gradient (this iteration's summed slices), each once."""
+        return int(self._once_world_wide(lambda t: (t == 0).sum().double(), self.grads.values()))
+
+    def _once_world_wide(self, reduce, tensors) -> float:
+        """sum(reduce(t)) over every slice of the first replicate group, all-reduced over the world.
+
+        The slices partition every expert's elements within a group and are equal across the
+        groups of a stage: counting the first group's only, the world-wide sum counts every
+        expert parameter exactly once."""
         local = torch.zeros((), dtype=torch.float64)
-        # The slices partition every expert's elements within a group and are equal across the
-        # groups of a stage: counting the first group's only, the world-wide sum counts every
-        # expert parameter exactly once.
         if self.edp_rank == 0:
-            for grad_En in self.grads.values():
-                local += grad_En.double().square().sum().cpu()
+            for tensor in tensors:
+                local += reduce(tensor).cpu()
         total = local.to(self.device)
         dist.all_reduce(total)
         return float(total.item())

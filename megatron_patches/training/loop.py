@@ -363,6 +363,8 @@ def train(args, run: Run) -> History:
             kept_bytes = activations.take_peak()
             lr_used = run.optimizer.param_groups[0]["lr"]
             update_ok, grad_norm, num_zeros = run.optimizer.step()
+            if args.log_num_zeros_in_grad:  # before end_iteration, which consumes a mode's outside gradients
+                num_zeros += run.mode.outside_zeros_in_grad()
             run.scheduler.step(increment=1)
             loads = recorder.collect()
             record = run.mode.end_iteration(
@@ -458,7 +460,8 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
     element_bytes = 2 if (args.bf16 or args.fp16) else 4
     remote_copies = run.mode.a2a_remote_copies(loads)
     memory = activation_memory(args.use_cuda, kept_bytes)
-    params_norm = mcore.params_norm(run.optimizer) if args.log_params_norm else None  # a collective: every rank
+    # a collective: every rank
+    params_norm = mcore.params_norm(run.optimizer, run.mode.outside_params_norm_sq()) if args.log_params_norm else None
     mtp_loss = mcore.take_mtp_losses(args.mtp_num_layers, args.num_micro_batches) if args.mtp_num_layers else None
     if record is not None:
         record["memory"] = run.mode.memory_report()

@@ -415,8 +415,8 @@ def _resolve_mode_flags(args):
             args.moe_load_predictor = LOAD_PREDICTORS[0]
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
-    if not mode.optimizer_holds_every_weight:
-        takers = " or ".join(name for name, spec in MODES.items() if spec.optimizer_holds_every_weight)
+    if not mode.logs_every_weight:
+        takers = " or ".join(name for name, spec in MODES.items() if spec.logs_every_weight)
         for flag, given in (("--log-params-norm", args.log_params_norm), ("--log-num-zeros-in-grad", args.log_num_zeros_in_grad)):
             if given:
                 fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "

@@ -60,6 +60,8 @@ def job(variant: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(workdir):
     flags = {f"{variant}_{mode}": [*job(variant), *more] for variant in VARIANTS for mode, more in MODES.items()}
+    for mode in ("ep", "replicate"):  # replicate's norms add its expert slices to Megatron's
+        flags[f"mixtral_8x7b_tiny_{mode}"] += NORMS
     flags["mixtral_8x7b_tiny_ep_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS]
     flags["mixtral_8x7b_tiny_fssdp_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS, *MODES["fssdp"]]
     flags["mixtral_8x7b_tiny_zebra_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *ZEBRA]
@@ -123,10 +125,11 @@ def test_swiglu_experts_resume_bit_for_bit(runs, mode):
     assert resumed.losses == saved.losses[SAVE_AT:], (resumed.losses, saved.losses)
 
 
-def test_fssdp_logs_ep_s_parameter_norm_and_gradient_zeros(runs):
-    ep, fssdp = runs["mixtral_8x7b_tiny_ep_no_dropout"], runs["mixtral_8x7b_tiny_fssdp_no_dropout"]
-    assert relative(fssdp.losses, ep.losses).max() <= 1e-5
-    norms = [[r["params_norm"] for r in run.records if "loss" in r] for run in (fssdp, ep)]
+@pytest.mark.parametrize("mode, dropout", [("fssdp", "_no_dropout"), ("replicate", "")])
+def test_placement_modes_log_ep_s_parameter_norm_and_gradient_zeros(runs, mode, dropout):
+    ep, run = runs[f"mixtral_8x7b_tiny_ep{dropout}"], runs[f"mixtral_8x7b_tiny_{mode}{dropout}"]
+    assert relative(run.losses, ep.losses).max() <= 1e-5
+    norms = [[r["params_norm"] for r in each.records if "loss" in r] for each in (run, ep)]
     assert len(norms[0]) == ITERS and relative(*norms).max() <= 1e-6, norms
-    zeros = [[r["num_zeros_in_grad"] for r in run.records if "loss" in r] for run in (fssdp, ep)]
+    zeros = [[r["num_zeros_in_grad"] for r in each.records if "loss" in r] for each in (run, ep)]
     assert zeros[0] == zeros[1], zeros
