@@ -188,5 +188,4 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
-    logs_every_weight=True,
 )

@@ -168,10 +168,15 @@ class ModeRuntime:
         the common ones (training/metrics.py). ep: none. No communication."""
         return {}
 
+    def params_norm(self, optimizer) -> float:
+        """--log-params-norm: the L2 norm of every weight the optimizers step, each counted once
+        world-wide. A collective on every rank, after the step. ep: Megatron's optimizer's, plus
+        `outside_params_norm_sq`."""
+        return mcore.params_norm(optimizer, self.outside_params_norm_sq())
+
     def outside_params_norm_sq(self) -> float:
         """Squared norm of the weights the mode steps outside Megatron's optimizer, each counted
-        once world-wide (--log-params-norm adds it to Megatron's). A collective on every rank,
-        after the step. ep: none."""
+        once world-wide (a collective on every rank). ep: none."""
         return 0.0
 
     def outside_zeros_in_grad(self) -> int:

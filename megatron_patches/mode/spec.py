@@ -109,12 +109,6 @@ class ModeSpec:
     """Of `MODEL_FEATURES` and `ROUTING_OPTIONS`, those this mode does not build yet, each with why
     (validation refuses them before any work, naming the modes that take them); every other one it
     builds."""
-    logs_every_weight: bool = False
-    """--log-params-norm and --log-num-zeros-in-grad count every weight and gradient of the model
-    once: Megatron's optimizer holds them all (ep; fssdp, whose owned experts are Megatron's
-    parameters and copies transient), or the runtime adds what it keeps outside it
-    (`ModeRuntime.outside_params_norm_sq`, `outside_zeros_in_grad`: replicate's slices). False:
-    validation refuses those flags."""
     component_roles: tuple[str, ...] = ()
     """launch/submit.py: what the ranks of each launch component do, for a job whose cluster has
     exactly that many node groups (zebra: "attention pool", "expert pool"); () none."""
@@ -139,6 +133,5 @@ EP = ModeSpec(
     name="ep",
     summary="stock Megatron-Core expert parallelism (the baseline every mode is compared with)",
     runtime="megatron_patches.mode.runtime:ModeRuntime",
-    logs_every_weight=True,
 )
 """ep: Megatron's own MoE layer and expert parallelism, unchanged; its runtime is the base class."""

@@ -173,5 +173,4 @@ MODE = ModeSpec(
     default_load_window=DEFAULT_LOAD_WINDOW,
     grouped_gemm_on_instances=True,
     simulated=simulated,
-    logs_every_weight=True,  # the runtime adds its slices' norm and zeros (ReplicateRuntime.outside_*)
 )

@@ -907,13 +907,11 @@ def _add_logging_args(parser):
                        "Megatron-Core logs through Python's logging).")
     group.add_argument("--log-params-norm", action="store_true",
                        help="If set, calculate and log parameters norm (the weights the optimizer steps, each "
-                       "counted once; params_norm in the records). ep, fssdp (whose owned experts are "
-                       "Megatron's parameters) and replicate (its expert slices added); zebra keeps expert "
-                       "weights outside Megatron's optimizer and refuses it.")
+                       "counted once; params_norm in the records), in every mode: replicate adds its expert "
+                       "slices' master weights, zebra counts its own optimizer's.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true",
                        help="If set, calculate and log the number of zeros in gradient (Megatron's optimizer "
-                       "counts them; num_zeros_in_grad in the records). ep, fssdp and replicate, as "
-                       "--log-params-norm.")
+                       "counts them; num_zeros_in_grad in the records), in every mode, as --log-params-norm.")
     group.add_argument("--timing-log-level", type=int, default=0,
                        help="Granularity level to measure and report timing: 0 only, the iteration time of "
                        "every progress line and record (Megatron-LM's levels 1 and 2 time the schedule's "

@@ -461,7 +461,7 @@ def log_iteration(args, run: Run, writer, history: History, iteration: int, loss
     remote_copies = run.mode.a2a_remote_copies(loads)
     memory = activation_memory(args.use_cuda, kept_bytes)
     # a collective: every rank
-    params_norm = mcore.params_norm(run.optimizer, run.mode.outside_params_norm_sq()) if args.log_params_norm else None
+    params_norm = run.mode.params_norm(run.optimizer) if args.log_params_norm else None
     mtp_loss = mcore.take_mtp_losses(args.mtp_num_layers, args.num_micro_batches) if args.mtp_num_layers else None
     if record is not None:
         record["memory"] = run.mode.memory_report()

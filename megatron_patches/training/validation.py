@@ -415,12 +415,6 @@ def _resolve_mode_flags(args):
             args.moe_load_predictor = LOAD_PREDICTORS[0]
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
-    if not mode.logs_every_weight:
-        takers = " or ".join(name for name, spec in MODES.items() if spec.logs_every_weight)
-        for flag, given in (("--log-params-norm", args.log_params_norm), ("--log-num-zeros-in-grad", args.log_num_zeros_in_grad)):
-            if given:
-                fail(flag, True, f"{mode.name} keeps expert weights and gradients outside Megatron's optimizer, which "
-                     f"this flag reads (not built there yet); valid: --moe-parallel-mode {takers}, or leave it out")
     for dest in (*MODEL_FEATURES, *ROUTING_OPTIONS):
         why = mode.refused_features.get(dest)
         if why is not None and getattr(args, dest) != parser.get_default(dest):

@@ -326,6 +326,19 @@ class ZebraOwnership:
                     p.copy_(self.main[id(p)])
         return grad_norm, True
 
+    def counted_once(self, value) -> float:
+        """sum(value(main weight)) over every weight of the model, each counted once world-wide
+        (dense weights on the first attention rank, experts in ZP group 0, as the grad norm counts
+        them); a collective on every rank of both roles."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
+        for params, counted in ((self.dense_params, self._norm_counts_dense),
+                                (self.expert_params, self._norm_counts_experts)):
+            if counted:
+                for p in params:
+                    total += value(self.main[id(p)]).double()
+        dist.all_reduce(total)
+        return float(total[0])
+
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without loss scaling)."""
         scaler = self.precision.grad_scaler

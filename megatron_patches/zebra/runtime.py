@@ -52,11 +52,13 @@ class ZebraOptimizer:
     def zero_grad(self) -> None:
         self.ownership.zero_grad()
 
-    def step(self) -> tuple[bool, float, None]:
-        """(update successful, grad norm before clipping, zeros: not counted). The step is skipped on
-        every rank when the loss or the norm is not finite (both world-wide values)."""
+    def step(self) -> tuple[bool, float, int]:
+        """(update successful, grad norm before clipping, zeros: 0 here, counted by
+        `ZebraRuntime.outside_zeros_in_grad`, since every weight is outside Megatron's optimizer).
+        The step is skipped on every rank when the loss or the norm is not finite (both world-wide
+        values)."""
         grad_norm, stepped = self.ownership.step(skip=not math.isfinite(self.engine.last_loss))
-        return stepped, grad_norm, None
+        return stepped, grad_norm, 0
 
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor([self.ownership.loss_scale()])
@@ -119,6 +121,17 @@ class ZebraRuntime(ModeRuntime):
         return (group.index(self.rank) if self.attention else 0), len(group)
 
     # ---- per iteration -----------------------------------------------------------------------
+
+    def params_norm(self, optimizer) -> float:
+        """Every main weight (all of them are zebra's own), each counted once world-wide; each
+        tensor's norm taken in fp32 as Megatron's optimizer takes ep's (its per-tensor torch.norm),
+        so the two modes log the same figure (a float64 sum of squares differs by ~5e-5 relative
+        on the 3.2 M-element embedding and output weights)."""
+        return math.sqrt(self.engine.ownership.counted_once(lambda main: torch.norm(main).double() ** 2))
+
+    def outside_zeros_in_grad(self) -> int:
+        """Zero elements of every main gradient of the last step, each counted once world-wide."""
+        return int(self.engine.ownership.counted_once(lambda main: (main.grad == 0).sum()))
 
     def zero_grad(self, chunk, optimizer) -> None:
         optimizer.zero_grad()

@@ -1296,16 +1296,13 @@ def test_model_flops_are_megatron_lm_s_count():
     assert model_flops_per_iteration(deepseek, 1024) == 2 * 32 * (4 * attention + mlp + mtp + 2 * 6 * 64 * 1024)
 
 
-def test_params_norm_and_zero_count_run_in_ep_fssdp_and_replicate_only(parse):
+def test_params_norm_and_zero_count_run_in_every_mode(parse):
     validate_args(parse("--log-params-norm", "--log-num-zeros-in-grad"), 1)
     for mode in ("fssdp", "replicate"):
         validate_args(parse("--moe-parallel-mode", mode, "--log-params-norm", "--log-num-zeros-in-grad"), 4)
-    zebra = ("--moe-parallel-mode", "zebra", "--expert-model-parallel-size", "1", "--zebra-attention-ranks", "2",
-             "--zebra-expert-ranks", "2")
-    for flag in ("--log-params-norm", "--log-num-zeros-in-grad"):
-        expect_error(parse(*zebra, flag), 4, f"{flag}=True",
-                     "zebra keeps expert weights and gradients outside Megatron's optimizer",
-                     "valid: --moe-parallel-mode ep or fssdp or replicate")
+    validate_args(parse("--moe-parallel-mode", "zebra", "--expert-model-parallel-size", "1", "--zebra-attention-ranks",
+                        "2", "--zebra-expert-ranks", "2", "--zebra-microbatches", "2", "--log-params-norm",
+                        "--log-num-zeros-in-grad"), 4)
 
 
 def test_timing_log_level_zero_only(parse):

@@ -64,7 +64,7 @@ def runs(workdir):
         flags[f"mixtral_8x7b_tiny_{mode}"] += NORMS
     flags["mixtral_8x7b_tiny_ep_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS]
     flags["mixtral_8x7b_tiny_fssdp_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *NORMS, *MODES["fssdp"]]
-    flags["mixtral_8x7b_tiny_zebra_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *ZEBRA]
+    flags["mixtral_8x7b_tiny_zebra_no_dropout"] = [*job("mixtral_8x7b_tiny"), *NO_DROPOUT, *ZEBRA, *NORMS]
     flags["qwen3_30b_a3b_tiny_zebra"] = [*job("qwen3_30b_a3b_tiny"), *ZEBRA]
     # SwiGLU experts through a checkpoint: replicate with the distributed optimizer, zebra
     trackers = {}
@@ -125,11 +125,17 @@ def test_swiglu_experts_resume_bit_for_bit(runs, mode):
     assert resumed.losses == saved.losses[SAVE_AT:], (resumed.losses, saved.losses)
 
 
-@pytest.mark.parametrize("mode, dropout", [("fssdp", "_no_dropout"), ("replicate", "")])
-def test_placement_modes_log_ep_s_parameter_norm_and_gradient_zeros(runs, mode, dropout):
+@pytest.mark.parametrize("mode, dropout", [("fssdp", "_no_dropout"), ("replicate", ""), ("zebra", "_no_dropout")])
+def test_every_mode_logs_ep_s_parameter_norm_and_gradient_zeros(runs, mode, dropout):
     ep, run = runs[f"mixtral_8x7b_tiny_ep{dropout}"], runs[f"mixtral_8x7b_tiny_{mode}{dropout}"]
     assert relative(run.losses, ep.losses).max() <= 1e-5
     norms = [[r["params_norm"] for r in each.records if "loss" in r] for each in (run, ep)]
     assert len(norms[0]) == ITERS and relative(*norms).max() <= 1e-6, norms
     zeros = [[r["num_zeros_in_grad"] for r in each.records if "loss" in r] for each in (run, ep)]
-    assert zeros[0] == zeros[1], zeros
+    if mode == "zebra":
+        # zebra sums in another order (its losses agree to 1e-5, not bit for bit): an element's
+        # gradient can be exactly zero in one run and a rounding residue in the other (seen: 1 of
+        # 3.2 M at one iteration of 20)
+        assert max(abs(a - b) for a, b in zip(*zeros)) <= 1e-5 * max(zeros[1]), zeros
+    else:
+        assert zeros[0] == zeros[1], zeros
