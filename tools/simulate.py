@@ -333,13 +333,16 @@ def main(argv=None) -> int:
         if "ep" in out_of_memory:
             print("note: ep does not fit, so there are no speedups over it")
         specs = [spec for spec in specs if spec.name not in out_of_memory]
-        periodic = {spec.name: acts for spec in specs if (acts := periodic_acts(scn, spec)) is not None}
-        for name, acts in periodic.items():
+        periodic = {}
+        for spec in specs:
+            acts = periodic_acts(scn, spec)
+            if acts is None:
+                continue
+            periodic[spec.name] = acts
             if acts < 2:
-                spec = next(s for s in specs if s.name == name)
                 interval = periodic_interval(scn, spec)
-                print(f"note: {name} rearranges every {interval} iterations: {acts} time{'s' * (acts != 1)} in these "
-                      f"{scn.num_iterations} (--iterations {2 * interval + 1} lets it act twice)")
+                print(f"note: {spec.name} rearranges every {interval} iterations: {acts} time{'s' * (acts != 1)} in "
+                      f"these {scn.num_iterations} (--iterations {2 * interval + 1} lets it act twice)")
 
         def progress(name: str, seconds: float) -> None:
             if not args.quiet:

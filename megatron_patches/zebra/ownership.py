@@ -298,14 +298,7 @@ class ZebraOwnership:
             main.grad = p.main_grad.float()  # the buffer itself when it is fp32
             if scaler is not None:
                 main.grad.mul_(scaler.inv_scale.to(main.grad.device))
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
-        for params, counted in ((self.dense_params, self._norm_counts_dense),
-                                (self.expert_params, self._norm_counts_experts)):
-            if counted:
-                for p in params:
-                    squares += torch.norm(self.main[id(p)].grad).double() ** 2
-        dist.all_reduce(squares)
-        grad_norm = float(squares[0]) ** 0.5
+        grad_norm = self.counted_once(lambda main: torch.norm(main.grad).double() ** 2) ** 0.5
         overflow = not math.isfinite(grad_norm)
         if scaler is not None:
             scaler.update(overflow)
@@ -328,8 +321,8 @@ class ZebraOwnership:
 
     def counted_once(self, value) -> float:
         """sum(value(main weight)) over every weight of the model, each counted once world-wide
-        (dense weights on the first attention rank, experts in ZP group 0, as the grad norm counts
-        them); a collective on every rank of both roles."""
+        (dense weights on the first attention rank, experts in ZP group 0): `step`'s grad norm,
+        --log-params-norm and --log-num-zeros-in-grad; a collective on every rank of both roles."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL: device tensors
         for params, counted in ((self.dense_params, self._norm_counts_dense),
                                 (self.expert_params, self._norm_counts_experts)):
