@@ -704,6 +704,29 @@ def forward_backward(step_fn, data_iterator, model_chunks, num_microbatches, seq
     )
 
 
+def update_expert_bias(routers: list) -> None:
+    """The aux-loss-free expert bias update that Megatron's finalize_model_grads applies
+    (_update_router_expert_bias), for a mode whose own schedule replaces Megatron's (zebra):
+    the routers' token counts since the last update are summed over Megatron's TP x DP x CP group
+    (moe_utils.get_updated_expert_bias), each bias moves by the update rate towards the mean load,
+    and the counts restart at 0 (reset_model_temporary_tensors). Collective over that group."""
+    biased = [router for router in routers if router.expert_bias is not None]
+    if not biased:
+        return
+    with torch.no_grad():
+        counts_LE = torch.stack([router.local_tokens_per_expert for router in biased])
+        bias_LE = torch.stack([router.expert_bias for router in biased])
+        updated_LE = moe_utils.get_updated_expert_bias(counts_LE, bias_LE, biased[0].config.moe_router_bias_update_rate)
+        for router, updated_E in zip(biased, updated_LE):
+            router.expert_bias.copy_(updated_E)
+            router.local_tokens_per_expert.zero_()
+
+
+def expert_bias_group_size() -> int:
+    """Ranks whose token counts `update_expert_bias` sums (Megatron's TP x DP x CP group)."""
+    return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True).size()
+
+
 # ----------------------------------------------------------------------------------------
 # Router observation (expert loads before and after capacity dropping)
 # ----------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 # Today's MoE model features and routing options (mode.spec.MODEL_FEATURES, ROUTING_OPTIONS): each
 # mode's ModeSpec.refused_features names those it does not build yet, and why; validation refuses
 # them there. Shared experts are dense and data-parallel beside the placed routed experts; MLA
-# changes only the attention; Megatron's router and its expert bias run unchanged in the modes
-# that keep Megatron's MoE stages.
+# changes only the attention; Megatron's router and its expert bias run unchanged in every mode
+# (zebra calls the router itself and moves the bias as Megatron's finalize_model_grads does).
 NOT_IN_ZEBRA = "In ep, fssdp and replicate (zebra refuses it)."
 
 # Megatron-LM's --moe-router-load-balancing-type choices.
@@ -360,43 +360,43 @@ def _add_moe_args(parser):
                        help="Shared expert total ffn hidden size. It should be equal to 'num_shared_experts * "
                        "ffn_size_of_each_shared_expert' if there are multiple shared experts. Every token "
                        "passes through it beside its routed experts; needs --disable-bias-linear. "
-                       "In ep, fssdp and replicate (dense and data-parallel there; zebra refuses it).")
+                       "In every mode: dense and data-parallel in ep, fssdp and replicate, on the attention "
+                       "ranks in zebra.")
     group.add_argument("--moe-shared-expert-gate", action="store_true",
                        help="Enable gate for shared expert. Only effective when "
                        "moe-shared-expert-intermediate-size is set (refused without it).")
     group.add_argument("--moe-router-score-function", type=str, default="softmax",
-                       help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}. "
-                       f"{NOT_IN_ZEBRA}")
+                       help=f"Score function for MoE routing: {', '.join(ROUTER_SCORE_FUNCTIONS)}.")
     group.add_argument("--moe-router-enable-expert-bias", action="store_true",
                        help="TopK routing with dynamic per-expert bias in the aux-loss-free load balancing "
                        "strategy. The routing decision is based on the sum of the routing scores and the "
                        "expert bias. See https://arxiv.org/abs/2408.15664 for details. Needs "
-                       f"--moe-router-score-function sigmoid. {NOT_IN_ZEBRA}")
+                       "--moe-router-score-function sigmoid.")
     group.add_argument("--moe-router-bias-update-rate", type=float, default=RUN_DEFAULTS.moe_router_bias_update_rate,
                        help="The expert bias is increased for the experts with less assigned tokens and "
                        "decreased for the experts with more assigned tokens, by this much per iteration. "
                        "The default value 1e-3 is same as that used in DeepSeekV3.")
     group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                       help=f"Scaling factor for routing score in top-k selection. {NOT_IN_ZEBRA}")
+                       help="Scaling factor for routing score in top-k selection.")
     group.add_argument("--moe-router-num-groups", type=int, default=None,
                        help="Number of groups to divide experts into for group-limited routing: for each "
                        "token, --moe-router-group-topk groups are selected by the sum of their top-(topk / "
                        "group-topk) scores, and the --moe-router-topk experts are chosen from those groups "
-                       f"(DeepSeek-V2/V3's device- and node-limited routing). {NOT_IN_ZEBRA}")
+                       "(DeepSeek-V2/V3's device- and node-limited routing).")
     group.add_argument("--moe-router-group-topk", type=int, default=None,
-                       help=f"Number of selected groups for group-limited routing. {NOT_IN_ZEBRA}")
+                       help="Number of selected groups for group-limited routing.")
     group.add_argument("--moe-router-dtype", type=str, default=None,
                        help="Data type for routing and expert output weighted averaging: fp32 or fp64. "
                        "Using fp32 or fp64 can improve stability especially when the number of experts "
-                       f"is large (e.g. finegrained-moe). None means no changes for dtype. {NOT_IN_ZEBRA}")
-    group.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                       help=f"Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended. {NOT_IN_ZEBRA}")
+                       "is large (e.g. finegrained-moe). None means no changes for dtype.")
+    group.add_argument("--moe-z-loss-coef", type=float, default=None,
+                       help="Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended.")
     group.add_argument("--moe-input-jitter-eps", type=float, default=None,
                        help="Add noise to the input tensor by applying jitter with a specified epsilon "
-                       f"value. {NOT_IN_ZEBRA}")
+                       "value.")
     group.add_argument("--moe-token-drop-policy", type=str, default=RUN_DEFAULTS.moe_token_drop_policy,
                        help="The policy to drop tokens with --moe-expert-capacity-factor: probs drops the "
-                       f"tokens with the lowest probabilities, position the tokens at the end of each batch. {NOT_IN_ZEBRA}")
+                       "tokens with the lowest probabilities, position the tokens at the end of each batch.")
     group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                        help="The hidden size of each expert's feed-forward network (ffn). "
                        "If not specified, defaults to the ffn_hidden_size.")
@@ -736,7 +736,8 @@ def _add_kernel_choice_args(parser):
     group.add_argument("--moe-shared-expert-overlap", action="store_true",
                        help="Enable overlapping between shared expert computations and dispatcher "
                        "communications (a side CUDA stream). Without this, the shared experts execute "
-                       "before the router. Needs --moe-shared-expert-intermediate-size.")
+                       "before the router. Needs --moe-shared-expert-intermediate-size; zebra refuses it (no "
+                       "all-to-all dispatcher there).")
     group.add_argument("--deterministic-mode", action="store_true",
                        help="Choose code that has deterministic execution (GPU kernels; on CPU every run is "
                        "bit-identical anyway: README, Reproducibility).")

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
-from megatron_patches.mode.spec import ROUTING_OPTIONS, ModeSpec
+from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
 __all__ = ["ZebraConfig", "ZebraConfigError", "add_args", "validate", "MODE", "parse_asym_ea"]
@@ -236,6 +236,10 @@ def validate(args: argparse.Namespace) -> None:
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
         ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
+        ("--moe-shared-expert-overlap", True, args.moe_shared_expert_overlap,
+         "zebra runs the shared expert on the attention ranks inside their attention task, where other "
+         "micro-batches' expert round trips overlap it; Megatron's overlap (a side stream of its all-to-all "
+         "dispatcher, which zebra does not use) has nothing to act on; drop it"),
     )
     for flag, value, refused, why in refusals:
         if refused:
@@ -324,14 +328,10 @@ MODE = ModeSpec(
     launch_flags=launch_flags,
     model_state_shares=model_state_shares,
     refused_features={
-        "moe_shared_expert_intermediate_size": "its schedule has no task for shared experts yet (which role runs "
-                                               "them, by cost, is not built)",
         "multi_latent_attention": "it calls each layer's attention itself with GPT's rotary embedding; MLA's own "
                                   "rotary path is not built there",
         "mtp_num_layers": "its schedule has no tasks for the MTP block (its embedding, projection and layer run "
                           "outside the decoder zebra splits)",
-        **dict.fromkeys(ROUTING_OPTIONS, "it calls Megatron's router its own way (no finalize_model_grads, where "
-                                         "the expert bias is updated)"),
     },
     component_roles=("attention pool", "expert pool"),
     replica_groups=zp_groups,

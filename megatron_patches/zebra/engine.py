@@ -163,9 +163,6 @@ class ZebraEngine:
             ("--num-experts", cfg.num_moe_experts, not cfg.num_moe_experts, "zebra needs an MoE model"),
             ("--moe-router-load-balancing-type", cfg.moe_router_load_balancing_type,
              bool(cfg.moe_aux_loss_coeff) and cfg.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
-            ("moe_shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
-             cfg.moe_shared_expert_intermediate_size is not None,
-             MODE.refused_features["moe_shared_expert_intermediate_size"]),
             ("--moe-grouped-gemm", cfg.moe_grouped_gemm, cfg.moe_grouped_gemm,
              "zebra runs each expert's MLP module; drop --moe-grouped-gemm"),
             ("moe_router_padding_for_quantization", cfg.moe_router_padding_for_quantization,
@@ -176,6 +173,14 @@ class ZebraEngine:
         for flag, value, refused, why in refusals:
             if refused:
                 raise ZebraEngineError(f"{flag}={value!r}: {why}")
+        for dest, why in MODE.refused_features.items():
+            if getattr(cfg, dest, None):
+                raise ZebraEngineError(f"{dest}={getattr(cfg, dest)!r}: {why}")
+        if cfg.moe_router_enable_expert_bias and mcore.expert_bias_group_size() != dist.get_world_size():
+            raise ZebraEngineError(
+                f"the expert bias update sums the token counts over Megatron's data-parallel group "
+                f"({mcore.expert_bias_group_size()} ranks), which must be the whole world ({dist.get_world_size()}) "
+                "in zebra (TP = PP = CP = 1): only the attention ranks route, the expert ranks add zeros")
         layers = mcore.transformer_layers(model)
         dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "router")]
         if dense:
@@ -225,10 +230,10 @@ class ZebraEngine:
         Gradients accumulate into ``main_grad`` (``ownership.zero_grad`` first); same arguments as
         ``train_step``."""
         self.tasks.reset(self._checked_batches(microbatches))
-        if self.model.config.moe_aux_loss_coeff:
-            # the routers' auxiliary loss backward is scaled as the head's loss (ZebraTasks' head
-            # backward), as Megatron's schedule scales it for ep (1 / micro-batches there; DDP then
-            # averages over DP)
+        if self.model.config.moe_aux_loss_coeff or self.model.config.moe_z_loss_coeff:
+            # the routers' auxiliary loss and z-loss backward is scaled as the head's loss
+            # (ZebraTasks' head backward), as Megatron's schedule scales it for ep (1 / micro-batches
+            # there; DDP then averages over DP)
             device = self.ownership.device
             scale = torch.ones(1, device=device) / self.loss_divisor
             scaler = self.ownership.precision.grad_scaler
@@ -237,6 +242,9 @@ class ZebraEngine:
             set_aux_loss_scale(scale)
         self._run(self.order)
         self.ownership.reduce_gradients()
+        # the aux-loss-free bias moves from the world's routed counts of this iteration, as ep's
+        # finalize_model_grads moves it (the expert ranks route nothing and add zeros)
+        mcore.update_expert_bias([layer.mlp.router for layer in self.ownership.layers])
         self.last_loss = self._mean_loss()
         return self.last_loss
 

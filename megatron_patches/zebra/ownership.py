@@ -124,11 +124,12 @@ class ZebraOwnership:
 
     def _sharded_state_entries(self, model) -> list[tuple[str, object, bool, frozenset[int]]]:
         """Megatron's sharded state dict of the model: (key, entry, whether an expert's, the ids of
-        the parameters it holds; empty: an attention rank's)."""
+        the parameters it holds; empty: an attention rank's, as the routers' expert bias, a buffer)."""
+        params = {id(p) for p in model.parameters()}
         entries = []
         for key, value in model.sharded_state_dict().items():
             if isinstance(value, ShardedTensor):
-                ids = frozenset({id(value.data)})
+                ids = frozenset({id(value.data)}) & params
             else:  # a module's `_extra_state` object: its module's
                 ids = frozenset(id(p) for p in model.get_submodule(key.rsplit(".", 1)[0]).parameters())
             entries.append((key, value, bool(ids & self._expert_shapes.keys()), ids))

@@ -4,8 +4,9 @@ head forward/backward, dispatch and combine.
 Per layer l and micro-batch j:
 
     A_F(l,j)  attention rank: [combine of layer l-1: un-permute the returned expert outputs, add
-              the residual | embedding for l = 0] -> input norm -> self-attention -> residual add
-              -> pre-MLP norm -> router -> permute the normed tokens by owner rank then expert
+              the shared expert's output and the residual | embedding for l = 0] -> input norm
+              -> self-attention -> residual add -> pre-MLP norm -> [shared expert] -> router ->
+              permute the normed tokens by owner rank then expert
     D_F(l,j)  all-gather of the per-expert token counts over the ZP group, then two all-to-alls
               (tokens, probabilities) with uneven splits: attention ranks -> owners of the experts
     E_F(l,j)  owner: sort the received rows by local expert (Megatron's sort_chunks_by_idxs
@@ -20,9 +21,14 @@ Per layer l and micro-batch j:
               probabilities: the expert-input gradient meets the gate-branch gradient inside the
               same backward, so no weight gets its backward twice.
 
-Every A_F segment starts from detached leaves (the previous segment's residual output and the
-received expert outputs), so a backward stops at the attention output of each layer and resumes
-only in the next A_B task. Under --recompute-granularity full, A_F segments and E_F tasks keep
+Every A_F segment starts from detached leaves (the previous segment's residual output, the
+received expert outputs and, with shared experts, the shared expert's output), so a backward
+stops at the attention output of each layer and resumes only in the next A_B task.
+
+Shared experts (--moe-shared-expert-intermediate-size) run on the attention ranks, in A_F(l,j)
+on the normed tokens, as Megatron's MoELayer runs them before the router (DESIGN 4.7: by cost,
+the attention role; it adds no all-to-all bytes and their output waits for the combine while
+other micro-batches' tasks run). Under --recompute-granularity full, A_F segments and E_F tasks keep
 only their inputs and run again in the backward.
 """
 
@@ -108,6 +114,8 @@ class _Segment:
     """Routing map with columns in owner-major expert order (for unpermute)."""
     counts_E: torch.Tensor
     """Tokens per expert in expert-id order, int64 (what D_F gathers)."""
+    shared_SBH: torch.Tensor | None = None
+    """The shared expert's output (None: the model has no shared expert), added in the combine."""
 
 
 class ZebraTasks:
@@ -149,6 +157,7 @@ class ZebraTasks:
         self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._received: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_shared: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_received: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_sent: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._expert_in: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -203,22 +212,30 @@ class ZebraTasks:
 
     def _combine_leaves(self, layer: int, mb: int) -> list[torch.Tensor]:
         """The detached leaves a segment after layer ``layer`` starts from: [its residual stream,
-        the returned expert outputs], so the backward of the caller's segment stops here."""
-        residual_SBH = self._segments[(layer, mb)].hidden_SBH.detach().requires_grad_()
-        return [residual_SBH, self._received.pop((layer, mb)).requires_grad_()]
-
-    def _combine(self, layer: int, mb: int, residual_SBH: torch.Tensor, received_XH: torch.Tensor) -> torch.Tensor:
-        """The output of layer ``layer``: un-permute the returned expert outputs, add the residual."""
+        the returned expert outputs(, the shared expert's output)], so the backward of the
+        caller's segment stops here."""
         segment = self._segments[(layer, mb)]
-        moe_TH = unpermute(
+        leaves = [segment.hidden_SBH.detach().requires_grad_(), self._received.pop((layer, mb)).requires_grad_()]
+        if segment.shared_SBH is not None:
+            leaves.append(segment.shared_SBH.detach().requires_grad_())
+        return leaves
+
+    def _combine(self, layer: int, mb: int, residual_SBH: torch.Tensor, received_XH: torch.Tensor,
+                 shared_SBH: torch.Tensor | None = None) -> torch.Tensor:
+        """The output of layer ``layer``: un-permute the returned expert outputs, add the shared
+        expert's output (MoELayer.postprocess) and the residual."""
+        segment = self._segments[(layer, mb)]
+        moe_SBH = unpermute(
             received_XH,
             segment.sorted_indices,
             restore_shape=(residual_SBH.shape[0] * residual_SBH.shape[1], self.hidden),
             routing_map=segment.routing_map_TE,
-        )
+        ).view(residual_SBH.shape)
+        if shared_SBH is not None:
+            moe_SBH = moe_SBH + shared_SBH
         transformer_layer = self.layers[layer]
         return transformer_layer.mlp_bda(transformer_layer.training, transformer_layer.config.bias_dropout_fusion)(
-            (moe_TH.view(residual_SBH.shape), None), residual_SBH, transformer_layer.hidden_dropout
+            (moe_SBH, None), residual_SBH, transformer_layer.hidden_dropout
         )
 
     def _attention_forward(self, layer: int, mb: int) -> None:
@@ -234,6 +251,7 @@ class ZebraTasks:
         tl = self.layers[layer]
         order_E = self.own.owner_order_LE[layer]
         routed: dict[str, torch.Tensor] = {}
+        shared_experts = tl.mlp.shared_experts
 
         def segment(*start):
             hidden_SBH = start[0] if layer == 0 else self._combine(layer - 1, mb, *start)
@@ -243,6 +261,7 @@ class ZebraTasks:
             )
             mid_SBH = tl.self_attn_bda(tl.training, tl.config.bias_dropout_fusion)(attention, hidden_SBH, tl.hidden_dropout)
             normed_SBH = tl.pre_mlp_layernorm(mid_SBH)
+            shared = () if shared_experts is None else (shared_experts(normed_SBH),)  # before the router, as MoELayer
             probs_TE, routing_TE = tl.mlp.router(normed_SBH)
             routing_ord_TE = routing_TE[:, order_E]
             if self.model.config.moe_expert_capacity_factor is None:
@@ -255,16 +274,14 @@ class ZebraTasks:
                 sent_XH, sent_probs_X, sorted_indices = permute(
                     normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E])
             routed.update(routing_TE=routing_TE, routing_ord_TE=routing_ord_TE, sorted_indices=sorted_indices)
-            return mid_SBH, sent_XH, sent_probs_X
+            return mid_SBH, sent_XH, sent_probs_X, *shared
 
-        if layer in self.recomputed_layers:
-            mid_SBH, sent_XH, sent_probs_X = mcore.checkpointed(segment, *starts)
-        else:
-            mid_SBH, sent_XH, sent_probs_X = segment(*starts)
+        outputs = mcore.checkpointed(segment, *starts) if layer in self.recomputed_layers else segment(*starts)
+        mid_SBH, sent_XH, sent_probs_X, *shared = outputs
         self._segments[(layer, mb)] = _Segment(
             inputs=inputs, hidden_SBH=mid_SBH, sent_XH=sent_XH, sent_probs_X=sent_probs_X,
             sorted_indices=routed["sorted_indices"], routing_map_TE=routed["routing_ord_TE"],
-            counts_E=routed["routing_TE"].sum(dim=0).to(torch.int64),
+            counts_E=routed["routing_TE"].sum(dim=0).to(torch.int64), shared_SBH=shared[0] if shared else None,
         )
 
     def _head_forward(self, mb: int) -> None:
@@ -288,17 +305,22 @@ class ZebraTasks:
         self._store_input_grads(self.num_layers - 1, mb, inputs)
 
     def _store_input_grads(self, layer: int, mb: int, inputs: list[torch.Tensor]) -> None:
-        """Gradients of a segment's leaves: the residual's goes to A_B(layer), the received
-        outputs' to C_B(layer)."""
-        residual, received = inputs
-        self._grad_hidden[(layer, mb)] = residual.grad if residual.grad is not None else torch.zeros_like(residual)
-        self._grad_received[(layer, mb)] = received.grad if received.grad is not None else torch.zeros_like(received)
+        """Gradients of a segment's leaves: the residual's (and the shared expert output's) go to
+        A_B(layer), the received outputs' to C_B(layer)."""
+        residual, received, *shared = inputs
+        stores = [(self._grad_hidden, residual), (self._grad_received, received)]
+        stores += [(self._grad_shared, leaf) for leaf in shared]
+        for store, leaf in stores:
+            store[(layer, mb)] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
     def _attention_backward(self, layer: int, mb: int) -> None:
         segment = self._segments.pop((layer, mb))
         grad_sent_XH, grad_sent_probs_X = self._grad_sent.pop((layer, mb))
         outputs = [segment.hidden_SBH, segment.sent_XH, segment.sent_probs_X]
         grads = [self._grad_hidden.pop((layer, mb)), grad_sent_XH, grad_sent_probs_X.to(segment.sent_probs_X.dtype)]
+        if segment.shared_SBH is not None:
+            outputs.append(segment.shared_SBH)
+            grads.append(self._grad_shared.pop((layer, mb)))
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if segment.inputs:

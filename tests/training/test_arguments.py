@@ -1179,7 +1179,7 @@ def test_attention_and_norm_flags_follow_megatron_lm_s_rules(parse):
     assert validate_args(parse("--qk-layernorm", "--norm-epsilon", "1e-6"), 1).layernorm_epsilon == 1e-6
 
 
-def test_routing_flags_follow_megatron_core_s_checks_and_run_outside_zebra(parse):
+def test_routing_flags_follow_megatron_core_s_checks_in_every_mode(parse):
     deepseek = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups",
                 "4", "--moe-router-group-topk", "2", "--moe-router-dtype", "fp32"]
     args = validate_args(parse(*deepseek), 1)
@@ -1203,10 +1203,8 @@ def test_routing_flags_follow_megatron_core_s_checks_and_run_outside_zebra(parse
     validate_args(parse("--moe-token-drop-policy", "position", "--moe-expert-capacity-factor", "1.0"), 1)
     for mode in ("fssdp", "replicate"):  # trained against ep: tests/training/test_modern_moe_modes.py
         validate_args(parse("--moe-parallel-mode", mode, "--expert-model-parallel-size", "4", *deepseek), 4)
-    expect_error(parse("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
-                       "--zebra-microbatches", "2", *deepseek), 4,
-                 "--moe-router-score-function=sigmoid", "zebra does not take it yet: it calls Megatron's router",
-                 "--moe-parallel-mode ep or fssdp or replicate")
+    validate_args(parse("--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+                        "--zebra-microbatches", "2", *deepseek), 4)
 
 
 def test_sample_based_training_and_warmup_flags(parse):

@@ -28,9 +28,18 @@ decoder's, so the mode places it as MoE layer num_layers + 1; it is in the loads
 records, and the losses (main and MTP) are ep's within 1e-5, at EP 4 and with the MTP layer on the
 last of 2 pipeline stages (PP 2 x EP 2).
 
-Zebra refuses all four before any work, naming why (its schedule has no task for shared experts
-or the MTP block yet; it calls the router and each attention itself and runs no
-finalize_model_grads, where the bias is updated).
+Zebra (2 attention + 2 expert ranks, 2 micro-batches: ep's global batch) runs the shared expert
+on its attention ranks and Megatron's router as ep does, with the expert bias moved after each
+iteration from the world's routed counts (compat.mcore.update_expert_bias):
+- shared experts without dropout: ep's losses within 1e-5 (measured 7e-8); at the default dropout
+  it trains (zebra draws the masks in another order, so not ep's losses);
+- the DeepSeek-V3 router: ep's losses and routed loads (measured: bit for bit), and the bias goes
+  through zebra's checkpoint (a buffer: the attention ranks save and load it) so a run resumed at
+  iteration 4 repeats the saved run's losses bit for bit;
+- bf16 with full recompute: follows ep-bf16 within bf16's noise.
+Zebra refuses MLA and the MTP block before any work, naming why (it calls each attention itself;
+its schedule has no tasks for the MTP block), and --moe-shared-expert-overlap (an option of the
+all-to-all dispatcher it does not use).
 """
 
 from __future__ import annotations
@@ -60,6 +69,9 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8",
        "RMSNorm", "--qk-layernorm"]
 MTP = ["--mtp-num-layers", "1"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+ZEBRA = ["--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+         "--zebra-microbatches", "2", "--expert-model-parallel-size", "1"]  # zebra's own EP (COMMON's 4 overridden)
+ZEBRA_SAVE_AT = 4
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 ITERS = 8
 
@@ -75,10 +87,21 @@ def runs(workdir):
         flags[f"{mode}_mtp"] = [*COMMON, *NO_DROPOUT, *MTP, "--train-iters", str(ITERS), *more]
         flags[f"{mode}_mtp_pp2"] = [*COMMON, *NO_DROPOUT, *MTP, *PP2, "--train-iters", str(ITERS), *more]
     flags["ep_mock_fp32"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT]
-    for mode, more in MODES.items():
+    for mode, more in {**MODES, "zebra": ZEBRA}.items():
         flags[f"{mode}_bf16"] = [*COMMON, *MOCK, "--train-iters", str(ITERS), *NO_DROPOUT, "--bf16", *FULL_RECOMPUTE,
                                  *more]
-    return launch_many(4, flags, workdir)
+    saved = workdir / "ckpt_zebra_routing"
+    flags["zebra_fp32"] = [*COMMON, *NO_DROPOUT, "--train-iters", str(ITERS), *ZEBRA]
+    flags["zebra_dropout"] = [*COMMON, "--train-iters", str(ITERS), *ZEBRA]
+    flags["zebra_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *ZEBRA, "--save", str(saved),
+                              "--save-interval", str(ZEBRA_SAVE_AT)]
+    flags["zebra_routing_resumed"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *ZEBRA, "--load",
+                                      str(saved)]
+    return launch_many(4, flags, workdir, trackers={"zebra_routing_resumed": (saved, ZEBRA_SAVE_AT)})
+
+
+def routed_loads(run) -> list:
+    return [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in run.records if "loss" in r]
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
@@ -95,11 +118,9 @@ def test_shared_experts_train_as_in_ep(runs, mode):
 def test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep(runs, mode):
     ep, run = runs["ep_routing"], runs[f"{mode}_routing"]
     assert relative(run.losses, ep.losses).max() <= 1e-5, (run.losses, ep.losses)
-    routed = [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in run.records if "loss" in r]
-    assert routed == [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in ep.records if "loss" in r]
+    assert routed_loads(run) == routed_loads(ep)
     # the bias moved the routing: without it (the shared-expert runs, same data) the loads differ
-    plain = [[layer["expert_tokens"] for layer in r["moe_layers"]] for r in runs["ep_fp32"].records if "loss" in r]
-    assert routed[-1] != plain[-1]
+    assert routed_loads(run)[-1] != routed_loads(runs["ep_fp32"])[-1]
 
 
 @pytest.mark.parametrize("mode", ["fssdp", "replicate"])
@@ -128,29 +149,42 @@ def test_multi_token_prediction_layers_are_placed_and_train_as_in_ep(runs, mode)
     assert runs["ep_mtp"].losses != runs["ep_fp32"].losses  # the MTP loss is in the gradient
 
 
-@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+@pytest.mark.parametrize("mode", ["fssdp", "replicate", "zebra"])
 def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(runs, mode):
-    half = {name: runs[f"{name}_bf16"].losses for name in MODES}
+    half = {name: runs[f"{name}_bf16"].losses for name in [*MODES, "zebra"]}
     reference = runs["ep_mock_fp32"].losses
     assert 1e-5 < relative(half["ep"], reference).max() < 1e-2  # bf16 rounding, not fp32's
     noise = NoiseScale.over_others(half, reference, mode)
     noise.check(relative(half[mode], half["ep"]), f"{mode}-bf16 with shared experts vs ep-bf16")
 
 
-def test_zebra_refuses_shared_experts_and_modern_routing_naming_why():
-    zebra = [*TINY_JOB, "--moe-parallel-mode", "zebra", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
-             "--zebra-microbatches", "2"]
-    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-intermediate-size=96: zebra does not take it "
-                                            r"yet: its schedule has no task for shared experts yet .* "
-                                            r"valid: --moe-parallel-mode ep or fssdp or replicate"):
-        validate_args(parse_args([*zebra, *SHARED]), 4)
+def test_zebra_runs_shared_experts_on_its_attention_ranks_as_ep_does(runs):
+    zebra, ep = runs["zebra_fp32"], runs["ep_fp32"]
+    assert len(zebra.losses) == ITERS and relative(zebra.losses, ep.losses).max() <= 1e-5, (zebra.losses, ep.losses)
+    dropout = runs["zebra_dropout"].losses
+    assert len(dropout) == ITERS and dropout != zebra.losses and dropout[-1] < dropout[0], dropout
+
+
+def test_zebra_routes_with_the_expert_bias_as_ep_does_and_resumes_it(runs):
+    zebra, ep = runs["zebra_routing"], runs["ep_routing"]
+    assert relative(zebra.losses, ep.losses).max() <= 1e-5, (zebra.losses, ep.losses)
+    assert routed_loads(zebra) == routed_loads(ep)
+    # the bias is in the checkpoint: a resumed run that routed with a zero bias would route otherwise
+    resumed = runs["zebra_routing_resumed"]
+    assert [r["iteration"] for r in resumed.records if "loss" in r] == list(range(ZEBRA_SAVE_AT + 1, ITERS + 1))
+    assert resumed.losses == zebra.losses[ZEBRA_SAVE_AT:], (resumed.losses, zebra.losses)
+    assert routed_loads(resumed) == routed_loads(zebra)[ZEBRA_SAVE_AT:]
+
+
+def test_zebra_refuses_mla_mtp_and_the_dispatcher_s_shared_expert_overlap_naming_why():
+    zebra = [*TINY_JOB, *ZEBRA]
     with pytest.raises(ArgumentError, match=r"--mtp-num-layers=1: zebra does not take it yet: its schedule has no "
                                             r"tasks for the MTP block"):
         validate_args(parse_args([*zebra, *MTP]), 4)
     with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take it yet: it calls "
                                             r"each layer's attention itself"):
         validate_args(parse_args([*zebra, *MLA]), 4)
-    with pytest.raises(ArgumentError, match=r"--moe-router-score-function=sigmoid: zebra does not take it yet: it "
-                                            r"calls Megatron's router its own way .* valid: --moe-parallel-mode ep or "
-                                            r"fssdp or replicate"):
-        validate_args(parse_args([*zebra, *ROUTING]), 4)
+    with pytest.raises(ArgumentError, match=r"--moe-shared-expert-overlap=True: zebra runs the shared expert on the "
+                                            r"attention ranks .* drop it"):
+        validate_args(parse_args([*zebra, *SHARED, "--moe-shared-expert-overlap"]), 4)
+    validate_args(parse_args([*zebra, *SHARED, *ROUTING]), 4)
