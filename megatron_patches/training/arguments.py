@@ -305,8 +305,8 @@ def _add_model_args(parser):
 def _add_latent_attention_args(parser):
     group = parser.add_argument_group(title="multi-latent attention and multi-token prediction")
     group.add_argument("--multi-latent-attention", action="store_true",
-                       help=f"Whether to use multi-latent attention (DeepSeek-V2/V3). GPT only; excludes "
-                       f"--group-query-attention. On CPU through Megatron's local attention. {NOT_IN_ZEBRA}")
+                       help="Whether to use multi-latent attention (DeepSeek-V2/V3). GPT only; excludes "
+                       "--group-query-attention. On CPU through Megatron's local attention. In every mode.")
     group.add_argument("--q-lora-rank", type=int, default=None,
                        help="Rank of Query tensor's low rank representation (MLA; default: none, queries "
                        "projected directly).")
@@ -389,7 +389,7 @@ def _add_moe_args(parser):
                        help="Data type for routing and expert output weighted averaging: fp32 or fp64. "
                        "Using fp32 or fp64 can improve stability especially when the number of experts "
                        "is large (e.g. finegrained-moe). None means no changes for dtype.")
-    group.add_argument("--moe-z-loss-coef", type=float, default=None,
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None,
                        help="Scaling coefficient for the z-loss. A starting value of 1e-3 is recommended.")
     group.add_argument("--moe-input-jitter-eps", type=float, default=None,
                        help="Add noise to the input tensor by applying jitter with a specified epsilon "

@@ -328,8 +328,6 @@ MODE = ModeSpec(
     launch_flags=launch_flags,
     model_state_shares=model_state_shares,
     refused_features={
-        "multi_latent_attention": "it calls each layer's attention itself with GPT's rotary embedding; MLA's own "
-                                  "rotary path is not built there",
         "mtp_num_layers": "its schedule has no tasks for the MTP block (its embedding, projection and layer run "
                           "outside the decoder zebra splits)",
     },

@@ -167,9 +167,9 @@ class ZebraTasks:
 
     def _prepare(self, batch: dict) -> dict:
         prepared = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        if self.model.position_embedding_type == "rope":
+        if self.model.position_embedding_type == "rope" and not self.model.config.multi_latent_attention:
             prepared["rotary_pos_emb"] = self.model.rotary_pos_emb(prepared["tokens"].shape[1])
-        else:
+        else:  # none, learned absolute, or MLA's attention, which applies its own rotary embedding (as GPTModel passes it)
             prepared["rotary_pos_emb"] = None
         return prepared
 

@@ -36,10 +36,11 @@ iteration from the world's routed counts (compat.mcore.update_expert_bias):
 - the DeepSeek-V3 router: ep's losses and routed loads (measured: bit for bit), and the bias goes
   through zebra's checkpoint (a buffer: the attention ranks save and load it) so a run resumed at
   iteration 4 repeats the saved run's losses bit for bit;
+- multi-latent attention (its own rotary embedding, as GPTModel passes none): ep's losses
+  (measured: bit for bit, with full recompute too);
 - bf16 with full recompute: follows ep-bf16 within bf16's noise.
-Zebra refuses MLA and the MTP block before any work, naming why (it calls each attention itself;
-its schedule has no tasks for the MTP block), and --moe-shared-expert-overlap (an option of the
-all-to-all dispatcher it does not use).
+Zebra refuses the MTP block before any work, naming why (its schedule has no tasks for it), and
+--moe-shared-expert-overlap (an option of the all-to-all dispatcher it does not use).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def runs(workdir):
     saved = workdir / "ckpt_zebra_routing"
     flags["zebra_fp32"] = [*COMMON, *NO_DROPOUT, "--train-iters", str(ITERS), *ZEBRA]
     flags["zebra_dropout"] = [*COMMON, "--train-iters", str(ITERS), *ZEBRA]
+    flags["zebra_mla"] = [*COMMON, *NO_DROPOUT, *MLA, "--train-iters", str(ITERS), *ZEBRA]
     flags["zebra_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *ZEBRA, "--save", str(saved),
                               "--save-interval", str(ZEBRA_SAVE_AT)]
     flags["zebra_routing_resumed"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *ZEBRA, "--load",
@@ -123,7 +125,7 @@ def test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep(runs, mo
     assert routed_loads(run)[-1] != routed_loads(runs["ep_fp32"])[-1]
 
 
-@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+@pytest.mark.parametrize("mode", ["fssdp", "replicate", "zebra"])
 def test_multi_latent_attention_trains_as_in_ep(runs, mode):
     ep, run = runs["ep_mla"], runs[f"{mode}_mla"]
     assert len(run.losses) == ITERS and relative(run.losses, ep.losses).max() <= 1e-5, (run.losses, ep.losses)
@@ -176,15 +178,12 @@ def test_zebra_routes_with_the_expert_bias_as_ep_does_and_resumes_it(runs):
     assert routed_loads(resumed) == routed_loads(zebra)[ZEBRA_SAVE_AT:]
 
 
-def test_zebra_refuses_mla_mtp_and_the_dispatcher_s_shared_expert_overlap_naming_why():
+def test_zebra_refuses_mtp_and_the_dispatcher_s_shared_expert_overlap_naming_why():
     zebra = [*TINY_JOB, *ZEBRA]
     with pytest.raises(ArgumentError, match=r"--mtp-num-layers=1: zebra does not take it yet: its schedule has no "
                                             r"tasks for the MTP block"):
         validate_args(parse_args([*zebra, *MTP]), 4)
-    with pytest.raises(ArgumentError, match=r"--multi-latent-attention=True: zebra does not take it yet: it calls "
-                                            r"each layer's attention itself"):
-        validate_args(parse_args([*zebra, *MLA]), 4)
     with pytest.raises(ArgumentError, match=r"--moe-shared-expert-overlap=True: zebra runs the shared expert on the "
                                             r"attention ranks .* drop it"):
         validate_args(parse_args([*zebra, *SHARED, "--moe-shared-expert-overlap"]), 4)
-    validate_args(parse_args([*zebra, *SHARED, *ROUTING]), 4)
+    validate_args(parse_args([*zebra, *SHARED, *ROUTING, *MLA]), 4)
