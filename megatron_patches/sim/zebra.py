@@ -66,7 +66,8 @@ class ZebraPools:
             )
         model = scn.workload.model
         if model.num_moe_layers != model.num_layers:
-            raise SimError(f"zebra systems need every layer to be MoE; the model has {model.num_moe_layers} of "
+            raise SimError(f"the simulator's zebra systems price every layer as MoE (dense layers on the attention "
+                           f"ranks are not modelled yet); the model has {model.num_moe_layers} of "
                            f"{model.num_layers} (moe_layer_freq {model.moe_layer_freq})")
         self.attention_type, self.expert_type = kinds
         self.M = types.count(self.attention_type)

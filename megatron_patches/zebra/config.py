@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
+from megatron_patches.config.models import moe_layer_numbers
 from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
@@ -115,7 +116,8 @@ class ZebraConfig:
         return self.attention_ranks + self.expert_ranks
 
     def layout(self, world_size: int, num_layers: int, num_experts: int) -> ZebraLayout:
-        """The ZP layout of this pool for the model (zebra.pools.zebra_layout; raises PoolError)."""
+        """The ZP layout of this pool for a model of ``num_layers`` MoE layers (zebra.pools.zebra_layout;
+        raises PoolError)."""
         return zebra_layout(pool_cluster(self.cluster, world_size), self.attention_ranks, self.expert_ranks, world_size,
                             num_layers=num_layers, num_experts=num_experts, asym_ea=self.asym_ea, profile=self.profile,
                             replan=self.replan_interval > 0)
@@ -223,8 +225,6 @@ def validate(args: argparse.Namespace) -> None:
          "expert ranks); valid: 1"),
         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size, args.expert_tensor_parallel_size != 1,
          why_whole_model),
-        ("--moe-layer-freq", args.moe_layer_freq, args.moe_layer_freq != 1,
-         "zebra needs every layer to be MoE (expert ranks hold the experts of every layer); valid: 1"),
         ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type,
          args.moe_aux_loss_coeff != 0 and args.moe_router_load_balancing_type == "global_aux_loss", GLOBAL_AUX_LOSS),
         ("--moe-grouped-gemm", True, args.moe_grouped_gemm, "zebra runs each expert's MLP module; drop it"),
@@ -246,7 +246,8 @@ def validate(args: argparse.Namespace) -> None:
             fail(flag, value, why)
     try:
         config = ZebraConfig.from_args(args)
-        layout = config.layout(args.world_size, args.num_layers, args.num_experts)
+        layout = config.layout(args.world_size, len(moe_layer_numbers(args.moe_layer_freq, args.num_layers)),
+                               args.num_experts)
     except (ZebraConfigError, PoolError) as err:
         raise ArgumentError(str(err)) from None
     # Only attention ranks read data: one global batch = micro batch x R x attention ranks.

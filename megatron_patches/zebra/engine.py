@@ -51,6 +51,12 @@ class ZebraEngineError(ValueError):
     """A model or setting the zebra engine cannot run; the message names the value and what is valid."""
 
 
+def moe_transformer_layers(model) -> list:
+    """The model's MoE transformer layers, in order: the schedule's layers (--moe-layer-freq's dense
+    layers have no router and run inside the attention tasks, zebra.tasks)."""
+    return [layer for layer in mcore.transformer_layers(model) if hasattr(layer.mlp, "router")]
+
+
 @dataclass(frozen=True)
 class IterationResult:
     """What one training iteration returns (the same on every rank)."""
@@ -67,7 +73,7 @@ class ZebraEngine:
     """Runs training iterations of ``model`` in zebra mode on this rank (see the module docstring).
 
     ``model``: the unwrapped GPTModel of ``training.model.build_model`` under Megatron parallel
-    state TP = PP = EP = ETP = 1, every layer MoE, on every rank of the world. ``layout``: the
+    state TP = PP = EP = ETP = 1, on every rank of the world. ``layout``: the
     rank roles (``zebra.pools.zebra_layout`` for this world and model). ``schedule``: a name of
     ``placement.zebra.ORDERS``. ``emulated_expert_slowdown``: benchmark only (tools/bench_zebra.py).
     Creates its process groups (a collective over the whole world: every rank constructs its engine
@@ -96,10 +102,12 @@ class ZebraEngine:
         self.model = model
         self.rank = dist.get_rank()
         self.role = layout.roles[self.rank]
-        self.num_layers = len(mcore.transformer_layers(model))
+        moe_layers = moe_transformer_layers(model)
+        self.num_layers = len(moe_layers)
+        """MoE layers: the schedule's layers (a dense layer runs inside the attention task after it)."""
         self._schedule = schedule
         groups = self._process_groups(layout)
-        self.ownership = ZebraOwnership(model, mcore.transformer_layers(model), layout, self.rank, adam, precision,
+        self.ownership = ZebraOwnership(model, moe_layers, layout, self.rank, adam, precision,
                                         groups["dense_dp"], groups["expert_dp"])
         self.executor = ScheduleExecutor(self.rank, self.role, self.ownership.zp_group, self.ownership.device,
                                          record_timeline=config.timeline is not None,
@@ -181,15 +189,10 @@ class ZebraEngine:
                 f"the expert bias update sums the token counts over Megatron's data-parallel group "
                 f"({mcore.expert_bias_group_size()} ranks), which must be the whole world ({dist.get_world_size()}) "
                 "in zebra (TP = PP = CP = 1): only the attention ranks route, the expert ranks add zeros")
-        layers = mcore.transformer_layers(model)
-        dense = [i for i, layer in enumerate(layers) if not hasattr(layer.mlp, "router")]
-        if dense:
-            raise ZebraEngineError(
-                f"layers {dense} are dense (--moe-layer-freq); zebra needs every layer to be MoE (valid: 1)"
-            )
+        layers = moe_transformer_layers(model)
         if layout.asym_ea.shape.num_layers != len(layers) or layout.asym_ea.shape.num_experts != cfg.num_moe_experts:
             raise ZebraEngineError(
-                f"the layout was made for {layout.asym_ea.shape.num_layers} layers x "
+                f"the layout was made for {layout.asym_ea.shape.num_layers} MoE layers x "
                 f"{layout.asym_ea.shape.num_experts} experts, the model has {len(layers)} x {cfg.num_moe_experts}"
             )
 

@@ -154,7 +154,8 @@ class ProfileRequest:
         if self.model.num_moe_layers != self.model.num_layers:
             raise ProfileError(
                 f"--model-config has {self.model.num_moe_layers} MoE layers of {self.model.num_layers} "
-                f"(moe_layer_freq={self.model.moe_layer_freq!r}); zebra needs every layer to be MoE"
+                f"(moe_layer_freq={self.model.moe_layer_freq!r}); the profile prices every layer as MoE (the dense "
+                f"layers zebra trains on its attention ranks are not in its cost model yet); valid: moe_layer_freq 1"
             )
         for name in ("attention_ranks", "expert_ranks", "microbatches", "seq_length", "micro_batch_size",
                      "repeats"):

@@ -89,7 +89,7 @@ class ZebraRuntime(ModeRuntime):
     @classmethod
     def from_args(cls, args, moe_layer_numbers: list[int], on_gpu: bool) -> "ZebraRuntime":
         config = ZebraConfig.from_args(args)
-        layout = config.layout(dist.get_world_size(), args.num_layers, args.num_experts)
+        layout = config.layout(dist.get_world_size(), len(moe_layer_numbers), args.num_experts)
         return cls(config, layout, AdamSettings.from_args(args), args.train_iters)
 
     # ---- building ----------------------------------------------------------------------------

@@ -21,6 +21,11 @@ Per layer l and micro-batch j:
               probabilities: the expert-input gradient meets the gate-branch gradient inside the
               same backward, so no weight gets its backward twice.
 
+The schedule's layers l are the MoE layers. A dense layer (--moe-layer-freq) runs whole, with
+Megatron's TransformerLayer forward, on the attention ranks inside the attention task after it:
+A_F(l,j) runs the dense layers between MoE layers l-1 and l after the combine (or the
+embedding), the head those after the last MoE layer; their backward is in the same A_B.
+
 Every A_F segment starts from detached leaves (the previous segment's residual output, the
 received expert outputs and, with shared experts, the shared expert's output), so a backward
 stops at the attention output of each layer and resumes only in the next A_B task.
@@ -133,16 +138,24 @@ class ZebraTasks:
         self.loss_fn = loss_fn
         self.loss_divisor = loss_divisor
         self.layers = ownership.layers
+        """The MoE layers (the schedule's layers)."""
         self.num_layers = len(self.layers)
+        every_layer = mcore.transformer_layers(model)
+        moe_positions = [every_layer.index(layer) for layer in self.layers]
+        bounds = [-1, *moe_positions, len(every_layer)]
+        self.dense_before = [every_layer[bounds[m] + 1:bounds[m + 1]] for m in range(self.num_layers + 1)]
+        """Per MoE layer l (and the head, l = L): the dense layers after MoE layer l-1 that A_F(l) runs."""
         self.num_experts = model.config.num_moe_experts
         self.hidden = model.config.hidden_size
         self.role, self.group_rank, self.device = ownership.role, ownership.group_rank, ownership.device
         self.group_size = ownership.layout.attention_ranks + ownership.layout.expert_ranks
         cfg = model.config
         full = cfg.recompute_granularity == "full"
-        self.recomputed_layers = set(range(self.num_layers if cfg.recompute_method == "uniform" else cfg.recompute_num_layers)) if full else set()
-        """Layers whose attention segments (A_F) and expert tasks (E_F) keep only their inputs and run
-        again in the backward (--recompute-granularity full: uniform 1 = every layer, block N = the first N)."""
+        self.recomputed_layers = {m for m, position in enumerate(moe_positions)
+                                  if cfg.recompute_method == "uniform" or position < cfg.recompute_num_layers} if full else set()
+        """MoE layers whose attention segments (A_F, with the dense layers before them) and expert
+        tasks (E_F) keep only their inputs and run again in the backward (--recompute-granularity
+        full: uniform 1 = every layer, block N = the MoE layers among the first N)."""
         self.reset([])
 
     def reset(self, batches: list[dict]) -> None:
@@ -254,7 +267,7 @@ class ZebraTasks:
         shared_experts = tl.mlp.shared_experts
 
         def segment(*start):
-            hidden_SBH = start[0] if layer == 0 else self._combine(layer - 1, mb, *start)
+            hidden_SBH = self._dense(layer, batch, start[0] if layer == 0 else self._combine(layer - 1, mb, *start))
             attention = tl.self_attention(
                 tl.input_layernorm(hidden_SBH), attention_mask=batch["attention_mask"],
                 rotary_pos_emb=batch["rotary_pos_emb"],
@@ -284,10 +297,18 @@ class ZebraTasks:
             counts_E=routed["routing_TE"].sum(dim=0).to(torch.int64), shared_SBH=shared[0] if shared else None,
         )
 
+    def _dense(self, layer: int, batch: dict, hidden_SBH: torch.Tensor) -> torch.Tensor:
+        """The dense layers A_F(layer) runs before its own (Megatron's TransformerLayer forward, as ep's block)."""
+        for dense in self.dense_before[layer]:
+            hidden_SBH, _ = dense(hidden_SBH, attention_mask=batch["attention_mask"],
+                                  rotary_pos_emb=batch["rotary_pos_emb"])
+        return hidden_SBH
+
     def _head_forward(self, mb: int) -> None:
         batch = self.batches[mb]
         inputs = self._combine_leaves(self.num_layers - 1, mb)
-        hidden_SBH = self.model.decoder.final_layernorm(self._combine(self.num_layers - 1, mb, *inputs))
+        hidden_SBH = self._dense(self.num_layers, batch, self._combine(self.num_layers - 1, mb, *inputs))
+        hidden_SBH = self.model.decoder.final_layernorm(hidden_SBH)
         weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
         logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
         losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)

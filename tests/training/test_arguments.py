@@ -817,7 +817,6 @@ def test_zebra_resolves_ep_1_and_the_batch_of_its_attention_ranks(parse):
      ("--recompute-num-layers=2", "segments apart", "valid: 1, or --recompute-method block N")),
     (("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "layernorm"), 4,
      ("--recompute-modules=core_attn layernorm", "valid: core_attn")),
-    (("--moe-layer-freq", "2"), 4, ("--moe-layer-freq=2", "every layer to be MoE")),
     (("--zebra-cluster", "nowhere"), 4, ("--zebra-cluster nowhere", "unknown cluster config", "zebra_o1")),
     # zebra_o1 = 6 A40 then 6 V100: 12 ranks, M = N = 6 -> 8 experts do not divide over 6 expert ranks
     (("--zebra-cluster", "zebra_o1", "--zebra-attention-ranks", "6", "--zebra-expert-ranks", "6"), 12,
@@ -832,6 +831,11 @@ def test_zebra_refusals_name_the_value_and_what_is_valid(parse, flags, world, fr
 
 def test_zebra_saves_checkpoints(parse):
     assert validate_args(parse(*ZEBRA_2_2_4, "--save", "/tmp/x", "--save-interval", "5"), 4).save == "/tmp/x"
+
+
+def test_zebra_takes_dense_layers(parse):
+    # dense layers run on the attention ranks (trained against ep: tests/training/test_model_configs_train.py)
+    assert validate_args(parse(*ZEBRA_2_2_4, "--moe-layer-freq", "2"), 4).moe_layer_freq == 2
 
 
 def test_zebra_flags_only_apply_in_zebra_mode(parse):

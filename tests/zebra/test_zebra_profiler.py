@@ -106,7 +106,7 @@ def test_bad_models_and_output_files(tmp_path, capsys):
         ({"--model-config": write_model(tmp_path, "dense", num_experts=None, moe_ffn_hidden_size=None)},
          "describes a dense model"),
         ({"--model-config": write_model(tmp_path, "half", moe_layer_freq=2)},
-         "has 1 MoE layers of 2 .*zebra needs every layer to be MoE"),
+         "has 1 MoE layers of 2 .*the profile prices every layer as MoE"),
         ({"--model-config": write_model(tmp_path, "bad", hidden_size=0)}, "hidden_size=0 is invalid"),
         ({"--out": str(tmp_path / "missing" / "p.json")}, "the folder .*missing does not exist"),
     ]
