@@ -1,4 +1,4 @@
-"""The support matrix of docs/modes.md (fssdp and replicate x Megatron feature), checked against the tests.
+"""The support matrix of docs/modes.md (fssdp, replicate and zebra x Megatron feature), checked against the tests.
 
 Each cell is one of:
 - tested: a test that trains the mode with the feature against ep (named as `file::function`,
@@ -7,6 +7,8 @@ Each cell is one of:
   words; validation runs here on those flags, so a refusal that disappears or changes fails;
 - not tested: accepted but never trained in a test (said plainly rather than left out);
 - n/a: the feature does not exist in that mode (accepted, nothing to do).
+A zebra cell adds zebra's own flags (2 attention + 2 expert ranks per ZP group, 2 micro-batches,
+EP 1 for the row's EP) to the row's, refused cells too.
 
 The block between the markers in docs/modes.md must equal `render()`; after changing `MATRIX`,
 write it with `python tests/test_support_matrix.py --write docs/modes.md`.
@@ -30,7 +32,7 @@ from support.training import TINY_JOB
 TESTS = Path(__file__).resolve().parent
 MODES_DOC = TESTS.parent / "docs" / "modes.md"
 BEGIN, END = "<!-- support-matrix: begin -->", "<!-- support-matrix: end -->"
-MODES = ("fssdp", "replicate")
+MODES = ("fssdp", "replicate", "zebra")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Row:
     cells: dict
 
 
+ZEBRA = ("--expert-model-parallel-size", "1", "--zebra-attention-ranks", "2", "--zebra-expert-ranks", "2",
+         "--zebra-microbatches", "2")
+
+
 def by_test(where: str, *flags: str) -> Cell:
     return Cell("tested", where, flags)
 
@@ -60,96 +66,134 @@ def refusal(words: str) -> Cell:
     return Cell("refused", words)
 
 
+def zebra(status: str, where: str) -> Cell:
+    """A zebra cell: zebra's own flags besides the row's."""
+    return Cell(status, where, ZEBRA)
+
+
+WHOLE_MODEL = "zebra builds the whole model on every rank and splits it by role"
+OWN_OPTIMIZER = "zebra has its own optimizer"
+
+
 COMPOSITION = "training/test_composition.py::"
 PRECISION = "training/test_precision_training.py::"
 MODERN = "training/test_modern_moe_modes.py::"
+CONFIGS = "training/test_model_configs_train.py::"
 MATRIX = (
     Row("more ranks than one expert group (EDP 2)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
-        "replicate": by_test(COMPOSITION + "test_replicate_two_expert_groups")}),
+        "replicate": by_test(COMPOSITION + "test_replicate_two_expert_groups"),
+        "zebra": zebra("tested", "zebra/test_zebra_engine.py::test_zebra_equals_megatron_reference[groups]")}),
     Row("TP 2 + sequence parallel, PP 2, EDP 2, distributed optimizer, together",
         ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
          "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"), 8, {
         "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]",
                          "--fssdp-reshard-interval", "0", "--overlap-grad-reduce", "--overlap-param-gather"),
         "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]",
-                             "--overlap-grad-reduce", "--overlap-param-gather")}),
+                             "--overlap-grad-reduce", "--overlap-param-gather"),
+        "zebra": zebra("refused", WHOLE_MODEL)}),
     Row("TP 2 + sequence parallel", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                      "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), 4, {
         "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[tp2_sp-fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[tp2_sp-replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[tp2_sp-replicate]"),
+        "zebra": zebra("refused", WHOLE_MODEL)}),
     Row("PP 2 (4 micro-batches)", ("--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"), 4, {
         "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-replicate]"),
+        "zebra": zebra("refused", WHOLE_MODEL)}),
     Row("distributed optimizer", ("--use-distributed-optimizer", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-replicate]"),
+        "zebra": zebra("refused", OWN_OPTIMIZER)}),
     Row("BERT", ("--model-family", "bert", "--expert-model-parallel-size", "2"), 2, {
         "fssdp": by_test(COMPOSITION + "test_bert[fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_bert[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_bert[replicate]"),
+        "zebra": zebra("refused", "zebra mode trains GPT models")}),
     Row("bf16", ("--bf16",), 4, {
         "fssdp": by_test(PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise"),
-        "replicate": by_test(PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise")}),
+        "replicate": by_test(PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise"),
+        "zebra": zebra("tested", PRECISION + "test_bf16_in_every_mode_follows_ep_within_bf16_noise")}),
     Row("fp16 with recompute and the distributed optimizer", ("--fp16", "--use-distributed-optimizer"), 4, {
         "fssdp": by_test(PRECISION + "test_half_precision_with_recompute_and_distributed_optimizer[fp16-fssdp]"),
-        "replicate": by_test(PRECISION + "test_half_precision_with_recompute_and_distributed_optimizer[fp16-replicate]")}),
+        "replicate": by_test(PRECISION + "test_half_precision_with_recompute_and_distributed_optimizer[fp16-replicate]"),
+        "zebra": zebra("refused", OWN_OPTIMIZER)}),
     Row("full activation recompute", ("--recompute-granularity", "full", "--recompute-method", "uniform",
                                       "--recompute-num-layers", "1"), 4, {
         "fssdp": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[fssdp_full_remat]"),
-        "replicate": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[replicate_full]")}),
+        "replicate": by_test(PRECISION + "test_recompute_keeps_losses_and_loads[replicate_full]"),
+        "zebra": zebra("tested", "zebra/test_zebra_engine.py::test_recompute_keeps_losses_and_lowers_activation_memory")}),
     Row("save at 8 ranks (2 expert groups), resume at 4 (1 group)", ("--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_two_expert_groups_reshard_and_resume_elsewhere"),
-        "replicate": by_test(COMPOSITION + "test_replicate_saved_in_two_groups_resumes_in_one_in_fssdp")}),
+        "replicate": by_test(COMPOSITION + "test_replicate_saved_in_two_groups_resumes_in_one_in_fssdp"),
+        "zebra": zebra("tested", "zebra/test_zebra_training.py::test_checkpoints_resume_in_zebra_layouts_and_in_ep")}),
     Row("more ranks than experts (4 experts on 8 ranks: EP 4 x EDP 2)",
         ("--num-experts", "4", "--expert-model-parallel-size", "4"), 8, {
         "fssdp": by_test(COMPOSITION + "test_more_ranks_than_experts[fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_more_ranks_than_experts[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_more_ranks_than_experts[replicate]"),
+        "zebra": zebra("not tested", "8 ranks are 2 ZP groups of 2 + 2, each expert rank holding 2 of the 4 experts; trained only with 2 groups of 1 + 1")}),
     Row("checkpoints with the distributed optimizer", ("--use-distributed-optimizer", "--save", "ckpt",
                                                        "--save-interval", "5"), 4, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_checkpoints_with_the_distributed_optimizer"),
-        "replicate": by_test(COMPOSITION + "test_replicate_checkpoints_with_the_distributed_optimizer")}),
+        "replicate": by_test(COMPOSITION + "test_replicate_checkpoints_with_the_distributed_optimizer"),
+        "zebra": zebra("refused", OWN_OPTIMIZER)}),
     Row("re-sharding with the distributed optimizer over several expert groups",
         ("--expert-model-parallel-size", "4", "--use-distributed-optimizer"), 8, {
         "fssdp": by_test(COMPOSITION + "test_fssdp_reshards_with_the_distributed_optimizer_over_two_expert_groups"),
-        "replicate": Cell("n/a", "replicate never re-shards: its optimizer slices never move")}),
+        "replicate": Cell("n/a", "replicate never re-shards: its optimizer slices never move"),
+        "zebra": zebra("refused", OWN_OPTIMIZER)}),
     Row("grouped GEMM (fp32 and bf16)", ("--moe-grouped-gemm", "--disable-bias-linear"), 4, {
         "fssdp": by_test(COMPOSITION + "test_grouped_gemm[fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_grouped_gemm[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_grouped_gemm[replicate]"),
+        "zebra": zebra("refused", "zebra runs each expert's MLP module")}),
     Row("grouped GEMM with biases", ("--moe-grouped-gemm",), 4, {
         "fssdp": refusal("runs the experts without biases, as Megatron's GroupedMLP"),
-        "replicate": refusal("runs the experts without biases, as Megatron's GroupedMLP")}),
+        "replicate": refusal("runs the experts without biases, as Megatron's GroupedMLP"),
+        "zebra": zebra("refused", "zebra runs each expert's MLP module")}),
     Row("overlapped gradient reduce and parameter gather",
         ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"), 4, {
         "fssdp": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_tp_sp_pp_edp_and_distributed_optimizer_together[replicate]"),
+        "zebra": zebra("refused", OWN_OPTIMIZER)}),
     Row("expert tensor parallelism", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--expert-tensor-parallel-size", "2", "--disable-bias-linear"), 4, {
         "fssdp": by_test(COMPOSITION + "test_expert_tensor_parallelism[fssdp]"),
-        "replicate": by_test(COMPOSITION + "test_expert_tensor_parallelism[replicate]")}),
+        "replicate": by_test(COMPOSITION + "test_expert_tensor_parallelism[replicate]"),
+        "zebra": zebra("refused", WHOLE_MODEL)}),
     Row("MoE-only recompute", ("--recompute-granularity", "selective", "--recompute-modules", "moe"), 4, {
         "fssdp": refusal("plans its collectives once per forward"),
-        "replicate": refusal("plans its collectives once per forward")}),
+        "replicate": refusal("plans its collectives once per forward"),
+        "zebra": zebra("refused", "only the attention module's own recompute applies")}),
     Row("padding expert inputs to capacity", ("--moe-expert-capacity-factor", "1.0",
                                               "--moe-pad-expert-input-to-capacity"), 4, {
         "fssdp": refusal("padding is per expert rank"),
-        "replicate": refusal("padding is per expert rank")}),
+        "replicate": refusal("padding is per expert rank"),
+        "zebra": zebra("tested", "zebra/test_zebra_training.py::test_token_dropping_drops_what_ep_drops[capacity_pad]")}),
     Row("shared experts", ("--moe-shared-expert-intermediate-size", "96", "--disable-bias-linear",
                            "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_shared_experts_train_as_in_ep[fssdp]"),
-        "replicate": by_test(MODERN + "test_shared_experts_train_as_in_ep[replicate]")}),
+        "replicate": by_test(MODERN + "test_shared_experts_train_as_in_ep[replicate]"),
+        "zebra": zebra("tested", MODERN + "test_zebra_runs_shared_experts_on_its_attention_ranks_as_ep_does")}),
     Row("multi-latent attention", ("--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "8",
                                    "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "16",
                                    "--position-embedding-type", "rope", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[fssdp]"),
-        "replicate": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[replicate]")}),
+        "replicate": by_test(MODERN + "test_multi_latent_attention_trains_as_in_ep[replicate]"),
+        "zebra": zebra("tested", MODERN + "test_multi_latent_attention_trains_as_in_ep[zebra]")}),
     Row("multi-token prediction (EP 4, and PP 2 x EP 2)", ("--mtp-num-layers", "1", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[fssdp]"),
-        "replicate": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[replicate]")}),
+        "replicate": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[replicate]"),
+        "zebra": zebra("refused", "its schedule has no tasks for the MTP block")}),
     Row("aux-loss-free and group-limited routing (sigmoid scores, expert bias, 4 groups top-2, z-loss)",
         ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
          "--moe-router-group-topk", "2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep[fssdp]"),
-        "replicate": by_test(MODERN + "test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep[replicate]")}),
+        "replicate": by_test(MODERN + "test_aux_loss_free_group_limited_routing_routes_and_trains_as_in_ep[replicate]"),
+        "zebra": zebra("tested", MODERN + "test_zebra_routes_with_the_expert_bias_as_ep_does_and_resumes_it")}),
+    Row("dense layers (--moe-layer-freq: a dense first layer)", ("--moe-layer-freq", "[0,1]", "--expert-model-parallel-size",
+                                                                   "4"), 4, {
+        "fssdp": by_test(CONFIGS + "test_every_mode_trains_the_model_as_ep_does[deepseek_v2_lite_tiny]"),
+        "replicate": by_test(CONFIGS + "test_every_mode_trains_the_model_as_ep_does[deepseek_v2_lite_tiny]"),
+        "zebra": zebra("tested", CONFIGS + "test_zebra_trains_the_models_it_composes_with")}),
 )
 
 
@@ -206,7 +250,7 @@ def test_every_tested_cell_names_a_collected_test(collected, row, mode):
 @pytest.mark.parametrize("row, mode", [c for c in CELLS if c[0].cells[c[1]].status == "refused"],
                          ids=lambda value: getattr(value, "feature", value))
 def test_every_refused_cell_is_refused_before_any_work(row, mode):
-    args = parse_args([*TINY_JOB, "--moe-parallel-mode", mode, *row.flags])
+    args = parse_args([*TINY_JOB, "--moe-parallel-mode", mode, *row.flags, *row.cells[mode].flags])
     with pytest.raises(ArgumentError) as caught:
         validate_args(args, row.world)
     assert row.cells[mode].where in str(caught.value)
