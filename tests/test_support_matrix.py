@@ -182,7 +182,7 @@ MATRIX = (
     Row("multi-token prediction (EP 4, and PP 2 x EP 2)", ("--mtp-num-layers", "1", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[fssdp]"),
         "replicate": by_test(MODERN + "test_multi_token_prediction_layers_are_placed_and_train_as_in_ep[replicate]"),
-        "zebra": zebra("refused", "its schedule has no tasks for the MTP block")}),
+        "zebra": zebra("tested", MODERN + "test_zebra_runs_the_mtp_layer_in_its_schedule_as_ep_does")}),
     Row("aux-loss-free and group-limited routing (sigmoid scores, expert bias, 4 groups top-2, z-loss)",
         ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-num-groups", "4",
          "--moe-router-group-topk", "2", "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "4"), 4, {
@@ -193,7 +193,7 @@ MATRIX = (
                                                                    "4"), 4, {
         "fssdp": by_test(CONFIGS + "test_every_mode_trains_the_model_as_ep_does[deepseek_v2_lite_tiny]"),
         "replicate": by_test(CONFIGS + "test_every_mode_trains_the_model_as_ep_does[deepseek_v2_lite_tiny]"),
-        "zebra": zebra("tested", CONFIGS + "test_zebra_trains_the_models_it_composes_with")}),
+        "zebra": zebra("tested", CONFIGS + "test_zebra_trains_all_four_models")}),
 )
 
 

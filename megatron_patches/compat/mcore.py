@@ -50,7 +50,7 @@ from megatron.core.transformer.module import Float16Module, param_is_not_shared
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe import router as moe_router
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -595,6 +595,40 @@ def forget_loss_trackers() -> None:
     one (`take_mtp_losses`)."""
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
     MTPLossLoggingHelper.tracker.clear()
+
+
+def mtp_layer_input(mtp_layer, input_ids: torch.Tensor, position_ids: torch.Tensor, embedding,
+                    hidden_SBH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MultiTokenPredictionLayer's own steps before its transformer layer, for a mode that runs
+    that layer itself (zebra): the token ids and positions rolled by one (_get_embeddings), their
+    embedding normed and concatenated with the normed hidden states, projected (_concat_embeddings).
+    Returns (the transformer layer's input, the rolled ids, the rolled positions: the next depth's)."""
+    ids, positions, embedded_SBH, hidden_SBH = mtp_layer._get_embeddings(
+        input_ids=input_ids, position_ids=position_ids, embedding=embedding, hidden_states=hidden_SBH)
+    return mtp_layer._concat_embeddings(hidden_SBH, embedded_SBH), ids, positions
+
+
+def set_mtp_loss_scale(scale: torch.Tensor) -> None:
+    """The factor the MTP losses' gradient gets in the next backward (Megatron's schedule sets it
+    per micro-batch as the auxiliary loss's; zebra runs its own schedule)."""
+    MTPLossAutoScaler.set_loss_scale(scale)
+
+
+def mtp_layer_output(mtp_layer, hidden_SBH: torch.Tensor) -> torch.Tensor:
+    """A MultiTokenPredictionLayer's step after its transformer layer (_postprocess: its final norm)."""
+    return mtp_layer._postprocess(hidden_SBH)
+
+
+def gpt_mtp_losses(model, hidden_SBH: list[torch.Tensor], batch: dict) -> torch.Tensor:
+    """GPTModel's post-processing after its MTP block (_postprocess without running the block): the
+    MTP losses of `hidden_SBH[1:]` (each depth's normed output) into MTPLossLoggingHelper's tracker
+    and, through MTPLossAutoScaler, into the backward of `hidden_SBH[0]` (the decoder's normed
+    output), then the output layer and the per-token language-model losses [b, s] of the main
+    prediction, as ep computes them."""
+    return model._postprocess(
+        hidden_states=torch.cat(hidden_SBH, dim=0), input_ids=batch["tokens"], position_ids=batch["position_ids"],
+        labels=batch["labels"], rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
+        mtp_in_postprocess=False, loss_mask=batch["loss_mask"], attention_mask=batch["attention_mask"])
 
 
 def take_mtp_losses(num_mtp_layers: int, num_micro_batches: int) -> list[float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 
@@ -56,14 +56,6 @@ def ep_model_state_shares(args: argparse.Namespace, component_ranks: list[int], 
     return [share] * len(component_ranks)
 
 
-MODEL_FEATURES = ("moe_shared_expert_intermediate_size", "multi_latent_attention", "mtp_num_layers")
-"""The model features of today's MoE models (DeepSeek-V3, Qwen3) a mode may refuse (by dest)."""
-ROUTING_OPTIONS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-                   "moe_router_num_groups", "moe_router_group_topk", "moe_router_dtype", "moe_z_loss_coeff",
-                   "moe_input_jitter_eps", "moe_token_drop_policy")
-"""The routing options of Megatron-Core's router (sigmoid scores, the aux-loss-free expert bias,
-group-limited routing, ...) a mode may refuse (by dest)."""
-
 
 @dataclass(frozen=True)
 class ModeSpec:
@@ -105,10 +97,6 @@ class ModeSpec:
     groups and the model's non-expert and expert parameter counts), what one rank holds on
     average as (non-expert parameters, the ranks their optimizer state shards over, expert
     parameters, theirs), or None where only start-up knows it."""
-    refused_features: dict[str, str] = field(default_factory=dict)
-    """Of `MODEL_FEATURES` and `ROUTING_OPTIONS`, those this mode does not build yet, each with why
-    (validation refuses them before any work, naming the modes that take them); every other one it
-    builds."""
     component_roles: tuple[str, ...] = ()
     """launch/submit.py: what the ranks of each launch component do, for a job whose cluster has
     exactly that many node groups (zebra: "attention pool", "expert pool"); () none."""

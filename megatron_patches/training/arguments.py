@@ -76,12 +76,11 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "mla_up_
 ROUTER_DTYPES = ("fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 
-# Today's MoE model features and routing options (mode.spec.MODEL_FEATURES, ROUTING_OPTIONS): each
-# mode's ModeSpec.refused_features names those it does not build yet, and why; validation refuses
-# them there. Shared experts are dense and data-parallel beside the placed routed experts; MLA
-# changes only the attention; Megatron's router and its expert bias run unchanged in every mode
-# (zebra calls the router itself and moves the bias as Megatron's finalize_model_grads does).
-NOT_IN_ZEBRA = "In ep, fssdp and replicate (zebra refuses it)."
+# Today's MoE model features and routing options train in every mode: shared experts are dense
+# and data-parallel beside the placed routed experts (zebra: on its attention ranks); MLA changes
+# only the attention; Megatron's router and its expert bias run unchanged (zebra calls the router
+# itself and moves the bias as Megatron's finalize_model_grads does); MTP's layers are placed as
+# MoE layers after the decoder's.
 
 # Megatron-LM's --moe-router-load-balancing-type choices.
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -331,7 +330,7 @@ def _add_latent_attention_args(parser):
     group.add_argument("--mtp-num-layers", type=int, default=None,
                        help="Number of Multi-Token Prediction (MTP) Layers. Each predicts one token further "
                        "through one transformer layer like the decoder's last, sharing the embedding and "
-                       f"output layer. GPT only; on the last pipeline stage. {NOT_IN_ZEBRA}")
+                       "output layer. GPT only; on the last pipeline stage. In every mode.")
     group.add_argument("--mtp-loss-scaling-factor", type=float, default=RUN_DEFAULTS.mtp_loss_scaling_factor,
                        help="Weighting factor of Multi-Token Prediction (MTP) loss. We compute the average "
                        "of the MTP losses across all depths, and multiply it the scaling factor to obtain "

@@ -43,7 +43,6 @@ from megatron_patches.training.arguments import (
     build_parser,
     flag_of_dest,
 )
-from megatron_patches.mode.spec import MODEL_FEATURES, ROUTING_OPTIONS
 from megatron_patches.placement.loads import LOAD_PREDICTORS
 from megatron_patches.training.modes import MODES
 
@@ -415,12 +414,6 @@ def _resolve_mode_flags(args):
             args.moe_load_predictor = LOAD_PREDICTORS[0]
         if args.moe_load_window < 1:
             fail("--moe-load-window", args.moe_load_window, "must be at least 1 iteration")
-    for dest in (*MODEL_FEATURES, *ROUTING_OPTIONS):
-        why = mode.refused_features.get(dest)
-        if why is not None and getattr(args, dest) != parser.get_default(dest):
-            takers = [name for name, spec in MODES.items() if dest not in spec.refused_features]
-            fail(f"--{dest.replace('_', '-')}", getattr(args, dest), f"{mode.name} does not take it yet: {why}; "
-                 f"valid: --moe-parallel-mode {' or '.join(takers)}, or leave it out")
     mode.validate(args)
 
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_patches.config.flags import ArgumentError, fail
-from megatron_patches.config.models import moe_layer_numbers
+from megatron_patches.config.models import moe_layer_numbers, moe_layer_pattern
 from megatron_patches.mode.spec import ModeSpec
 from megatron_patches.zebra.pools import PoolError, ZebraLayout, pool_cluster, zebra_layout
 
@@ -190,6 +190,11 @@ GLOBAL_AUX_LOSS = ("with global_aux_loss Megatron-Core 0.16.1 all-reduces the to
 """Why zebra refuses the global auxiliary loss (the flags' validation and the engine's check)."""
 
 
+MTP_DENSE = ("zebra runs each MTP layer as one more MoE layer of its schedule, and an MTP layer repeats the "
+             "decoder's last layer, which is dense here (--moe-layer-freq); valid: an MoE last layer")
+"""Why zebra refuses MTP after a dense last layer (the flags' validation and the engine's check)."""
+
+
 def recompute_refusals(granularity: str | None, method: str | None, num_layers: int | None,
                        modules: list[str]) -> tuple[tuple[str, object, bool, str], ...]:
     """(flag, value, refused, why) of the recompute settings zebra cannot honour, for the flags'
@@ -236,6 +241,8 @@ def validate(args: argparse.Namespace) -> None:
          "zebra has its own optimizer (AdamW over each rank's own parameters); drop it"),
         ("--overlap-grad-reduce", True, args.overlap_grad_reduce, "zebra reduces gradients after its schedule; drop it"),
         ("--overlap-param-gather", True, args.overlap_param_gather, "not supported in zebra mode"),
+        ("--mtp-num-layers", args.mtp_num_layers,
+         bool(args.mtp_num_layers) and not moe_layer_pattern(args.moe_layer_freq, args.num_layers)[-1], MTP_DENSE),
         ("--moe-shared-expert-overlap", True, args.moe_shared_expert_overlap,
          "zebra runs the shared expert on the attention ranks inside their attention task, where other "
          "micro-batches' expert round trips overlap it; Megatron's overlap (a side stream of its all-to-all "
@@ -246,7 +253,8 @@ def validate(args: argparse.Namespace) -> None:
             fail(flag, value, why)
     try:
         config = ZebraConfig.from_args(args)
-        layout = config.layout(args.world_size, len(moe_layer_numbers(args.moe_layer_freq, args.num_layers)),
+        layout = config.layout(args.world_size,
+                               len(moe_layer_numbers(args.moe_layer_freq, args.num_layers, args.mtp_num_layers)),
                                args.num_experts)
     except (ZebraConfigError, PoolError) as err:
         raise ArgumentError(str(err)) from None
@@ -328,10 +336,6 @@ MODE = ModeSpec(
     simulated=simulated,
     launch_flags=launch_flags,
     model_state_shares=model_state_shares,
-    refused_features={
-        "mtp_num_layers": "its schedule has no tasks for the MTP block (its embedding, projection and layer run "
-                          "outside the decoder zebra splits)",
-    },
     component_roles=("attention pool", "expert pool"),
     replica_groups=zp_groups,
     parallelism_line=parallelism_line,

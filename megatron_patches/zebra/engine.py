@@ -33,7 +33,7 @@ from megatron.core import parallel_state
 from megatron_patches.compat import mcore
 from megatron_patches.mode.layer import set_aux_loss_scale
 from megatron_patches.placement.zebra import ORDERS, AsymEAPlan
-from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, MODE, ZebraConfig, recompute_refusals
+from megatron_patches.zebra.config import GLOBAL_AUX_LOSS, MTP_DENSE, ZebraConfig, recompute_refusals
 from megatron_patches.zebra.executor import COMM_STREAMS, ScheduleExecutor
 from megatron_patches.mode.adam import AdamSettings
 from megatron_patches.zebra.ownership import MixedPrecision, ZebraOwnership
@@ -181,14 +181,14 @@ class ZebraEngine:
         for flag, value, refused, why in refusals:
             if refused:
                 raise ZebraEngineError(f"{flag}={value!r}: {why}")
-        for dest, why in MODE.refused_features.items():
-            if getattr(cfg, dest, None):
-                raise ZebraEngineError(f"{dest}={getattr(cfg, dest)!r}: {why}")
         if cfg.moe_router_enable_expert_bias and mcore.expert_bias_group_size() != dist.get_world_size():
             raise ZebraEngineError(
                 f"the expert bias update sums the token counts over Megatron's data-parallel group "
                 f"({mcore.expert_bias_group_size()} ranks), which must be the whole world ({dist.get_world_size()}) "
                 "in zebra (TP = PP = CP = 1): only the attention ranks route, the expert ranks add zeros")
+        mtp = getattr(model, "mtp", None)
+        if mtp is not None and not all(hasattr(layer.transformer_layer.mlp, "router") for layer in mtp.layers):
+            raise ZebraEngineError(f"mtp_num_layers={cfg.mtp_num_layers}: {MTP_DENSE}")
         layers = moe_transformer_layers(model)
         if layout.asym_ea.shape.num_layers != len(layers) or layout.asym_ea.shape.num_experts != cfg.num_moe_experts:
             raise ZebraEngineError(
@@ -233,16 +233,18 @@ class ZebraEngine:
         Gradients accumulate into ``main_grad`` (``ownership.zero_grad`` first); same arguments as
         ``train_step``."""
         self.tasks.reset(self._checked_batches(microbatches))
-        if self.model.config.moe_aux_loss_coeff or self.model.config.moe_z_loss_coeff:
-            # the routers' auxiliary loss and z-loss backward is scaled as the head's loss
-            # (ZebraTasks' head backward), as Megatron's schedule scales it for ep (1 / micro-batches
-            # there; DDP then averages over DP)
+        cfg = self.model.config
+        if cfg.moe_aux_loss_coeff or cfg.moe_z_loss_coeff or cfg.mtp_num_layers:
+            # the routers' auxiliary loss, z-loss and the MTP losses backward is scaled as the
+            # head's loss (ZebraTasks' head backward), as Megatron's schedule scales them for ep
+            # (1 / micro-batches there; DDP then averages over DP)
             device = self.ownership.device
             scale = torch.ones(1, device=device) / self.loss_divisor
             scaler = self.ownership.precision.grad_scaler
             if scaler is not None:
                 scale = scale * scaler.scale.to(device)
             set_aux_loss_scale(scale)
+            mcore.set_mtp_loss_scale(scale)
         self._run(self.order)
         self.ownership.reduce_gradients()
         # the aux-loss-free bias moves from the world's routed counts of this iteration, as ep's

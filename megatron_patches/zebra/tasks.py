@@ -25,6 +25,10 @@ The schedule's layers l are the MoE layers. A dense layer (--moe-layer-freq) run
 Megatron's TransformerLayer forward, on the attention ranks inside the attention task after it:
 A_F(l,j) runs the dense layers between MoE layers l-1 and l after the combine (or the
 embedding), the head those after the last MoE layer; their backward is in the same A_B.
+Multi-token prediction (--mtp-num-layers): each depth's transformer layer is one more schedule
+layer after the decoder's. Its A_F starts with Megatron's MTP steps (the previous output normed,
+the rolled tokens embedded, both projected) and carries that previous output to the head, which
+computes the main and MTP losses with GPTModel's own post-processing.
 
 Every A_F segment starts from detached leaves (the previous segment's residual output, the
 received expert outputs and, with shared experts, the shared expert's output), so a backward
@@ -121,6 +125,9 @@ class _Segment:
     """Tokens per expert in expert-id order, int64 (what D_F gathers)."""
     shared_SBH: torch.Tensor | None = None
     """The shared expert's output (None: the model has no shared expert), added in the combine."""
+    carried: tuple = ()
+    """What the head takes from this segment: an MTP layer's input hidden states (the decoder's
+    normed output, or the previous depth's normed output), for the main and MTP losses."""
 
 
 class ZebraTasks:
@@ -140,22 +147,30 @@ class ZebraTasks:
         self.layers = ownership.layers
         """The MoE layers (the schedule's layers)."""
         self.num_layers = len(self.layers)
-        every_layer = mcore.transformer_layers(model)
-        moe_positions = [every_layer.index(layer) for layer in self.layers]
-        bounds = [-1, *moe_positions, len(every_layer)]
-        self.dense_before = [every_layer[bounds[m] + 1:bounds[m + 1]] for m in range(self.num_layers + 1)]
-        """Per MoE layer l (and the head, l = L): the dense layers after MoE layer l-1 that A_F(l) runs."""
+        decoder = list(model.decoder.layers)
+        positions = [next((i for i, d in enumerate(decoder) if d is layer), len(decoder)) for layer in self.layers]
+        self.decoder_moe_layers = sum(p < len(decoder) for p in positions)
+        """MoE layers of the decoder; the schedule's layers after them are the MTP layers' (one per depth)."""
+        self.mtp_layers = list(model.mtp.layers) if getattr(model, "mtp", None) is not None else []
+        """Megatron's MultiTokenPredictionLayer per depth (--mtp-num-layers), whose transformer
+        layer is schedule layer decoder_moe_layers + depth."""
+        bounds = [-1, *positions[:self.decoder_moe_layers], len(decoder)]
+        self.dense_before = [decoder[bounds[m] + 1:bounds[m + 1]] for m in range(self.decoder_moe_layers + 1)] + [
+            [] for _ in self.mtp_layers]
+        """Per schedule layer l (and the head, l = L): the dense decoder layers after MoE layer l-1
+        that A_F(l) runs (those after the decoder's last MoE layer: the first MTP layer's, or the head's)."""
         self.num_experts = model.config.num_moe_experts
         self.hidden = model.config.hidden_size
         self.role, self.group_rank, self.device = ownership.role, ownership.group_rank, ownership.device
         self.group_size = ownership.layout.attention_ranks + ownership.layout.expert_ranks
         cfg = model.config
         full = cfg.recompute_granularity == "full"
-        self.recomputed_layers = {m for m, position in enumerate(moe_positions)
+        self.recomputed_layers = {m for m, position in enumerate(positions)
                                   if cfg.recompute_method == "uniform" or position < cfg.recompute_num_layers} if full else set()
         """MoE layers whose attention segments (A_F, with the dense layers before them) and expert
         tasks (E_F) keep only their inputs and run again in the backward (--recompute-granularity
-        full: uniform 1 = every layer, block N = the MoE layers among the first N)."""
+        full: uniform 1 = every layer, MTP's too; block N = the decoder's MoE layers among the first
+        N, as Megatron's MTP skips block recompute)."""
         self.reset([])
 
     def reset(self, batches: list[dict]) -> None:
@@ -171,6 +186,9 @@ class ZebraTasks:
         self._received: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_hidden: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_shared: dict[tuple[int, int], torch.Tensor] = {}
+        self._grad_carried: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._mtp_ids = {(0, mb): (b["tokens"], b["position_ids"]) for mb, b in enumerate(self.batches)}
+        """(depth, micro-batch) -> the token ids and positions MTP depth `depth` rolls and embeds."""
         self._grad_received: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_sent: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._expert_in: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -267,7 +285,7 @@ class ZebraTasks:
         shared_experts = tl.mlp.shared_experts
 
         def segment(*start):
-            hidden_SBH = self._dense(layer, batch, start[0] if layer == 0 else self._combine(layer - 1, mb, *start))
+            hidden_SBH, carried = self._layer_input(layer, mb, batch, start)
             attention = tl.self_attention(
                 tl.input_layernorm(hidden_SBH), attention_mask=batch["attention_mask"],
                 rotary_pos_emb=batch["rotary_pos_emb"],
@@ -287,15 +305,40 @@ class ZebraTasks:
                 sent_XH, sent_probs_X, sorted_indices = permute(
                     normed_SBH.view(-1, self.hidden), routing_ord_TE, probs=probs_TE[:, order_E])
             routed.update(routing_TE=routing_TE, routing_ord_TE=routing_ord_TE, sorted_indices=sorted_indices)
-            return mid_SBH, sent_XH, sent_probs_X, *shared
+            return mid_SBH, sent_XH, sent_probs_X, *shared, *carried
 
         outputs = mcore.checkpointed(segment, *starts) if layer in self.recomputed_layers else segment(*starts)
-        mid_SBH, sent_XH, sent_probs_X, *shared = outputs
+        mid_SBH, sent_XH, sent_probs_X, *rest = outputs
+        shared = rest[:1] if shared_experts is not None else []
         self._segments[(layer, mb)] = _Segment(
             inputs=inputs, hidden_SBH=mid_SBH, sent_XH=sent_XH, sent_probs_X=sent_probs_X,
             sorted_indices=routed["sorted_indices"], routing_map_TE=routed["routing_ord_TE"],
             counts_E=routed["routing_TE"].sum(dim=0).to(torch.int64), shared_SBH=shared[0] if shared else None,
+            carried=tuple(rest[len(shared):]),
         )
+
+    def _layer_input(self, layer: int, mb: int, batch: dict, start) -> tuple[torch.Tensor, tuple]:
+        """From a segment's start (the embedding, or the leaves of the previous layer's combine):
+        the input of schedule layer ``layer``'s attention (the head, layer L: the hidden states its
+        loss reads), and what the segment carries to the head. Decoder layers: the dense layers
+        before it. MTP depth k (Megatron's MultiTokenPredictionBlock, as GPTModel runs it): depth 0
+        starts from the decoder's normed output, depth k > 0 from depth k-1's normed output; each
+        is carried to the head and goes through the MTP layer's embedding and projection."""
+        hidden_SBH = start[0] if layer == 0 else self._combine(layer - 1, mb, *start)
+        depth = layer - self.decoder_moe_layers
+        if depth <= 0:
+            hidden_SBH = self._dense(layer, batch, hidden_SBH)
+        if depth < 0:
+            return hidden_SBH, ()
+        out_SBH = (self.model.decoder.final_layernorm(hidden_SBH) if depth == 0
+                   else mcore.mtp_layer_output(self.mtp_layers[depth - 1], hidden_SBH))
+        if layer == self.num_layers:
+            return out_SBH, ()
+        ids, positions = self._mtp_ids[(depth, mb)]
+        hidden_SBH, ids, positions = mcore.mtp_layer_input(self.mtp_layers[depth], ids, positions,
+                                                           self.model.embedding, out_SBH)
+        self._mtp_ids[(depth + 1, mb)] = (ids, positions)
+        return hidden_SBH, (out_SBH,)
 
     def _dense(self, layer: int, batch: dict, hidden_SBH: torch.Tensor) -> torch.Tensor:
         """The dense layers A_F(layer) runs before its own (Megatron's TransformerLayer forward, as ep's block)."""
@@ -305,25 +348,36 @@ class ZebraTasks:
         return hidden_SBH
 
     def _head_forward(self, mb: int) -> None:
+        """A_F(L, mb): the combine of the last layer, the final norm, the output layer and the loss;
+        with MTP the decoder's and the earlier depths' normed outputs (carried leaves) too, through
+        GPTModel's own post-processing (the MTP losses ride on the main output's backward)."""
         batch = self.batches[mb]
         inputs = self._combine_leaves(self.num_layers - 1, mb)
-        hidden_SBH = self._dense(self.num_layers, batch, self._combine(self.num_layers - 1, mb, *inputs))
-        hidden_SBH = self.model.decoder.final_layernorm(hidden_SBH)
-        weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
-        logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
-        losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)
+        hidden_SBH, _ = self._layer_input(self.num_layers, mb, batch, inputs)
+        carried = {layer: [c.detach().requires_grad_() for c in self._segments[(layer, mb)].carried]
+                   for layer in range(self.decoder_moe_layers, self.num_layers)}
+        if self.mtp_layers:
+            outputs = [leaf for leaves in carried.values() for leaf in leaves] + [hidden_SBH]
+            losses_BS = mcore.gpt_mtp_losses(self.model, outputs, batch)
+        else:
+            weight = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
+            logits_SBV, _ = self.model.output_layer(hidden_SBH, weight=weight)
+            losses_BS = self.model.compute_language_model_loss(batch["labels"], logits_SBV)
         loss = self.loss_fn(losses_BS, batch)
         self.losses.append(loss.detach())
-        self._head_loss[mb] = (loss, inputs)
+        self._head_loss[mb] = (loss, inputs, carried)
 
     def _head_backward(self, mb: int) -> None:
-        loss, inputs = self._head_loss.pop(mb)
+        loss, inputs, carried = self._head_loss.pop(mb)
         scaled = loss / self.loss_divisor
         scaler = self.own.precision.grad_scaler
         if scaler is not None:
             scaled = scaled * scaler.scale.to(scaled.device)
         scaled.backward()
         self._store_input_grads(self.num_layers - 1, mb, inputs)
+        for layer, leaves in carried.items():  # to A_B(layer), with its segment's own outputs
+            self._grad_carried[(layer, mb)] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                                               for leaf in leaves]
 
     def _store_input_grads(self, layer: int, mb: int, inputs: list[torch.Tensor]) -> None:
         """Gradients of a segment's leaves: the residual's (and the shared expert output's) go to
@@ -342,6 +396,9 @@ class ZebraTasks:
         if segment.shared_SBH is not None:
             outputs.append(segment.shared_SBH)
             grads.append(self._grad_shared.pop((layer, mb)))
+        if segment.carried:
+            outputs += segment.carried
+            grads += self._grad_carried.pop((layer, mb))
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if segment.inputs:
