@@ -32,7 +32,8 @@ Zebra (2 attention + 2 expert ranks, 2 micro-batches: ep's global batch) runs th
 on its attention ranks and Megatron's router as ep does, with the expert bias moved after each
 iteration from the world's routed counts (compat.mcore.update_expert_bias):
 - shared experts without dropout: ep's losses within 1e-5 (measured 7e-8); at the default dropout
-  it trains (zebra draws the masks in another order, so not ep's losses);
+  zebra draws the masks in another order, so it is not compared with ep here (it trains Qwen3 and
+  DeepSeek-V2-Lite at the default dropout: tests/training/test_model_configs_train.py);
 - the DeepSeek-V3 router: ep's losses and routed loads (measured: bit for bit), and the bias goes
   through zebra's checkpoint (a buffer: the attention ranks save and load it) so a run resumed at
   iteration 4 repeats the saved run's losses bit for bit;
@@ -96,7 +97,6 @@ def runs(workdir):
                                  *more]
     saved = workdir / "ckpt_zebra_routing"
     flags["zebra_fp32"] = [*COMMON, *NO_DROPOUT, "--train-iters", str(ITERS), *ZEBRA]
-    flags["zebra_dropout"] = [*COMMON, "--train-iters", str(ITERS), *ZEBRA]
     flags["zebra_mla"] = [*COMMON, *NO_DROPOUT, *MLA, "--train-iters", str(ITERS), *ZEBRA]
     flags["zebra_mtp"] = [*COMMON, *NO_DROPOUT, *MTP, "--train-iters", str(ITERS), *ZEBRA, *FULL_RECOMPUTE]
     flags["zebra_routing"] = [*COMMON, *NO_DROPOUT, *ROUTING, "--train-iters", str(ITERS), *ZEBRA, "--save", str(saved),
@@ -167,8 +167,6 @@ def test_shared_experts_in_bf16_with_full_recompute_follow_ep_within_bf16_noise(
 def test_zebra_runs_shared_experts_on_its_attention_ranks_as_ep_does(runs):
     zebra, ep = runs["zebra_fp32"], runs["ep_fp32"]
     assert len(zebra.losses) == ITERS and relative(zebra.losses, ep.losses).max() <= 1e-5, (zebra.losses, ep.losses)
-    dropout = runs["zebra_dropout"].losses
-    assert len(dropout) == ITERS and dropout != zebra.losses and dropout[-1] < dropout[0], dropout
 
 
 def test_zebra_routes_with_the_expert_bias_as_ep_does_and_resumes_it(runs):
