@@ -157,6 +157,15 @@ class ProfileRequest:
                 f"(moe_layer_freq={self.model.moe_layer_freq!r}); the profile prices every layer as MoE (the dense "
                 f"layers zebra trains on its attention ranks are not in its cost model yet); valid: moe_layer_freq 1"
             )
+        for field_name, what in (("moe_shared_expert_intermediate_size", "a shared expert"),
+                                 ("multi_latent_attention", "multi-latent attention"),
+                                 ("mtp_num_layers", "multi-token prediction layers")):
+            value = getattr(self.model, field_name)
+            if value:
+                raise ProfileError(
+                    f"--model-config has {what} ({field_name}={value!r}); the profile times Megatron's standard "
+                    f"attention block and the routed experts only, so it would price {what} as free (zebra trains "
+                    f"it, its cost model does not have it yet); valid: a model without it")
         for name in ("attention_ranks", "expert_ranks", "microbatches", "seq_length", "micro_batch_size",
                      "repeats"):
             _check_int(f"--{name.replace('_', '-')}", getattr(self, name), 1)

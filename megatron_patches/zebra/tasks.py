@@ -34,11 +34,13 @@ Every A_F segment starts from detached leaves (the previous segment's residual o
 received expert outputs and, with shared experts, the shared expert's output), so a backward
 stops at the attention output of each layer and resumes only in the next A_B task.
 
+Under --recompute-granularity full, A_F segments and E_F tasks keep only their inputs and run
+again in the backward.
+
 Shared experts (--moe-shared-expert-intermediate-size) run on the attention ranks, in A_F(l,j)
 on the normed tokens, as Megatron's MoELayer runs them before the router (DESIGN 4.7: by cost,
 the attention role; it adds no all-to-all bytes and their output waits for the combine while
-other micro-batches' tasks run). Under --recompute-granularity full, A_F segments and E_F tasks keep
-only their inputs and run again in the backward.
+other micro-batches' tasks run).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class ZebraTasks:
         self.remote_rows = 0
         self._exchange: dict[tuple[int, int], _Exchange] = {}
         self._segments: dict[tuple[int, int], _Segment] = {}
-        self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._head_loss: dict[int, tuple[torch.Tensor, list[torch.Tensor], dict[int, list[torch.Tensor]]]] = {}
         self._received: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_hidden: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_shared: dict[tuple[int, int], torch.Tensor] = {}

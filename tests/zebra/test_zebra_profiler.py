@@ -107,6 +107,8 @@ def test_bad_models_and_output_files(tmp_path, capsys):
          "describes a dense model"),
         ({"--model-config": write_model(tmp_path, "half", moe_layer_freq=2)},
          "has 1 MoE layers of 2 .*the profile prices every layer as MoE"),
+        ({"--model-config": write_model(tmp_path, "shared", moe_shared_expert_intermediate_size=64, add_bias_linear=False)},
+         "has a shared expert .*would price a shared expert as free"),
         ({"--model-config": write_model(tmp_path, "bad", hidden_size=0)}, "hidden_size=0 is invalid"),
         ({"--out": str(tmp_path / "missing" / "p.json")}, "the folder .*missing does not exist"),
     ]
