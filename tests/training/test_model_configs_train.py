@@ -142,10 +142,11 @@ def test_every_mode_logs_ep_s_parameter_norm_and_gradient_zeros(runs, mode, drop
     norms = [[r["params_norm"] for r in each.records if "loss" in r] for each in (run, ep)]
     assert len(norms[0]) == ITERS and relative(*norms).max() <= 1e-6, norms
     zeros = [[r["num_zeros_in_grad"] for r in each.records if "loss" in r] for each in (run, ep)]
-    if mode == "zebra":
-        # zebra sums in another order (its losses agree to 1e-5, not bit for bit): an element's
-        # gradient can be exactly zero in one run and a rounding residue in the other (seen: 1 of
-        # 3.2 M at one iteration of 20)
+    if mode in ("fssdp", "zebra"):
+        # zebra, and fssdp in some runs, sum in another order (their losses agree to 1e-5, not
+        # always bit for bit): an element's gradient can be exactly zero in one run and a rounding
+        # residue in the other (seen: 1 of 3.2 M at one iteration of 20 in zebra; fssdp 3,202,049
+        # against ep's 3,202,048 at iteration 4 of 12, its losses then 5e-8 from ep's)
         assert max(abs(a - b) for a, b in zip(*zeros)) <= 1e-5 * max(zeros[1]), zeros
     else:
         assert zeros[0] == zeros[1], zeros
