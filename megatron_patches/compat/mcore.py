@@ -375,6 +375,12 @@ def transformer_layers(model) -> list:
     return list(model.decoder.layers) + ([layer.transformer_layer for layer in mtp.layers] if mtp is not None else [])
 
 
+def moe_transformer_layers(model) -> list:
+    """Of `transformer_layers`, those whose MLP is an MoE layer (it has a router; --moe-layer-freq's
+    dense layers have none), in order."""
+    return [layer for layer in transformer_layers(model) if hasattr(layer.mlp, "router")]
+
+
 def local_experts(moe_layer) -> list:
     """(global expert id, expert MLP module) for the experts this rank hosts."""
     experts = moe_layer.experts

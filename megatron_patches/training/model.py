@@ -94,4 +94,4 @@ def init_experts_from_global_ids(model, seed: int, std: float, num_layers: int) 
 
 def moe_layers(model) -> list:
     """(global layer number, MoE layer module) for the MoE layers on this stage."""
-    return [(layer.layer_number, layer.mlp) for layer in mcore.transformer_layers(model) if hasattr(layer.mlp, "router")]
+    return [(layer.layer_number, layer.mlp) for layer in mcore.moe_transformer_layers(model)]

@@ -51,12 +51,6 @@ class ZebraEngineError(ValueError):
     """A model or setting the zebra engine cannot run; the message names the value and what is valid."""
 
 
-def moe_transformer_layers(model) -> list:
-    """The model's MoE transformer layers, in order: the schedule's layers (--moe-layer-freq's dense
-    layers have no router and run inside the attention tasks, zebra.tasks)."""
-    return [layer for layer in mcore.transformer_layers(model) if hasattr(layer.mlp, "router")]
-
-
 @dataclass(frozen=True)
 class IterationResult:
     """What one training iteration returns (the same on every rank)."""
@@ -102,7 +96,7 @@ class ZebraEngine:
         self.model = model
         self.rank = dist.get_rank()
         self.role = layout.roles[self.rank]
-        moe_layers = moe_transformer_layers(model)
+        moe_layers = mcore.moe_transformer_layers(model)
         self.num_layers = len(moe_layers)
         """MoE layers: the schedule's layers (a dense layer runs inside the attention task after it)."""
         self._schedule = schedule
@@ -189,7 +183,7 @@ class ZebraEngine:
         mtp = getattr(model, "mtp", None)
         if mtp is not None and not all(hasattr(layer.transformer_layer.mlp, "router") for layer in mtp.layers):
             raise ZebraEngineError(f"mtp_num_layers={cfg.mtp_num_layers}: {MTP_DENSE}")
-        layers = moe_transformer_layers(model)
+        layers = mcore.moe_transformer_layers(model)
         if layout.asym_ea.shape.num_layers != len(layers) or layout.asym_ea.shape.num_experts != cfg.num_moe_experts:
             raise ZebraEngineError(
                 f"the layout was made for {layout.asym_ea.shape.num_layers} MoE layers x "
