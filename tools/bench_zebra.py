@@ -207,7 +207,7 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
         asym = plan if mode == "zebra + Asym-EA" else "off"
         torch.manual_seed(args.seed)
         mcore.seed_model_parallel_rng(args.seed)
-        model, _ = build_model(args, vocab, on_gpu=False)
+        (model,), _ = build_model(args, vocab, on_gpu=False)
         layout = zebra_layout(cluster, M, N, world, num_layers=opts.layers, num_experts=opts.num_experts, asym_ea=asym)
         timeline_path = str(opts.out_dir / f"timeline_{mode.replace(' + ', '_').replace(' ', '_')}.json")
         engine = ZebraEngine(model, ZebraConfig(M, N, R, asym_ea=asym, timeline=timeline_path), layout,

@@ -88,10 +88,11 @@ def have_transformer_engine() -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def initialize_model_parallel(tp: int, pp: int, ep: int, etp: int) -> None:
+def initialize_model_parallel(tp: int, pp: int, ep: int, etp: int, vp: int | None = None) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
@@ -127,6 +128,7 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
     (config/run.py)."""
     dtype = torch.bfloat16 if run.bf16 else torch.float16 if run.fp16 else torch.float32
     freq = model.moe_layer_freq
+    overlap_p2p = parallel.overlap_p2p_comm and parallel.virtual_pipeline_model_parallel_size is not None
     config_class, mla = TransformerConfig, {}
     if model.multi_latent_attention:
         # Megatron-LM's core_transformer_config_from_args: MLATransformerConfig takes the MLA flags
@@ -162,6 +164,12 @@ def transformer_config(model, parallel: ParallelConfig, run: RunSettings, on_gpu
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=parallel.microbatch_group_size_per_vp_stage,
+        # Megatron-LM's core_transformer_config_from_args: batched sends unless they overlap, and
+        # overlap only in the interleaved schedule
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk,
         moe_router_pre_softmax=run.moe_router_pre_softmax,
@@ -296,11 +304,13 @@ def layer_specs(family: str, config: TransformerConfig, use_te: bool) -> tuple[M
     return bert_with_mlp_of(dense), bert_with_mlp_of(moe)
 
 
-def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, use_te: bool) -> TransformerBlockSubmodules:
-    """The layers of this pipeline stage: MoE where the pattern says so, dense elsewhere."""
+def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, use_te: bool,
+               vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage (of its virtual stage `vp_stage`): MoE where the pattern
+    says so, dense elsewhere."""
     specs = [moe if is_moe else dense for is_moe in moe_layer_pattern(config.moe_layer_freq, config.num_layers)]
-    offset = get_transformer_layer_offset(config)
-    local = specs[offset : offset + get_num_layers_to_build(config)]
+    offset = get_transformer_layer_offset(config, vp_stage)
+    local = specs[offset : offset + get_num_layers_to_build(config, vp_stage)]
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -309,9 +319,11 @@ def block_spec(config: TransformerConfig, dense: ModuleSpec, moe: ModuleSpec, us
 
 
 def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_process: bool, post_process: bool,
-                   mtp_layer_spec: ModuleSpec | None = None, use_te: bool = False):
-    """GPTModel or BertModel of this stage. `mtp_layer_spec`: the decoder's last layer's spec, which
-    each multi-token-prediction layer repeats (Megatron-LM's gpt_builders.py), with --mtp-num-layers."""
+                   mtp_layer_spec: ModuleSpec | None = None, use_te: bool = False, vp_stage: int | None = None):
+    """GPTModel or BertModel of this stage (of its virtual stage `vp_stage`; BertModel has none).
+    `mtp_layer_spec`: the decoder's last layer's spec, which each multi-token-prediction layer
+    repeats (Megatron-LM's gpt_builders.py), with --mtp-num-layers: built on the last stage's
+    last virtual stage only."""
     common = dict(
         config=config,
         transformer_layer_spec=spec,
@@ -323,10 +335,11 @@ def language_model(args, config: TransformerConfig, spec, vocab_size: int, pre_p
         position_embedding_type=args.position_embedding_type,
     )
     if args.model_family == "gpt":
-        mtp = get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=use_te) if config.mtp_num_layers else None
+        mtp = (get_gpt_mtp_block_spec(config, mtp_layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+               if config.mtp_num_layers else None)
         return GPTModel(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
                         seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor, mtp_block_spec=mtp,
-                        **common)
+                        vp_stage=vp_stage, **common)
     return BertModel(num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head, **common)
 
 
@@ -348,10 +361,20 @@ def unwrap(chunk):
     return chunk
 
 
-def pipeline_stage_flags() -> tuple[bool, bool]:
+def virtual_stages() -> list[int | None]:
+    """The virtual pipeline stages of this rank, one per model chunk: [None] without virtual
+    pipeline parallelism, else 0 .. VP - 1."""
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return [None] if vp is None else list(range(vp))
+
+
+def pipeline_stage_flags(vp_stage: int | None = None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of the chunk of virtual stage `vp_stage` (None: the rank's one
+    chunk): whether it holds the embedding and the output layer."""
+    virtual = vp_stage is None
     return (
-        parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_state.is_pipeline_first_stage(ignore_virtual=virtual, vp_stage=vp_stage),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=virtual, vp_stage=vp_stage),
     )
 
 
@@ -397,26 +420,41 @@ def local_experts(moe_layer) -> list:
 # ----------------------------------------------------------------------------------------
 
 
-def wrap_ddp(config: TransformerConfig, model, args):
+def wrap_ddp(config: TransformerConfig, models: list, args) -> list:
+    """Megatron's DDP around each model chunk, and the schedule's hooks in `config`, as
+    Megatron-LM's get_model and train do: only the first chunk buckets its gradients (a later
+    chunk's backward ends first in the interleaved schedule, and each chunk's reduce starts when
+    its own backward is done); with virtual stages each hook is a list, one per chunk."""
+    virtual = len(models) > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        # Megatron-LM's default (--no-align-param-gather is not built), which it clears without
+        # virtual stages: every stage launches its chunks' gathers at once
+        align_param_gather=virtual,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, disable_bucketing=i > 0)
+              for i, model in enumerate(models)]
+
+    def per_chunk(hooks: list):
+        return hooks if virtual else hooks[0]
+
     # Without these two hooks no gradient is ever synchronised (and with overlap on, the
     # second iteration fails with "multiple communication calls outstanding").
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = per_chunk([chunk.no_sync for chunk in chunks])
     if args.overlap_grad_reduce and args.pipeline_model_parallel_size > 1:
-        config.grad_sync_func = ddp.start_grad_sync
-    fixes.untag_expert_bias_sequence_parallel([ddp])
-    return ddp
+        config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in chunks])
+    if args.overlap_param_gather and virtual:
+        config.param_sync_func = [chunk.start_param_sync for chunk in chunks]
+    fixes.untag_expert_bias_sequence_parallel(chunks)
+    return chunks
 
 
-def packed_param_hooks(ddp) -> tuple[Callable[[torch.nn.Parameter], None] | None, Callable[[torch.nn.Parameter], None] | None]:
-    """DDP's per-parameter overlap hooks, for parameters a mode reads and writes outside autograd
+def packed_param_hooks(ddp_chunks: list) -> tuple[Callable[[torch.nn.Parameter], None] | None, Callable[[torch.nn.Parameter], None] | None]:
+    """DDP's per-parameter overlap hooks (each parameter's own chunk's), for parameters a mode reads and writes outside autograd
     and outside their module's forward (fssdp packs its owned experts into rows: spAG reads them
     at the layer's start, spRS adds their gradient into main_grad after the backward). Returns
     (param_sync, grad_ready), each None when its overlap is off:
@@ -432,16 +470,18 @@ def packed_param_hooks(ddp) -> tuple[Callable[[torch.nn.Parameter], None] | None
       never fires for them: without this their buckets reduce only at the end of the backward.
     """
     param_sync = grad_ready = None
-    if ddp.use_forward_hook:
-        skip_next = ddp.ddp_config.align_param_gather or ddp.overlap_param_gather_with_optimizer_step
+    chunk_of = {param: chunk for chunk in ddp_chunks for param in chunk.param_to_bucket_group}
+    first = ddp_chunks[0]
+    if first.use_forward_hook:
+        skip_next = first.ddp_config.align_param_gather or first.overlap_param_gather_with_optimizer_step
 
         def param_sync(param: torch.nn.Parameter) -> None:
-            ddp.param_to_bucket_group[param].finish_param_sync(skip_next_bucket_dispatch=skip_next)
+            chunk_of[param].param_to_bucket_group[param].finish_param_sync(skip_next_bucket_dispatch=skip_next)
 
-    if ddp.ddp_config.overlap_grad_reduce:
+    if first.ddp_config.overlap_grad_reduce:
 
         def grad_ready(param: torch.nn.Parameter) -> None:
-            ddp.param_to_bucket_group[param].register_grad_ready(param, ddp.force_all_reduce)
+            chunk_of[param].param_to_bucket_group[param].register_grad_ready(param, chunk_of[param].force_all_reduce)
 
     return param_sync, grad_ready
 
@@ -870,12 +910,45 @@ def saved_tensor_keys(directory: str) -> set[str]:
     return set(dist_checkpointing.load_tensors_metadata(directory))
 
 
+def _model_keys(num_chunks: int) -> list[str]:
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def model_sharded_state(model_chunks) -> dict:
+    """The model's part of a checkpoint, as Megatron-LM writes it: {"model": ...} for one chunk,
+    {"model0": ..., "model1": ...} for one per virtual stage. The tensors' keys are global (layer
+    offsets included), so a checkpoint loads under another pipeline or virtual layout."""
+    return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)}
+
+
+_IN_CHUNK = "@chunk"
+
+
+def in_chunk(chunk: int, key: str) -> str:
+    """A model state-dict key for an entry whose module is in model chunk `chunk`, in another
+    chunk's sharded state dict (fssdp keeps a layer's expert in any slot module of its rank);
+    `load_model_state` loads it into that chunk."""
+    return f"{_IN_CHUNK}{chunk}:{key}"
+
+
+def load_model_state(model_chunks, loaded: dict) -> None:
+    """Each chunk's weights from a loaded `model_sharded_state` (its entries popped from `loaded`),
+    the `in_chunk` entries into their chunk."""
+    states = [loaded.pop(key) for key in _model_keys(len(model_chunks))]
+    for state in states:
+        for key in [key for key in state if key.startswith(_IN_CHUNK)]:
+            chunk, path = key.removeprefix(_IN_CHUNK).split(":", 1)
+            states[int(chunk)][path] = state.pop(key)
+    for chunk, state in zip(model_chunks, states):
+        chunk.load_state_dict(state, strict=False)
+
+
 def save_checkpoint(directory: str, model_chunks, opt, extra_state: dict) -> None:
-    state = {"model": model_chunks[0].sharded_state_dict()}
+    state = model_sharded_state(model_chunks)
     if opt is not None:
         prepare_optimizer_state(opt, is_loading=False)
         state["optimizer"] = opt.sharded_state_dict(
-            state["model"], metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            dict(state), metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
     state.update(extra_state)
     save_sharded(state, directory)
@@ -888,8 +961,8 @@ def load_common_state(directory: str) -> dict:
 
 
 def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict, strictness: str) -> dict:
-    model_sd = model_chunks[0].sharded_state_dict()
-    state = {"model": model_sd}
+    model_sd = model_sharded_state(model_chunks)
+    state = dict(model_sd)
     if opt is not None:
         prepare_optimizer_state(opt, is_loading=True)
         state["optimizer"] = opt.sharded_state_dict(
@@ -897,7 +970,7 @@ def load_checkpoint(directory: str, model_chunks, opt, extra_template: dict, str
         )
     state.update(extra_template)
     loaded = load_sharded(state, directory, strictness)
-    model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
+    load_model_state(model_chunks, loaded)
     if opt is not None:
         optimizer_state = loaded.pop("optimizer")
         _restore_step_zero(optimizer_state)

@@ -33,6 +33,14 @@ class ParallelConfig:
     """ETP (`--expert-tensor-parallel-size`, resolved to TP by default)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (`--sequence-parallel`; off with TP 1)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (derived from `--num-layers-per-virtual-pipeline-stage` or
+    `--num-virtual-stages-per-pipeline-rank`); None: one chunk, the plain 1F1B schedule."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """`--microbatch-group-size-per-virtual-pipeline-stage` (None: PP, Megatron-Core's default)."""
+    overlap_p2p_comm: bool = True
+    """`--no-overlap-p2p-communication` clears it; only the interleaved schedule reads it (without
+    virtual stages the schedule batches its sends and receives, as Megatron-LM sets)."""
 
     @classmethod
     def from_args(cls, args) -> "ParallelConfig":

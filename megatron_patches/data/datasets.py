@@ -152,6 +152,47 @@ class BatchIterator:
         return {key: torch.utils.data.default_collate([s[key] for s in samples]) for key in samples[0]}
 
 
+class _ChunkView:
+    """One model chunk's iterator over micro-batches shared by every chunk (`chunk_iterators`)."""
+
+    def __init__(self, shared: "_SharedMicroBatches", chunk: int):
+        self.shared, self.chunk = shared, chunk
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        return self.shared.read(self.chunk)
+
+
+class _SharedMicroBatches:
+    def __init__(self, source: Iterator[dict], chunks: int):
+        self.source, self.chunks = source, chunks
+        self.reads = [0] * chunks
+        self.pending: dict[int, list] = {}  # micro-batch index -> [batch, chunks yet to read it]
+
+    def read(self, chunk: int) -> dict:
+        index = self.reads[chunk]
+        if index not in self.pending:
+            self.pending[index] = [next(self.source), self.chunks]
+        entry = self.pending[index]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.pending[index]
+        self.reads[chunk] += 1
+        return entry[0]
+
+
+def chunk_iterators(source: Iterator[dict], chunks: int) -> list[Iterator[dict]]:
+    """Megatron's interleaved schedule calls each model chunk's forward step with that chunk's own
+    iterator, once per micro-batch, in its own order (Megatron-LM builds one data iterator per
+    chunk over the same samples): `chunks` iterators that each yield `source`'s micro-batches in
+    order, each micro-batch read from `source` once, when the first chunk reaches it, and
+    dropped when every chunk has had it."""
+    shared = _SharedMicroBatches(source, chunks)
+    return [_ChunkView(shared, chunk) for chunk in range(chunks)]
+
+
 def gpt_batch(batch: dict) -> dict:
     """The model inputs of a GPTDataset micro-batch ([b, s] tensors)."""
     return {

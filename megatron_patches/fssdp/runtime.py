@@ -166,8 +166,9 @@ class FSSDPRuntime(ModeRuntime):
         """What this rank's slots hold; set by attach (identity: EP's layout)."""
         self.slot_modules: list = []
         """Slot s = local expert s % (E/D) of `layers[s // (E/D)]` (Megatron's expert MLPs)."""
-        self.block_index: list[int] = []
-        """Index of each of `layers` among the stage's transformer layers (checkpoint keys)."""
+        self.module_paths: list[tuple[int, str]] = []
+        """(model chunk, path of its MLP in the unwrapped chunk: "decoder.layers.K.mlp.", an MTP
+        layer's "mtp.layers.K.transformer_layer.mlp.") of each of `layers` (checkpoint keys)."""
         self.optimizer = None
         """Megatron's optimizer (set by attach): re-sharding moves its expert state."""
         self._last_pass = None
@@ -191,31 +192,32 @@ class FSSDPRuntime(ModeRuntime):
     def register_layer(self, layer) -> None:
         self.layers.append(layer)
 
-    def wrap(self, model, config, args) -> tuple[object, object]:
+    def wrap(self, models: list, config, args) -> tuple[list, object]:
         """ep's DDP and optimizer, and DDP's overlap hooks for the owned experts, which fssdp packs
         outside autograd (`mcore.packed_param_hooks`): `_gather_copies` waits for their
         parameter all-gather, `drain` registers their gradients ready once spRS has added the
         copies' (so each layer's expert buckets start reducing then, during the backward)."""
-        ddp, optimizer = super().wrap(model, config, args)
-        self.expert_param_sync, self.expert_grad_ready = mcore.packed_param_hooks(ddp)
-        return ddp, optimizer
+        chunks, optimizer = super().wrap(models, config, args)
+        self.expert_param_sync, self.expert_grad_ready = mcore.packed_param_hooks(chunks)
+        return chunks, optimizer
 
-    def attach(self, transformer_layers, config, optimizer) -> None:
+    def attach(self, models: list, config, optimizer) -> None:
         """Hooks the transformer layers holding FSSDP MoE layers; wraps finalize_model_grads;
         keeps Megatron's optimizer, whose expert state re-sharding moves with the weights.
 
         Call once, after the model, DDP and the optimizer are built, on every rank.
         """
         self.optimizer = optimizer
-        transformer_layers = list(transformer_layers)
-        moe = [layer for layer in transformer_layers if layer.mlp in self.layers]
+        paths = {id(module): (chunk, f"{name}.") for chunk, model in enumerate(models)
+                 for name, module in model.named_modules()}
+        moe = [layer for model in models for layer in mcore.transformer_layers(model) if layer.mlp in self.layers]
         if not moe:
             raise ValueError("fssdp mode: this pipeline stage has no FSSDP MoE layer (the layer spec was not injected)")
         for layer in moe:
             layer.register_forward_pre_hook(self._layer_start_hook(layer.mlp))
             layer.mlp.register_forward_pre_hook(self._moe_start_hook())
         self.layers = [layer.mlp for layer in moe]
-        self.block_index = [transformer_layers.index(layer) for layer in moe]
+        self.module_paths = [paths[id(layer.mlp)] for layer in moe]
         template = self.layers[0]
         for layer in self.layers:
             # one slot shape for all layers: a slot may receive an expert of any layer
@@ -249,16 +251,21 @@ class FSSDPRuntime(ModeRuntime):
         config.finalize_model_grads_func = finalize_model_grads
         if config.grad_sync_func is not None:
             # PP with an overlapped reduce: Megatron's schedule launches the stage's remaining
-            # reduces (grad_sync_func, every bucket) before finalize_model_grads; the copies'
+            # reduces (grad_sync_func, every bucket; with virtual stages one function per chunk,
+            # called when the chunk's backward is done) before finalize_model_grads; the copies'
             # gradients go in first, without registering them ready (which would launch their
-            # buckets' reduce a second time)
-            grad_sync = config.grad_sync_func
+            # buckets' reduce a second time). The layers whose copies are still to come belong to
+            # chunks whose reduce has not started.
+            def drained_first(grad_sync):
+                def grad_sync_func(*args, **kwargs):
+                    self.drain(register_ready=False)
+                    return grad_sync(*args, **kwargs)
 
-            def grad_sync_func(*args, **kwargs):
-                self.drain(register_ready=False)
-                return grad_sync(*args, **kwargs)
+                return grad_sync_func
 
-            config.grad_sync_func = grad_sync_func
+            syncs = config.grad_sync_func
+            config.grad_sync_func = ([drained_first(sync) for sync in syncs] if isinstance(syncs, list)
+                                     else drained_first(syncs))
 
     @property
     def device(self) -> torch.device:
@@ -385,18 +392,23 @@ class FSSDPRuntime(ModeRuntime):
 
     def held_experts(self, layer, prefix: str) -> list[tuple[str, torch.nn.Module, int]]:
         """(state-dict prefix, module, expert id) of every expert of `layer` held on this rank,
-        for its sharded_state_dict; `prefix` is the one Megatron passes to the layer
-        ("...layers.K.mlp.", K = the layer's index among the stage's transformer layers)."""
+        for its sharded_state_dict; `prefix` is the one Megatron passes to the layer (the
+        wrappers' "module." parts, then the layer's MLP path in its chunk). A slot may be in
+        another MoE layer's module, and with virtual pipeline stages in another chunk: its key
+        then says which (`mcore.in_chunk`), so the load puts the weights into that module."""
         row = self.layers.index(layer)
-        own = f"{self.block_index[row]}.mlp."
-        if not prefix.endswith(own):
-            raise ValueError(f"fssdp: MoE layer {layer.layer_number}'s state-dict prefix {prefix!r} does not end in {own!r}")
-        base = prefix[: -len(own)]
+        chunk, path = self.module_paths[row]
+        if not prefix.endswith(path):
+            raise ValueError(f"fssdp: MoE layer {layer.layer_number}'s state-dict prefix {prefix!r} does not end in {path!r}")
+        wrappers = prefix[: -len(path)]
         per_layer = self.table.slots_per_layer
         held = []
         for slot in self.table.slots_of(row):
             physical, local = divmod(int(slot), per_layer)
-            module_prefix = f"{base}{self.block_index[physical]}.mlp.experts.local_experts.{local}."
+            slot_chunk, slot_path = self.module_paths[physical]
+            module_prefix = f"{wrappers}{slot_path}experts.local_experts.{local}."
+            if slot_chunk != chunk:
+                module_prefix = mcore.in_chunk(slot_chunk, module_prefix)
             held.append((module_prefix, self.slot_modules[slot], int(self.table.held_S2[slot, 1])))
         return held
 

@@ -3,12 +3,12 @@
     runtime = Runtime.from_args(args, moe_layer_numbers, on_gpu)   after process groups + seed
     config  = runtime.transformer_config(config)                   building the model
     spec    = runtime.moe_spec(megatron_moe_layer_spec)            building the model
-    chunk, optimizer = runtime.wrap(model, config, args)           precision wrapper, DDP, optimizer
+    chunks, optimizer = runtime.wrap(models, config, args)         precision wrapper, DDP, optimizer
     runtime.data_parallel()                                        the ranks that read data
-    runtime.attach(transformer_layers, config, optimizer)          after model, DDP, optimizer
+    runtime.attach(models, config, optimizer)                      after model, DDP, optimizer
     runtime.load_checkpoint(...)                                   --load
     per iteration:
-        runtime.zero_grad(chunk, optimizer)
+        runtime.zero_grad(chunks, optimizer)
         runtime.begin_iteration(iteration)                         before the first forward
         loss = runtime.forward_backward(megatron_fb, iterator, forward_only)
         (the optimizer's step: Megatron's, or the one `wrap` returned)
@@ -96,29 +96,32 @@ class ModeRuntime:
         """The layer spec of an MoE transformer layer (ep: Megatron's MoELayer)."""
         return moe_layer_spec
 
-    def wrap(self, model, config, args) -> tuple[object, object]:
-        """The model chunk the loop trains and its optimizer. ep: Megatron's Float16Module (half
-        precision), then Megatron's DDP, and Megatron's optimizer (one world-wide loss scale).
+    def wrap(self, models: list, config, args) -> tuple[list, object]:
+        """The model chunks the loop trains (one per virtual pipeline stage, else one) and their
+        optimizer. ep: Megatron's Float16Module (half precision), then Megatron's DDP, per chunk,
+        and Megatron's optimizer over all chunks (one world-wide loss scale).
         A mode that returns its own optimizer gives it Megatron's step interface: `step()` ->
         (update successful, grad norm, zeros), `zero_grad()`, `param_groups` (the LR schedule's
         keys), `get_loss_scale()`, `reload_model_params()`."""
-        ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
-        return ddp, mcore.optimizer(args, [ddp])
+        chunks = mcore.wrap_ddp(config, [mcore.half_precision(config, model) for model in models], args)
+        return chunks, mcore.optimizer(args, chunks)
 
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's index, their number) among the ranks that read training data. ep: Megatron's
         data-parallel group."""
         return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
-    def attach(self, transformer_layers, config, optimizer) -> None:
-        """Hook the built stage: its TransformerLayers, the TransformerConfig Megatron's
+    def attach(self, models: list, config, optimizer) -> None:
+        """Hook the built stage: its unwrapped model chunks (`compat.mcore.transformer_layers` of
+        each, in order, are the stage's layers in layer order), the TransformerConfig Megatron's
         schedules read (finalize_model_grads_func lives there) and Megatron's optimizer."""
 
     # ---- per iteration -----------------------------------------------------------------------
 
-    def zero_grad(self, chunk, optimizer) -> None:
+    def zero_grad(self, chunks: list, optimizer) -> None:
         """Before the iteration: clear the gradients (ep: DDP's buffers and the optimizer's)."""
-        chunk.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
 
     def begin_iteration(self, iteration: int) -> None:

@@ -22,10 +22,10 @@ def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> No
     """Writes the replicate run in ep's form (see the module docstring)."""
     expert_state, step = replicate.export_experts()
     groups = moe.frozen_expert_param_groups(model_chunks, optimizer, replicate.expert_params())
-    model_sd = model_chunks[0].sharded_state_dict()
+    model_sd = mcore.model_sharded_state(model_chunks)
     mcore.prepare_optimizer_state(optimizer, is_loading=False)
     state = {
-        "model": model_sd,
+        **model_sd,
         "optimizer": moe.ep_optimizer_sharded_state_dict(optimizer, model_sd, groups, expert_state, step, is_loading=False),
         "replicate": replicate.placement_state_dict(),
         **common,
@@ -36,8 +36,8 @@ def save(directory: str, model_chunks, optimizer, common: dict, replicate) -> No
 def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bool, strictness: str, replicate,
          notes: list[str]) -> dict:
     """Loads an ep-form checkpoint into replicate mode: dense parts as ep, experts into the slices."""
-    model_sd = model_chunks[0].sharded_state_dict()
-    state = {"model": model_sd, **template}
+    model_sd = mcore.model_sharded_state(model_chunks)
+    state = {**model_sd, **template}
     groups, with_experts = None, False
     if load_optim:
         mcore.prepare_optimizer_state(optimizer, is_loading=True)
@@ -57,7 +57,7 @@ def load(directory: str, model_chunks, optimizer, template: dict, load_optim: bo
             notes.append(f"replicate: the experts' optimizer state is not in the checkpoint ({len(missing)} keys missing, "
                          f"e.g. {missing[0]}); their Adam moments start at zero")
     loaded = mcore.load_sharded(state, directory, strictness)
-    model_chunks[0].load_state_dict(loaded.pop("model"), strict=False)
+    mcore.load_model_state(model_chunks, loaded)
     expert_state, step = {}, None
     if load_optim:
         expert_state, step = moe.load_ep_optimizer_state(optimizer, loaded.pop("optimizer"), groups, with_experts)

@@ -159,12 +159,12 @@ class ReplicateRuntime(ModeRuntime):
         """Every class gets G*s/E instances (the remainder to the lowest ids): static replication."""
         return popularity_slots(np.ones(self.num_experts), self.num_devices, self.slots_per_rank)
 
-    def attach(self, transformer_layers, config, optimizer) -> None:
+    def attach(self, models: list, config, optimizer) -> None:
         """Builds every layer's slots and slices; wraps finalize_model_grads and the grad norm.
 
         Call once on every rank, after the model, DDP and the optimizer are built.
         """
-        moe = [layer.mlp for layer in transformer_layers if layer.mlp in self.layers]
+        moe = [layer.mlp for model in models for layer in mcore.transformer_layers(model) if layer.mlp in self.layers]
         if not moe:
             raise ValueError("replicate mode: this pipeline stage has no replicate MoE layer (the layer spec was not injected)")
         self.layers = moe

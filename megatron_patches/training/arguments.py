@@ -119,6 +119,9 @@ DERIVED_VALUES = {
     "data_parallel_size": "world size / (TP x PP); in zebra mode the number of attention ranks",
     "expert_data_parallel_size": "world size / (PP x ETP x EP)",
     "num_micro_batches": "global batch / (micro batch x data-parallel size)",
+    "virtual_pipeline_model_parallel_size": "model chunks per pipeline rank (Megatron-LM's derivation from "
+                                            "--num-layers-per-virtual-pipeline-stage or "
+                                            "--num-virtual-stages-per-pipeline-rank); None without virtual stages",
     "params_dtype": "torch dtype of the parameters: float32, or bfloat16/float16 with --bf16/--fp16",
     "use_cuda": "True when CUDA is available and --cpu is not given",
     "load_iteration": "the checkpoint a --load resumes from: the tracker's, or the newest older one that verifies "
@@ -457,6 +460,25 @@ def _add_parallel_args(parser):
                        help="Degree of tensor model parallelism.")
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                        help="Degree of pipeline model parallelism.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Number of layers per virtual pipeline stage: each pipeline rank holds "
+                       "(layers per stage / this) model chunks and Megatron's interleaved 1F1B schedule runs "
+                       "them. Excludes --num-virtual-stages-per-pipeline-rank.")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Number of virtual pipeline stages per pipeline parallelism rank (model chunks "
+                       "per rank, Megatron's interleaved 1F1B schedule). Excludes "
+                       "--num-layers-per-virtual-pipeline-stage.")
+    group.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                       dest="microbatch_group_size_per_vp_stage",
+                       help="With virtual pipeline stages: micro-batches run at a time for one virtual stage, "
+                       "forward and backward. Default: --pipeline-model-parallel-size (a depth-first "
+                       "schedule); at least PP and at most the micro-batches of an iteration, which it must "
+                       "divide.")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
+                       help="With virtual pipeline stages: send and receive activations in batched calls after "
+                       "each chunk's step instead of overlapping them with its compute (Megatron-LM's default "
+                       "overlaps; batched needs --pipeline-model-parallel-size > 2). Without virtual stages "
+                       "the schedule always batches.")
     group.add_argument(
         "--expert-model-parallel-size", type=int, default=None,
         help="Degree of expert model parallelism. Default (Megatron-LM: 1): the largest divisor "

@@ -2,9 +2,9 @@
 ModeRuntime steps (megatron_patches/mode/runtime.py).
 
     set up    distributed init -> Megatron compat -> the arguments printed
-    build     model-parallel groups (TP, PP, EP x ETP; DP is what remains) + RNG -> tokenizer +
-              data -> mode runtime -> model (the mode's layer spec) -> DDP -> optimizer -> LR
-              schedule -> mode.attach -> optional resume
+    build     model-parallel groups (TP, PP (x VP), EP x ETP; DP is what remains) + RNG -> tokenizer +
+              data -> mode runtime -> model chunks (the mode's layer spec; one per virtual
+              pipeline stage) -> DDP -> optimizer -> LR schedule -> mode.attach -> optional resume
     train     per iteration: mode.begin_iteration -> forward/backward (Megatron's pipeline
               schedules) -> optimizer step -> mode.end_iteration -> metrics, eval, checkpoints
     finish    load trace, summary line, process groups torn down
@@ -109,10 +109,12 @@ def set_up(args) -> None:
 
 def layout_summary(args) -> str:
     """The model's shape, the mode and the parallel layout, as one line."""
+    vp = args.virtual_pipeline_model_parallel_size
+    virtual = f" ({vp} virtual stages per pipeline rank)" if vp else ""
     return (f"layout: {args.model_family} {args.num_layers} layers x hidden {args.hidden_size}, {args.num_experts} "
             f"experts top-{args.moe_router_topk}, seq "
             f"{args.seq_length} | mode {args.moe_parallel_mode} | world {args.world_size} = TP {args.tensor_model_parallel_size} "
-            f"x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | EP {args.expert_model_parallel_size} "
+            f"x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}{virtual} | EP {args.expert_model_parallel_size} "
             f"x ETP {args.expert_tensor_parallel_size} | global batch {args.global_batch_size} | model from "
             f"{args.model_source}")
 
@@ -182,8 +184,10 @@ class Run:
     """Everything the train stage needs, built once."""
 
     mode: ModeRuntime
-    model: torch.nn.Module
-    ddp: torch.nn.Module
+    models: list[torch.nn.Module]
+    """This rank's model chunks, unwrapped: one, or one per virtual pipeline stage."""
+    chunks: list[torch.nn.Module]
+    """The same chunks as the loop trains them (the mode's wrappers: Megatron's DDP in ep)."""
     optimizer: object
     scheduler: object
     layer_numbers: list[int]
@@ -207,19 +211,20 @@ def build(args) -> Run:
         args.pipeline_model_parallel_size,
         args.expert_model_parallel_size,
         args.expert_tensor_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
     )
     seed_everything(args)
     tokenizer, vocab, train_ds, valid_ds = build_data(args)
 
     layer_numbers = moe_layer_numbers(args.moe_layer_freq, args.num_layers, args.mtp_num_layers)
     mode = modes.spec(args.moe_parallel_mode).runtime_class().from_args(args, layer_numbers, args.use_cuda)
-    model, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)
-    ddp, optimizer = mode.wrap(model, config, args)
-    mode.attach(mcore.transformer_layers(model), config, optimizer)
+    models, config = build_model(args, vocab, on_gpu=args.use_cuda, mode=mode)
+    chunks, optimizer = mode.wrap(models, config, args)
+    mode.attach(models, config, optimizer)
     scheduler = mcore.scheduler(args, optimizer)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for model in models for p in model.parameters())
     log0(f"model: {args.model_family} | {num_params:,} parameters on rank 0 | vocab {tokenizer.vocab_size} padded to {vocab}")
-    dtypes = precision_dtypes(args, model)
+    dtypes = precision_dtypes(args, models)
     precision = precision_summary(args, dtypes)
     log0(f"precision: {precision}")
     for line in mode.take_log():
@@ -227,7 +232,7 @@ def build(args) -> Run:
 
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0}
     if args.load:
-        loaded, notes = checkpoint.load(args.load, args.load_iteration, [ddp], optimizer, scheduler, not args.no_load_optim,
+        loaded, notes = checkpoint.load(args.load, args.load_iteration, chunks, optimizer, scheduler, not args.no_load_optim,
                                         not args.no_load_rng, mode, args.dist_ckpt_strictness)
         if loaded is not None and args.finetune:
             log0(f"checkpoint: --finetune: the model of iteration {args.load_iteration}, training from iteration 0")
@@ -240,8 +245,8 @@ def build(args) -> Run:
     dp_rank, dp_size = mode.data_parallel()
     return Run(
         mode=mode,
-        model=model,
-        ddp=ddp,
+        models=models,
+        chunks=chunks,
         optimizer=optimizer,
         scheduler=scheduler,
         layer_numbers=layer_numbers,
@@ -254,11 +259,11 @@ def build(args) -> Run:
     )
 
 
-def precision_dtypes(args, model) -> dict[str, str]:
+def precision_dtypes(args, models: list) -> dict[str, str]:
     """The dtypes of the model's parameters, of the weights the optimizer steps (fp32 main
     weights in half precision, the parameters themselves in fp32) and of the gradients as they
     are accumulated and reduced; for the start-up line and every metrics record."""
-    parameters = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}))
+    parameters = "/".join(sorted({str(p.dtype).removeprefix("torch.") for model in models for p in model.parameters()}))
     if args.bf16 or args.fp16:
         grads = "float32" if args.accumulate_allreduce_grads_in_fp32 else str(args.params_dtype).removeprefix("torch.")
     else:
@@ -315,7 +320,7 @@ class History:
 
 def train(args, run: Run) -> History:
     forward_step = forward_step_for(args)
-    recorder = metrics.MoELoadRecorder([run.ddp], run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
+    recorder = metrics.MoELoadRecorder(run.chunks, run.layer_numbers, args.num_experts, args.expert_model_parallel_size,
                                        compute_device(args.use_cuda))
     writer = (metrics.MetricsWriter(args.log_json, args.tensorboard_dir, args.train_iters, args.log_validation_ppl_to_tensorboard,
                                     args.tensorboard_log_interval, args.log_timers_to_tensorboard, args.log_memory_to_tensorboard)
@@ -327,7 +332,9 @@ def train(args, run: Run) -> History:
          f"{args.micro_batch_size} x DP {run.train_iter.dp_size}")
 
     def megatron_forward_backward(iterator, forward_only: bool) -> float:
-        losses = mcore.forward_backward(forward_step, iterator, [run.ddp], args.num_micro_batches, args.seq_length,
+        # the interleaved schedule reads every micro-batch once per chunk, each chunk from its own iterator
+        iterators = iterator if len(run.chunks) == 1 else datasets.chunk_iterators(iterator, len(run.chunks))
+        losses = mcore.forward_backward(forward_step, iterators, run.chunks, args.num_micro_batches, args.seq_length,
                                         args.micro_batch_size, forward_only=forward_only)
         return mean_loss_over_world(losses)
 
@@ -336,15 +343,17 @@ def train(args, run: Run) -> History:
 
     def evaluate() -> float:
         recorder.enabled = False
-        run.model.eval()
+        for model in run.models:
+            model.eval()
         with torch.no_grad():
             total = [forward_backward(run.valid_iter, forward_only=True) for _ in range(args.eval_iters)]
-        run.model.train()
+        for model in run.models:
+            model.train()
         recorder.enabled = True
         run.state["consumed_valid_samples"] = run.valid_iter.consumed_samples
         return float(np.mean(total))
 
-    activations.persistent(run.ddp.parameters())
+    activations.persistent([p for chunk in run.chunks for p in chunk.parameters()])
     if args.manual_gc:
         # Megatron-LM's --manual-gc: no collection at random allocation counts (a rank paused in
         # one holds every other rank up at the next collective); every rank collects at the same
@@ -357,7 +366,7 @@ def train(args, run: Run) -> History:
             started = time.perf_counter()
             if args.use_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            run.mode.zero_grad(run.ddp, run.optimizer)
+            run.mode.zero_grad(run.chunks, run.optimizer)
             run.mode.begin_iteration(iteration)
             loss = forward_backward(run.train_iter, forward_only=False)
             kept_bytes = activations.take_peak()
@@ -371,7 +380,8 @@ def train(args, run: Run) -> History:
                 StepResult(iteration, update_ok, grad_norm, lr_used, args.clip_grad, loads.routed_LE, loads.processed_LE)
             )
             if record is not None and "layers" in record:  # the mode's per-layer figures of every stage
-                record["layers"] = mcore.every_stage(record["layers"])
+                # in layer order: with virtual stages a rank's layers are not contiguous
+                record["layers"] = sorted(mcore.every_stage(record["layers"]), key=lambda entry: entry["layer"])
             elapsed = time.perf_counter() - started
             for line in run.mode.take_log():
                 log0(line)
@@ -518,7 +528,7 @@ def save(args, run: Run, iteration: int) -> None:
     raises CheckpointWriteFailed (exit code 5); the launcher ends the others, and the tracker
     still names the previous complete checkpoint."""
     try:
-        path, removed = checkpoint.save(args.save, iteration, [run.ddp], run.optimizer, run.scheduler, run.state,
+        path, removed = checkpoint.save(args.save, iteration, run.chunks, run.optimizer, run.scheduler, run.state,
                                         run.mode, args)
     except checkpoint.CheckpointWriteFailed as error:
         if error.own:  # the ranks torch_dist only told of another's failure stay quiet

@@ -174,12 +174,6 @@ NOT_BUILT = "not built in this entry point yet"
 SPECIFIC = {
     "--rampup-batch-size": ("a global batch that grows during training is not built: the placement modes plan "
                             "each iteration's expert loads for one fixed global batch", "a fixed --global-batch-size"),
-    "--num-layers-per-virtual-pipeline-stage": ("interleaved (virtual) pipelines are not built yet: the loop and the "
-                                                "modes hold one model chunk per pipeline stage",
-                                                "--pipeline-model-parallel-size alone"),
-    "--num-virtual-stages-per-pipeline-rank": ("interleaved (virtual) pipelines are not built yet: the loop and the "
-                                               "modes hold one model chunk per pipeline stage",
-                                               "--pipeline-model-parallel-size alone"),
     "--no-check-for-nan-in-loss-and-grad": ("the world-wide non-finite check is how a NaN loss or gradient stops a run "
                                             "cleanly here (the step skipped, no checkpoint of it written); it is not "
                                             "switched off", "--max-nonfinite-steps N: skip up to N such steps, then stop"),

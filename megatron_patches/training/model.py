@@ -26,8 +26,10 @@ def transformer_config(args, on_gpu: bool):
 
 
 def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = None):
-    """The (unwrapped) model chunk of this pipeline stage, on the training device, and its
-    TransformerConfig.
+    """The (unwrapped) model chunks of this pipeline rank, on the training device, and their
+    TransformerConfig: one chunk, or one per virtual pipeline stage (Megatron-LM's get_model:
+    chunk i holds the layers Megatron-Core's offset gives virtual stage i, the first stage's first
+    chunk the embedding, the last stage's last chunk the output layer and any MTP layers).
 
     `mode` (default: ep, Megatron's own MoE layer) adapts the config and injects its MoE layer.
     """
@@ -36,16 +38,19 @@ def build_model(args, vocab_size: int, on_gpu: bool, mode: ModeRuntime | None = 
     use_te = args.transformer_impl == "transformer_engine"
     dense_spec, moe_spec = mcore.layer_specs(args.model_family, config, use_te)
     moe_spec = mode.moe_spec(moe_spec)
-    # BertModel takes one layer spec for all layers (every layer MoE; arguments enforce it).
-    spec = moe_spec if args.model_family == "bert" else mcore.block_spec(config, dense_spec, moe_spec, use_te)
     # multi-token prediction repeats the decoder's last layer (Megatron-LM's gpt_builders.py)
     last_spec = moe_spec if moe_layer_pattern(args.moe_layer_freq, args.num_layers)[-1] else dense_spec
-    pre_process, post_process = mcore.pipeline_stage_flags()
-    model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process, last_spec, use_te)
-    init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
-    if on_gpu:
-        model.cuda(torch.cuda.current_device())
-    return model, config
+    chunks = []
+    for vp_stage in mcore.virtual_stages():
+        # BertModel takes one layer spec for all layers (every layer MoE; arguments enforce it).
+        spec = moe_spec if args.model_family == "bert" else mcore.block_spec(config, dense_spec, moe_spec, use_te, vp_stage)
+        pre_process, post_process = mcore.pipeline_stage_flags(vp_stage)
+        model = mcore.language_model(args, config, spec, vocab_size, pre_process, post_process, last_spec, use_te, vp_stage)
+        init_experts_from_global_ids(model, args.seed, args.init_method_std, args.num_layers)
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks, config
 
 
 def expert_seed(seed: int, layer: int, expert: int, tensor: int) -> int:

@@ -64,6 +64,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _resolve_mode_flags(args)
     _check_routing(args)
     _resolve_batch(args)
+    _resolve_virtual_pipeline(args)
     _resolve_learning_rate(args)
     _check_intervals(args)
     _check_partnered_flags(args)
@@ -443,6 +444,71 @@ def _resolve_batch(args):
     args.num_micro_batches = args.global_batch_size // (micro * dp)
 
 
+def _resolve_virtual_pipeline(args):
+    """Megatron-LM's virtual pipeline size (`args.virtual_pipeline_model_parallel_size`, None
+    without virtual stages): the model chunks each pipeline rank holds, from
+    --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank; one
+    chunk is no virtual pipeline. Megatron-Core's interleaved schedule splits the layers evenly
+    over PP x VP chunks and runs micro-batches in groups of
+    --microbatch-group-size-per-virtual-pipeline-stage (default PP)."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    per_layers, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    for flag, value in (("--num-layers-per-virtual-pipeline-stage", per_layers),
+                        ("--num-virtual-stages-per-pipeline-rank", per_rank)):
+        if value is not None and value <= 0:
+            fail(flag, value, "must be a positive integer")
+    if per_layers is not None and per_rank is not None:
+        fail("--num-layers-per-virtual-pipeline-stage", per_layers,
+             f"give either it or --num-virtual-stages-per-pipeline-rank (is {per_rank}), as Megatron-LM requires")
+    vp = None
+    if per_layers is not None:
+        if (layers // pp) % per_layers != 0:
+            fail("--num-layers-per-virtual-pipeline-stage", per_layers,
+                 f"does not divide the {layers // pp} layers of a pipeline stage (--num-layers {layers} / "
+                 f"--pipeline-model-parallel-size {pp}); valid: {divisors(layers // pp)}")
+        vp = layers // pp // per_layers
+    elif per_rank is not None:
+        if layers % (pp * per_rank) != 0:
+            fail("--num-virtual-stages-per-pipeline-rank", per_rank,
+                 f"Megatron-Core splits the layers evenly over PP x VP = {pp} x {per_rank} model chunks, and "
+                 f"--num-layers {layers} does not divide; valid: {divisors(layers // pp)}")
+        vp = per_rank
+    args.virtual_pipeline_model_parallel_size = vp if vp != 1 else None
+    if args.virtual_pipeline_model_parallel_size is None:
+        for flag, value, given in (
+                ("--microbatch-group-size-per-virtual-pipeline-stage", args.microbatch_group_size_per_vp_stage,
+                 args.microbatch_group_size_per_vp_stage is not None),
+                ("--no-overlap-p2p-communication", True, not args.overlap_p2p_comm)):
+            if given:
+                fail(flag, value, "shapes the interleaved schedule of virtual pipeline stages, which this run does "
+                     "not use (one model chunk per pipeline rank); add --num-layers-per-virtual-pipeline-stage or "
+                     "--num-virtual-stages-per-pipeline-rank, or leave it out")
+        return
+    vp = args.virtual_pipeline_model_parallel_size
+    if args.model_family == "bert":
+        fail("--num-layers-per-virtual-pipeline-stage" if per_layers is not None else "--num-virtual-stages-per-pipeline-rank",
+             per_layers if per_layers is not None else per_rank,
+             "Megatron-Core's BertModel builds no virtual pipeline stage (it takes no vp_stage); valid with "
+             "--model-family gpt")
+    if pp == 1:
+        fail("--pipeline-model-parallel-size", pp, f"virtual pipeline stages ({vp} model chunks per rank) interleave "
+             "the stages of a pipeline; valid: 2 or more")
+    if not args.overlap_p2p_comm and pp <= 2:
+        fail("--no-overlap-p2p-communication", True, f"with --pipeline-model-parallel-size {pp} the batched sends and "
+             "receives of the interleaved schedule pair the same two ranks twice in one batch (Megatron-LM requires "
+             "PP > 2 then); valid: PP of 3 or more, or leave the flag out")
+    micro, group = args.num_micro_batches, args.microbatch_group_size_per_vp_stage
+    if group is not None and not pp <= group <= micro:
+        fail("--microbatch-group-size-per-virtual-pipeline-stage", group,
+             f"must be between --pipeline-model-parallel-size {pp} and the {micro} micro-batches of an iteration")
+    group = group or pp
+    if micro < pp or 0 < micro % group < pp:
+        fail("--global-batch-size", args.global_batch_size,
+             f"gives {micro} micro-batches per iteration; the interleaved schedule runs them in groups of {group} "
+             f"per virtual stage (--microbatch-group-size-per-virtual-pipeline-stage, default PP {pp}), and needs at "
+             f"least PP of them with no last group smaller than PP; valid: a multiple of {group} micro-batches")
+
+
 def _resolve_train_samples(args):
     """Megatron-LM's sample-based training without batch ramp-up: train-samples // global batch
     iterations, and the schedule's sample counts in iterations (fractional where a count is not a
@@ -684,11 +750,13 @@ def _check_recompute(args):
         if method is None or layers is None:
             fail("--recompute-granularity", "full", "needs --recompute-method (uniform or block) "
                  "and --recompute-num-layers")
-        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        chunks = args.virtual_pipeline_model_parallel_size or 1
+        per_chunk = args.num_layers // args.pipeline_model_parallel_size // chunks
         lowest = 0 if method == "block" else 1
-        if not lowest <= layers <= per_stage:
+        if not lowest <= layers <= per_chunk:
+            where = "one virtual pipeline stage" if chunks > 1 else "one pipeline stage"
             fail("--recompute-num-layers", layers, f"with --recompute-method {method} it must be "
-                 f"between {lowest} and {per_stage} (the layers of one pipeline stage)")
+                 f"between {lowest} and {per_chunk} (the layers of {where})")
         if modules is not None:
             fail("--recompute-modules", " ".join(modules), "is for --recompute-granularity "
                  "selective; full recomputes whole layers")

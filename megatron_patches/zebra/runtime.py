@@ -94,12 +94,14 @@ class ZebraRuntime(ModeRuntime):
 
     # ---- building ----------------------------------------------------------------------------
 
-    def wrap(self, model, config, args) -> tuple[object, object]:
-        """The engine over the model (no DDP: it sums gradients over its own groups), cast to bf16
+    def wrap(self, models: list, config, args) -> tuple[list, object]:
+        """The engine over the model (one chunk: zebra refuses pipeline parallelism; no DDP: it
+        sums gradients over its own groups), cast to bf16
         or fp16 by Megatron's Float16Module as in ep (the engine calls the modules inside it); the
         parameters of the other role are released here. Gradients accumulate in fp32 with
         --accumulate-allreduce-grads-in-fp32 (bf16 always), fp16 scales the loss with Megatron's
         scaler."""
+        (model,) = models
         mcore.half_precision(config, model)  # casts in place; the engine runs the modules directly
         grad_dtype = torch.float32 if (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)) else (
             next(model.parameters()).dtype)
@@ -113,7 +115,7 @@ class ZebraRuntime(ModeRuntime):
             + (f"; re-planned from the loads every {self.config.replan_interval} iterations"
                if self.config.replan_interval else "")
         )
-        return model, ZebraOptimizer(self.engine)
+        return [model], ZebraOptimizer(self.engine)
 
     def data_parallel(self) -> tuple[int, int]:
         """Attention ranks of every ZP group read data; expert ranks read none (index 0)."""
@@ -133,7 +135,7 @@ class ZebraRuntime(ModeRuntime):
         """Zero elements of every main gradient of the last step, each counted once world-wide."""
         return int(self.engine.ownership.counted_once(lambda main: (main.grad == 0).sum()))
 
-    def zero_grad(self, chunk, optimizer) -> None:
+    def zero_grad(self, chunks: list, optimizer) -> None:
         optimizer.zero_grad()
 
     def forward_backward(self, megatron_forward_backward, iterator, forward_only: bool) -> float:

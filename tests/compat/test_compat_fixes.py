@@ -186,7 +186,8 @@ def _model(args):
     mcore.initialize_model_parallel(args.tensor_model_parallel_size, 1, args.expert_model_parallel_size, 1)
     torch.manual_seed(args.seed)
     mcore.seed_model_parallel_rng(args.seed)
-    return build_model(args, VOCAB, on_gpu=False)
+    (model,), config = build_model(args, VOCAB, on_gpu=False)
+    return model, config
 
 
 def _batch(step: int, dp_rank: int):

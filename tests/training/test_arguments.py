@@ -512,6 +512,48 @@ def test_layers_not_divisible_by_pp(parse):
                  "--num-layers=3", "--pipeline-model-parallel-size=2", "[1, 3]")
 
 
+VIRTUAL = ("--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "4")
+
+
+def test_virtual_pipeline_size_as_megatron_lm_derives_it(parse):
+    """4 layers over PP 2: 1 layer per virtual stage gives 2 chunks per rank, as does 2 stages per
+    rank; 2 layers per virtual stage is one chunk, no virtual pipeline (Megatron-LM sets None)."""
+    for more, expected in ((("--num-layers-per-virtual-pipeline-stage", "1"), 2),
+                           (("--num-virtual-stages-per-pipeline-rank", "2"), 2),
+                           (("--num-layers-per-virtual-pipeline-stage", "2"), None), ((), None)):
+        args = validate_args(parse(*VIRTUAL, *more), 2)
+        assert args.virtual_pipeline_model_parallel_size == expected, more
+        assert args.num_micro_batches == 4
+
+
+def test_virtual_pipeline_refusals(parse):
+    expect_error(parse(*VIRTUAL, "--num-layers-per-virtual-pipeline-stage", "3"), 2,
+                 "--num-layers-per-virtual-pipeline-stage=3", "2 layers of a pipeline stage", "[1, 2]")
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "3"), 2,
+                 "--num-virtual-stages-per-pipeline-rank=3", "PP x VP = 2 x 3")
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
+                       "1"), 2, "give either it or --num-virtual-stages-per-pipeline-rank")
+    expect_error(parse("--num-virtual-stages-per-pipeline-rank", "2"), 1,
+                 "--pipeline-model-parallel-size=1", "valid: 2 or more")
+    # the batched sends of a 2-stage interleaved pipeline pair the same ranks twice (Megatron-LM: PP > 2)
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"), 2,
+                 "--no-overlap-p2p-communication=True", "PP of 3 or more")
+    # micro-batches in groups of PP per virtual stage: 1 micro-batch is fewer than PP 2
+    expect_error(parse(*VIRTUAL[:-1], "2", "--num-virtual-stages-per-pipeline-rank", "2"), 4,
+                 "--global-batch-size=2", "gives 1 micro-batches", "groups of 2")
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "2",
+                       "--microbatch-group-size-per-virtual-pipeline-stage", "5"), 2,
+                 "--microbatch-group-size-per-virtual-pipeline-stage=5", "the 4 micro-batches")
+    for flag in (("--no-overlap-p2p-communication",), ("--microbatch-group-size-per-virtual-pipeline-stage", "2")):
+        expect_error(parse(*VIRTUAL, *flag), 2, f"{flag[0]}=", "one model chunk per pipeline rank")
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "2", "--model-family", "bert",
+                       "--seq-length", "64"), 2, "BertModel builds no virtual pipeline stage")
+    # full recompute counts the layers of one chunk
+    expect_error(parse(*VIRTUAL, "--num-virtual-stages-per-pipeline-rank", "2", "--recompute-granularity", "full",
+                       "--recompute-method", "uniform", "--recompute-num-layers", "2"), 2,
+                 "--recompute-num-layers=2", "between 1 and 1 (the layers of one virtual pipeline stage)")
+
+
 def test_seq_length_beyond_position_embeddings(parse):
     expect_error(parse("--seq-length", "128"), 1, "--seq-length=128",
                  "--max-position-embeddings=64")

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 from support.precision import NoiseScale, relative as relative_losses
-from support.training import TINY_JOB, launch_many
+from support.training import REPO, TINY_JOB, launch_many
 
 pytestmark = pytest.mark.e2e
 
@@ -344,9 +344,37 @@ GROUPED_RUNS["fssdp_grouped_remat_fp32"] = [*GROUPED, "--moe-parallel-mode", "fs
                                             "--fssdp-rematerialize"]
 
 
+# Virtual pipeline stages (4 ranks: PP 2 x DP 2, EP 2, 4 micro-batches through Megatron's
+# interleaved 1F1B): DeepSeek-V3 tiny's 4 layers (a dense first layer, 3 MoE layers, then its MTP
+# layer) as 4 chunks of one layer, two per rank, so rank 0's stage holds layers 1 and 3 and the
+# other stage layers 2 and 4 with the MTP layer; Megatron's distributed optimizer in all three (its
+# grad norm differs from the plain optimizer's by up to 4e-4 here, in ep as well: measured), fssdp
+# and replicate with both DDP overlaps (one gradient-sync function per chunk). fssdp saves; ep
+# resumes its checkpoint (one "model<i>" entry per chunk) without pipeline parallelism.
+DEEPSEEK_V3_TINY = [f"--config={REPO / 'configs' / 'models' / 'deepseek_v3_tiny.yaml'}",
+                    f"--config={REPO / 'configs' / 'tiny_job.yaml'}", *BASE]
+VIRTUAL = [*DEEPSEEK_V3_TINY, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+           "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+OVERLAPS = ["--overlap-grad-reduce", "--overlap-param-gather"]
+VIRTUAL_CKPT = "ckpt_fssdp_virtual"
+VIRTUAL_TOKEN_COPIES = 8 * 128 * 8  # top-8
+
+
+def virtual_runs(workdir) -> dict[str, list[str]]:
+    return {
+        "ep_virtual": VIRTUAL,
+        "fssdp_virtual": [*VIRTUAL, "--moe-parallel-mode", "fssdp", *OVERLAPS, "--save", str(workdir / VIRTUAL_CKPT),
+                          "--save-interval", str(SAVE_AT)],
+        "replicate_virtual": [*VIRTUAL, "--moe-parallel-mode", "replicate", *OVERLAPS],
+        "ep_pp1_from_fssdp_virtual": [*DEEPSEEK_V3_TINY, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                      "--load", str(workdir / VIRTUAL_CKPT)],
+    }
+
+
 @pytest.fixture(scope="module")
 def cells(workdir):
     runs = dict(GROUPED_RUNS)  # names unlike the other fixtures' runs: every run logs to <name>.jsonl in one workdir
+    runs.update(virtual_runs(workdir))
     for cell, (flags, _) in CELLS.items():
         runs[f"ep_alone_{cell}"] = [*BASE, *flags]
         for mode in ("fssdp", "replicate"):
@@ -356,7 +384,27 @@ def cells(workdir):
         checkpoints[name] = workdir / f"ckpt_{saver}_alone_{cell}"
         runs[f"{saver}_alone_{cell}"] += ["--save", str(checkpoints[name]), "--save-interval", str(SAVE_AT)]
         runs[name] = [*BASE, "--expert-model-parallel-size", "2", *more, "--load", str(checkpoints[name])]
-    return launch_many(4, runs, workdir, trackers={name: (path, SAVE_AT) for name, path in checkpoints.items()})
+    trackers = {name: (path, SAVE_AT) for name, path in checkpoints.items()}
+    trackers["ep_pp1_from_fssdp_virtual"] = (workdir / VIRTUAL_CKPT, SAVE_AT)
+    return launch_many(4, runs, workdir, trackers=trackers)
+
+
+@pytest.mark.parametrize("mode", ["fssdp", "replicate"])
+def test_virtual_pipeline_stages(cells, mode):
+    run, ep = cells[f"{mode}_virtual"], cells["ep_virtual"]
+    assert "world 4 = TP 1 x PP 2 x DP 2 (2 virtual stages per pipeline rank) | EP 2 x ETP 1" in run.output
+    check_common(run, ep, mode, group=2, token_copies=VIRTUAL_TOKEN_COPIES)
+    for record, ep_record in zip((r for r in run.records if "loss" in r), (r for r in ep.records if "loss" in r)):
+        # every MoE layer of both stages, in layer order (a rank's layers are not contiguous), the
+        # MTP layer's (5) too
+        assert [layer["layer"] for layer in record[mode]["layers"]] == [2, 3, 4, 5]
+        assert [layer["layer"] for layer in record["moe_layers"]] == [2, 3, 4, 5]
+        np.testing.assert_allclose(record["mtp_loss"], ep_record["mtp_loss"], rtol=1e-5, atol=0)
+    if mode == "fssdp":
+        resumed = cells["ep_pp1_from_fssdp_virtual"]
+        assert resumed.records[0]["iteration"] == SAVE_AT + 1
+        assert "world 4 = TP 1 x PP 1 x DP 4 | EP 2 x ETP 1" in resumed.output
+        np.testing.assert_allclose(losses(resumed), losses(run)[SAVE_AT:], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", list(RELAYOUT))

@@ -38,7 +38,7 @@ def built(flags: list[str]):
     )
     torch.manual_seed(args.seed)
     mcore.seed_model_parallel_rng(args.seed)
-    model, config = build_model(args, vocab_size=128, on_gpu=False)
+    (model,), config = build_model(args, vocab_size=128, on_gpu=False)
     return args, model, config
 
 

@@ -105,7 +105,7 @@ def _fresh_model(args):
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     mcore.seed_model_parallel_rng(args.seed)
-    model, _ = build_model(args, VOCAB, on_gpu=False)
+    (model,), _ = build_model(args, VOCAB, on_gpu=False)
     return model
 
 
