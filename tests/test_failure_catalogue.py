@@ -141,9 +141,8 @@ BAD_INPUTS = [
     ("rampup_batch_size", ["--rampup-batch-size", "4", "4", "100"], 1,
      ["--rampup-batch-size (Megatron-LM's flag", "is refused: a global batch that grows", "a fixed --global-batch-size"]),
     ("async_save", ["--async-save"], 1, ["--async-save (Megatron-LM's flag", "saves are synchronous"]),
-    ("virtual_pipeline", ["--num-layers-per-virtual-pipeline-stage", "1"], 1,
-     ["--num-layers-per-virtual-pipeline-stage (Megatron-LM's flag", "one model chunk per pipeline stage",
-      "Instead: --pipeline-model-parallel-size"]),
+    ("virtual_pipeline_without_pp", ["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     ["--pipeline-model-parallel-size=1", "virtual pipeline stages (2 model chunks per rank)", "valid: 2 or more"]),
     ("attention_backend_unknown", ["--attention-backend", "sdpa"], 1,
      ["--attention-backend=sdpa", "flash, fused, unfused, local, auto"]),
     # checkpoint directories

@@ -101,6 +101,12 @@ MATRIX = (
         "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-fssdp]"),
         "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[pp2-replicate]"),
         "zebra": zebra("refused", WHOLE_MODEL)}),
+    Row("virtual pipeline stages (PP 2 x VP 2)", ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                                  "--num-layers-per-virtual-pipeline-stage", "1",
+                                                  "--expert-model-parallel-size", "2", "--global-batch-size", "16"), 4, {
+        "fssdp": by_test(COMPOSITION + "test_virtual_pipeline_stages[fssdp]"),
+        "replicate": by_test(COMPOSITION + "test_virtual_pipeline_stages[replicate]"),
+        "zebra": zebra("refused", WHOLE_MODEL)}),
     Row("distributed optimizer", ("--use-distributed-optimizer", "--expert-model-parallel-size", "4"), 4, {
         "fssdp": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-fssdp]"),
         "replicate": by_test(COMPOSITION + "test_one_composition_at_a_time[distopt-replicate]"),

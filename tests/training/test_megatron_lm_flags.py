@@ -89,8 +89,8 @@ def test_refusal_reasons_by_kind():
     assert reason("--moe-latent-size") == megatron_lm.NOT_BUILT
     # not built yet: leaving the flag out keeps Megatron-LM's default, which the message names
     assert megatron_lm.refusal("--moe-latent-size").instead == "leave it out (Megatron-LM's default: None)"
-    # virtual pipelines: their own reason
-    assert "one model chunk per pipeline stage" in reason("--num-layers-per-virtual-pipeline-stage")
+    # a flag with its own reason
+    assert "not taken over" in reason("--use-checkpoint-args")
     assert reason("--wandb-project").startswith("Weights & Biases") and "strategies" in reason("--ckpt-fully-parallel-load")
     assert "--max-nonfinite-steps" in megatron_lm.refusal("--no-check-for-nan-in-loss-and-grad").instead
     assert megatron_lm.refusal("--use-flash-attn").instead == "leave it out (Megatron-LM's default: False)"
@@ -112,9 +112,9 @@ def test_every_refusal_category_names_real_flags():
 
 def test_several_refused_flags_are_named_together_and_before_typos():
     with pytest.raises(ArgumentError) as caught:
-        parse_args(["--moe-latent-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--num-layer", "2"])
+        parse_args(["--moe-latent-size", "2", "--cache-mla-latents", "--num-layer", "2"])
     message = str(caught.value)
-    assert message.count("is refused") == 2 and "--moe-latent-size" in message and "--num-layers-per-virtual-pipeline-stage" in message
+    assert message.count("is refused") == 2 and "--moe-latent-size" in message and "--cache-mla-latents" in message
 
 
 def test_did_you_mean_offers_only_close_names():
