@@ -171,7 +171,11 @@ class FSSDPRuntime(ModeRuntime):
         layer's "mtp.layers.K.transformer_layer.mlp.") of each of `layers` (checkpoint keys)."""
         self.optimizer = None
         """Megatron's optimizer (set by attach): re-sharding moves its expert state."""
-        self._last_pass = None
+        self._passes_of: dict[int, int] = {}
+        """Forward passes of each of `layers` (by index) so far in this schedule run."""
+        self._awaiting_above: dict[tuple[int, int], object] = {}
+        """(layer index, pass number) -> that LayerPass, until the layer above's same pass takes it
+        as its `below`."""
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -507,7 +511,7 @@ class FSSDPRuntime(ModeRuntime):
     def forward_backward(self, megatron_forward_backward, iterator, forward_only: bool) -> float:
         """Megatron's schedule; the copies gathered in it serve all its micro-batches and are
         released when it returns (the optimizer step changes the owners' weights)."""
-        self.shared = {}
+        self.shared, self._awaiting_above, self._passes_of = {}, {}, {}
         try:
             loss = megatron_forward_backward(iterator, forward_only)
             unreduced = [c.layer.layer_number for c in self.shared.values() if c.backwards < c.passes]
@@ -518,7 +522,7 @@ class FSSDPRuntime(ModeRuntime):
                 )
             return loss
         finally:
-            self.shared = {}
+            self.shared, self._awaiting_above, self._passes_of = {}, {}, {}
 
     def start_pass(self, layer):
         """One forward of `layer`: its LayerPass on the iteration's copies of the layer (the
@@ -531,9 +535,15 @@ class FSSDPRuntime(ModeRuntime):
             if copies is None:
                 copies = self._gather_copies(layer, passes=self.config.microbatches, keeps=True)
                 self.shared[layer.layer_number] = copies
-        first = layer is self.layers[0]
-        layer_pass = LayerPass(layer, copies, below=None if first else self._last_pass)
-        self._last_pass = layer_pass
+        # the layer below in the same micro-batch's forward: the k-th pass of this rank's previous
+        # MoE layer pairs with this layer's k-th (each chunk runs the micro-batches in order;
+        # with virtual stages another micro-batch's passes may come between the two)
+        index = self.layers.index(layer)
+        number = self._passes_of.get(index, 0)
+        self._passes_of[index] = number + 1
+        layer_pass = LayerPass(layer, copies, below=self._awaiting_above.pop((index - 1, number), None))
+        if index + 1 < len(self.layers):
+            self._awaiting_above[(index, number)] = layer_pass
         return layer_pass
 
     def _gather_copies(self, layer, passes: int, keeps: bool) -> LayerCopies:

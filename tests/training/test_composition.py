@@ -349,8 +349,10 @@ GROUPED_RUNS["fssdp_grouped_remat_fp32"] = [*GROUPED, "--moe-parallel-mode", "fs
 # layer) as 4 chunks of one layer, two per rank, so rank 0's stage holds layers 1 and 3 and the
 # other stage layers 2 and 4 with the MTP layer; Megatron's distributed optimizer in all three (its
 # grad norm differs from the plain optimizer's by up to 4e-4 here, in ep as well: measured), fssdp
-# and replicate with both DDP overlaps (one gradient-sync function per chunk). fssdp saves; ep
-# resumes its checkpoint (one "model<i>" entry per chunk) without pipeline parallelism.
+# and replicate with both DDP overlaps (one gradient-sync function per chunk), fssdp also
+# re-materializing (each pass's layer below is the same micro-batch's, though the interleaved
+# schedule runs other micro-batches between them). fssdp saves; ep resumes its checkpoint (one
+# "model<i>" entry per chunk) without pipeline parallelism.
 DEEPSEEK_V3_TINY = [f"--config={REPO / 'configs' / 'models' / 'deepseek_v3_tiny.yaml'}",
                     f"--config={REPO / 'configs' / 'tiny_job.yaml'}", *BASE]
 VIRTUAL = [*DEEPSEEK_V3_TINY, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
@@ -363,8 +365,8 @@ VIRTUAL_TOKEN_COPIES = 8 * 128 * 8  # top-8
 def virtual_runs(workdir) -> dict[str, list[str]]:
     return {
         "ep_virtual": VIRTUAL,
-        "fssdp_virtual": [*VIRTUAL, "--moe-parallel-mode", "fssdp", *OVERLAPS, "--save", str(workdir / VIRTUAL_CKPT),
-                          "--save-interval", str(SAVE_AT)],
+        "fssdp_virtual": [*VIRTUAL, "--moe-parallel-mode", "fssdp", *OVERLAPS, "--fssdp-rematerialize", "--save",
+                          str(workdir / VIRTUAL_CKPT), "--save-interval", str(SAVE_AT)],
         "replicate_virtual": [*VIRTUAL, "--moe-parallel-mode", "replicate", *OVERLAPS],
         "ep_pp1_from_fssdp_virtual": [*DEEPSEEK_V3_TINY, "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                       "--load", str(workdir / VIRTUAL_CKPT)],
