@@ -26,7 +26,9 @@ default dropout 0.1, EP the largest valid (4), fssdp's auto t and m, replicate's
 - SwiGLU experts (all four models) go through checkpoints: Megatron saves a SwiGLU fc1 weight as
   two halves (a ShardedTensorFactory), and replicate's and zebra's expert optimizer state follows
   it (a replicate save with the distributed optimizer failed on it before, found by Megatron-LM's
-  Mixtral recipe); the runs resumed at iteration 6 repeat the saved runs' losses bit for bit;
+  Mixtral recipe); the runs resumed at iteration 6 repeat the saved runs' losses bit for bit
+  (replicate: Mixtral; zebra: DeepSeek-V3, so MLA, the shared expert, the expert bias and the MTP
+  layer go through zebra's checkpoint too);
 - fssdp saves DeepSeek-V3 tiny's MTP layer's experts (before: refused, a decoder layer's key
   expected) and resumes on the saved run's losses (1e-6: its automatic choices follow measured times).
 One spawn of 4 ranks.
@@ -72,13 +74,14 @@ def runs(workdir):
         flags[f"{variant}_zebra"] = [*job(variant), *ZEBRA]
     flags["deepseek_v3_tiny_ep_no_dropout"] = [*job("deepseek_v3_tiny"), *NO_DROPOUT]
     flags["deepseek_v3_tiny_zebra_no_dropout"] = [*job("deepseek_v3_tiny"), *NO_DROPOUT, *ZEBRA]
-    # SwiGLU experts through a checkpoint: replicate with the distributed optimizer, zebra
+    # SwiGLU experts through a checkpoint: replicate with the distributed optimizer (Mixtral), zebra
+    # (DeepSeek-V3: its MLA, shared expert, expert bias and MTP layer through zebra's checkpoint too)
     trackers = {}
-    for mode, more in (("replicate", [*MODES["replicate"], "--use-distributed-optimizer"]), ("zebra", ZEBRA)):
+    for mode, variant, more in (("replicate", "mixtral_8x7b_tiny", [*MODES["replicate"], "--use-distributed-optimizer"]),
+                                ("zebra", "deepseek_v3_tiny", ZEBRA)):
         saved = workdir / f"ckpt_{mode}"
-        flags[f"swiglu_{mode}_saved"] = [*job("mixtral_8x7b_tiny"), *more, "--save", str(saved), "--save-interval",
-                                         str(SAVE_AT)]
-        flags[f"swiglu_{mode}_resumed"] = [*job("mixtral_8x7b_tiny"), *more, "--load", str(saved)]
+        flags[f"swiglu_{mode}_saved"] = [*job(variant), *more, "--save", str(saved), "--save-interval", str(SAVE_AT)]
+        flags[f"swiglu_{mode}_resumed"] = [*job(variant), *more, "--load", str(saved)]
         trackers[f"swiglu_{mode}_resumed"] = (saved, SAVE_AT)
     # fssdp's checkpoint of a model with an MTP layer, whose MoE layer is not one of the decoder's
     saved = workdir / "ckpt_mtp_fssdp"
