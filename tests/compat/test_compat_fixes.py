@@ -238,7 +238,7 @@ def _tp2_sp_ep2_checks(checkpoint_dir: Path) -> dict:
     }
     biases = _expert_fc2_biases(model)
     out["tags_stock"] = _tags(model)
-    ddp = mcore.wrap_ddp(config, model, args)  # applies fix 2
+    (ddp,) = mcore.wrap_ddp(config, [model], args)  # applies fix 2
     out["tags_fixed"] = _tags(model)
 
     def finalized_bias_grads() -> tuple[float, dict]:
@@ -326,7 +326,7 @@ def _distributed_optimizer_round_trip(checkpoint_dir: Path, stock_methods: dict)
     def fresh():
         parallel_state.destroy_model_parallel()
         model, config = _model(args)
-        ddp = mcore.wrap_ddp(config, model, args)
+        (ddp,) = mcore.wrap_ddp(config, [model], args)
         return model, ddp, mcore.optimizer(args, [ddp])
 
     model, ddp, optimizer = fresh()

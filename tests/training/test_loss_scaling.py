@@ -56,7 +56,7 @@ def _build(args):
     torch.manual_seed(args.seed)
     mcore.seed_model_parallel_rng(args.seed)
     (model,), config = build_model(args, VOCAB, on_gpu=False)
-    ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+    (ddp,) = mcore.wrap_ddp(config, [mcore.half_precision(config, model)], args)
     return model, ddp, config, mcore.optimizer(args, [ddp])
 
 

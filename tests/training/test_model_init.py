@@ -176,7 +176,7 @@ def routed_model(flags: list[str]) -> dict:
     from megatron_patches.training.model import moe_layers
 
     args, model, config = built(flags)
-    ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+    (ddp,) = mcore.wrap_ddp(config, [mcore.half_precision(config, model)], args)
     generator = torch.Generator().manual_seed(dist.get_rank())
     biases = []
     for _ in range(2):
@@ -230,7 +230,7 @@ def params_norms(flag_sets: list[list[str]]) -> list[list[float]]:
     out = []
     for flags in flag_sets:
         args, model, config = built(flags)
-        ddp = mcore.wrap_ddp(config, mcore.half_precision(config, model), args)
+        (ddp,) = mcore.wrap_ddp(config, [mcore.half_precision(config, model)], args)
         optimizer = mcore.optimizer(args, [ddp])
         # every rank holds the dense weights, each its own experts: dense once, experts summed
         dense = sum(float(p.float().square().sum()) for n, p in model.named_parameters() if "experts" not in n)

@@ -270,7 +270,7 @@ def reference(tokens: list[int]) -> dict:
         args = _megatron_setup()
         try:
             model = _fresh_model(args)
-            ddp = mcore.wrap_ddp(model.config, model, args)
+            (ddp,) = mcore.wrap_ddp(model.config, [model], args)
             optimizer = mcore.optimizer(args, [ddp])
             scheduler = mcore.scheduler(args, optimizer)
             losses, norms, grads = [], [], {}
