@@ -472,8 +472,8 @@ def _add_parallel_args(parser):
                        dest="microbatch_group_size_per_vp_stage",
                        help="With virtual pipeline stages: micro-batches run at a time for one virtual stage, "
                        "forward and backward. Default: --pipeline-model-parallel-size (a depth-first "
-                       "schedule); at least PP and at most the micro-batches of an iteration, which it must "
-                       "divide.")
+                       "schedule); at least PP and at most the micro-batches of an iteration, whose last group "
+                       "must hold none or at least PP of them.")
     group.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm",
                        help="With virtual pipeline stages: send and receive activations in batched calls after "
                        "each chunk's step instead of overlapping them with its compute (Megatron-LM's default "

@@ -127,7 +127,8 @@ def _check_sizes(args):
         "rotary_base", "train_samples", "lr_decay_samples", "exit_interval", "exit_duration_in_mins",
         "distributed_timeout_minutes", "rotary_seq_len_interpolation_factor", "moe_shared_expert_intermediate_size",
         "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-        "tensorboard_log_interval",
+        "tensorboard_log_interval", "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+        "microbatch_group_size_per_vp_stage",
     )
     for dest in positive:
         value = getattr(args, dest)
@@ -453,10 +454,6 @@ def _resolve_virtual_pipeline(args):
     --microbatch-group-size-per-virtual-pipeline-stage (default PP)."""
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     per_layers, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    for flag, value in (("--num-layers-per-virtual-pipeline-stage", per_layers),
-                        ("--num-virtual-stages-per-pipeline-rank", per_rank)):
-        if value is not None and value <= 0:
-            fail(flag, value, "must be a positive integer")
     if per_layers is not None and per_rank is not None:
         fail("--num-layers-per-virtual-pipeline-stage", per_layers,
              f"give either it or --num-virtual-stages-per-pipeline-rank (is {per_rank}), as Megatron-LM requires")
