@@ -215,14 +215,41 @@ def _fix_mla_te_detection() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+# ----------------------------------------------------------------------------------------
+# Fix 9: the grad norm without Apex / Transformer Engine reads every gradient's norm on the host
+# ----------------------------------------------------------------------------------------
+# Without either library clip_grads.py:35-43 takes utils.local_multi_tensor_l2_norm
+# (utils.py:1200-1208), which builds `torch.tensor(l2)` from a list of device tensors: one
+# device-to-host read per parameter tensor, then `float(l2_reduced)` once more. Seen by the
+# device kit's sync stage on an H200 (2026-11-29): 89 host synchronisations per iteration for the
+# tiny model, a stall behind the whole backward each. The norms are stacked on the device
+# instead: the same float32 values (the per-tensor norms, then the norm of those), no host read;
+# get_grad_norm_fp32 reads the total once (clip_grads.py:133), as with Apex.
+
+
+def _device_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """utils.local_multi_tensor_l2_norm's contract (a 1-element float32 norm, None) on the device."""
+    norms = [torch.linalg.vector_norm(t).float() for tensors in tensor_lists for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)).view(1), None
+
+
+def _fix_grad_norm_host_reads() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _device_multi_tensor_l2_norm
+
+
 def apply_global_fixes() -> None:
-    """Install the module-level fixes (1, 4, 5, 6, 7 and 8). Fixes 2-3 apply per model / optimizer."""
+    """Install the module-level fixes (1 and 4-9). Fixes 2-3 apply per model / optimizer."""
     _fix_single_rank_reduce()
     _fix_torch_adam_step_on_load()
     _fix_checkpoint_without_output_fp8()
     _fix_te_general_gemm_without_te()
     _fix_bert_token_lookup_order()
     _fix_mla_te_detection()
+    _fix_grad_norm_host_reads()
 
 
 __all__ = [

@@ -69,8 +69,10 @@ class MoELoadRecorder:
         self.handles = []
         # Experts are laid out contiguously over EP ranks (Megatron's EP).
         per_rank = num_experts // ep_size
-        self.remote_mask_E = torch.ones(num_experts, dtype=torch.bool, device=device)
-        self.remote_mask_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = False
+        # 1 for the experts another rank owns: a product, not a boolean index, which would read
+        # the mask's count on the host (a GPU synchronisation per MoE layer and micro-batch)
+        self.remote_E = torch.ones(num_experts, dtype=torch.int64, device=device)
+        self.remote_E[self.ep_rank * per_rank : (self.ep_rank + 1) * per_rank] = 0
         for chunk in model_chunks:
             for number, moe_layer in moe_layers(mcore.unwrap(chunk)):
                 row = self.layer_index[number]
@@ -91,7 +93,7 @@ class MoELoadRecorder:
             if self.enabled and not mcore.recomputing():
                 self.processed_LE[row] += kept_TE.sum(dim=0).to(torch.int64)
                 # the all-to-all carries what is sent, padded slots included
-                self.remote += sent_TE.sum(dim=0).to(torch.int64)[self.remote_mask_E].sum()
+                self.remote += (sent_TE.sum(dim=0).to(torch.int64) * self.remote_E).sum()
 
         return record
 

@@ -12,12 +12,14 @@ Megatron modules (stock behaviour wrong), and the fix shown right.
   * EP2 with the distributed optimizer (dense params sharded over DP2): save -> load with the
     stock Megatron methods and with fix 4, per-parameter `step` tensors, and the next
     optimizer steps against a run that never stopped.
-- Fix 6 (the router's gating GEMM without Transformer Engine) and fix 7 (BERT masking's replacement
-  tokens in a per-process order), in this process.
+- Fix 6 (the router's gating GEMM without Transformer Engine), fix 7 (BERT masking's replacement
+  tokens in a per-process order) and fix 9 (the grad norm without Apex or TE read on the host), in
+  this process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 from pathlib import Path
@@ -622,3 +624,56 @@ def test_fix7_bert_replacement_tokens_follow_the_seed_alone(world1, monkeypatch,
     # Megatron's builder asks torch.distributed for the rank: world1's group of one
     train = BlendedMegatronDatasetBuilder(bert_dataset.BERTMaskedWordPieceDataset, [8, 0, 0], lambda: True, config).build()[0]
     assert train.token_lookup == sorted(tokenizer.inv_vocab)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records the calls that read a tensor's values on the host (on a GPU, a synchronisation each)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist, torch.tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fix9_grad_norm_without_apex_or_te_stays_on_the_device():
+    """Stock, without Apex and Transformer Engine the grad norm reads every gradient's norm on the
+    host (`torch.tensor(list of norms)`, then `float(norm)`: on an H200 89 synchronisations per
+    iteration of the tiny model); fixed, the same float32 value bit for bit with no host read."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_patches.compat.cpu import apply_cpu_shims
+
+    apply_cpu_shims()  # the stock function's literal device="cuda"
+    torch.manual_seed(0)
+    grads = [torch.randn(shape) * scale for shape, scale in
+             (((64, 32), 1e-3), ((32,), 3.0), ((4, 8, 16), 0.5), ((1,), 7.0), ((128, 7), 1e-6))]
+    grads.append(torch.randn(9, 5).to(torch.bfloat16))
+    with _HostReads() as stock_reads:
+        stock, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    with _HostReads() as fixed_reads:
+        fixed, none = fixes._device_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    assert stock_reads.reads and "__float__" in stock_reads.reads
+    assert fixed_reads.reads == []
+    assert none is None and fixed.shape == stock.shape == (1,) and fixed.dtype == stock.dtype == torch.float32
+    assert torch.equal(fixed, stock)
+    # each tensor's norm in its own dtype (the bf16 one rounded to bf16), as Megatron takes it
+    reference = math.sqrt(sum(float(torch.linalg.vector_norm(g.double()).to(g.dtype)) ** 2 for g in grads))
+    assert fixed.item() == pytest.approx(reference, rel=1e-5)
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        fixes._fix_grad_norm_host_reads()
+    if clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier:  # neither Apex nor TE
+        assert clip_grads.l2_norm_impl is fixes._device_multi_tensor_l2_norm
+        params = [torch.nn.Parameter(g.float().clone()) for g in grads]
+        for p in params:
+            p.grad = p.detach().clone()
+        # the module's world-1 group when its fixture holds one, else one of our own
+        with contextlib.nullcontext() if dist.is_initialized() else single_rank_group():
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+        assert norm == pytest.approx(math.sqrt(sum(float(p.grad.double().square().sum()) for p in params)), rel=1e-5)

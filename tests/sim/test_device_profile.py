@@ -107,3 +107,17 @@ def test_simulate_with_a_profile_equals_the_efficiencies_it_implies(tmp_path):
     assert default.returncode == 0 and c["ep"]["iteration_s"] != pytest.approx(a["ep"]["iteration_s"], rel=1e-3)
     both = run_tool("simulate.py", *common, "--trace", trace, "--device-profile", path, "--efficiency", "memory=0.5")
     assert both.returncode != 0 and "--efficiency memory and --device-profile" in both.stderr + both.stdout
+
+
+def test_the_shipped_h200_profile_is_the_device_kits_measurement():
+    """configs/device_profiles/h200.json, written by the kit's kernels stage on a lent H200
+    (2026-11-29): it loads, describes the H200 cluster's GPU, and its efficiencies are fractions of
+    that cluster's datasheet peaks (bf16 dense GEMM 683.8 / 989 TFLOP/s; HBM 4,260 / 4,800 GB/s)."""
+    from megatron_patches.config.models import CONFIGS_DIR
+
+    shipped = load_device_profile(CONFIGS_DIR / "device_profiles" / "h200.json")
+    assert shipped.gpu_type == "H200-SXM-141GB" and "device_check.py" in shipped.source
+    got = shipped.efficiency_overrides(hardware(), Precision("bf16"))
+    assert got["dense_gemm"] == pytest.approx(683.8177719278144 / 989, rel=1e-6)
+    assert got["memory"] == pytest.approx(4259.906560678982 / 4800, rel=1e-6)
+    assert all(0 < v < 1 for k, v in got.items() if k != "expert_half_tokens")
