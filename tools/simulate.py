@@ -120,6 +120,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replicate / static expert slots per rank and layer (default: ceil(E/D) + reserved slots)")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="capacity factor of replicate / static (default: the model's, else 1.0)")
+    parser.add_argument("--nic-sharing", action=argparse.BooleanOptionalAction, default=True,
+                        help="collectives that cross nodes share the NICs: one in flight slows the next "
+                        "(default on; --no-nic-sharing gives every stream the whole NIC)")
+    parser.add_argument("--pad-to-capacity", action=argparse.BooleanOptionalAction, default=None,
+                        help="Megatron's --moe-pad-expert-input-to-capacity for replicate and FlexMoE at a capacity: "
+                        "every instance computes its whole capacity, whatever it received "
+                        "(default: off, or the run's; static, DeepSpeed's fixed-shape dispatch, always pads)")
     parser.add_argument("--reshard-interval", type=int, default=None,
                         help="iterations between FSSDP re-sharding and SmartMoE swaps (default 100, or the run's)")
     parser.add_argument("--zebra-microbatches", type=int, default=None,
@@ -207,6 +214,8 @@ def _run_settings(args: argparse.Namespace) -> dict[str, tuple]:
     }
     if model.moe_expert_capacity_factor is not None:
         out["capacity_factor"] = (model.moe_expert_capacity_factor, f"{where}: moe_expert_capacity_factor")
+    if a.moe_pad_expert_input_to_capacity:
+        out["pad_to_capacity"] = (True, f"{where}: moe_pad_expert_input_to_capacity")
     if a.bf16:
         out["precision"] = (Precision("bf16"), f"{where}: train.bf16: true")
     elif a.fp16:
@@ -259,10 +268,10 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
                         f"{source}; --num-experts {args.num_experts}")
     defaults = {"micro_batch_size": 1, "seq_length": None, "precision": None, "recompute": "none",
                 "systems": "ep,fssdp", "reshard_interval": 100, "zebra_microbatches": 4, "gpus": None,
-                "fssdp_calibrate": True, "sparse_collectives": SPARSE_COLLECTIVES[0]}
+                "fssdp_calibrate": True, "sparse_collectives": SPARSE_COLLECTIVES[0], "pad_to_capacity": False}
     for name in ("gpus", "micro_batch_size", "seq_length", "precision", "recompute", "systems",
-                 "overlap_degree", "memory_capacity", "slots_per_rank", "capacity_factor", "reshard_interval",
-                 "zebra_microbatches", "fssdp_calibrate", "sparse_collectives"):
+                 "overlap_degree", "memory_capacity", "slots_per_rank", "capacity_factor", "pad_to_capacity",
+                 "reshard_interval", "zebra_microbatches", "fssdp_calibrate", "sparse_collectives"):
         flag = getattr(args, name)
         if flag is not None:
             out[name] = (flag, f"--{name.replace('_', '-')}")
@@ -387,6 +396,8 @@ def _pricing(args, value: dict, hardware: Hardware) -> tuple[KernelEfficiency, L
         reserved_slots=args.reserved_slots,
         slots_per_rank=value["slots_per_rank"],
         capacity_factor=value["capacity_factor"],
+        pad_to_capacity=value["pad_to_capacity"],
+        nic_sharing=args.nic_sharing,
         reshard_interval=value["reshard_interval"],
         zebra_microbatches=value["zebra_microbatches"],
         memory_reserve_gb=args.memory_reserve_gb,
@@ -465,8 +476,11 @@ def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) ->
     line("recompute", wl.recompute, "recompute")
     line("systems", ", ".join(s.name for s in specs), "systems")
     knobs = [f"{name.replace('_', ' ')} {settings[name][0]} [{settings[name][1]}]"
-             for name in ("capacity_factor", "slots_per_rank", "reshard_interval", "overlap_degree", "memory_capacity",
-                          "zebra_microbatches", "fssdp_calibrate", "sparse_collectives") if settings[name][1] != "default"]
+             for name in ("capacity_factor", "pad_to_capacity", "slots_per_rank", "reshard_interval", "overlap_degree",
+                          "memory_capacity", "zebra_microbatches", "fssdp_calibrate", "sparse_collectives")
+             if settings[name][1] != "default"]
+    if not scn.options.nic_sharing:
+        knobs.append("NIC sharing off [--no-nic-sharing]")
     if knobs:
         print(f"  {'options':<10} " + "; ".join(knobs))
     print(f"  {'trace':<10} {trace_label}; routing scaled x{scn.trace_scale:.3g}, sources: {scn.source_note}")

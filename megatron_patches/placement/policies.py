@@ -203,6 +203,10 @@ class LayerPlan:
     more after it (`placement` then holds both); None otherwise."""
     shadowed_E: np.ndarray | None = None
     """FasterMoE: boolean [E], experts broadcast to every device of their EP group; None otherwise."""
+    capacity: int | None = None
+    """Tokens one instance may process, for the capacity-limited policies (replicate, static, FlexMoE
+    with a capacity); None: dropless. A system that pads its experts' input to the capacity
+    computes this many rows per instance whatever it receives (the simulator prices that)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -285,6 +289,9 @@ class Policy(ABC):
     syncs_replica_gradients: ClassVar[bool] = False
     """Whether the holders of an expert in `LayerPlan.placement` all-reduce its gradients (a ring
     over the holders each iteration): replicas that each keep their own weights in step."""
+    pads_to_capacity: ClassVar[bool] = False
+    """Whether its experts always compute their whole `LayerPlan.capacity` (a fixed-shape
+    dispatch), not only what they receive."""
 
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         self.config = config
@@ -438,7 +445,7 @@ class _SlotPolicy(Policy):
 
     def _spread(self, placement: InstancePlacement, src_DE: np.ndarray) -> LayerPlan:
         spread = spread_tokens(placement, src_DE, self.config.capacity_factor, self.slots_per_rank)
-        return LayerPlan(placement, spread.plan, spread.processed_ED)
+        return LayerPlan(placement, spread.plan, spread.processed_ED, capacity=spread.capacity)
 
 
 class ReplicatePolicy(_SlotPolicy):
@@ -499,6 +506,7 @@ class StaticPolicy(_SlotPolicy):
 
     name = "static"
     syncs_replica_gradients = True
+    pads_to_capacity = True  # DeepSpeed's gate dispatches into [experts, capacity, hidden] buffers
 
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         super().__init__(config, num_layers, num_experts)
@@ -620,7 +628,7 @@ class FlexMoEPolicy(Policy):
                 # the layer's capacity cf x T shared by its instances, as replicate's G x s are
                 tokens = int(np.asarray(source_loads_LDE[l]).sum())
                 capacity = instance_capacity(cfg.capacity_factor, tokens, int(placement.counts_ED.sum()), 1)
-                layers.append(LayerPlan(placement, plan, apply_capacity(plan, placement, capacity)[0]))
+                layers.append(LayerPlan(placement, plan, apply_capacity(plan, placement, capacity)[0], capacity=capacity))
             else:
                 layers.append(self._dropless(placement, plan))
         return PolicyStep(iteration, tuple(layers), tuple(moves))

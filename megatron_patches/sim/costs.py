@@ -678,6 +678,11 @@ class CommModel:
         t = self.transfer_time(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D, steps)
         return float(t)
 
+    def nic_seconds(self, comm: CommBytes) -> float:
+        """Seconds the busiest node's NIC carries `comm` at its full rate (`transfer_parts`' NIC term)."""
+        return float(self.transfer_parts(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D,
+                                         comm.recv_inter_D)[2])
+
     def dense_allreduce(self, buffer_bytes: float) -> tuple[CommBytes, float]:
         """A ring all-reduce of `buffer_bytes` over all devices (ascending ids) and its time.
 

@@ -9,6 +9,17 @@ together. This is where overlap appears (FSSDP's gather on the "sparse" stream r
 compute stream does attention) and where stragglers appear (a combine all-to-all cannot start
 before the busiest device has finished its experts).
 
+Collectives that cross nodes share the nodes' NICs (`nic_I`, the seconds a collective keeps the
+busiest node's NIC busy at its full rate). Without that, two streams' collectives would each get
+the whole NIC at once, and a gradient all-reduce would hide behind the all-to-all for free. The
+model: the NIC is one resource per iteration, and a collective gets the NIC time that the
+collectives scheduled before it left free. Its NIC work fills the gaps from its start on, it ends
+later by the time the NIC was busy with others (`contention_s`), and from its start to the end of
+its NIC work the NIC is busy. The total is conserved (two collectives end together as under fair
+sharing), but the one issued first in the program keeps its time: it runs as if it had priority.
+That is optimistic for it and pessimistic for the later one. Intra-node links (NVLink) are not
+shared this way.
+
 The iterations of a trace are independent (each starts at time 0 after the previous one's
 optimizer step), so every quantity is an array over iterations, [I, D] per device or [I] for a
 collective, and one program of `compute` / `collective` calls simulates all iterations at once.
@@ -28,6 +39,7 @@ kinds that were exposed, adding up to it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,10 +90,14 @@ class Timeline:
         comm: per communication category, summed collective durations (hidden or not); float [C, I].
         labels: the collective labels seen, in order of first use.
         idle_label: idle seconds blamed on collectives, by label index; float [len(labels), I, D].
+        contention_s: per label index, the seconds its collectives waited for the NIC behind
+            collectives scheduled before them; float [len(labels), I].
     """
 
-    def __init__(self, num_iterations: int, num_devices: int) -> None:
+    def __init__(self, num_iterations: int, num_devices: int, share_nic: bool = True) -> None:
         self.I, self.D = int(num_iterations), int(num_devices)
+        self.share_nic = share_nic
+        """False: `collective` ignores nic_I (every stream has the whole NIC)."""
         C = len(CATEGORIES)
         self.busy = np.zeros((C, self.I, self.D))
         self.idle = np.zeros((C, self.I, self.D))
@@ -92,6 +108,9 @@ class Timeline:
         self._compute_free = np.zeros((self.I, self.D))
         self._streams: dict[str, Event] = {}
         self._events: list[Event] = []
+        self._contention: list[np.ndarray] = []
+        # per iteration, the NIC's busy time as disjoint sorted intervals (their starts, their ends)
+        self._nic = [([], []) for _ in range(self.I)]
 
     # -- scheduling --------------------------------------------------------------------------
 
@@ -118,12 +137,15 @@ class Timeline:
         self._events.append(event)
         return event
 
-    def collective(self, stream: str, category: str, duration_I, after=(), label: str | None = None) -> Event:
+    def collective(self, stream: str, category: str, duration_I, after=(), label: str | None = None,
+                   nic_I=None) -> Event:
         """Run a collective over all devices on `stream` after the events in `after`.
 
         duration_I: seconds per iteration, broadcastable to [I]. The collective starts when
-        every device is ready and ends `duration` later on all of them. label: the kind of
-        traffic for `by_label` (default: the category).
+        every device is ready and ends `duration` later on all of them, plus what it waits for
+        the NIC. label: the kind of traffic for `by_label` (default: the category). nic_I: the
+        part of the duration the busiest node's NIC carries at full rate (broadcastable to [I],
+        at most the duration; None or 0: it does not cross nodes).
         """
         cat = self._category(category, COMM_CATEGORIES)
         lab = self._label(label or category)
@@ -140,6 +162,13 @@ class Timeline:
         else:
             ready_I = np.zeros(self.I)
             k_I = None
+        if nic_I is not None and self.share_nic:
+            nic = np.broadcast_to(np.asarray(nic_I, dtype=np.float64), (self.I,))
+            if np.any(nic > duration * (1 + 1e-12)) or np.any(nic < 0):
+                raise ValueError(f"nic_I must lie in [0, duration] ({label or category})")
+            waited_I = self._share_nic(ready_I, nic)
+            self._contention[lab] += waited_I
+            duration = duration + waited_I
         start = np.repeat(ready_I[:, None], self.D, axis=1)
         end = start + duration[:, None]
         self.comm[cat] += duration
@@ -147,6 +176,36 @@ class Timeline:
         self._streams[stream] = event
         self._events.append(event)
         return event
+
+    def _share_nic(self, start_I: np.ndarray, work_I: np.ndarray) -> np.ndarray:
+        """Fit `work_I` seconds of NIC time into the NIC's free time from `start_I` on, mark the NIC
+        busy from the start to where the work ends, and return what it waited: the busy time of
+        others in that span; float [I]."""
+        waited = np.zeros(self.I)
+        for i in np.flatnonzero(work_I > 0):
+            starts, ends = self._nic[i]
+            s, left = float(start_I[i]), float(work_I[i])
+            k = bisect.bisect_right(starts, s)  # intervals from k on start after s
+            t = max(s, ends[k - 1]) if k > 0 else s
+            busy = t - s  # the others' NIC time it sits out, summed exactly (0 when none)
+            while k < len(starts) and starts[k] - t < left:
+                left -= starts[k] - t
+                busy += ends[k] - starts[k]
+                t = ends[k]
+                k += 1
+            f = t + left
+            waited[i] = busy
+            lo = bisect.bisect_left(ends, s)  # the first interval that ends at or after s
+            hi = bisect.bisect_right(starts, f)  # intervals from hi on start after f
+            new_start, new_end = (min(s, starts[lo]), max(f, ends[hi - 1])) if hi > lo else (s, f)
+            starts[lo:hi], ends[lo:hi] = [new_start], [new_end]
+        return waited
+
+    def contention(self) -> dict[str, np.ndarray]:
+        """Per collective label, seconds per iteration its collectives waited for the NIC behind
+        collectives scheduled before them (added to their durations); float [I] each, labels that
+        never waited left out."""
+        return {name: self._contention[lab] for lab, name in enumerate(self.labels) if self._contention[lab].any()}
 
     def last(self, stream: str) -> Event | None:
         """The last collective issued on `stream`, or None if the stream was never used."""
@@ -219,6 +278,7 @@ class Timeline:
         if name not in self.labels:
             self.labels.append(name)
             self._idle_label.append(np.zeros((self.I, self.D)))
+            self._contention.append(np.zeros(self.I))
         return self.labels.index(name)
 
     @staticmethod

@@ -52,6 +52,16 @@ class SimOptions:
     """Expert slots per rank and layer of replicate / static; None: ceil(E/D) + reserved_slots."""
     capacity_factor: float | None = None
     """Capacity factor of replicate / static; None: the model's, or 1.0 if it is dropless."""
+    nic_sharing: bool = True
+    """Collectives that cross nodes share the NICs (`Timeline.collective`'s nic_I): a gradient
+    all-reduce or a gather in flight slows the all-to-all issued after it. False: every stream
+    has the whole NIC to itself (the simulator before 2026-11-29; the closed-form tests of one
+    collective use it)."""
+    pad_to_capacity: bool = False
+    """Megatron's --moe-pad-expert-input-to-capacity for the capacity-limited systems (replicate,
+    FlexMoE with a capacity): each instance computes its whole capacity (and keeps its
+    activations), whatever was routed. Static, DeepSpeed's fixed-shape dispatch, always pads. The
+    all-to-all's fixed-size buffers are not priced."""
     reshard_interval: int = 100
     """Iterations between FSSDP re-sharding and SmartMoE swaps (DESIGN 7: 100)."""
     zebra_microbatches: int = 4

@@ -65,7 +65,13 @@ from megatron_patches.placement.policies import (
     replay_steps,
 )
 from megatron_patches.placement.types import PlacementError
-from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
+from megatron_patches.sim.costs import (
+    RECOMPUTE,
+    MemoryNeed,
+    SimError,
+    all_to_all_bytes,
+    ring_broadcast_bytes,
+)
 from megatron_patches.sim.events import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
@@ -537,6 +543,12 @@ class _Bytes:
         return first + sum(scn.comm.transfer_time(s[:, :, j, 0], s[:, :, j, 1], s[:, :, j, 2], s[:, :, j, 3])
                            for j in range(self.LATER))
 
+    def nic_IL(self, scn: Scenario) -> np.ndarray:
+        """Seconds the busiest node's NIC carries these bytes at its full rate, every stage; [I, L]."""
+        d, s = self.data, self.later
+        return sum(scn.comm.transfer_parts(x[:, :, 0], x[:, :, 1], x[:, :, 2], x[:, :, 3])[2]
+                   for x in (d, *(s[:, :, j] for j in range(self.LATER))))
+
     def totals(self) -> np.ndarray:
         """Mean bytes per iteration over all layers and stages: [intra, inter] (counted at the sender)."""
         every = self.data + self.later.sum(axis=2)
@@ -549,6 +561,8 @@ class _Replayed:
 
     expert_fwd_ILD: np.ndarray
     processed_ILD: np.ndarray
+    computed_ILD: np.ndarray
+    """Rows the experts compute: the processed tokens, or the whole capacity where padded."""
     a2a: _Bytes
     kinds: dict[str, _Bytes]
     moves_I4D: np.ndarray
@@ -586,6 +600,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     out = _Replayed(
         expert_fwd_ILD=np.zeros((I, L, D)),
         processed_ILD=np.zeros((I, L, D)),
+        computed_ILD=np.zeros((I, L, D)),
         a2a=_Bytes(I, L, D),
         kinds={},
         moves_I4D=np.zeros((I, 4, D)),
@@ -603,8 +618,15 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
     for i, step, planner_s in replay_steps(policy, scn.loads_ILE, lambda i: scn.source_ILDE[i], policy.default_window):
         out.planner_s += planner_s
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])
-        out.expert_fwd_ILD[i] = scn.compute.expert_fwd(processed_LED)
+        # padded to the capacity, every instance computes its whole capacity, whatever it received
+        # (the all-to-all's fixed-size buffers are not priced: they follow each system's dispatch groups)
+        padded_L = [lp.capacity is not None and (policy.pads_to_capacity or scn.options.pad_to_capacity)
+                    for lp in step.layers]
+        computed_LED = np.stack([lp.capacity * lp.placement.counts_ED if pad else lp.processed_ED
+                                 for lp, pad in zip(step.layers, padded_L)])
+        out.expert_fwd_ILD[i] = scn.compute.expert_fwd(computed_LED)
         out.processed_ILD[i] = processed_LED.sum(axis=1)
+        out.computed_ILD[i] = computed_LED.sum(axis=1)
         out.a2a.data[i] = all_to_all_bytes([lp.dispatch for lp in step.layers], topo, bm.token_bytes)
         for k, lp in enumerate(step.layers):
             traffic = policy.traffic(PolicyStep(i, (lp,)))
@@ -710,6 +732,10 @@ class _Stages:
     """Per layer: its dense gradients' all-reduce."""
     outer_grad_s: float
     """The embeddings' and head's gradient all-reduce."""
+    dense_grad_nic: list[float]
+    """Per layer: the NIC's part of `dense_grad_s` (`Timeline.collective`'s nic_I)."""
+    outer_grad_nic: float
+    """The NIC's part of `outer_grad_s`."""
 
 
 def _stages(scn: Scenario, spec: SystemSpec, rep: _Replayed) -> _Stages:
@@ -724,6 +750,8 @@ def _stages(scn: Scenario, spec: SystemSpec, rep: _Replayed) -> _Stages:
     dense = wl.dense_params()
     grad_bytes = wl.byte_model.grad_bytes_per_param
     optimizer_params = sum(dense["per_layer"]) + dense["outer"]
+    dense_grads = [scn.comm.dense_allreduce(p * grad_bytes) for p in dense["per_layer"]]
+    outer_grads = scn.comm.dense_allreduce(dense["outer"] * grad_bytes)
     return _Stages(
         att_fwd=even(c.attention_fwd_D()),
         att_bwd=even(c.attention_bwd_D() + (c.core_attention_fwd_D() if wl.recompute == "selective" else 0.0)),
@@ -732,8 +760,10 @@ def _stages(scn: Scenario, spec: SystemSpec, rep: _Replayed) -> _Stages:
         head=even(c.head_fwd_D() * (1.0 + c.BACKWARD)),
         expert_fwd=[even(rep.expert_fwd_ILD[:, k]) for k in range(L)],
         optimizer=even(c.optimizer_D(optimizer_params / D + rep.optimizer_params_ILD.sum(axis=1))),
-        dense_grad_s=[scn.comm.dense_allreduce(p * grad_bytes)[1] for p in dense["per_layer"]],
-        outer_grad_s=scn.comm.dense_allreduce(dense["outer"] * grad_bytes)[1],
+        dense_grad_s=[seconds for _, seconds in dense_grads],
+        outer_grad_s=outer_grads[1],
+        dense_grad_nic=[scn.comm.nic_seconds(comm) for comm, _ in dense_grads],
+        outer_grad_nic=scn.comm.nic_seconds(outer_grads[0]),
     )
 
 
@@ -742,8 +772,24 @@ def _span(first, last) -> np.ndarray:
     return last.end_ID.max(axis=1) - first.start_ID.min(axis=1)
 
 
-def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[str, np.ndarray],
-              a2a_IL: np.ndarray, rearrange_I: np.ndarray):
+@dataclass
+class _Comm:
+    """Per kind of collective ("a2a" for one all-to-all, "spag", "grad_allreduce", ...): its
+    seconds and the NIC's part of them, [I, L] each."""
+
+    seconds: dict[str, np.ndarray]
+    nic: dict[str, np.ndarray]
+
+    def __contains__(self, kind: str) -> bool:
+        return kind in self.seconds
+
+    def at(self, kind: str, k: int) -> dict[str, np.ndarray]:
+        """`Timeline.collective`'s duration_I and nic_I for MoE layer k."""
+        return {"duration_I": self.seconds[kind][:, k], "nic_I": self.nic[kind][:, k]}
+
+
+def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, comm: _Comm, rearrange_I: np.ndarray,
+              rearrange_nic_I: np.ndarray):
     """Run the forward/backward program of every iteration: the rearrangement, the forward, the
     head, the backward (with a full recompute's second forward), the optimizer.
 
@@ -754,35 +800,35 @@ def _schedule(scn: Scenario, spec: SystemSpec, rep: _Replayed, kind_times: dict[
     """
     I, L, D = scn.num_iterations, scn.num_layers, scn.num_devices
     stages = _stages(scn, spec, rep)
-    tl = Timeline(I, D)
+    tl = Timeline(I, D, share_nic=scn.options.nic_sharing)
     spans = {name: np.zeros((I, L)) for name in ("forward", "backward", "moe")}
-    prev = tl.collective("a2a", "rearrangement", rearrange_I) if rearrange_I.any() else None
-    prev = _forward(tl, scn, stages, kind_times, a2a_IL, prev, spans)
+    prev = tl.collective("a2a", "rearrangement", rearrange_I, nic_I=rearrange_nic_I) if rearrange_I.any() else None
+    prev = _forward(tl, scn, stages, comm, prev, spans)
     prev = tl.compute("other", stages.head, after=[prev])
-    prev = _backward(tl, scn, spec, stages, kind_times, a2a_IL, prev, spans)
-    tl.collective("grad", "exposed_collectives", stages.outer_grad_s, after=[prev], label="dense_grad_allreduce")
+    prev = _backward(tl, scn, spec, stages, comm, prev, spans)
+    tl.collective("grad", "exposed_collectives", stages.outer_grad_s, after=[prev], label="dense_grad_allreduce",
+                  nic_I=stages.outer_grad_nic)
     waits = [prev] + [tl.last(stream) for stream in ("grad", "sparse")]
     tl.compute("optimizer", stages.optimizer, after=waits)
     total_I = tl.finish()
     return tl, total_I, spans["forward"] + spans["backward"], spans["moe"]
 
 
-def _forward(tl: Timeline, scn: Scenario, stages: _Stages, kind_times: dict[str, np.ndarray], a2a_IL: np.ndarray,
-             prev, spans: dict[str, np.ndarray]):
+def _forward(tl: Timeline, scn: Scenario, stages: _Stages, comm: _Comm, prev, spans: dict[str, np.ndarray]):
     """Every layer's forward: the weights the system moves before dispatch (replicate's scatter,
     fssdp's gather, FasterMoE's shadows, calibration's copies), attention, gate, dispatch, experts,
     combine. Returns the last task."""
     wl = scn.workload
     L = scn.num_layers
-    scatters = [tl.collective("scatter", "exposed_collectives", kind_times["weight_scatter"][:, k], after=[prev],
+    scatters = [tl.collective("scatter", "exposed_collectives", **comm.at("weight_scatter", k), after=[prev],
                               label="weight_scatter")
-                for k in range(L)] if "weight_scatter" in kind_times else [None] * L
+                for k in range(L)] if "weight_scatter" in comm else [None] * L
     moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
     gathers: dict[int, object] = {}
     for j in range(wl.model.num_layers):
         k = moe_index.get(j)
-        if k is not None and "spag" in kind_times:
-            gathers[k] = tl.collective("sparse", "exposed_collectives", kind_times["spag"][:, k], after=[prev],
+        if k is not None and "spag" in comm:
+            gathers[k] = tl.collective("sparse", "exposed_collectives", **comm.at("spag", k), after=[prev],
                                        label="spag")
         att = tl.compute("attention", stages.att_fwd, after=[prev])
         if k is None:
@@ -790,32 +836,32 @@ def _forward(tl: Timeline, scn: Scenario, stages: _Stages, kind_times: dict[str,
             continue
         gate = tl.compute("other", stages.other_moe, after=[att])
         shadow = None
-        if "shadow_broadcast" in kind_times:
-            shadow = tl.collective("a2a", "exposed_collectives", kind_times["shadow_broadcast"][:, k], after=[gate],
+        if "shadow_broadcast" in comm:
+            shadow = tl.collective("a2a", "exposed_collectives", **comm.at("shadow_broadcast", k), after=[gate],
                                    label="shadow_broadcast")
         extra = None
-        if "spag_calibrate" in kind_times:
+        if "spag_calibrate" in comm:
             # calibration's copies: gathered after the gate (they follow the actual loads), on the path
-            extra = tl.collective("sparse", "exposed_collectives", kind_times["spag_calibrate"][:, k],
+            extra = tl.collective("sparse", "exposed_collectives", **comm.at("spag_calibrate", k),
                                   after=[gate, gathers.get(k)], label="spag_calibrate")
-        dispatch = tl.collective("a2a", "all_to_all", a2a_IL[:, k],
+        dispatch = tl.collective("a2a", "all_to_all", **comm.at("a2a", k),
                                  after=[gate, shadow, gathers.get(k), extra, scatters[k]])
         experts = tl.compute("expert", stages.expert_fwd[k], after=[dispatch])
-        prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts])
+        prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[experts])
         spans["forward"][:, k] = _span(att, prev)
         spans["moe"][:, k] = _span(gate, prev)
     return prev
 
 
-def _backward(tl: Timeline, scn: Scenario, spec: SystemSpec, stages: _Stages, kind_times: dict[str, np.ndarray],
-              a2a_IL: np.ndarray, prev, spans: dict[str, np.ndarray]):
+def _backward(tl: Timeline, scn: Scenario, spec: SystemSpec, stages: _Stages, comm: _Comm, prev,
+              spans: dict[str, np.ndarray]):
     """Every layer's backward from the last: a full recompute's forward again, combine, experts,
     dispatch, the gradient collectives, gate, attention, the dense gradient all-reduce. Returns
     the last attention backward."""
     c, wl = scn.compute, scn.workload
     recompute = wl.recompute
     moe_index = {j: k for k, j in enumerate(wl.moe_layers)}
-    grad_kinds = [k for k in kind_times if k not in _BEFORE_DISPATCH + ("sprs",)]
+    grad_kinds = [k for k in comm.seconds if k not in _BEFORE_DISPATCH + ("sprs", "a2a")]
     regather: dict[int, object] = {}
     sprs_above = None
     for j in reversed(range(wl.model.num_layers)):
@@ -830,37 +876,37 @@ def _backward(tl: Timeline, scn: Scenario, spec: SystemSpec, stages: _Stages, ki
                 prev = tl.compute("other", stages.other_dense, after=[prev])
             else:
                 gate = prev = tl.compute("other", stages.other_moe, after=[prev])
-                prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev, regather.get(k)])
+                prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[prev, regather.get(k)])
                 prev = tl.compute("expert", stages.expert_fwd[k], after=[prev])
-                prev = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
+                prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[prev])
                 spans["moe"][:, k] += _span(gate, prev)
         if k is None:
             first = tl.compute("other", c.BACKWARD * stages.other_dense, after=[prev])
         else:
-            combine_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[prev])
+            combine_b = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[prev])
             if recompute != "full":
                 start = combine_b
             experts_b = tl.compute("expert", c.BACKWARD * stages.expert_fwd[k], after=[combine_b, regather.get(k)])
-            dispatch_b = tl.collective("a2a", "all_to_all", a2a_IL[:, k], after=[experts_b])
+            dispatch_b = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[experts_b])
             below = [m for m in moe_index.values() if m < k]
-            if spec.remat and below and "spag" in kind_times:
+            if spec.remat and below and "spag" in comm:
                 # copies of the next MoE layer down were freed after its forward: gather them again
                 regather[below[-1]] = tl.collective(
-                    "sparse", "exposed_collectives", kind_times["spag"][:, below[-1]], after=[experts_b],
+                    "sparse", "exposed_collectives", **comm.at("spag", below[-1]), after=[experts_b],
                     label="spag_remat",
                 )
             for kind in grad_kinds:
-                tl.collective("grad", "exposed_collectives", kind_times[kind][:, k], after=[experts_b], label=kind)
+                tl.collective("grad", "exposed_collectives", **comm.at(kind, k), after=[experts_b], label=kind)
             # the runtime's spRS(l): launched when the gradient reaches the layer's MoE input, after
             # the wait for spRS of the MoE layer above (`FSSDPRuntime.on_layer_backward` / `drain`)
             first = tl.compute("other", c.BACKWARD * stages.other_moe, after=[dispatch_b, sprs_above])
-            if "sprs" in kind_times:
-                sprs_above = tl.collective("sparse", "exposed_collectives", kind_times["sprs"][:, k],
+            if "sprs" in comm:
+                sprs_above = tl.collective("sparse", "exposed_collectives", **comm.at("sprs", k),
                                            after=[dispatch_b], label="sprs")
             spans["moe"][:, k] += _span(combine_b, first)
         attention_b = tl.compute("attention", stages.att_bwd, after=[first])
         tl.collective("grad", "exposed_collectives", stages.dense_grad_s[j], after=[attention_b],
-                      label="dense_grad_allreduce")
+                      label="dense_grad_allreduce", nic_I=stages.dense_grad_nic[j])
         if k is not None:
             spans["backward"][:, k] = _span(start, attention_b)
         prev = attention_b
@@ -877,9 +923,13 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
         raise SimError(f"{spec.name}: {err}") from None
     a2a_IL = rep.a2a.times_IL(scn)
     kind_times = {kind: b.times_IL(scn) for kind, b in rep.kinds.items()}
+    comm = _Comm({"a2a": a2a_IL, **kind_times},
+                 {"a2a": rep.a2a.nic_IL(scn), **{kind: b.nic_IL(scn) for kind, b in rep.kinds.items()}})
     m = rep.moves_I4D
-    rearrange_I = np.where(rep.moves_I > 0, scn.comm.transfer_time(m[:, 0], m[:, 1], m[:, 2], m[:, 3]), 0.0)
-    tl, total_I, layer_s_IL, moe_s_IL = _schedule(scn, spec, rep, kind_times, a2a_IL, rearrange_I)
+    moved = rep.moves_I > 0
+    rearrange_I = np.where(moved, scn.comm.transfer_time(m[:, 0], m[:, 1], m[:, 2], m[:, 3]), 0.0)
+    rearrange_nic_I = np.where(moved, scn.comm.transfer_parts(m[:, 0], m[:, 1], m[:, 2], m[:, 3])[2], 0.0)
+    tl, total_I, layer_s_IL, moe_s_IL = _schedule(scn, spec, rep, comm, rearrange_I, rearrange_nic_I)
 
     breakdown = tl.breakdown()
     expert_index = list(breakdown).index("expert")
@@ -898,7 +948,7 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     transient = rep.transient_params_ILD.max(axis=1) if spec.remat else rep.transient_params_ILD.sum(axis=1)
     memory_parts_ID = scn.memory.by_part(scn.memory.dense_parts(), rep.held_params_ILD.sum(axis=1) + transient,
                                          rep.optimizer_state_params_ILD.sum(axis=1),
-                                         scn.memory.activation_bytes(rep.processed_ILD))
+                                         scn.memory.activation_bytes(rep.computed_ILD))
     memory_ID = sum(memory_parts_ID.values())
     peak_i, peak_d = np.unravel_index(int(np.argmax(memory_ID)), memory_ID.shape)
     a2a_parts = scn.comm.transfer_parts(*(rep.a2a.data[:, :, j] for j in range(4)))
@@ -916,6 +966,8 @@ def simulate_placement_system(scn: Scenario, spec: SystemSpec) -> SystemResult:
     if spec.remat and "spag" in kind_times:
         # every MoE layer but the top one gathers its copies again for the backward
         details["collective_s"]["spag_remat"] = float(kind_times["spag"][:, :-1].sum(axis=1).mean())
+    # what each kind of collective waited for the NIC behind others (NIC sharing), s per iteration
+    details["nic_contention_s"] = {label: float(s_I.mean()) for label, s_I in tl.contention().items()}
     details["prediction_window"] = policy.default_window
     if isinstance(policy, FSSDPPolicy):
         details["overlap_degree_changes"] = [list(change) for change in policy.t_changes]

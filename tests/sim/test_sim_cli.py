@@ -123,9 +123,9 @@ def test_t_by_cost_gives_bert_moe_on_cluster_a_copies_attention_cannot_hide(tmp_
     """BERT-MoE on cluster A: attention is too short to hide one copy at the NIC's share (hidden
     t = 0, so FSSDP without calibration was EP), but copies keep tokens off the 100 Gbps network,
     which saves more than their exposed gather: without calibration the cost model takes t = 4
-    (FSSDP / EP 1.57 on these 6 iterations, 1.0 with the hidden t). The shipped config calibrates
-    after the gate, and there t = 2 plus calibration's copies is priced cheapest and taken (2.00,
-    FasterMoE 1.79; before the ring broadcast of experts every device holds, t = 0 and 1.81)."""
+    (FSSDP / EP 1.43 on these 6 iterations; 1.57 before the NIC was shared, 1.0 with the hidden
+    t). The shipped config calibrates after the gate, and there t = 2 plus calibration's copies is
+    priced cheapest and taken (1.67, FasterMoE 1.65; without NIC sharing 2.00 and 1.79)."""
 
     def simulate(run) -> dict:
         out = tmp_path / "out.json"
@@ -142,11 +142,11 @@ def test_t_by_cost_gives_bert_moe_on_cluster_a_copies_attention_cannot_hide(tmp_
     uncalibrated.write_text(text.replace("fssdp_calibrate: true", "fssdp_calibrate: false"))
     fssdp = simulate(uncalibrated)
     assert (fssdp["details"]["overlap_degree_hidden_t"], fssdp["details"]["overlap_degree_t"]) == (0, 4)
-    assert fssdp["speedup_vs_ep"] > 1.5
+    assert fssdp["speedup_vs_ep"] > 1.4
     fssdp = simulate(shipped)
     assert (fssdp["details"]["overlap_degree_hidden_t"], fssdp["details"]["overlap_degree_t"]) == (0, 2)
     assert fssdp["details"]["collective_s"]["spag_calibrate"] > 0
-    assert fssdp["speedup_vs_ep"] > 1.9 and fssdp["speedup_vs_ep"] > fssdp["fastermoe"]
+    assert fssdp["speedup_vs_ep"] > 1.6 and fssdp["speedup_vs_ep"] > fssdp["fastermoe"]
 
 
 def test_trace_of_another_model_is_refused(tmp_path):

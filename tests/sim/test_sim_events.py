@@ -130,3 +130,38 @@ def test_categories_are_checked():
         tl.compute("all_to_all", 1.0)
     with pytest.raises(ValueError, match="category 'expert' is not one of"):
         tl.collective("a2a", "expert", 1.0)
+
+
+def test_collectives_that_cross_nodes_share_the_nic():
+    """By hand, one device, NIC seconds equal to the durations. A (3 s) is issued first and keeps
+    the NIC; B (2 s), ready at the same time on another stream, gets the NIC after it and ends at
+    5, having waited 3. Without sharing, B would end at 2. Work is conserved: the NIC is busy
+    0-5."""
+    tl = Timeline(1, 1)
+    a = tl.collective("grad", "exposed_collectives", 3.0, label="grad_allreduce", nic_I=3.0)
+    b = tl.collective("a2a", "all_to_all", 2.0, nic_I=2.0)
+    assert (a.end_ID[0, 0], b.start_ID[0, 0], b.end_ID[0, 0]) == (3.0, 0.0, 5.0)
+    assert tl.contention() == {"all_to_all": pytest.approx([3.0])}
+    off = Timeline(1, 1, share_nic=False)
+    off.collective("grad", "exposed_collectives", 3.0, nic_I=3.0)
+    assert off.collective("a2a", "all_to_all", 2.0, nic_I=2.0).end_ID[0, 0] == 2.0
+    assert off.contention() == {}
+
+
+def test_nic_work_fills_the_gaps_between_earlier_collectives():
+    """A holds the NIC 0-2 and C 4-6 (ready at 4); B, ready at 1 with 3 s of NIC work, takes the
+    free 2-4 (2 s) and 6-7 (1 s): it ends at 7, having waited 1 s of A and 2 s of C. A collective
+    whose NIC part is 1 s of a 4 s duration, after A's 2 s, waits 2 s: it ends at 6. Collectives
+    without nic_I never wait, and a NIC part above the duration is refused."""
+    one = Timeline(1, 1)
+    one.collective("s1", "exposed_collectives", 2.0, nic_I=2.0)
+    gate = one.collective("s0", "exposed_collectives", 1.0)  # no NIC: ends at 1, no wait
+    four = one.compute("other", 4.0)
+    one.collective("s2", "exposed_collectives", 2.0, after=[four], nic_I=2.0)
+    b = one.collective("s3", "all_to_all", 3.0, after=[gate], nic_I=3.0)
+    assert (gate.end_ID[0, 0], b.start_ID[0, 0], b.end_ID[0, 0]) == (1.0, 1.0, 7.0)
+    partial = Timeline(1, 1)
+    partial.collective("s1", "exposed_collectives", 2.0, nic_I=2.0)
+    assert partial.collective("s2", "all_to_all", 4.0, nic_I=1.0).end_ID[0, 0] == 6.0
+    with pytest.raises(ValueError, match="nic_I must lie in"):
+        partial.collective("s3", "all_to_all", 1.0, nic_I=2.0)

@@ -89,14 +89,15 @@ def test_balanced_loads_every_system_is_balanced_and_dropless(balanced):
     # remote tokens spread over 3 replicas in whole tokens: 1 in 2,000 uneven
     np.testing.assert_allclose(static.imbalance_IL, 1.0, rtol=1e-3)
     np.testing.assert_allclose(static.survival_IL, 1.0)
-    assert np.all(static.breakdown_I["all_to_all"] < run(four, "ep").breakdown_I["all_to_all"])
+    # fewer bytes (its time also holds the NIC shared with its replicas' gradient all-reduce)
+    assert static.traffic["all_to_all"].sum() < run(four, "ep").traffic["all_to_all"].sum()
     assert static.details["collective_s"]["grad_allreduce"] > 0
     # replicate's balanced layout deals equal experts' instances out over distinct devices, as
     # DeepSpeed's does: local replicas, less all-to-all than ep, whole-token unevenness only
     replicate = run(four, "replicate")
     np.testing.assert_allclose(replicate.imbalance_IL, 1.0, rtol=1e-3)
     np.testing.assert_allclose(replicate.survival_IL, 1.0)
-    assert np.all(replicate.breakdown_I["all_to_all"] < run(four, "ep").breakdown_I["all_to_all"])
+    assert replicate.traffic["all_to_all"].sum() < run(four, "ep").traffic["all_to_all"].sum()
     # At the default 9 slots (8 experts, 8 devices) each expert has 9 instances: two on one device,
     # one on each other. 64 tokens per source and expert, capacity ceil(4,096 / 72) = 57: a source
     # with one local instance keeps 57 and splits 7 evenly over the other 8 instances, 6 of which
@@ -136,6 +137,39 @@ def test_static_replication_hand_case():
     assert replicate.traffic["grad_reduce_scatter"].tolist() == [0.0, 2 * 2 * 525_824]
 
 
+def test_padded_experts_compute_their_whole_capacity():
+    """Issue 47 item 2, the capacity's padded compute, by hand: 2 devices, 2 experts, 2 slots each
+    (both devices hold both), n tokens per (source, expert), so T = 4n routed per layer and an
+    instance's capacity is ceil(cf x 4n / (2 x 2)) = cf x n. DeepSpeed's static replication pads:
+    at cf 4 each instance computes 4n rows, forward and backward (x 3), though it receives n.
+    Replicate computes what it receives (n) unless the run pads (Megatron's
+    --moe-pad-expert-input-to-capacity), and then 4n too; at cf 1 padding changes nothing. The
+    padded rows' activations are kept too, so the padded runs need more memory."""
+    model = make_model(layers=1, experts=2, hidden=256, seq=512)
+    cluster, trace = make_cluster(nodes=2, gpus_per_node=1), balanced_trace(2, 1, 2, 2, 64)
+
+    def scenario(cf, pad=False):
+        return build_scenario(model, cluster, 2, trace, options=SimOptions(slots_per_rank=2, capacity_factor=cf,
+                                                                               pad_to_capacity=pad))
+
+    one, four, four_padded = scenario(1.0), scenario(4.0), scenario(4.0, pad=True)
+    n = int(one.source_ILDE[0, 0, 0, 0])
+
+    def expert_s(scn, rows):  # forward + backward of both experts' instances on one device
+        return 3.0 * float(scn.compute.expert_fwd(np.full((2, 2), float(rows)))[0])
+
+    def expert_mean(scn, name):
+        return run(scn, name).breakdown_I["expert_compute_mean"]
+
+    np.testing.assert_allclose(expert_mean(four, "static"), expert_s(four, 4 * n), rtol=1e-12)
+    np.testing.assert_allclose(expert_mean(one, "static"), expert_s(one, n), rtol=1e-12)
+    np.testing.assert_allclose(expert_mean(four, "replicate"), expert_s(four, n), rtol=1e-12)
+    np.testing.assert_allclose(expert_mean(four_padded, "replicate"), expert_s(four, 4 * n), rtol=1e-12)
+    np.testing.assert_allclose(expert_mean(scenario(1.0, pad=True), "replicate"), expert_s(one, n), rtol=1e-12)
+    assert run(four_padded, "replicate").memory_D.max() > run(four, "replicate").memory_D.max()
+    assert run(four, "static").memory_D.max() > run(one, "static").memory_D.max()
+
+
 @pytest.mark.parametrize("nodes, per_node", [(8, 1), (2, 4)])
 def test_adaptive_replication_keeps_more_tokens_than_static_in_less_time(nodes, per_node):
     """The replication paper's comparison on skewed loads with a capacity: replicate, whose
@@ -155,9 +189,18 @@ def test_adaptive_replication_keeps_more_tokens_than_static_in_less_time(nodes, 
 
 def test_ep_all_to_all_reproduces_the_closed_form(balanced):
     """Balanced EP, one expert per device: every source sends b tokens to every other device, four
-    all-to-alls per layer (dispatch and combine, forward and backward), nothing hides them."""
-    ep = run(balanced, "ep")
-    b = 64 * balanced.trace_scale  # tokens per (source, expert) after scaling to the batch
+    all-to-alls per layer (dispatch and combine, forward and backward), nothing hides them.
+
+    Without NIC sharing that is the closed form. With it (the default), the combine all-to-all of
+    layer 0's backward starts together with layer 1's dense-gradient all-reduce, issued before it:
+    it waits that all-reduce's NIC time (a ring over 8 devices on 2 nodes: each node's NIC sends
+    and receives 2 (D - 1) / D of the buffer, 2 x 7 / 8 x G bytes at 8.5 GB/s), and the iteration
+    with it. Nothing else overlaps on the NIC: forward has no gradient traffic, and layer 0's
+    all-reduce is the last thing but the embeddings' (on the same stream)."""
+    alone = build_scenario(MODEL, make_cluster(), 8, balanced_trace(6, 2, 8, 8, 64),
+                           options=SimOptions(reshard_interval=3, overlap_degree=2, nic_sharing=False))
+    ep = run(alone, "ep")
+    b = 64 * alone.trace_scale  # tokens per (source, expert) after scaling to the batch
     token_bytes, P, D = 2 * 512, 4, 8
     links = LinkParameters()
     intra = (P - 1) * b * token_bytes / (100e9 * links.intra_efficiency)
@@ -165,6 +208,13 @@ def test_ep_all_to_all_reproduces_the_closed_form(balanced):
     one = links.inter_latency_s + max(intra, nic)
     np.testing.assert_allclose(ep.breakdown_I["all_to_all"], 4 * 2 * one, rtol=1e-12)
     assert ep.traffic["all_to_all"][1] == pytest.approx(4 * 2 * D * (D - P) * b * token_bytes)
+
+    shared = run(balanced, "ep")
+    dense_layer_bytes = balanced.workload.dense_params()["per_layer"][1] * balanced.workload.byte_model.grad_bytes_per_param
+    dense_nic = 2 * (D - 1) / D * dense_layer_bytes / (10e9 * links.inter_efficiency)
+    np.testing.assert_allclose(shared.breakdown_I["all_to_all"], 4 * 2 * one + dense_nic, rtol=1e-12)
+    np.testing.assert_allclose(shared.iteration_s_I, ep.iteration_s_I + dense_nic, rtol=1e-12)
+    np.testing.assert_allclose(shared.details["nic_contention_s"]["all_to_all"], dense_nic, rtol=1e-12)
 
 
 @pytest.mark.parametrize("nodes, per_node, latency, bandwidth", [(2, 1, 25e-6, 10e9 * 0.85), (1, 2, 10e-6, 100e9 * 0.8)])
