@@ -323,16 +323,16 @@ def compute_seconds(tokens_D, instances_D, seconds_per_token, seconds_per_instan
 
 
 @_jit
-def exposed_reduce_seconds(gather_s, compute_s, a2a_s, reduce_ratio, reduce_hidden_s, backward_share):
-    """`FSSDPCostModel.exposed_reduce_seconds`: the copies' reduce past the backward beside it."""
-    return max(0.0, reduce_ratio * gather_s - (reduce_hidden_s + backward_share * compute_s + 0.5 * a2a_s))
+def exposed_reduce_seconds(gather_s, compute_s, reduce_ratio, reduce_hidden_s, backward_share):
+    """`FSSDPCostModel.exposed_reduce_seconds`: the copies' reduce past the backward compute beside it."""
+    return max(0.0, reduce_ratio * gather_s - (reduce_hidden_s + backward_share * compute_s))
 
 
 @_jit
-def exposed_seconds(gather_s, gather_hidden_s, compute_s, a2a_s, reduce_ratio, reduce_hidden_s, backward_share):
+def exposed_seconds(gather_s, gather_hidden_s, compute_s, reduce_ratio, reduce_hidden_s, backward_share):
     """`FSSDPCostModel.exposed_seconds`: the gather past what hides it, plus its reduce's."""
     return max(0.0, gather_s - gather_hidden_s) + exposed_reduce_seconds(
-        gather_s, compute_s, a2a_s, reduce_ratio, reduce_hidden_s, backward_share)
+        gather_s, compute_s, reduce_ratio, reduce_hidden_s, backward_share)
 
 
 @_jit
@@ -439,7 +439,7 @@ def relief_chain(held_ED, quota_ED, owner_E, tokens_E, free_D, node_of, copy_int
                 i += 1
         d = np.argmax(load_D)
         compute_s = compute_seconds(load_D, instances_D, seconds_per_token, seconds_per_instance)
-        seconds = compute_s + exposed_seconds(chain_gather_s, 0.0, compute_s, 0.0, reduce_ratio, reduce_hidden_s,
+        seconds = compute_s + exposed_seconds(chain_gather_s, 0.0, compute_s, reduce_ratio, reduce_hidden_s,
                                               backward_share)
         if seconds < best_s:
             best_s, best_n = seconds, n

@@ -498,6 +498,11 @@ class ReplicatePolicy(_SlotPolicy):
             )
         out["grad_reduce_scatter"] = _total(reduce, self.topology)
         out["weight_scatter"] = _total(scatter, self.topology)
+        # routing under the capacity needs every source's counts: one [G, E] int64 buffer
+        # all-reduced per layer after the gate (`ReplicateRuntime.route`), as a ring over all ranks
+        counts = ring_allreduce_bytes(InstancePlacement(np.ones((1, D), dtype=np.int64)), 8.0 * D * self.num_experts,
+                                      self.topology)
+        out["popularity"] = _total([counts] * len(step.layers), self.topology)
         return out
 
 

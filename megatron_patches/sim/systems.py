@@ -655,9 +655,11 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                             stages = tuple(stage.reversed() for stage in reversed(stages))
                         traffic[kind], later[kind] = stages[0], stages[1:]
             for kind, comm in traffic.items():
-                # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps; point-to-point
-                # kinds (replicate's reduce-scatter and push, the sparse collectives) one
-                steps = 2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce" else 1.0
+                # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps, replicate's
+                # counts all-reduce over all D ranks 2 (D - 1); point-to-point kinds (replicate's
+                # reduce-scatter and push, the sparse collectives) one
+                steps = (2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce"
+                         else 2.0 * (D - 1) if kind == "popularity" else 1.0)
                 if kind not in out.kinds:
                     out.kinds[kind] = _Bytes(I, L, D)
                 out.kinds[kind].put(i, k, comm, max(steps, 1.0), later.get(kind, ()))
@@ -706,7 +708,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
 # Schedule
 # ---------------------------------------------------------------------------------------------
 
-_BEFORE_DISPATCH = ("spag", "spag_calibrate", "weight_scatter", "shadow_broadcast")
+_BEFORE_DISPATCH = ("spag", "spag_calibrate", "weight_scatter", "shadow_broadcast", "popularity")
 """Kinds a layer's dispatch waits for; every other kind except "sprs" is gradient synchronisation."""
 _GRADIENT_SYNC = ("grad_allreduce", "shadow_reduce", "grad_reduce_scatter")
 
@@ -839,13 +841,18 @@ def _forward(tl: Timeline, scn: Scenario, stages: _Stages, comm: _Comm, prev, sp
         if "shadow_broadcast" in comm:
             shadow = tl.collective("a2a", "exposed_collectives", **comm.at("shadow_broadcast", k), after=[gate],
                                    label="shadow_broadcast")
+        counts = None
+        if "popularity" in comm:
+            # replicate routes under the capacity from every source's counts: an all-reduce after the gate
+            counts = tl.collective("a2a", "exposed_collectives", **comm.at("popularity", k), after=[gate],
+                                   label="popularity")
         extra = None
         if "spag_calibrate" in comm:
             # calibration's copies: gathered after the gate (they follow the actual loads), on the path
             extra = tl.collective("sparse", "exposed_collectives", **comm.at("spag_calibrate", k),
                                   after=[gate, gathers.get(k)], label="spag_calibrate")
         dispatch = tl.collective("a2a", "all_to_all", **comm.at("a2a", k),
-                                 after=[gate, shadow, gathers.get(k), extra, scatters[k]])
+                                 after=[gate, shadow, counts, gathers.get(k), extra, scatters[k]])
         experts = tl.compute("expert", stages.expert_fwd[k], after=[dispatch])
         prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[experts])
         spans["forward"][:, k] = _span(att, prev)
@@ -876,6 +883,9 @@ def _backward(tl: Timeline, scn: Scenario, spec: SystemSpec, stages: _Stages, co
                 prev = tl.compute("other", stages.other_dense, after=[prev])
             else:
                 gate = prev = tl.compute("other", stages.other_moe, after=[prev])
+                if "popularity" in comm:  # the recomputed forward routes its tokens again
+                    prev = tl.collective("a2a", "exposed_collectives", **comm.at("popularity", k), after=[prev],
+                                         label="popularity")
                 prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[prev, regather.get(k)])
                 prev = tl.compute("expert", stages.expert_fwd[k], after=[prev])
                 prev = tl.collective("a2a", "all_to_all", **comm.at("a2a", k), after=[prev])

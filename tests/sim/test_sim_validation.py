@@ -120,7 +120,10 @@ def test_static_replication_hand_case():
     iteration. Replicate mode's balanced layout with equal loads puts one instance of each expert
     on each device too: no all-to-all, no replica all-reduce; its reduce-scatter sends the other
     device its half of both experts' gradients, 2 x 525,824 B through the NIC in one exchange:
-    25 us + 123.72 us (half static's bytes and one latency step: the decoupled optimizer)."""
+    25 us + 123.72 us (half static's bytes and one latency step: the decoupled optimizer). Before
+    its dispatch, replicate all-reduces every source's counts ([2 ranks, 2 experts] int64, 32 B)
+    in a ring of 2 (D - 1) = 2 latency steps, each device sending 2 (D - 1) / D x 32 = 32 B:
+    50 us + 32 B / 8.5 GB/s on the critical path; static routes from its own counts."""
     model = make_model(layers=1, experts=2, hidden=256, seq=512)
     scn = build_scenario(model, make_cluster(nodes=2, gpus_per_node=1), 2, balanced_trace(2, 1, 2, 2, 64),
                          options=SimOptions(slots_per_rank=2, capacity_factor=1.0))
@@ -135,6 +138,9 @@ def test_static_replication_hand_case():
     assert replicate.details["collective_s"]["grad_reduce_scatter"] == pytest.approx(25e-6 + 2 * 525_824 / 8.5e9,
                                                                                      rel=1e-12)
     assert replicate.traffic["grad_reduce_scatter"].tolist() == [0.0, 2 * 2 * 525_824]
+    assert replicate.details["collective_s"]["popularity"] == pytest.approx(2 * 25e-6 + 32 / 8.5e9, rel=1e-12)
+    assert replicate.traffic["popularity"].tolist() == [0.0, 2 * 32]
+    assert "popularity" not in static.details["collective_s"]
 
 
 def test_padded_experts_compute_their_whole_capacity():

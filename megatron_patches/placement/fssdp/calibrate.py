@@ -113,7 +113,7 @@ class FSSDPCostModel:
         return float(kernels.compute_seconds(np.asarray(tokens_D), np.asarray(instances_D), self.seconds_per_token,
                                              self.seconds_per_instance))
 
-    def exposed_seconds(self, gather_s: float, gather_hidden_s: float, compute_s: float, a2a_s: float) -> float:
+    def exposed_seconds(self, gather_s: float, gather_hidden_s: float, compute_s: float) -> float:
         """What a gather of `gather_s` costs beyond the work that runs beside it.
 
         The gather past `gather_hidden_s` (0 for calibration's gather after the gate, which is on
@@ -121,9 +121,12 @@ class FSSDPCostModel:
         its gradients' reduce (`reduce_ratio` x the gather) past the backward that runs while it
         is in flight: spRS(l) starts when layer l's MoE backward is done and is waited for when
         layer l-1's is (`FSSDPRuntime.drain`), so the attention backward (`reduce_hidden_s`) and
-        one MoE backward hide it, modelled as this layer's: 2/3 of its expert compute (forward
-        + backward = 3 forwards) and half its all-to-all (two of its four)."""
-        return kernels.exposed_seconds(gather_s, gather_hidden_s, compute_s, a2a_s, self.reduce_ratio,
+        one MoE backward's compute hide it, modelled as this layer's: 2/3 of its expert compute
+        (forward + backward = 3 forwards). The backward's all-to-alls hide none of it: they move
+        over the same links (until 2026-11-29 half the all-to-all was counted as hiding it; the
+        simulator then began to share the NIC and showed the reduce delaying the all-to-all,
+        docs/benchmarks.md "NIC sharing")."""
+        return kernels.exposed_seconds(gather_s, gather_hidden_s, compute_s, self.reduce_ratio,
                                        self.reduce_hidden_s, MOE_BACKWARD_SHARE)
 
     def least_exposed_seconds(self, gather_s: float, best_s: float) -> float:
@@ -133,9 +136,9 @@ class FSSDPCostModel:
         return kernels.least_exposed_seconds(gather_s, best_s, self.reduce_ratio, self.reduce_hidden_s,
                                              MOE_BACKWARD_SHARE)
 
-    def exposed_reduce_seconds(self, gather_s: float, compute_s: float, a2a_s: float) -> float:
+    def exposed_reduce_seconds(self, gather_s: float, compute_s: float) -> float:
         """The reduce part of `exposed_seconds`."""
-        return kernels.exposed_reduce_seconds(gather_s, compute_s, a2a_s, self.reduce_ratio, self.reduce_hidden_s,
+        return kernels.exposed_reduce_seconds(gather_s, compute_s, self.reduce_ratio, self.reduce_hidden_s,
                                               MOE_BACKWARD_SHARE)
 
 
@@ -267,7 +270,7 @@ def calibrate(
         if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
             continue  # its copies cost more than any balance could save
         compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology)
-        seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s, a2a_s)
+        seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s)
         if seconds < best_s:
             best_s, best = seconds, holds_ED
     if best is None:

@@ -88,7 +88,7 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
                     placement = final
                     reduced_s = cost.spag_seconds(shard, placement, topology)  # ... and calibration's copies
             compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
-            reduce_s = cost.exposed_reduce_seconds(reduced_s, compute_s, a2a_s)
+            reduce_s = cost.exposed_reduce_seconds(reduced_s, compute_s)
             prices_T4[i] += (compute_s, a2a_s, exposed_s, reduce_s)
     return prices_T4
 
