@@ -722,12 +722,26 @@ def stage_kernels(emit, out_dir: Path) -> None:
             precisions[name]["flash_attention_tflops"] = flash
             figure += f"; flash attention {flash:.0f} TFLOP/s"
         emit(Row("kernels", f"{name} rates", "report", figure))
+    # one expert's forward as training launches it (eager: fc1, GELU, fc2) at 16 tokens, where its
+    # kernels take microseconds, against the same kernels replayed from a CUDA graph: the fixed
+    # cost the cost model charges per expert (kernel_launch_s, 8 us cited; measured on an H200 on
+    # 2026-11-29 the eager expert at 1,024 tokens took 54 us against about 14 us of kernels)
+    m = models[0]
+    w1 = torch.randn(m.moe_ffn_hidden_size, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(m.hidden_size, m.moe_ffn_hidden_size, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, m.hidden_size, device="cuda", dtype=torch.bfloat16)
+    eager = timed(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), repeats=50)
+    kernels = graph_timed(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), repeats=50)
+    launch_us = (eager - kernels) * 1e6
+    emit(Row("kernels", "expert launch cost (bf16, 16 tokens, GPT-MoE-S)", "report",
+             f"eager {eager * 1e6:.1f} us, from a CUDA graph {kernels * 1e6:.1f} us: {launch_us:.1f} us per expert"))
     device = torch.cuda.get_device_name(0)
     gpu_type, cluster = GPU_TYPES.get(device, (None, None))
     profile = DeviceProfile(gpu_type or device, device, hbm, precisions,
                             f"tools/device_check.py kernels stage, {time.strftime('%Y-%m-%d')}, torch "
                             f"{torch.__version__}, CUDA {torch.version.cuda}; GEMMs of GPT-MoE-S/L at {tokens} tokens; "
-                            f"fp32 without TF32 (torch's default, as the local implementation runs)")
+                            f"fp32 without TF32 (torch's default, as the local implementation runs)",
+                            expert_launch_us=launch_us if launch_us > 0 else None)
     path = out_dir / "device_profile.json"
     path.write_text(json.dumps(profile.to_dict(), indent=1))
     if gpu_type is None:

@@ -124,9 +124,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="collectives that cross nodes share the NICs: one in flight slows the next "
                         "(default on; --no-nic-sharing gives every stream the whole NIC)")
     parser.add_argument("--pad-to-capacity", action=argparse.BooleanOptionalAction, default=None,
-                        help="Megatron's --moe-pad-expert-input-to-capacity for replicate and FlexMoE at a capacity: "
-                        "every instance computes its whole capacity, whatever it received "
-                        "(default: off, or the run's; static, DeepSpeed's fixed-shape dispatch, always pads)")
+                        help="replicate and FlexMoE at a capacity pad their experts' input to it, as the "
+                        "replication paper's DeepSpeed-based system does: every instance computes its whole "
+                        "capacity, whatever it received (default: off, or a run's "
+                        "moe_pad_expert_input_to_capacity; the replicate mode itself refuses that flag; static, "
+                        "DeepSpeed's fixed-shape dispatch, always pads)")
     parser.add_argument("--reshard-interval", type=int, default=None,
                         help="iterations between FSSDP re-sharding and SmartMoE swaps (default 100, or the run's)")
     parser.add_argument("--zebra-microbatches", type=int, default=None,

@@ -11,6 +11,9 @@ that profile into the efficiencies it implies for the simulated cluster:
     expert_half_tokens  measured (the fit of rate(n) = rate_max x n / (n + n_half))
     flash_attention   = measured fused-attention FLOP/s / the FP16/BF16 peak (half precision only)
     memory            = measured streaming bandwidth / the HBM bandwidth of the cluster file
+    kernel_launch_s   = the measured fixed cost of one expert's forward beyond its kernels
+                        (`expert_launch_us`: eager fc1, activation, fc2 at 16 tokens less the same
+                        kernels replayed from a CUDA graph), when the profile has it
 
 so every other part of the model (launch overheads, communication, schedules) is unchanged, and
 a profile and the `--efficiency` overrides it stands for give the same simulation. A profile
@@ -50,11 +53,16 @@ class DeviceProfile:
     """Precision name -> RATE_FIELDS values (TFLOP/s, tokens)."""
     source: str = ""
     """Where and how it was measured (software versions, date, shapes)."""
+    expert_launch_us: float | None = None
+    """The fixed cost of one expert's forward as training launches it, microseconds (the cost
+    model's `kernel_launch_s`); None: not measured (profiles before 2026-11-29 lack it)."""
 
     def __post_init__(self) -> None:
         if not self.gpu_type or not isinstance(self.gpu_type, str):
             raise SimError(f"device profile: gpu_type must name a GPU type of the cluster files, got {self.gpu_type!r}")
         _positive("hbm_gb_s", self.hbm_gb_s)
+        if self.expert_launch_us is not None:
+            _positive("expert_launch_us", self.expert_launch_us)
         if not self.precisions:
             raise SimError("device profile: precisions is empty; valid keys: fp32, fp16, bf16")
         for name, rates in self.precisions.items():
@@ -70,8 +78,11 @@ class DeviceProfile:
                 _positive(f"precisions.{name}.{field}", value)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "gpu_type": self.gpu_type, "device_name": self.device_name,
-                "hbm_gb_s": self.hbm_gb_s, "precisions": self.precisions, "source": self.source}
+        out = {"format": PROFILE_FORMAT, "gpu_type": self.gpu_type, "device_name": self.device_name,
+               "hbm_gb_s": self.hbm_gb_s, "precisions": self.precisions, "source": self.source}
+        if self.expert_launch_us is not None:
+            out["expert_launch_us"] = self.expert_launch_us
+        return out
 
     def efficiency_overrides(self, hardware: Hardware, precision: Precision) -> dict[str, float]:
         """The KernelEfficiency fields this profile implies on `hardware` in `precision`.
@@ -98,6 +109,8 @@ class DeviceProfile:
         if precision.half:
             overrides["flash_attention"] = _fraction("flash_attention_tflops", rates["flash_attention_tflops"] * 1e12,
                                                      float(hardware.peak_flops_D[0]), "peak_fp16_tflops")
+        if self.expert_launch_us is not None:
+            overrides["kernel_launch_s"] = self.expert_launch_us * 1e-6
         return overrides
 
 

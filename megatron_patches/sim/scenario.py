@@ -58,10 +58,12 @@ class SimOptions:
     has the whole NIC to itself (the simulator before 2026-11-29; the closed-form tests of one
     collective use it)."""
     pad_to_capacity: bool = False
-    """Megatron's --moe-pad-expert-input-to-capacity for the capacity-limited systems (replicate,
-    FlexMoE with a capacity): each instance computes its whole capacity (and keeps its
-    activations), whatever was routed. Static, DeepSpeed's fixed-shape dispatch, always pads. The
-    all-to-all's fixed-size buffers are not priced."""
+    """The capacity-limited systems (replicate, FlexMoE with a capacity) pad their experts' input
+    to the capacity, as the replication paper's DeepSpeed-based system does (Megatron's
+    --moe-pad-expert-input-to-capacity, which the replicate mode itself refuses): each instance
+    computes its whole capacity (and keeps its activations), whatever was routed. Static,
+    DeepSpeed's fixed-shape dispatch, always pads. The all-to-all's fixed-size buffers are not
+    priced."""
     reshard_interval: int = 100
     """Iterations between FSSDP re-sharding and SmartMoE swaps (DESIGN 7: 100)."""
     zebra_microbatches: int = 4

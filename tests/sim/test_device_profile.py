@@ -62,10 +62,25 @@ def test_refusals_name_the_value_and_what_is_valid(cluster, precision, changes, 
     ({"precisions": {"bf16": RATES["fp32"]}}, r"precisions.bf16 lacks \['flash_attention_tflops'\]"),
     ({"precisions": {"fp32": {**RATES["fp32"], "expert_half_tokens": float("nan")}}},
      "precisions.fp32.expert_half_tokens must be a positive finite number"),
+    ({"expert_launch_us": -3.0}, "expert_launch_us must be a positive finite number, got -3.0"),
 ])
 def test_a_malformed_profile_is_refused(changes, message):
     with pytest.raises(SimError, match=message):
         profile(**changes)
+
+
+def test_a_measured_expert_launch_cost_replaces_the_cited_one(tmp_path):
+    """A profile's expert_launch_us (the kit's eager expert at 16 tokens less its CUDA-graph
+    kernels) is the cost model's kernel_launch_s: 40 us -> 4e-5 s, in every precision, written
+    and read back; a profile without it leaves the cited 8 us."""
+    measured = profile(expert_launch_us=40.0)
+    for precision in ("bf16", "fp32"):
+        assert measured.efficiency_overrides(hardware(), Precision(precision))["kernel_launch_s"] == pytest.approx(4e-5)
+    assert "kernel_launch_s" not in profile().efficiency_overrides(hardware(), Precision("bf16"))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(measured.to_dict()))
+    assert load_device_profile(path) == measured
+    assert "expert_launch_us" not in profile().to_dict()
 
 
 def test_files_round_trip_and_foreign_json_is_refused(tmp_path):
