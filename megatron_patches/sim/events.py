@@ -90,14 +90,13 @@ class Timeline:
         comm: per communication category, summed collective durations (hidden or not); float [C, I].
         labels: the collective labels seen, in order of first use.
         idle_label: idle seconds blamed on collectives, by label index; float [len(labels), I, D].
-        contention_s: per label index, the seconds its collectives waited for the NIC behind
-            collectives scheduled before them; float [len(labels), I].
+        share_nic: whether collectives that cross nodes share the NIC (`contention()` says how
+            long each kind waited for it).
     """
 
     def __init__(self, num_iterations: int, num_devices: int, share_nic: bool = True) -> None:
         self.I, self.D = int(num_iterations), int(num_devices)
         self.share_nic = share_nic
-        """False: `collective` ignores nic_I (every stream has the whole NIC)."""
         C = len(CATEGORIES)
         self.busy = np.zeros((C, self.I, self.D))
         self.idle = np.zeros((C, self.I, self.D))

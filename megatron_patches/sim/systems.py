@@ -65,13 +65,7 @@ from megatron_patches.placement.policies import (
     replay_steps,
 )
 from megatron_patches.placement.types import PlacementError
-from megatron_patches.sim.costs import (
-    RECOMPUTE,
-    MemoryNeed,
-    SimError,
-    all_to_all_bytes,
-    ring_broadcast_bytes,
-)
+from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.events import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
