@@ -729,9 +729,14 @@ def stage_kernels(emit, out_dir: Path) -> None:
     m = models[0]
     w1 = torch.randn(m.moe_ffn_hidden_size, m.hidden_size, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(m.hidden_size, m.moe_ffn_hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def expert_forward(tokens_TH):
+        """One GPT-MoE-S expert's forward in bf16, eager as training runs it."""
+        return F.linear(F.gelu(F.linear(tokens_TH, w1)), w2)
+
     x = torch.randn(16, m.hidden_size, device="cuda", dtype=torch.bfloat16)
-    eager = timed(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), repeats=50)
-    kernels = graph_timed(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), repeats=50)
+    eager = timed(lambda: expert_forward(x), repeats=50)
+    kernels = graph_timed(lambda: expert_forward(x), repeats=50)
     launch_us = (eager - kernels) * 1e6
     emit(Row("kernels", "expert launch cost (bf16, 16 tokens, GPT-MoE-S)", "report",
              f"eager {eager * 1e6:.1f} us, from a CUDA graph {kernels * 1e6:.1f} us: {launch_us:.1f} us per expert"))
@@ -756,16 +761,13 @@ def stage_kernels(emit, out_dir: Path) -> None:
         return
     emit(Row("kernels", "device profile", "report", f"{path} ({gpu_type}): bf16 "
              + ", ".join(f"{k} {v:.3g}" for k, v in measured_eff.items())))
-    m = models[0]
     workload = Workload(m, 1, tokens // m.seq_length, m.seq_length, Precision("bf16"))
     block = attention_block(m, tokens, torch.bfloat16)
     measured_attention = timed(lambda: block(False), repeats=10)
     n = 1024
-    w1 = torch.randn(m.moe_ffn_hidden_size, m.hidden_size, device="cuda", dtype=torch.bfloat16)
-    w2 = torch.randn(m.hidden_size, m.moe_ffn_hidden_size, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(n, m.hidden_size, device="cuda", dtype=torch.bfloat16)
     # eager, as training runs it: launches included (the cost model adds kernel_launch_s per expert)
-    measured_expert = timed(lambda: F.linear(F.gelu(F.linear(x, w1)), w2), repeats=20)
+    measured_expert = timed(lambda: expert_forward(x), repeats=20)
     for label, eff in (("cited efficiencies", KernelEfficiency()),
                        ("device profile", KernelEfficiency().with_overrides(measured_eff))):
         compute = ComputeModel(workload, hardware, eff)
