@@ -85,6 +85,7 @@ __all__ = [
     "make_policy",
     "even_source_loads",
     "ring_allreduce_bytes",
+    "all_ranks_allreduce_bytes",
     "ReplayResult",
     "replay",
 ]
@@ -242,6 +243,13 @@ def ring_allreduce_bytes(placement: InstancePlacement, chunk_bytes: float, topol
     next_H = d_H[start_E[e_H] + (pos_H + 1) % r_E[e_H]]
     bytes_H = 2.0 * (r_E[e_H] - 1) / r_E[e_H] * chunk_bytes
     return CommBytes.from_transfers(d_H, next_H, bytes_H, topology)
+
+
+def all_ranks_allreduce_bytes(buffer_bytes: float, topology: Topology) -> CommBytes:
+    """A ring all-reduce of `buffer_bytes` over every device (ascending ids): `ring_allreduce_bytes`
+    of one "expert" every device holds (Megatron's dense gradients, replicate's counts)."""
+    every_D = InstancePlacement(np.ones((1, topology.num_devices), dtype=np.int64))
+    return ring_allreduce_bytes(every_D, buffer_bytes, topology)
 
 
 def _total(comms: list[CommBytes], topology: Topology) -> CommBytes:
@@ -500,8 +508,7 @@ class ReplicatePolicy(_SlotPolicy):
         out["weight_scatter"] = _total(scatter, self.topology)
         # routing under the capacity needs every source's counts: one [G, E] int64 buffer
         # all-reduced per layer after the gate (`ReplicateRuntime.route`), as a ring over all ranks
-        counts = ring_allreduce_bytes(InstancePlacement(np.ones((1, D), dtype=np.int64)), 8.0 * D * self.num_experts,
-                                      self.topology)
+        counts = all_ranks_allreduce_bytes(8.0 * D * self.num_experts, self.topology)
         out["popularity"] = _total([counts] * len(step.layers), self.topology)
         return out
 

@@ -40,8 +40,8 @@ from megatron_patches.config.models import padded_vocab_size
 from megatron_patches.placement.accounting import CommBytes, dispatch_bytes
 from megatron_patches.placement.baselines import ByteModel
 from megatron_patches.placement.fssdp import BACKWARD_OVER_FORWARD
-from megatron_patches.placement.policies import ring_allreduce_bytes
-from megatron_patches.placement.types import InstancePlacement, Topology
+from megatron_patches.placement.policies import all_ranks_allreduce_bytes
+from megatron_patches.placement.types import Topology
 
 __all__ = [
     "SimError",
@@ -686,11 +686,11 @@ class CommModel:
     def dense_allreduce(self, buffer_bytes: float) -> tuple[CommBytes, float]:
         """A ring all-reduce of `buffer_bytes` over all devices (ascending ids) and its time.
 
-        The ring's transfers come from the placement engine's `ring_allreduce_bytes` (one
-        "expert" held by every device); the ring runs 2 (D - 1) steps, each paying the latency.
+        The ring's transfers come from the placement engine's `all_ranks_allreduce_bytes`; the
+        ring runs 2 (D - 1) steps, each paying the latency.
         """
         D = self.hw.num_devices
-        comm = ring_allreduce_bytes(InstancePlacement(np.ones((1, D), dtype=np.int64)), buffer_bytes, self.hw.topology)
+        comm = all_ranks_allreduce_bytes(buffer_bytes, self.hw.topology)
         return comm, self.time(comm, steps=max(2 * (D - 1), 1))
 
 
