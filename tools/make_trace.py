@@ -6,7 +6,10 @@ Example (a skewed, drifting trace for 4 nodes x 8 GPUs):
     python tools/make_trace.py --iterations 300 --layers 12 --experts 64 --tokens 65536 \\
         --zipf 1.2 --drift 0.05 --spike-prob 0.02 --ranks 32 --out traces/skewed.npz
 
-The generator model is described in megatron_patches/placement/synthetic.py.
+The generator model is described in megatron_patches/placement/synthetic.py. `--papers-routing`
+starts from the routing dynamics the MoE papers report (`PAPERS_ROUTING` there: fast popularity
+swings, layers that differ); flags given beside it override its values. The tool prints the
+trace's statistics (megatron_patches/placement/trace.py, `trace_statistics`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,8 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
-from megatron_patches.placement.synthetic import synthetic_trace
-from megatron_patches.placement.trace import write_trace
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, synthetic_trace
+from megatron_patches.placement.trace import TraceError, trace_statistics, write_trace
 from megatron_patches.placement.types import PlacementError
 
 
@@ -30,14 +31,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=64, help="experts per layer (default 64)")
     parser.add_argument("--tokens", type=int, default=65536,
                         help="routed tokens per layer and iteration, i.e. batch tokens x top-k (default 65536)")
-    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of popularity; 0 = uniform (default 1.0)")
-    parser.add_argument("--drift", type=float, default=0.05,
+    parser.add_argument("--papers-routing", action="store_true",
+                        help="start from the papers' routing dynamics (synthetic.PAPERS_ROUTING: "
+                        + ", ".join(f"{k} {v}" for k, v in PAPERS_ROUTING.items()) + ")")
+    parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent of popularity; 0 = uniform (default 1.0)")
+    parser.add_argument("--drift", type=float, default=None,
                         help="popularity positions moved per iteration; 0 = static hot experts (default 0.05)")
     parser.add_argument("--spike-prob", type=float, default=0.0,
                         help="probability of a one-iteration spike per (iteration, layer) (default 0)")
     parser.add_argument("--spike-factor", type=float, default=5.0, help="weight multiplier of a spike (default 5)")
-    parser.add_argument("--layer-variation", type=float, default=0.2,
+    parser.add_argument("--layer-variation", type=float, default=None,
                         help="relative spread of the Zipf exponent across layers, 0..1 (default 0.2)")
+    parser.add_argument("--swing", type=float, default=None,
+                        help="std-dev of an expert's log-popularity around its Zipf weight, a random walk over "
+                        "iterations (default 0: no swings)")
+    parser.add_argument("--swing-corr", type=float, default=None,
+                        help="correlation of that log-popularity between consecutive iterations, 0..1 (default 0.9)")
     parser.add_argument("--ranks", type=int, default=None,
                         help="also write source_loads split over this many ranks (default: none)")
     parser.add_argument("--source-noise", type=float, default=0.1,
@@ -51,17 +60,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     metadata = {key: value for key, value in (("topk", args.topk), ("model", args.model)) if value is not None}
+    routing = dict(PAPERS_ROUTING) if args.papers_routing else {}
+    routing.update({name: getattr(args, name) for name in ("zipf", "drift", "layer_variation", "swing", "swing_corr")
+                    if getattr(args, name) is not None})
     try:
         trace = synthetic_trace(
             iterations=args.iterations,
             layers=args.layers,
             experts=args.experts,
             tokens=args.tokens,
-            zipf=args.zipf,
-            drift=args.drift,
             spike_prob=args.spike_prob,
             spike_factor=args.spike_factor,
-            layer_variation=args.layer_variation,
+            **routing,
             ranks=args.ranks,
             source_noise=args.source_noise,
             seed=args.seed,
@@ -73,13 +83,15 @@ def main(argv=None) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
     write_trace(args.out, trace.loads, trace.source_loads, **trace.metadata)
-    share = trace.loads.max(axis=2) / np.maximum(trace.loads.sum(axis=2), 1)
     print(
         f"wrote {args.out}: loads {trace.loads.shape}"
         + ("" if trace.source_loads is None else f", source_loads {trace.source_loads.shape}")
-        + f"; hottest expert's share of a layer's tokens: mean {share.mean():.3f}, max {share.max():.3f}"
-        + f" (uniform would be {1 / trace.num_experts:.3f})"
+        + f" (a uniform share would be {1 / trace.num_experts:.1%})"
     )
+    try:
+        print(f"statistics: {trace_statistics(trace.loads).describe()}")
+    except TraceError as err:
+        print(f"statistics: {err}")
     return 0
 
 

@@ -39,8 +39,8 @@ import sys
 import time
 
 from megatron_patches.config import ConfigError, load_cluster_config, load_model_config, model_config_from_dict
-from megatron_patches.placement.synthetic import synthetic_trace
-from megatron_patches.placement.trace import TraceError, read_trace
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, synthetic_trace
+from megatron_patches.placement.trace import TraceError, read_trace, trace_statistics
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim import (
     PRECISIONS,
@@ -95,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to use, the cluster's first ones (default: all, or the run's world size)")
     parser.add_argument("--trace", help=".npz load trace (training's --moe-log-loads or tools/make_trace.py); "
-                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations (--iterations "
-                        "N for more; a periodic system that acts fewer than twice in the trace is named in the output)")
+                        f"with --run, default: a synthetic trace of {SYNTHETIC_ITERATIONS} iterations with the papers' "
+                        "routing dynamics (make_trace.py --papers-routing; --iterations N for more; a periodic system that acts fewer than twice in the trace is named in the output)")
     parser.add_argument("--systems", default=None,
                         help="comma-separated systems (default ep,fssdp; with --run, ep and the run's mode)")
     parser.add_argument("--micro-batch-size", type=int, default=None,
@@ -283,16 +283,27 @@ def _settings(args: argparse.Namespace) -> dict[str, tuple]:
 
 
 def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
-    """The --trace file, or with --run a synthetic trace of the run's routing (tools/make_trace.py's
-    defaults: Zipf 1.0, drift 0.05, seed 0, per-rank loads for every GPU); (trace, description)."""
+    """The --trace file, or with --run a synthetic trace of the run's routing (the papers' routing
+    dynamics, synthetic.PAPERS_ROUTING, seed 0, per-rank loads for every GPU); (trace, description)."""
     if args.trace is not None:
         return read_trace(args.trace), os.path.abspath(args.trace)
     # the same trace whichever systems are asked for: a system's answer must not depend on its company
     iterations = args.iterations or SYNTHETIC_ITERATIONS
     trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
-                            tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0)
-    return trace, (f"synthetic (no --trace): {iterations} iterations, Zipf 1.0, drift 0.05, seed 0, "
-                   f"per-rank loads of {gpus} ranks")
+                            tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0,
+                            **PAPERS_ROUTING)
+    routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
+    return trace, (f"synthetic (no --trace): {iterations} iterations, the papers' routing dynamics ({routing}), "
+                   f"seed 0, per-rank loads of {gpus} ranks")
+
+
+def _routing_statistics(trace) -> tuple[dict | None, str]:
+    """The trace's routing statistics as the summary records them, and as a line for the settings."""
+    try:
+        stats = trace_statistics(trace.loads)
+    except TraceError as err:
+        return None, str(err)
+    return dataclasses.asdict(stats), stats.describe()
 
 
 def main(argv=None) -> int:
@@ -334,7 +345,8 @@ def main(argv=None) -> int:
                 raise SimError(ep_problem)
             # e.g. 24 experts on a zebra pool of 9 or 10 GPUs: the other systems still run
             specs = [spec for spec in specs if spec.name != "ep"]
-        _print_settings(scn, settings, specs, trace_label)
+        statistics, routing_line = _routing_statistics(trace)
+        _print_settings(scn, settings, specs, trace_label, routing_line)
         if ep_problem is not None:
             print(f"note: ep is not simulated ({ep_problem}), so there are no speedups over it")
         # a system that cannot fit with balanced loads is not simulated, alone or beside others
@@ -366,6 +378,7 @@ def main(argv=None) -> int:
     reference = None if ep_problem or "ep" in out_of_memory else "ep"
     summary = summarize(results, setup, reference, out_of_memory)
     summary["setup"]["periodic_acts"] = periodic
+    summary["setup"]["trace_statistics"] = statistics
     summary["setup"]["wall_s"] = time.perf_counter() - started
     _report(summary, args)
     print(f"simulated in {summary['setup']['wall_s']:.1f} s")
@@ -459,7 +472,7 @@ def _report(summary: dict, args) -> None:
         print(f"wrote {args.plot}")
 
 
-def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) -> None:
+def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str, routing_line: str) -> None:
     """The settings the simulation uses, each with where it came from, before any result."""
     wl, model = scn.workload, scn.workload.model
 
@@ -486,6 +499,7 @@ def _print_settings(scn, settings: dict[str, tuple], specs, trace_label: str) ->
     if knobs:
         print(f"  {'options':<10} " + "; ".join(knobs))
     print(f"  {'trace':<10} {trace_label}; routing scaled x{scn.trace_scale:.3g}, sources: {scn.source_note}")
+    print(f"  {'routing':<10} {routing_line}")
     if "batch_note" in settings:
         print(f"  {'note':<10} {settings['batch_note'][0]}")
 

@@ -7,8 +7,8 @@ docs/tools.md) one Markdown table of the predictions.
     python tools/simulate_runs.py --check docs/tools.md   # exit 1 when that section is out of date
 
 Each run goes through `tools/simulate.py --run NAME --iterations N` (the run's model, cluster,
-world size, batch, precision and recompute; a synthetic trace of N iterations, Zipf 1.0, drift
-0.05, seed 0) with the systems its paper compares (`BASELINES`). The table gives EP's iteration
+world size, batch, precision and recompute; a synthetic trace of N iterations with the papers'
+routing dynamics, seed 0) with the systems its paper compares (`BASELINES`). The table gives EP's iteration
 time and every system's speedup over EP; survival where a system drops tokens; "!" where a
 system needs more memory than a GPU has at its most loaded iteration; "OOM" where it cannot fit
 even with balanced loads (not simulated, as simulate.py reports it alone or in company); a run
@@ -30,6 +30,7 @@ import sys
 import tempfile
 
 from megatron_patches.config import ConfigError
+from megatron_patches.placement.synthetic import PAPERS_ROUTING
 from megatron_patches.sim import SimError
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -96,11 +97,25 @@ def _cell(s: dict, acts: int | None) -> str:
     return speed + ("!" if not s["fits_in_memory"] else "") + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def _statistics(statistics: list[dict]) -> str:
+    """The traces' routing statistics (placement/trace.py, trace_statistics) as ranges over the runs."""
+    def span(key: str, form: str) -> str:
+        low, high = min(s[key] for s in statistics), max(s[key] for s in statistics)
+        return format(low, form) if format(low, form) == format(high, form) else f"{low:{form}}-{high:{form}}"
+    window = statistics[0]["swing_window"]
+    return (f"over the runs, the hottest expert takes {span('hot_share_mean', '.0%')} of a layer's routed tokens "
+            f"on average (at most {span('hot_share_max', '.0%')}), the least and most skewed layers "
+            f"{span('layer_hot_share_min', '.0%')} and {span('layer_hot_share_max', '.0%')}, and an expert's popularity "
+            f"swings over {window} iterations reach {span('swing_p99', '.1f')}x at the 99th percentile "
+            f"(at most {span('swing_max', '.0f')}x)")
+
+
 def table(iterations: int, jobs: int = 1, progress=None) -> str:
     lines = [
         "| run | setup | EP ms/iter | speedup over EP (ms/iter where EP cannot lay out the experts or does not fit; survival when tokens drop; ! = over memory at the most loaded iteration; OOM = cannot fit even with balanced loads, not simulated; acted Nx = a periodic system that rearranged fewer than twice in the trace) |",
         "|---|---|---|---|",
     ]
+    statistics = []
     for name in run_names():
         summary, message = simulate_run(name, iterations, jobs)
         if progress:
@@ -109,6 +124,7 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
             lines.append(f"| {name} | | | refused: {message} |")
             continue
         setup = summary["setup"]
+        statistics.append(setup["trace_statistics"])
         systems = summary["systems"]
         ep = systems.get("ep")
         oom = summary["out_of_memory"]
@@ -121,8 +137,10 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
                  f"{setup['seq_length']} tok/GPU, {setup['precision']}, recompute {setup['recompute']}")
         lines.append(f"| {name} | {where} | {ep_ms} | {cells} |")
     lines.append("")
-    lines.append(f"Synthetic traces of {iterations} iterations (Zipf 1.0, drift 0.05, seed 0) at each run's own "
-                 "batch; predictions of the cost model, not measurements.")
+    routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
+    lines.append(f"Synthetic traces of {iterations} iterations at each run's own batch, with the papers' routing "
+                 f"dynamics ({routing}; `make_trace.py --papers-routing`), seed 0: {_statistics(statistics)}. "
+                 "Predictions of the cost model, not measurements.")
     return "\n".join(lines)
 
 

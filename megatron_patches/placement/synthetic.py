@@ -12,6 +12,13 @@ The model, per layer l and iteration i:
   (drift 0.05 moves the hot spot by one expert every 20 iterations);
 - spikes: with probability `spike_prob` per (iteration, layer) one random expert's weight is
   multiplied by `spike_factor` for that iteration only;
+- swings: every (layer, expert) weight is multiplied by exp(x), where x follows a stationary
+  Gaussian AR(1) process over iterations: x_0 ~ N(0, swing^2) and
+  x_{i+1} = swing_corr * x_i + swing * sqrt(1 - swing_corr^2) * N(0, 1). So an expert's
+  popularity wanders randomly around its Zipf position, by a factor exp(swing) at one standard
+  deviation, and x over k iterations differs by N(0, 2 swing^2 (1 - swing_corr^k)): the fast
+  per-iteration popularity changes measured in training (swing 0 draws nothing, so traces of
+  earlier versions are reproduced bit for bit);
 - tokens: `tokens` routed tokens per layer and iteration (tokens per batch x top-k), drawn
   multinomially from the normalised weights. With `ranks`, each rank gets an equal share of
   the tokens and its own slightly perturbed distribution (multiplicative log-normal noise
@@ -27,7 +34,24 @@ import numpy as np
 from megatron_patches.placement.trace import Trace
 from megatron_patches.placement.types import PlacementError, check_int
 
-__all__ = ["popularity_weights", "synthetic_trace"]
+__all__ = ["PAPERS_ROUTING", "popularity_weights", "synthetic_trace"]
+
+PAPERS_ROUTING = {"zipf": 1.0, "drift": 0.05, "layer_variation": 0.5, "swing": 0.75, "swing_corr": 0.8}
+"""The routing dynamics the MoE training papers report, as generator parameters (the simulator's
+synthetic trace; `tools/make_trace.py --papers-routing`). Each is set from a routing statistic,
+never from a system's published speed:
+- swing 0.75 with correlation 0.8: SYMI (Skiadopoulos et al., NSDI'26, arXiv 2504.19925) reports
+  an expert's popularity within one layer changing 16x within 3 iterations (16 experts, top-1,
+  GPT-Small). On that setup (16 GPUs x 4 x 512 tokens, 12 layers, 60 iterations, seed 0) these
+  values give a median layer's largest 3-iteration swing of 14.7x (trace_statistics per layer);
+  the correlation keeps the neighbouring-iteration locality the papers' predictors rely on (Hecate
+  predicts from a 5-iteration window, SYMI from the previous iteration);
+- layer_variation 0.5 (the Zipf exponent from 0.5x to 1.5x per layer): Hecate (arXiv 2502.02581,
+  Figure 11) measures "significant variations in degrees of load imbalance across layers" of
+  GPT-MoE-S, per-layer speedups over EP from 2.8x to 18.8x; on that setup the default 0.2 keeps
+  the layers' mean hottest share within 1.5x of each other, 0.5 spreads it 2.1x;
+- Zipf 1.0 and drift 0.05 stay the generator's defaults: no paper we could read publishes the
+  hottest expert's share during training, so the skew is not tuned to anything."""
 
 
 def _check(name: str, value, low: float) -> None:
@@ -45,6 +69,8 @@ def popularity_weights(
     spike_factor: float,
     layer_variation: float,
     rng: np.random.Generator,
+    swing: float = 0.0,
+    swing_corr: float = 0.0,
 ) -> np.ndarray:
     """Normalised routing probabilities; float64 [iterations, layers, experts], rows sum to 1."""
     exponent_L = zipf * (1 + layer_variation * rng.uniform(-1.0, 1.0, size=layers))  # [L]
@@ -65,6 +91,16 @@ def popularity_weights(
         spike_expert_IL = rng.integers(0, experts, size=(iterations, layers))
         i, l = np.nonzero(spiked_IL)
         w[i, l, spike_expert_IL[i, l]] *= spike_factor
+    if swing > 0:
+        # stationary AR(1) in log space, one independent process per (layer, expert)
+        innovation_ILE = rng.standard_normal((iterations, layers, experts))
+        x_ILE = np.empty_like(innovation_ILE)
+        x_ILE[0] = swing * innovation_ILE[0]
+        step = swing * np.sqrt(1.0 - swing_corr**2)
+        for i in range(1, iterations):
+            x_ILE[i] = swing_corr * x_ILE[i - 1] + step * innovation_ILE[i]
+        # shift by the row max before exp: the same weights after normalisation, no overflow
+        w = w * np.exp(x_ILE - x_ILE.max(axis=2, keepdims=True))
     return w / w.sum(axis=2, keepdims=True)
 
 
@@ -78,6 +114,8 @@ def synthetic_trace(
     spike_prob: float = 0.0,
     spike_factor: float = 5.0,
     layer_variation: float = 0.2,
+    swing: float = 0.0,
+    swing_corr: float = 0.9,
     ranks: int | None = None,
     source_noise: float = 0.1,
     seed: int = 0,
@@ -93,6 +131,8 @@ def synthetic_trace(
         spike_prob: chance of a one-iteration spike per (iteration, layer), in [0, 1].
         spike_factor: weight multiplier of a spiked expert, >= 1.
         layer_variation: relative spread of the Zipf exponent across layers, in [0, 1].
+        swing: standard deviation of an expert's log-popularity around its Zipf weight, >= 0.
+        swing_corr: correlation of that log-popularity between consecutive iterations, in [0, 1).
         ranks: if given, also produce source_loads split over this many ranks.
         source_noise: std-dev of the log-normal per-rank perturbation, >= 0.
         seed: seed of the numpy Generator.
@@ -107,13 +147,16 @@ def synthetic_trace(
     _check("source_noise", source_noise, 0.0)
     if not 0.0 <= spike_prob <= 1.0:
         raise PlacementError(f"spike_prob must be in [0, 1], got {spike_prob!r}")
+    _check("swing", swing, 0.0)
+    if not 0.0 <= swing_corr < 1.0:
+        raise PlacementError(f"swing_corr must be in [0, 1), got {swing_corr!r}")
     if not 0.0 <= layer_variation <= 1.0:
         raise PlacementError(f"layer_variation must be in [0, 1], got {layer_variation!r}")
     if ranks is not None:
         check_int(ranks, "ranks", 1)
     rng = np.random.default_rng(seed)
     p_ILE = popularity_weights(
-        iterations, layers, experts, zipf, drift, spike_prob, spike_factor, layer_variation, rng
+        iterations, layers, experts, zipf, drift, spike_prob, spike_factor, layer_variation, rng, swing, swing_corr
     )
     meta = {
         "generator": "synthetic",
@@ -123,6 +166,8 @@ def synthetic_trace(
         "spike_prob": float(spike_prob),
         "spike_factor": float(spike_factor),
         "layer_variation": float(layer_variation),
+        "swing": float(swing),
+        "swing_corr": float(swing_corr),
         "source_noise": float(source_noise),
         "seed": int(seed),
         **metadata,

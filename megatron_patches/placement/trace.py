@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_patches.placement.types import PlacementError, check_loads
 
-__all__ = ["Trace", "TraceError", "read_trace", "write_trace"]
+__all__ = ["Trace", "TraceError", "TraceStatistics", "read_trace", "trace_statistics", "write_trace"]
 
 
 class TraceError(PlacementError):
@@ -136,3 +136,67 @@ def read_trace(path: str | os.PathLike) -> Trace:
             raise TraceError(f"{path}: {name} must be int64, got {arr.dtype}")
     loads, source_loads = _validate(loads, source_loads, str(path))
     return Trace(loads, source_loads, metadata)
+
+
+@dataclass(frozen=True)
+class TraceStatistics:
+    """The routing statistics the MoE training papers report, measured on one trace.
+
+    Shares are of a layer's routed tokens (token-expert assignments) in one iteration; with
+    top-k routing an expert receives at most 1/k of them."""
+
+    hot_share_mean: float
+    """The hottest expert's share, mean over (iteration, layer); 1/E when balanced."""
+    hot_share_max: float
+    """The hottest expert's share, max over (iteration, layer)."""
+    swing_window: int
+    """k: the iterations over which swings are measured."""
+    swing_p99: float
+    """99th percentile of an expert's popularity swing over k iterations: max(s_i / s_(i+k),
+    s_(i+k) / s_i) for its share s, counted where the expert holds at least its fair share 1/E
+    at one end (a cold expert's noise over a handful of tokens is not a swing), shares floored at
+    1/E^2 (an expert falling silent counts as a finite swing)."""
+    swing_max: float
+    """The largest such swing in the trace."""
+    layer_hot_share_min: float
+    """The least skewed layer: its hottest expert's share, mean over iterations."""
+    layer_hot_share_max: float
+    """The most skewed layer, the same measure."""
+    same_hot_expert: float
+    """How often two layers of one iteration have the same hottest expert (mean over layer
+    pairs and iterations; 1/E when layers are independent, 1 when they move together; NaN with
+    one layer)."""
+
+    def describe(self) -> str:
+        """One line: what a table footer or a tool prints about the trace."""
+        return (f"hottest expert {self.hot_share_mean:.1%} of a layer's routed tokens (max {self.hot_share_max:.1%}; "
+                f"layers {self.layer_hot_share_min:.1%}-{self.layer_hot_share_max:.1%}), popularity swings over "
+                f"{self.swing_window} iterations p99 {self.swing_p99:.1f}x (max {self.swing_max:.1f}x), "
+                f"same hottest expert in two layers {self.same_hot_expert:.1%}")
+
+
+def trace_statistics(loads_ILE, window: int = 3) -> TraceStatistics:
+    """TraceStatistics of loads int [iterations, layers, experts] (see its fields for the
+    definitions); swings need more than `window` iterations."""
+    loads_ILE = check_loads(loads_ILE, "loads", 3)
+    I, L, E = loads_ILE.shape
+    if window < 1 or I <= window:
+        raise TraceError(f"swings over {window} iterations need more than {window} iterations and window >= 1; "
+                         f"the trace has {I}")
+    share_ILE = loads_ILE / np.maximum(loads_ILE.sum(axis=2, keepdims=True), 1)
+    hot_IL = share_ILE.max(axis=2)
+    floor = 1.0 / E**2
+    before, after = np.maximum(share_ILE[:-window], floor), np.maximum(share_ILE[window:], floor)
+    swing = np.maximum(before / after, after / before)[np.maximum(before, after) >= 1.0 / E]
+    if swing.size == 0:  # no tokens at all
+        swing = np.ones(1)
+    hottest_IL = share_ILE.argmax(axis=2)
+    pairs = [(a, b) for a in range(L) for b in range(a + 1, L)]
+    same = float(np.mean([np.mean(hottest_IL[:, a] == hottest_IL[:, b]) for a, b in pairs])) if pairs else float("nan")
+    layer_hot_L = hot_IL.mean(axis=0)
+    return TraceStatistics(
+        hot_share_mean=float(hot_IL.mean()), hot_share_max=float(hot_IL.max()), swing_window=int(window),
+        swing_p99=float(np.quantile(swing, 0.99)), swing_max=float(swing.max()),
+        layer_hot_share_min=float(layer_hot_L.min()), layer_hot_share_max=float(layer_hot_L.max()),
+        same_hot_expert=same,
+    )

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_patches.placement import PlacementError, Trace, TraceError, read_trace, synthetic_trace, write_trace
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, popularity_weights
+from megatron_patches.placement.trace import trace_statistics
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=25, deadline=None)
@@ -112,6 +114,62 @@ def test_synthetic_trace_knobs_do_what_they_say():
     assert hottest_share(spiky).mean() > 0.4
 
 
+def test_swings_follow_the_stationary_ar1_law():
+    """log w_(i,e) = x_(i,e) - c_i with x a stationary AR(1) of std swing and lag-1 correlation rho,
+    so between two experts, over k iterations, the change of log(w_a / w_b) is
+    (x_a(i+k) - x_a(i)) - (x_b(i+k) - x_b(i)), of variance 2 * 2 swing^2 (1 - rho^k) by hand."""
+    swing, rho, iterations, experts = 0.8, 0.7, 400, 200
+    w_ILE = popularity_weights(iterations, 1, experts, zipf=0.0, drift=0.0, spike_prob=0.0, spike_factor=1.0,
+                               layer_variation=0.0, rng=np.random.default_rng(1), swing=swing, swing_corr=rho)
+    log_IE = np.log(w_ILE[:, 0, :])
+    pair_IE = log_IE[:, 0::2] - log_IE[:, 1::2]  # 100 independent pairs: x_a - x_b, variance 2 swing^2
+    assert np.var(pair_IE) == pytest.approx(2 * swing**2, rel=0.05)
+    for k in (1, 3, 10):
+        change = pair_IE[k:] - pair_IE[:-k]
+        assert np.var(change) == pytest.approx(4 * swing**2 * (1 - rho**k), rel=0.06), k
+    # swing 0 draws nothing: the trace of every earlier version, bit for bit
+    kwargs = dict(iterations=30, layers=3, experts=16, tokens=5000, zipf=1.3, drift=0.2, spike_prob=0.1, ranks=4, seed=2)
+    assert np.array_equal(synthetic_trace(swing=0.0, swing_corr=0.5, **kwargs).source_loads,
+                          synthetic_trace(**kwargs).source_loads)
+    with pytest.raises(PlacementError, match=r"swing_corr must be in \[0, 1\), got 1.0"):
+        synthetic_trace(swing=0.5, swing_corr=1.0)
+    with pytest.raises(PlacementError, match="swing must be >= 0.0, got -0.1"):
+        synthetic_trace(swing=-0.1)
+
+
+def test_trace_statistics_by_hand():
+    # 5 iterations, 2 layers, 4 experts, 100 tokens per layer and iteration
+    loads = np.zeros((5, 2, 4), dtype=np.int64)
+    loads[:, 0] = [[40, 30, 20, 10], [40, 30, 20, 10], [40, 30, 20, 10], [10, 30, 20, 40], [40, 30, 20, 10]]
+    loads[:, 1] = [[25, 25, 25, 25]] * 4 + [[0, 25, 25, 50]]
+    stats = trace_statistics(loads, window=3)
+    # hottest shares: layer 0 always 0.40; layer 1 0.25 four times, then 0.50
+    assert stats.hot_share_mean == pytest.approx((5 * 0.40 + 4 * 0.25 + 0.50) / 10)
+    assert stats.hot_share_max == pytest.approx(0.50)
+    assert (stats.layer_hot_share_min, stats.layer_hot_share_max) == (pytest.approx(0.30), pytest.approx(0.40))
+    # swings over 3 iterations, experts at >= 1/4 at one end: layer 0 (i=0 -> 3) expert 0 0.4 -> 0.1 and
+    # expert 3 0.1 -> 0.4 (4x each), expert 1 (1x); (i=1 -> 4) experts 0, 1 (1x). Layer 1 (i=0 -> 3) all
+    # 1x; (i=1 -> 4) expert 0 0.25 -> 0 floored at 1/16 (4x), experts 1, 2 (1x), expert 3 0.25 -> 0.5 (2x)
+    assert stats.swing_max == pytest.approx(4.0)
+    assert stats.swing_window == 3
+    # the hottest expert (argmax, first on ties) agrees across the two layers at i = 0, 1, 2 (expert 0)
+    assert stats.same_hot_expert == pytest.approx(3 / 5)
+    assert stats.describe().startswith("hottest expert 35.0% of a layer's routed tokens (max 50.0%; layers 30.0%-40.0%)")
+    with pytest.raises(TraceError, match="swings over 3 iterations need more than 3 iterations"):
+        trace_statistics(loads[:3])
+
+
+def test_papers_routing_swings_as_symi_reports():
+    """PAPERS_ROUTING's documented calibration: on SYMI's setup (16 experts, top-1, 16 GPUs x 4 x 512
+    tokens, 12 layers, 60 iterations, seed 0) the median layer's largest 3-iteration swing is 14.7x
+    (SYMI: 16x within 3 iterations), and the layers' mean hottest share spreads about 2x."""
+    trace = synthetic_trace(iterations=60, layers=12, experts=16, tokens=16 * 4 * 512, ranks=16, seed=0, **PAPERS_ROUTING)
+    per_layer = [trace_statistics(trace.loads[:, l:l + 1]).swing_max for l in range(12)]
+    assert np.median(per_layer) == pytest.approx(14.7, abs=0.05)
+    stats = trace_statistics(trace.loads)
+    assert stats.layer_hot_share_max / stats.layer_hot_share_min == pytest.approx(2.06, abs=0.01)
+
+
 def test_synthetic_trace_validates_arguments():
     with pytest.raises(PlacementError, match="spike_prob must be in"):
         synthetic_trace(spike_prob=2.0)
@@ -134,6 +192,7 @@ def test_make_trace_cli(tmp_path):
            "--topk", "2", "--model", "gpt-moe-s", "--seed", "3"]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert "wrote" in result.stdout and "source_loads (5, 2, 4, 8)" in result.stdout
+    assert "statistics: hottest expert" in result.stdout and "popularity swings over 3 iterations" in result.stdout
     trace = read_trace(out)
     assert trace.metadata["topk"] == 2 and trace.metadata["zipf"] == 1.2 and trace.metadata["model"] == "gpt-moe-s"
     expected = synthetic_trace(iterations=5, layers=2, experts=8, tokens=800, zipf=1.2, ranks=4, seed=3)
@@ -141,3 +200,9 @@ def test_make_trace_cli(tmp_path):
     bad = subprocess.run(cmd[:4] + ["--zipf", "-1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "zipf must be >= 0" in bad.stderr
     assert json.loads(json.dumps(trace.metadata)) == trace.metadata
+    # --papers-routing starts from PAPERS_ROUTING; a flag beside it overrides its value
+    papers = subprocess.run(cmd + ["--papers-routing", "--swing", "0.5"], capture_output=True, text=True, check=True)
+    assert "statistics:" in papers.stdout
+    expected = synthetic_trace(iterations=5, layers=2, experts=8, tokens=800, ranks=4, seed=3,
+                               **{**PAPERS_ROUTING, "zipf": 1.2, "swing": 0.5})
+    assert np.array_equal(read_trace(out).loads, expected.loads)

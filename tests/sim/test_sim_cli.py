@@ -123,11 +123,13 @@ def test_t_by_cost_gives_bert_moe_on_cluster_a_copies_attention_cannot_hide(tmp_
     """BERT-MoE on cluster A: attention is too short to hide one copy at the NIC's share (hidden
     t = 0, so FSSDP without calibration was EP), but copies keep tokens off the 100 Gbps network,
     which saves more than their exposed gather: without calibration the cost model takes t = 4
-    (FSSDP / EP 1.43 on these 6 iterations; 1.57 before the NIC was shared, 1.0 with the hidden
-    t). The shipped config calibrates after the gate, and there calibration's copies alone (t = 0)
-    are priced cheapest and taken (1.71, FasterMoE 1.65). Before the copies' reduce stopped
-    counting as hidden by the backward all-to-all (which shares its links), t = 2 was taken (1.67);
-    before the NIC was shared, t = 2 at 2.00 against FasterMoE's 1.79."""
+    (FSSDP / EP 1.44 on these 6 iterations of the papers' routing dynamics; 1.43 on the milder
+    trace before them, 1.57 before the NIC was shared, 1.0 with the hidden t). The shipped config
+    calibrates after the gate and takes t = 2 beside calibration's copies (1.97, FasterMoE 1.91).
+    On the milder trace calibration's copies alone (t = 0) were cheapest (1.71, FasterMoE 1.65);
+    before the copies' reduce stopped counting as hidden by the backward all-to-all (which shares
+    its links), t = 2 was taken (1.67); before the NIC was shared, t = 2 at 2.00 against
+    FasterMoE's 1.79."""
 
     def simulate(run) -> dict:
         out = tmp_path / "out.json"
@@ -146,7 +148,7 @@ def test_t_by_cost_gives_bert_moe_on_cluster_a_copies_attention_cannot_hide(tmp_
     assert (fssdp["details"]["overlap_degree_hidden_t"], fssdp["details"]["overlap_degree_t"]) == (0, 4)
     assert fssdp["speedup_vs_ep"] > 1.4
     fssdp = simulate(shipped)
-    assert (fssdp["details"]["overlap_degree_hidden_t"], fssdp["details"]["overlap_degree_t"]) == (0, 0)
+    assert (fssdp["details"]["overlap_degree_hidden_t"], fssdp["details"]["overlap_degree_t"]) == (0, 2)
     assert fssdp["details"]["collective_s"]["spag_calibrate"] > 0
     assert fssdp["speedup_vs_ep"] > 1.7 and fssdp["speedup_vs_ep"] > fssdp["fastermoe"]
 
