@@ -67,6 +67,12 @@ class GpuType:
     bf16: bool | None = None
     """Whether the GPU computes in bfloat16 natively (tensor cores with bf16 inputs: Ampere,
     sm80, and newer); None when the file does not state it."""
+    memory_efficient_attention: bool = False
+    """Whether the systems simulated on it run a memory-efficient attention kernel where flash
+    does not run (xFormers' CUTLASS kernel, PyTorch SDPA's efficient backend: sm50 and newer,
+    fp16 and fp32): attention then keeps no scores, at the unfused path's time. A choice of
+    the paper whose systems the file describes, not a datasheet figure: Megatron-Core's own
+    attention on such GPUs is unfused."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,7 @@ class ClusterConfig:
 
 
 _GPU_KEYS = ("memory_gb", "peak_fp16_tflops", "hbm_gb_s", "flash_attention", "source")
-_GPU_OPTIONAL_KEYS = ("peak_fp32_tflops", "peak_tf32_tflops", "bf16")
+_GPU_OPTIONAL_KEYS = ("peak_fp32_tflops", "peak_tf32_tflops", "bf16", "memory_efficient_attention")
 _GROUP_KEYS = ("count", "gpus_per_node", "gpu", "intra_node_bw_gb_s", "intra_node_link", "inter_node_gbps")
 _CLUSTER_KEYS = ("name", "nodes", "gpu_types")
 
@@ -200,7 +206,7 @@ def cluster_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> 
         where = f"{source}: gpu_types.{type_name}"
         _text(type_name, "gpu type name", source)
         _check_keys(figures, _GPU_KEYS, where, _GPU_OPTIONAL_KEYS)
-        for key in ("flash_attention", "bf16"):
+        for key in ("flash_attention", "bf16", "memory_efficient_attention"):
             if key in figures and not isinstance(figures[key], bool):
                 raise ConfigError(f"{where}: {key}={figures[key]!r} is invalid; expected true or false")
         fp32 = figures.get("peak_fp32_tflops")
@@ -219,6 +225,7 @@ def cluster_config_from_dict(values: dict[str, Any], source: str = "<dict>") -> 
             peak_fp32_tflops=fp32,
             peak_tf32_tflops=tf32,
             bf16=figures.get("bf16"),
+            memory_efficient_attention=figures.get("memory_efficient_attention", False),
         )
 
     raw_nodes = values["nodes"]

@@ -283,6 +283,9 @@ class Hardware:
     """Device memory, bytes; float [D]."""
     flash_D: np.ndarray
     """Whether fused (flash) attention runs on the device; bool [D]."""
+    memory_efficient_D: np.ndarray
+    """Whether the systems run a memory-efficient attention kernel there where flash does not
+    (`GpuType.memory_efficient_attention`); bool [D]."""
     intra_bw_D: np.ndarray
     """Intra-node link bandwidth per device and direction, bytes/s; float [D]."""
     nic_bw_N: np.ndarray
@@ -312,6 +315,7 @@ class Hardware:
             hbm_bw_D=np.array([g.hbm_gb_s * 1e9 for g in gpu_D]),
             memory_D=np.array([g.memory_gb * 1e9 for g in gpu_D]),
             flash_D=np.array([g.flash_attention for g in gpu_D], dtype=bool),
+            memory_efficient_D=np.array([g.memory_efficient_attention for g in gpu_D], dtype=bool),
             intra_bw_D=np.array(intra_D, dtype=np.float64),
             nic_bw_N=np.array(nic_N, dtype=np.float64),
             node_of_D=topology.node_of.copy(),
@@ -401,6 +405,16 @@ class Hardware:
         is always unfused).
         """
         return self.flash_D & precision.half
+
+    def scoreless_attention_D(self, precision: Precision) -> np.ndarray:
+        """Whether attention on each device keeps no [s, s] scores for the backward; bool [D]:
+        fused (flash) attention in half precision, or the memory-efficient kernel where the
+        cluster file says the systems run it (xFormers' CUTLASS kernel and PyTorch SDPA's
+        efficient backend take fp16 and fp32, so in any precision). The memory-efficient
+        kernel's time is the unfused path's: xFormers reports no speedup over the unfused
+        attention on V100 (facebookresearch/xformers#762) and, on A100, a backward 55% slower
+        than FlashAttention's (#362), so only its memory is modelled."""
+        return self.fused_attention_D(precision) | self.memory_efficient_D
 
 
 # ---------------------------------------------------------------------------------------------
@@ -790,7 +804,7 @@ class MemoryModel:
         self.hw = hardware
         self.reserved_bytes = float(reserved_bytes)
         self._element = float(workload.precision.element_bytes)
-        self._fused_D = hardware.fused_attention_D(workload.precision)
+        self._scoreless_D = hardware.scoreless_attention_D(workload.precision)
 
     def dense_parts(self, optimizer_ranks: int | None = None) -> dict[str, float]:
         """Non-expert parameters' bytes on one device: {"parameters", "gradients", "optimizer
@@ -840,11 +854,13 @@ class MemoryModel:
         the paper's figures): attention (5 e + 1) h (QKV input, Q and K, V, projection input,
         dropout mask: 11 h at e = 2) plus the scores (2 e + 1) a s (softmax output, its dropout
         mask and output: 5 a s at e = 2), norms 2 e h (4 h). Fused attention keeps no scores
-        (O(1) statistics per row), and runs only in half precision (`Hardware.fused_attention_D`).
+        (O(1) statistics per row), and runs only in half precision (`Hardware.fused_attention_D`);
+        nor does a memory-efficient kernel where the cluster file has one
+        (`Hardware.scoreless_attention_D`).
         """
         m = self.workload.model
         e, h, a, s = self._element, m.hidden_size, m.num_attention_heads, self.workload.seq_length
-        scores_D = np.where(self._fused_D, 0.0, (2.0 * e + 1.0) * a * s)
+        scores_D = np.where(self._scoreless_D, 0.0, (2.0 * e + 1.0) * a * s)
         return (7.0 * e + 1.0) * h + scores_D, scores_D
 
     def dense_mlp_bytes_per_token(self) -> float:

@@ -485,6 +485,9 @@ def test_cluster_figures_by_hand():
     o2 = load_cluster_config("zebra_o2")
     assert o2.device_gpu(3).name == "A40-48GB" and o2.device_gpu(4).name == "V100-SXM2-16GB"
     assert o2.device_gpu(0).flash_attention and not o2.device_gpu(11).flash_attention
+    # HeterMoE's 4K-32K sequences on 16 GB V100s / T4s: a memory-efficient kernel; the FSSDP paper's V100s keep scores
+    assert o2.device_gpu(11).memory_efficient_attention and not v100.memory_efficient_attention
+    assert load_cluster_config("zebra_c1").device_gpu(7).memory_efficient_attention
     c2 = load_cluster_config("zebra_c2")
     assert c2.device_gpu(0).peak_fp16_tflops == 362.05 and c2.device_gpu(9).memory_gb == 16
     with pytest.raises(ConfigError, match=r"device 12 is not in \[0, 12\)"):

@@ -126,9 +126,10 @@ def expected_activations(e: int, fused: bool, recompute: str) -> float:
     return LAYERS * N * e * H + layer + logits  # every layer's input + one layer recomputed
 
 
-def activations(precision: str, recompute: str, flash: bool) -> float:
+def activations(precision: str, recompute: str, flash: bool, memory_efficient: bool = False) -> float:
     model = make_model(layers=LAYERS, hidden=H, heads=A, seq=S)
-    hw = Hardware.from_cluster(make_cluster(1, 2, gpu={"flash_attention": flash}), 2)
+    gpu = {"flash_attention": flash, "memory_efficient_attention": memory_efficient}
+    hw = Hardware.from_cluster(make_cluster(1, 2, gpu=gpu), 2)
     mem = MemoryModel(Workload(model, 2, 1, S, Precision(precision), recompute), hw)
     return float(mem.activation_bytes(np.full((LAYERS, 2), ROUTED))[0])
 
@@ -157,6 +158,25 @@ def test_activation_figures_by_hand():
     # fused attention keeps no scores: selective recompute saves nothing more
     assert activations("bf16", "selective", True) == activations("bf16", "none", True)
     assert activations("fp16", "none", True) == activations("bf16", "none", True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_memory_efficient_attention_keeps_no_scores_at_the_unfused_time(precision, recompute):
+    """Where flash does not run (a V100) and the cluster file says the systems run a
+    memory-efficient kernel, attention keeps no scores in any precision (xFormers' CUTLASS kernel
+    takes fp32 too), and takes the unfused path's time."""
+    e = 4 if precision == "fp32" else 2
+    assert activations(precision, recompute, False, memory_efficient=True) == expected_activations(e, True, recompute)
+    assert activations(precision, recompute, False) == expected_activations(e, False, recompute)
+    model = make_model(layers=LAYERS, hidden=H, heads=A, seq=S)
+    times = []
+    for memory_efficient in (False, True):
+        gpu = {"flash_attention": False, "memory_efficient_attention": memory_efficient}
+        hw = Hardware.from_cluster(make_cluster(1, 2, gpu=gpu), 2)
+        compute = ComputeModel(Workload(model, 2, 1, S, Precision(precision), recompute), hw, KernelEfficiency())
+        times.append((compute.attention_fwd_D()[0], compute.attention_bwd_D()[0]))
+    assert times[0] == times[1]
 
 
 def test_full_recompute_can_keep_more_than_selective_with_unfused_attention():
@@ -314,6 +334,8 @@ def test_a_gpu_without_the_figures_names_the_file_and_key(tmp_path):
     (lambda g: g.update(peak_fp32_tflops=None), ["peak_fp32_tflops=None is invalid", "positive number"]),
     (lambda g: g.update(peak_tf32_tflops="fast"), ["peak_tf32_tflops='fast' is invalid"]),
     (lambda g: g.update(bf16_support=True), ["unknown key(s) ['bf16_support']", "'bf16'"]),
+    (lambda g: g.update(memory_efficient_attention=1),
+     ["gpu_types.V100-SXM2-32GB: memory_efficient_attention=1 is invalid", "true or false"]),
 ])
 def test_bad_precision_figures_name_the_file_and_key(mutate, words):
     values = yaml.safe_load((CLUSTERS_DIR / "cluster_a.yaml").read_text())
@@ -372,13 +394,30 @@ def d1_trace(tmp_path_factory):
     return path
 
 
-D1_16K = ("--model", "mixtral_d1", "--cluster", "zebra_o1", "--seq-length", 16384)
+@pytest.fixture(scope="module")
+def o1_unfused(tmp_path_factory):
+    """zebra_o1 with the V100s' attention unfused (Megatron-Core's own on Volta), so it keeps its
+    [s, s] scores: the shipped file runs a memory-efficient kernel there, as HeterMoE's systems do."""
+    values = yaml.safe_load((CLUSTERS_DIR / "zebra_o1.yaml").read_text())
+    values["gpu_types"]["V100-SXM2-16GB"]["memory_efficient_attention"] = False
+    path = tmp_path_factory.mktemp("clusters") / "zebra_o1_unfused.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
 
 
-def test_mixtral_d1_at_16k_fits_zebra_with_fp16_and_full_recompute(capsys, tmp_path, d1_trace):
+D1_16K = ("--model", "mixtral_d1", "--seq-length", 16384)
+
+
+def test_mixtral_d1_at_16k_fits_zebra_with_fp16_and_full_recompute(capsys, tmp_path, d1_trace, o1_unfused):
     out = tmp_path / "d1.json"
-    rc, stdout, err = run_tool(capsys, *D1_16K, "--trace", d1_trace, "--precision", "fp16", "--recompute", "full",
-                               "--systems", "ep,zebra", "--json", out, "--quiet")
+    # the shipped pool: the V100s' memory-efficient attention keeps no scores, so EP fits beside zebra
+    rc, stdout, err = run_tool(capsys, *D1_16K, "--cluster", "zebra_o1", "--trace", d1_trace, "--precision", "fp16",
+                               "--recompute", "full", "--systems", "ep,zebra", "--json", out, "--quiet")
+    assert rc == 0, err
+    systems = json.loads(out.read_text())["systems"]
+    assert list(systems) == ["ep", "zebra"] and systems["ep"]["fits_in_memory"]
+    rc, stdout, err = run_tool(capsys, *D1_16K, "--cluster", o1_unfused, "--trace", d1_trace, "--precision", "fp16",
+                               "--recompute", "full", "--systems", "ep,zebra", "--json", out, "--quiet")
     assert rc == 0, err
     assert "precision  fp16: 2 B weights/activations/tokens, 2 B gradients" in stdout
     assert "recompute  full  [--recompute]" in stdout
@@ -390,18 +429,19 @@ def test_mixtral_d1_at_16k_fits_zebra_with_fp16_and_full_recompute(capsys, tmp_p
     assert list(systems) == ["zebra"] and summary["out_of_memory"]["ep"].startswith("EP needs ")
     assert "out of memory: ep is not simulated: EP needs " in stdout
     assert "no speedups over it" in stdout and systems["zebra"]["speedup_vs_ep"] is None
-    rc, _, err = run_tool(capsys, *D1_16K, "--trace", d1_trace, "--precision", "fp16", "--recompute", "full",
-                          "--systems", "ep", "--quiet")
+    rc, _, err = run_tool(capsys, *D1_16K, "--cluster", o1_unfused, "--trace", d1_trace, "--precision", "fp16",
+                          "--recompute", "full", "--systems", "ep", "--quiet")
     assert rc == 2 and summary["out_of_memory"]["ep"] in err
 
 
-def test_mixtral_d1_at_16k_without_recompute_is_refused_with_the_way_out(capsys, d1_trace):
-    rc, stdout, err = run_tool(capsys, *D1_16K, "--trace", d1_trace, "--quiet")
+def test_mixtral_d1_at_16k_without_recompute_is_refused_with_the_way_out(capsys, d1_trace, o1_unfused):
+    rc, stdout, err = run_tool(capsys, *D1_16K, "--cluster", o1_unfused, "--trace", d1_trace, "--quiet")
     assert rc == 2
     assert "[default: the V100-SXM2-16GB has no bf16]" in stdout  # fp16: today's bytes
     assert "EP needs 101.0 GB per device (" in err and "activations 96.2 GB" in err
     assert "--recompute full (" in err
-    rc, _, err = run_tool(capsys, *D1_16K, "--trace", d1_trace, "--systems", "ep,zebra", "--quiet")
+    rc, _, err = run_tool(capsys, *D1_16K, "--cluster", o1_unfused, "--trace", d1_trace, "--systems", "ep,zebra",
+                          "--quiet")
     assert rc == 2 and "zebra (expert ranks) needs 19.5 GB per device" in err and "--recompute full (" in err
 
 
