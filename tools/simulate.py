@@ -63,7 +63,7 @@ from megatron_patches.sim import (
 from megatron_patches.sim.profile import load_device_profile
 from megatron_patches.sim.systems import (
     check_memory,
-    ep_layout_problem,
+    layout_problems,
     periodic_acts,
     periodic_interval,
     simulate_all,
@@ -339,16 +339,16 @@ def main(argv=None) -> int:
                              efficiency, link_params, options, value["precision"], value["recompute"])
         if settings["precision"][1] == "default":
             settings["precision"] = (scn.workload.precision, scn.precision_note)
-        ep_problem = ep_layout_problem(scn)
-        if ep_problem is not None:
-            if all(spec.name == "ep" for spec in specs):
-                raise SimError(ep_problem)
-            # e.g. 24 experts on a zebra pool of 9 or 10 GPUs: the other systems still run
-            specs = [spec for spec in specs if spec.name != "ep"]
+        # e.g. 24 experts on a zebra pool of 9 or 10 GPUs (EP), or zebra-asym at M:N = 4:3: the others still run
+        unplaceable = layout_problems(scn, specs)
+        if len(unplaceable) == len(specs):
+            raise SimError("; ".join(unplaceable.values()))
+        specs = [spec for spec in specs if spec.name not in unplaceable]
+        ep_problem = unplaceable.get("ep")
         statistics, routing_line = _routing_statistics(trace)
         _print_settings(scn, settings, specs, trace_label, routing_line)
-        if ep_problem is not None:
-            print(f"note: ep is not simulated ({ep_problem}), so there are no speedups over it")
+        for name, why in unplaceable.items():
+            print(f"note: {name} is not simulated ({why})" + (", so there are no speedups over it" if name == "ep" else ""))
         # a system that cannot fit with balanced loads is not simulated, alone or beside others
         out_of_memory = check_memory(scn, specs)
         for name, why in out_of_memory.items():
@@ -379,6 +379,7 @@ def main(argv=None) -> int:
     summary = summarize(results, setup, reference, out_of_memory)
     summary["setup"]["periodic_acts"] = periodic
     summary["setup"]["trace_statistics"] = statistics
+    summary["setup"]["cannot_lay_out"] = unplaceable
     summary["setup"]["wall_s"] = time.perf_counter() - started
     _report(summary, args)
     print(f"simulated in {summary['setup']['wall_s']:.1f} s")

@@ -112,7 +112,7 @@ def _statistics(statistics: list[dict]) -> str:
 
 def table(iterations: int, jobs: int = 1, progress=None) -> str:
     lines = [
-        "| run | setup | EP ms/iter | speedup over EP (ms/iter where EP cannot lay out the experts or does not fit; survival when tokens drop; ! = over memory at the most loaded iteration; OOM = cannot fit even with balanced loads, not simulated; acted Nx = a periodic system that rearranged fewer than twice in the trace) |",
+        "| run | setup | EP ms/iter | speedup over EP (ms/iter where EP cannot lay out the experts or does not fit; survival when tokens drop; ! = over memory at the most loaded iteration; OOM = cannot fit even with balanced loads, not simulated; n/a = cannot lay out its experts on the pool, not simulated; acted Nx = a periodic system that rearranged fewer than twice in the trace) |",
         "|---|---|---|---|",
     ]
     statistics = []
@@ -132,7 +132,8 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
             f"{ep['iteration_s'] * 1e3:.1f}" + ("!" if not ep["fits_in_memory"] else "")
         acts = setup["periodic_acts"]
         cells = ", ".join([f"{n} {_cell(s, acts.get(n))}" for n, s in systems.items() if n != "ep"]
-                          + [f"{n} OOM" for n in oom if n != "ep"])
+                          + [f"{n} OOM" for n in oom if n != "ep"]
+                          + [f"{n} n/a" for n in setup["cannot_lay_out"] if n != "ep"])
         where = (f"{setup['gpus']} x {setup['cluster'].split(':')[0]}, {setup['micro_batch_size']} x "
                  f"{setup['seq_length']} tok/GPU, {setup['precision']}, recompute {setup['recompute']}")
         lines.append(f"| {name} | {where} | {ep_ms} | {cells} |")

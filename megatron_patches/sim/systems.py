@@ -77,6 +77,7 @@ __all__ = [
     "periodic_acts",
     "periodic_interval",
     "ep_layout_problem",
+    "layout_problems",
     "resolve_systems",
     "simulate",
     "simulate_all",
@@ -306,6 +307,26 @@ def ep_layout_problem(scn: Scenario) -> str | None:
     except PlacementError as err:
         return str(err)
     return None
+
+
+def layout_problems(scn: Scenario, specs) -> dict[str, str]:
+    """Why each of `specs` that cannot lay out the model on the simulated devices cannot, by
+    name: EP's even layout (`ep_layout_problem`), and zebra-asym's Asym-EA chunks (M | N or
+    N | M, N | experts). Such a system is not simulated, alone or beside others, as one that
+    does not fit in memory."""
+    problems = {}
+    for spec in specs:
+        if spec.name == "ep":
+            why = ep_layout_problem(scn)
+        elif spec.family == "zebra" and spec.zebra_mode == "asym":
+            from megatron_patches.sim.zebra import asym_layout_problem
+
+            why = asym_layout_problem(scn)
+        else:
+            why = None
+        if why is not None:
+            problems[spec.name] = why
+    return problems
 
 
 def ep_memory_need(scn: Scenario) -> MemoryNeed:

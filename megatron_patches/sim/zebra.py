@@ -41,7 +41,7 @@ from megatron_patches.sim.costs import MemoryNeed, SimError
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
 
-__all__ = ["ZebraPools", "zebra_profile", "zebra_memory_needs", "simulate_zebra_system"]
+__all__ = ["ZebraPools", "asym_layout_problem", "zebra_profile", "zebra_memory_needs", "simulate_zebra_system"]
 
 
 class ZebraPools:
@@ -53,7 +53,8 @@ class ZebraPools:
         attention, expert: their device ids; int64 [M] and [N] (attention ranks first).
         shape: the placement engine's ZebraShape (L, n, M, N).
     Raises SimError unless the pool has exactly two GPU types, the first type's devices come
-    first, every layer is MoE and N divides the expert count.
+    first, every layer is MoE and N <= the expert count. Plain zebra takes any M:N and uneven
+    expert blocks when N does not divide the experts; Asym-EA needs more (`asym_layout_problem`).
     """
 
     def __init__(self, scn: Scenario) -> None:
@@ -111,6 +112,16 @@ def _expert_rank_activation_bytes(scn: Scenario, pools: ZebraPools, R: int) -> f
     tokens = per_mb * pools.M * scn.workload.model.moe_router_topk / scn.num_experts * per_rank
     full_LD = np.full((scn.num_layers, 1), float(mem.expert_activation_bytes(tokens)))
     return float(mem.kept_activation_bytes(full_LD, 0.0, mem.input_bytes(tokens), R)[0])
+
+
+def asym_layout_problem(scn: Scenario) -> str | None:
+    """Why Asym-EA cannot plan chunks on this pool (M | N or N | M, and N | experts), or None."""
+    pools = ZebraPools(scn)
+    try:
+        zp.chunk_sizes(pools.shape)
+    except ValueError as err:
+        return f"zebra-asym on {scn.hardware.describe()}: {err}"
+    return None
 
 
 def zebra_memory_needs(scn: Scenario, spec) -> list[MemoryNeed]:

@@ -42,11 +42,22 @@ def labels(tasks):
 # ------------------------------------------------------------------------------------------
 
 
-def test_shape_rejects_experts_not_divisible_by_expert_ranks():
-    with pytest.raises(ValueError, match="num_experts=6 is not divisible by expert_ranks=4"):
-        ZebraShape(num_layers=2, num_experts=6, attention_ranks=2, expert_ranks=4)
+def test_shape_splits_experts_as_evenly_as_possible():
+    """Plain zebra at any ratio: 24 experts over N = 5 expert ranks hold 5, 5, 5, 5, 4; over 7,
+    4, 4, 4, 3, 3, 3, 3 (never an empty rank); with N | n the blocks of before."""
+    for n, sizes in ((5, [5, 5, 5, 5, 4]), (7, [4, 4, 4, 3, 3, 3, 3]), (4, [6, 6, 6, 6])):
+        shape = ZebraShape(num_layers=2, num_experts=24, attention_ranks=4, expert_ranks=n)
+        assert shape.experts_per_expert_rank == max(sizes)
+        owners = expert_owners(resolve_asym_ea("off", shape), 1)
+        assert np.bincount(owners - 4, minlength=n).tolist() == sizes
+        assert np.all(np.diff(owners) >= 0)  # contiguous blocks in rank order
+    with pytest.raises(ValueError, match="expert_ranks=7 exceeds num_experts=6"):
+        ZebraShape(num_layers=2, num_experts=6, attention_ranks=2, expert_ranks=7)
     with pytest.raises(ValueError, match="num_layers"):
         ZebraShape(num_layers=0, num_experts=4, attention_ranks=1, expert_ranks=1)
+    # Asym-EA still needs equal blocks to give chunks from
+    with pytest.raises(ValueError, match="Asym-EA needs expert_ranks N=5 to divide num_experts=24"):
+        chunk_sizes(ZebraShape(1, 24, 5, 5))
 
 
 @pytest.mark.parametrize(
@@ -67,9 +78,14 @@ def test_profile_validation_names_the_bad_value(kwargs, message):
         ZebraProfile(**base)
 
 
-def test_profile_needs_m_dividing_n_or_n_dividing_m():
+def test_a_profile_at_any_ratio_plans_plain_zebra_and_only_asym_ea_needs_m_dividing_n():
+    """A profile describes times and memory: plain zebra (off) uses it at M:N = 3:2, and only
+    Asym-EA's chunks need M | N or N | M."""
+    profile = ZebraProfile(ZebraShape(1, 4, 3, 2), 1.0, 1.0, 1.0, 0, 0)
+    plan = resolve_asym_ea("off", profile.shape, profile)
+    assert (plan.n1, plan.n2, plan.offload_chunks_L) == (0, 0, (0,))
     with pytest.raises(ValueError, match="M=3 to divide expert_ranks N=2"):
-        ZebraProfile(ZebraShape(1, 4, 3, 2), 1.0, 1.0, 1.0, 0, 0)
+        asym_ea(profile)
 
 
 def test_chunk_sizes_match_design():

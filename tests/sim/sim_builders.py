@@ -37,13 +37,20 @@ def make_cluster(nodes=2, gpus_per_node=4, intra_gb_s=100.0, nic_gbps=80.0, gpu=
     )
 
 
-def make_pool(attention=2, expert=2, attention_gpu=None, expert_gpu=None, intra_gb_s=100.0, nic_gbps=80.0):
-    """A two-type pool, attention GPUs first, one node per type."""
-    group = {"count": 1, "intra_node_bw_gb_s": intra_gb_s, "intra_node_link": "test", "inter_node_gbps": nic_gbps}
+def make_pool(attention=2, expert=2, attention_gpu=None, expert_gpu=None, intra_gb_s=100.0, nic_gbps=80.0,
+              one_gpu_nodes=False):
+    """A two-type pool, attention GPUs first, one node per type (or one node per GPU, which
+    pools of unequal type counts need: a Topology has one GPU count per node)."""
+    group = {"intra_node_bw_gb_s": intra_gb_s, "intra_node_link": "test", "inter_node_gbps": nic_gbps}
+
+    def nodes(gpus, gpu):
+        return dict(group, count=gpus, gpus_per_node=1, gpu=gpu) if one_gpu_nodes else \
+            dict(group, count=1, gpus_per_node=gpus, gpu=gpu)
+
     return cluster_config_from_dict(
         {
             "name": "pool",
-            "nodes": [dict(group, gpus_per_node=attention, gpu="NEW"), dict(group, gpus_per_node=expert, gpu="OLD")],
+            "nodes": [nodes(attention, "NEW"), nodes(expert, "OLD")],
             "gpu_types": {"NEW": dict(GPU, **(attention_gpu or {})), "OLD": dict(GPU, **(expert_gpu or {}))},
         }
     )

@@ -29,6 +29,7 @@ from megatron_patches.sim import (
     resolve_systems,
     simulate,
 )
+from megatron_patches.sim.systems import layout_problems
 
 MODEL = make_model(layers=2, experts=8, hidden=512, seq=1024)
 PLACEMENT_SYSTEMS = ["ep", "smartmoe", "flexmoe-2", "fastermoe", "fssdp", "fssdp-mat", "fssdp-shard",
@@ -459,6 +460,31 @@ def test_distep_is_a_serial_schedule_hand_case():
     makespan = r.iteration_s - r.details["gradient_sync_s"] - r.details["optimizer_s"]
     assert makespan == pytest.approx(3 * (p["t_attn_A"] + p["t_exp_E"] + 4 * a2a) + head, rel=1e-9)
     assert r.traffic["all_to_all"][1] == pytest.approx(4 * 3 * 8_388_608)  # one way each: 4 per layer, 3 layers
+
+
+def test_plain_zebra_runs_at_any_ratio_and_only_asym_ea_needs_divisibility():
+    """HeterMoE ran pools of 4:5, 4:7 and 4:3 attention to expert GPUs. Plain zebra takes any M:N:
+    8 experts over N = 3 expert ranks are blocks of 3, 3 and 2. The batch is the pool's devices x
+    the tokens per device (5 against 6 devices at N = 4), so with balanced loads and ideal GEMMs
+    (time linear in tokens, no launch cost) the busiest expert rank's work per iteration is 3
+    experts x 5 at N = 3 against 2 experts x 6 at N = 4: 15/12 = 1.25, by hand. DistEP's serial
+    schedule spends it all on the critical path (3 layers x the profile's t_exp_E, which is that
+    busiest rank's forward + backward). Asym-EA's chunks need M | N
+    or N | M and equal blocks: at 2:3 zebra-asym is not simulated, and says why, beside the systems
+    that run."""
+    busiest = {}
+    for n in (4, 3):
+        pool = make_pool(2, n, one_gpu_nodes=True)
+        scn = build_scenario(ZEBRA_MODEL, pool, 2 + n, balanced_trace(2, 3, 8, 2 + n, 64), efficiency=IDEAL_GEMMS,
+                             links=FREE_LINKS, options=SimOptions(zebra_microbatches=2))
+        naive = run(scn, "zebra-naive")
+        busiest[n] = naive.breakdown_I["expert_compute_max"]
+        np.testing.assert_allclose(busiest[n], 3 * naive.details["profile"]["t_exp_E"], rtol=1e-12)
+        assert np.all(np.isfinite(run(scn, "zebra").iteration_s_I))
+        problems = layout_problems(scn, resolve_systems(["zebra-naive", "zebra", "zebra-asym"]))
+        assert list(problems) == ([] if n == 4 else ["zebra-asym"])
+    np.testing.assert_allclose(busiest[3] / busiest[4], 1.25, rtol=1e-12)
+    assert "Asym-EA needs expert_ranks N=3 to divide num_experts=8" in problems["zebra-asym"]
 
 
 RECORDED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces",

@@ -195,7 +195,8 @@ def resolve_asym_ea(
                 f"--zebra-asym-ea off is impossible: the profile says each expert GPU must give "
                 f"away n_min={profile.n_min} experts to fit in memory; use auto or a LIST"
             )
-        if shape.attention_ranks % shape.expert_ranks and shape.expert_ranks % shape.attention_ranks:
+        m, n = shape.attention_ranks, shape.expert_ranks
+        if (m % n and n % m) or shape.num_experts % n:  # no chunks exist, and none are needed
             return AsymEAPlan(shape=shape, offload_chunks_L=chunks_L, n1=0, n2=0)
         n1, n2 = chunk_sizes(shape)
         return AsymEAPlan(shape=shape, offload_chunks_L=chunks_L, n1=n1, n2=n2)
@@ -250,8 +251,9 @@ def expert_owners(plan: AsymEAPlan, layer: int) -> np.ndarray:
     """Owner of every expert of ``layer`` as a ZP-group-local rank (attention ranks 0..M-1, expert
     ranks M..M+N-1), shape [n], int64.
 
-    Expert rank r (group rank M+r) owns the contiguous block [r*n/N, (r+1)*n/N); under Asym-EA it
-    gives away the last o*n2 experts of its block. The given-away experts, in expert-rank order,
+    Expert rank r (group rank M+r) owns the contiguous block [r*n/N, (r+1)*n/N) (blocks as even as
+    possible when N does not divide n: `ZebraShape.expert_block_starts`); under Asym-EA it gives
+    away the last o*n2 experts of its block. The given-away experts, in expert-rank order,
     go to attention ranks in consecutive runs of o*n1. A plan with explicit owners (a re-plan by
     load) gives those instead. Deterministic on every rank.
     """
@@ -261,7 +263,8 @@ def expert_owners(plan: AsymEAPlan, layer: int) -> np.ndarray:
     if plan.owners_LE is not None:
         return np.array(plan.owners_LE[layer], dtype=np.int64)
     m, per_rank = shape.attention_ranks, shape.experts_per_expert_rank
-    owners_E = m + np.arange(shape.num_experts, dtype=np.int64) // per_rank
+    starts = shape.expert_block_starts
+    owners_E = m + np.searchsorted(starts, np.arange(shape.num_experts, dtype=np.int64), side="right") - 1
     moved = plan.offload_chunks_L[layer] * plan.n2
     if moved == 0:
         return owners_E

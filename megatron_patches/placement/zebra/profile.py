@@ -35,24 +35,34 @@ class ZebraShape:
     attention_ranks: int
     """M: attention ranks per ZP group."""
     expert_ranks: int
-    """N: expert ranks per ZP group; the n experts of a layer are split evenly over them."""
+    """N: expert ranks per ZP group, N <= n; the n experts of a layer are split over them in
+    contiguous blocks as even as possible (the first n mod N ranks hold one more). The runtime
+    and Asym-EA need N to divide n; plain zebra (the simulator's) does not."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_experts", "attention_ranks", "expert_ranks"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ZebraShape.{name} must be an integer >= 1, got {value!r}")
-        if self.num_experts % self.expert_ranks != 0:
+        if self.expert_ranks > self.num_experts:
             raise ValueError(
-                f"num_experts={self.num_experts} is not divisible by expert_ranks="
-                f"{self.expert_ranks}: every expert rank must hold the same number of experts "
-                f"per layer (valid expert_ranks: divisors of {self.num_experts})"
+                f"expert_ranks={self.expert_ranks} exceeds num_experts={self.num_experts}: every expert rank "
+                f"must hold at least one expert per layer (valid expert_ranks: 1..{self.num_experts})"
             )
 
     @property
     def experts_per_expert_rank(self) -> int:
-        """n/N: experts of one layer on one expert rank before any offloading."""
-        return self.num_experts // self.expert_ranks
+        """The most experts of one layer one expert rank holds before any offloading: n/N when N
+        divides n, else ceil(n/N) (the busiest rank's, which sizes memory and the E task)."""
+        return -(-self.num_experts // self.expert_ranks)
+
+    @property
+    def expert_block_starts(self) -> np.ndarray:
+        """First expert of every expert rank's contiguous block, and n at the end; int64 [N + 1]."""
+        q, r = divmod(self.num_experts, self.expert_ranks)
+        sizes_N = np.full(self.expert_ranks, q, dtype=np.int64)
+        sizes_N[:r] += 1
+        return np.concatenate([[0], np.cumsum(sizes_N)]).astype(np.int64)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,9 +71,15 @@ class ZebraShape:
 def chunk_sizes(shape: ZebraShape) -> tuple[int, int]:
     """(n1, n2): experts each attention GPU takes and each expert GPU gives per offloaded chunk.
 
-    n1 = max(1, N/M), n2 = n1*M/N, so M*n1 == N*n2 experts move per chunk. Needs M | N or N | M.
+    n1 = max(1, N/M), n2 = n1*M/N, so M*n1 == N*n2 experts move per chunk. Needs M | N or N | M,
+    and N | n (every expert rank gives the same chunks from an equal block).
     """
     m, n = shape.attention_ranks, shape.expert_ranks
+    if shape.num_experts % n != 0:
+        raise ValueError(
+            f"Asym-EA needs expert_ranks N={n} to divide num_experts={shape.num_experts} (equal blocks to give "
+            f"chunks from; valid N: divisors of {shape.num_experts}); plain zebra (off) takes uneven blocks"
+        )
     if n % m != 0 and m % n != 0:
         raise ValueError(
             f"Asym-EA needs attention_ranks M={m} to divide expert_ranks N={n} or N to divide M "
@@ -111,8 +127,6 @@ class ZebraProfile:
                 f"ZebraProfile.n_min={self.n_min} exceeds the {held} experts an expert GPU holds "
                 f"(L={self.shape.num_layers} layers x n/N={self.shape.experts_per_expert_rank})"
             )
-        # A profile exists to drive Asym-EA, which needs whole chunks on both sides.
-        chunk_sizes(self.shape)
 
     def to_dict(self) -> dict:
         return {
