@@ -51,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also write source_loads split over this many ranks (default: none)")
     parser.add_argument("--source-noise", type=float, default=0.1,
                         help="per-rank log-normal perturbation of the routing distribution (default 0.1)")
-    parser.add_argument("--topk", type=int, default=None, help="recorded in the metadata only")
+    parser.add_argument("--topk", type=int, default=None,
+                        help="experts per token: no expert gets more than 1/topk of the routed tokens (default 1)")
     parser.add_argument("--model", default=None, help="model name recorded in the metadata only")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     return parser.parse_args(argv)
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    metadata = {key: value for key, value in (("topk", args.topk), ("model", args.model)) if value is not None}
+    metadata = {} if args.model is None else {"model": args.model}
     routing = dict(PAPERS_ROUTING) if args.papers_routing else {}
     routing.update({name: getattr(args, name) for name in ("zipf", "drift", "layer_variation", "swing", "swing_corr")
                     if getattr(args, name) is not None})
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
             spike_prob=args.spike_prob,
             spike_factor=args.spike_factor,
             **routing,
+            topk=args.topk or 1,
             ranks=args.ranks,
             source_noise=args.source_noise,
             seed=args.seed,

@@ -291,10 +291,10 @@ def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
     iterations = args.iterations or SYNTHETIC_ITERATIONS
     trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
                             tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0,
-                            **PAPERS_ROUTING)
+                            topk=model.moe_router_topk, **PAPERS_ROUTING)
     routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
-    return trace, (f"synthetic (no --trace): {iterations} iterations, the papers' routing dynamics ({routing}), "
-                   f"seed 0, per-rank loads of {gpus} ranks")
+    return trace, (f"synthetic (no --trace): {iterations} iterations, the papers' routing dynamics ({routing}; "
+                   f"no expert above 1/{model.moe_router_topk} of the tokens), seed 0, per-rank loads of {gpus} ranks")
 
 
 def _routing_statistics(trace) -> tuple[dict | None, str]:

@@ -140,7 +140,8 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
     lines.append("")
     routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
     lines.append(f"Synthetic traces of {iterations} iterations at each run's own batch, with the papers' routing "
-                 f"dynamics ({routing}; `make_trace.py --papers-routing`), seed 0: {_statistics(statistics)}. "
+                 f"dynamics ({routing}; `make_trace.py --papers-routing`; no expert above 1/top-k of the tokens), "
+                 f"seed 0: {_statistics(statistics)}. "
                  "Predictions of the cost model, not measurements.")
     return "\n".join(lines)
 

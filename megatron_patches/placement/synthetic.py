@@ -19,6 +19,9 @@ The model, per layer l and iteration i:
   deviation, and x over k iterations differs by N(0, 2 swing^2 (1 - swing_corr^k)): the fast
   per-iteration popularity changes measured in training (swing 0 draws nothing, so traces of
   earlier versions are reproduced bit for bit);
+- top-k: a token picks k distinct experts, so an expert receives at most 1/k of a layer's
+  routed tokens; shares above 1/k are capped there and the excess spread over the others in
+  proportion (water-filling; with k = 1, or no share above 1/k, nothing changes);
 - tokens: `tokens` routed tokens per layer and iteration (tokens per batch x top-k), drawn
   multinomially from the normalised weights. With `ranks`, each rank gets an equal share of
   the tokens and its own slightly perturbed distribution (multiplicative log-normal noise
@@ -34,7 +37,7 @@ import numpy as np
 from megatron_patches.placement.trace import Trace
 from megatron_patches.placement.types import PlacementError, check_int
 
-__all__ = ["PAPERS_ROUTING", "popularity_weights", "synthetic_trace"]
+__all__ = ["PAPERS_ROUTING", "cap_shares", "popularity_weights", "synthetic_trace"]
 
 PAPERS_ROUTING = {"zipf": 1.0, "drift": 0.05, "layer_variation": 0.5, "swing": 0.75, "swing_corr": 0.8}
 """The routing dynamics the MoE training papers report, as generator parameters (the simulator's
@@ -104,6 +107,27 @@ def popularity_weights(
     return w / w.sum(axis=2, keepdims=True)
 
 
+def cap_shares(p_ILE: np.ndarray, cap: float) -> np.ndarray:
+    """Rows of `p_ILE` (probabilities over the last axis) with no entry above `cap`: capped
+    entries set to `cap`, the rest scaled up to fill the row (repeated until none exceeds it);
+    rows already within the cap are returned unchanged. Needs cap * E >= 1."""
+    p = np.array(p_ILE, dtype=np.float64).reshape(-1, np.shape(p_ILE)[-1])  # [rows, E], a copy
+    for index in np.nonzero(p.max(axis=1) > cap)[0]:
+        row = p[index]
+        capped = np.zeros(row.shape, dtype=bool)
+        while True:
+            capped |= row > cap
+            free = ~capped
+            row[capped] = cap
+            rest = row[free].sum()
+            if rest <= 0:
+                break
+            row[free] *= (1.0 - cap * capped.sum()) / rest
+            if not np.any(row[free] > cap * (1 + 1e-12)):
+                break
+    return p.reshape(np.shape(p_ILE))
+
+
 def synthetic_trace(
     iterations: int = 200,
     layers: int = 12,
@@ -119,6 +143,7 @@ def synthetic_trace(
     ranks: int | None = None,
     source_noise: float = 0.1,
     seed: int = 0,
+    topk: int = 1,
     **metadata,
 ) -> Trace:
     """Generate a synthetic Trace (see the module docstring for the model).
@@ -136,6 +161,7 @@ def synthetic_trace(
         ranks: if given, also produce source_loads split over this many ranks.
         source_noise: std-dev of the log-normal per-rank perturbation, >= 0.
         seed: seed of the numpy Generator.
+        topk: experts per token, >= 1, <= experts: no expert gets more than 1/topk of the tokens.
         metadata: extra JSON-serialisable metadata stored with the trace (e.g. model, topk).
     """
     for name, value in (("iterations", iterations), ("layers", layers), ("experts", experts)):
@@ -154,10 +180,15 @@ def synthetic_trace(
         raise PlacementError(f"layer_variation must be in [0, 1], got {layer_variation!r}")
     if ranks is not None:
         check_int(ranks, "ranks", 1)
+    check_int(topk, "topk", 1)
+    if topk > experts:
+        raise PlacementError(f"topk must be <= experts ({experts}): a token picks distinct experts, got {topk}")
     rng = np.random.default_rng(seed)
     p_ILE = popularity_weights(
         iterations, layers, experts, zipf, drift, spike_prob, spike_factor, layer_variation, rng, swing, swing_corr
     )
+    if topk > 1:
+        p_ILE = cap_shares(p_ILE, 1.0 / topk)
     meta = {
         "generator": "synthetic",
         "tokens": int(tokens),
@@ -170,6 +201,7 @@ def synthetic_trace(
         "swing_corr": float(swing_corr),
         "source_noise": float(source_noise),
         "seed": int(seed),
+        **({"topk": int(topk)} if topk > 1 else {}),
         **metadata,
     }
     if ranks is None:

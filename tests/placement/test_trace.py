@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_patches.placement import PlacementError, Trace, TraceError, read_trace, synthetic_trace, write_trace
-from megatron_patches.placement.synthetic import PAPERS_ROUTING, popularity_weights
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, cap_shares, popularity_weights
 from megatron_patches.placement.trace import trace_statistics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,6 +137,24 @@ def test_swings_follow_the_stationary_ar1_law():
         synthetic_trace(swing=-0.1)
 
 
+def test_top_k_caps_an_experts_share_by_water_filling():
+    """A token picks k distinct experts, so no expert gets more than 1/k of the routed tokens. By
+    hand: [0.7, 0.2, 0.1] at cap 1/2 is [0.5, 0.2 x 0.5/0.3, 0.1 x 0.5/0.3]; [0.45, 0.45, 0.06,
+    0.04] at cap 1/3 caps two and spreads the last third as 0.06 : 0.04."""
+    capped = cap_shares(np.array([[[0.7, 0.2, 0.1]], [[0.4, 0.35, 0.25]]]), 0.5)
+    np.testing.assert_allclose(capped[0, 0], [0.5, 1 / 3, 1 / 6], rtol=1e-12)
+    np.testing.assert_array_equal(capped[1, 0], [0.4, 0.35, 0.25])  # within the cap: untouched
+    np.testing.assert_allclose(cap_shares(np.array([0.45, 0.45, 0.06, 0.04]), 1 / 3), [1 / 3, 1 / 3, 0.2, 0.4 / 3],
+                               rtol=1e-12)
+    # a strongly swinging top-2 trace stays within half of the tokens, up to the multinomial draw
+    kwargs = dict(iterations=40, layers=4, experts=8, tokens=200_000, zipf=1.5, swing=1.5, swing_corr=0.5, seed=1)
+    assert trace_statistics(synthetic_trace(**kwargs).loads).hot_share_max > 0.7
+    assert trace_statistics(synthetic_trace(topk=2, **kwargs).loads).hot_share_max < 0.505
+    assert np.array_equal(synthetic_trace(topk=1, **kwargs).loads, synthetic_trace(**kwargs).loads)
+    with pytest.raises(PlacementError, match=r"topk must be <= experts \(8\)"):
+        synthetic_trace(topk=9, **kwargs)
+
+
 def test_trace_statistics_by_hand():
     # 5 iterations, 2 layers, 4 experts, 100 tokens per layer and iteration
     loads = np.zeros((5, 2, 4), dtype=np.int64)
@@ -163,7 +181,8 @@ def test_papers_routing_swings_as_symi_reports():
     """PAPERS_ROUTING's documented calibration: on SYMI's setup (16 experts, top-1, 16 GPUs x 4 x 512
     tokens, 12 layers, 60 iterations, seed 0) the median layer's largest 3-iteration swing is 14.7x
     (SYMI: 16x within 3 iterations), and the layers' mean hottest share spreads about 2x."""
-    trace = synthetic_trace(iterations=60, layers=12, experts=16, tokens=16 * 4 * 512, ranks=16, seed=0, **PAPERS_ROUTING)
+    trace = synthetic_trace(iterations=60, layers=12, experts=16, tokens=16 * 4 * 512, ranks=16, seed=0, topk=1,
+                            **PAPERS_ROUTING)
     per_layer = [trace_statistics(trace.loads[:, l:l + 1]).swing_max for l in range(12)]
     assert np.median(per_layer) == pytest.approx(14.7, abs=0.05)
     stats = trace_statistics(trace.loads)
@@ -203,6 +222,6 @@ def test_make_trace_cli(tmp_path):
     # --papers-routing starts from PAPERS_ROUTING; a flag beside it overrides its value
     papers = subprocess.run(cmd + ["--papers-routing", "--swing", "0.5"], capture_output=True, text=True, check=True)
     assert "statistics:" in papers.stdout
-    expected = synthetic_trace(iterations=5, layers=2, experts=8, tokens=800, ranks=4, seed=3,
+    expected = synthetic_trace(iterations=5, layers=2, experts=8, tokens=800, ranks=4, seed=3, topk=2,
                                **{**PAPERS_ROUTING, "zipf": 1.2, "swing": 0.5})
     assert np.array_equal(read_trace(out).loads, expected.loads)
