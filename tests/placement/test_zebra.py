@@ -649,3 +649,29 @@ def test_iteration_time_responds_to_offloading_as_derived():
     assert t0 - t1 == pytest.approx(r * 0.5, rel=0.05)  # n2 * tau_E = 0.5 per micro-batch
     with pytest.raises(ValueError, match="offload_chunks_L has 2 entries, expected 1"):
         iteration_time(profile, [0, 0], r)
+
+
+def test_all_to_alls_in_one_direction_never_overlap_so_zebra_needs_no_nic_sharing():
+    """The simulator shares a NIC between collectives in flight at once (sim/events.py); zebra's
+    schedule needs none of it. Per direction (attention -> expert: D_F and C_B; expert ->
+    attention: C_F and D_B) the all-to-alls run one at a time for any task durations, layers,
+    micro-batches and offloaded layers, and NICs are priced per direction, so no all-to-all waits
+    on another's NIC time; the dense gradient all-reduce runs after the schedule."""
+    direction = {("D", "F"): "to experts", ("C", "B"): "to experts", ("C", "F"): "to attention",
+                 ("D", "B"): "to attention"}
+    rng = random.Random(0)
+    for layers, microbatches, offloaded in [(8, 4, ()), (8, 6, ()), (4, 4, (1, 2)), (6, 3, (0, 3, 5)), (2, 1, ())]:
+        schedule = build_schedule(layers, microbatches, offloaded)
+        tasks = {t.id: t for queue in schedule.values() for t in queue}
+        for _ in range(20):
+            seconds = {kind: rng.uniform(0.1, 3.0) for kind in "ADEC"}
+            times = simulate_schedule(schedule, lambda t: seconds[t.kind] * (2.0 if t.phase == "B" else 1.0))
+            spans = {}
+            for task_id, (start, end) in times.items():
+                t = tasks[task_id]
+                if t.kind in "DC":
+                    spans.setdefault(direction[(t.kind, t.phase)], []).append((start, end))
+            for way, intervals in spans.items():
+                intervals.sort()
+                for (_, end), (start, _) in zip(intervals, intervals[1:]):
+                    assert start >= end - 1e-12, (layers, microbatches, offloaded, way)
