@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from megatron_patches.placement.synthetic import PAPERS_ROUTING, synthetic_trace
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, describe_routing, synthetic_trace
 from megatron_patches.placement.trace import TraceError, trace_statistics, write_trace
 from megatron_patches.placement.types import PlacementError
 
@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="routed tokens per layer and iteration, i.e. batch tokens x top-k (default 65536)")
     parser.add_argument("--papers-routing", action="store_true",
                         help="start from the papers' routing dynamics (synthetic.PAPERS_ROUTING: "
-                        + ", ".join(f"{k} {v}" for k, v in PAPERS_ROUTING.items()) + ")")
+                        + describe_routing(PAPERS_ROUTING) + ")")
     parser.add_argument("--zipf", type=float, default=None, help="Zipf exponent of popularity; 0 = uniform (default 1.0)")
     parser.add_argument("--drift", type=float, default=None,
                         help="popularity positions moved per iteration; 0 = static hot experts (default 0.05)")

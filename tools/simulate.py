@@ -39,7 +39,7 @@ import sys
 import time
 
 from megatron_patches.config import ConfigError, load_cluster_config, load_model_config, model_config_from_dict
-from megatron_patches.placement.synthetic import PAPERS_ROUTING, synthetic_trace
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, describe_routing, synthetic_trace
 from megatron_patches.placement.trace import TraceError, read_trace, trace_statistics
 from megatron_patches.placement.types import PlacementError
 from megatron_patches.sim import (
@@ -292,7 +292,7 @@ def _trace(args: argparse.Namespace, model, gpus: int, tokens_per_gpu: int):
     trace = synthetic_trace(iterations=iterations, layers=model.num_moe_layers, experts=model.num_experts,
                             tokens=gpus * tokens_per_gpu * model.moe_router_topk, ranks=gpus, seed=0,
                             topk=model.moe_router_topk, **PAPERS_ROUTING)
-    routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
+    routing = describe_routing(PAPERS_ROUTING)
     return trace, (f"synthetic (no --trace): {iterations} iterations, the papers' routing dynamics ({routing}; "
                    f"no expert above 1/{model.moe_router_topk} of the tokens), seed 0, per-rank loads of {gpus} ranks")
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 from megatron_patches.config import ConfigError
-from megatron_patches.placement.synthetic import PAPERS_ROUTING
+from megatron_patches.placement.synthetic import PAPERS_ROUTING, describe_routing
 from megatron_patches.sim import SimError
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -138,7 +138,7 @@ def table(iterations: int, jobs: int = 1, progress=None) -> str:
                  f"{setup['seq_length']} tok/GPU, {setup['precision']}, recompute {setup['recompute']}")
         lines.append(f"| {name} | {where} | {ep_ms} | {cells} |")
     lines.append("")
-    routing = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in PAPERS_ROUTING.items())
+    routing = describe_routing(PAPERS_ROUTING)
     lines.append(f"Synthetic traces of {iterations} iterations at each run's own batch, with the papers' routing "
                  f"dynamics ({routing}; `make_trace.py --papers-routing`; no expert above 1/top-k of the tokens), "
                  f"seed 0: {_statistics(statistics)}. "

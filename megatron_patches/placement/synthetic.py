@@ -37,7 +37,7 @@ import numpy as np
 from megatron_patches.placement.trace import Trace
 from megatron_patches.placement.types import PlacementError, check_int
 
-__all__ = ["PAPERS_ROUTING", "cap_shares", "popularity_weights", "synthetic_trace"]
+__all__ = ["PAPERS_ROUTING", "cap_shares", "describe_routing", "popularity_weights", "synthetic_trace"]
 
 PAPERS_ROUTING = {"zipf": 1.0, "drift": 0.05, "layer_variation": 0.5, "swing": 0.75, "swing_corr": 0.8}
 """The routing dynamics the MoE training papers report, as generator parameters (the simulator's
@@ -57,6 +57,11 @@ never from a system's published speed:
   hottest expert's share during training, so the skew is not tuned to anything."""
 
 
+def describe_routing(routing: dict) -> str:
+    """Generator parameters as the tools print them, e.g. "zipf 1.0, layer variation 0.5"."""
+    return ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in routing.items())
+
+
 def _check(name: str, value, low: float) -> None:
     if not np.isfinite(value) or value < low:
         raise PlacementError(f"{name} must be >= {low}, got {value!r}")
@@ -73,7 +78,7 @@ def popularity_weights(
     layer_variation: float,
     rng: np.random.Generator,
     swing: float = 0.0,
-    swing_corr: float = 0.0,
+    swing_corr: float = 0.9,
 ) -> np.ndarray:
     """Normalised routing probabilities; float64 [iterations, layers, experts], rows sum to 1."""
     exponent_L = zipf * (1 + layer_variation * rng.uniform(-1.0, 1.0, size=layers))  # [L]
@@ -162,7 +167,7 @@ def synthetic_trace(
         source_noise: std-dev of the log-normal per-rank perturbation, >= 0.
         seed: seed of the numpy Generator.
         topk: experts per token, >= 1, <= experts: no expert gets more than 1/topk of the tokens.
-        metadata: extra JSON-serialisable metadata stored with the trace (e.g. model, topk).
+        metadata: extra JSON-serialisable metadata stored with the trace (e.g. model).
     """
     for name, value in (("iterations", iterations), ("layers", layers), ("experts", experts)):
         check_int(value, name, 1)

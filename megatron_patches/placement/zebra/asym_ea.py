@@ -263,8 +263,7 @@ def expert_owners(plan: AsymEAPlan, layer: int) -> np.ndarray:
     if plan.owners_LE is not None:
         return np.array(plan.owners_LE[layer], dtype=np.int64)
     m, per_rank = shape.attention_ranks, shape.experts_per_expert_rank
-    starts = shape.expert_block_starts
-    owners_E = m + np.searchsorted(starts, np.arange(shape.num_experts, dtype=np.int64), side="right") - 1
+    owners_E = m + np.repeat(np.arange(shape.expert_ranks, dtype=np.int64), np.diff(shape.expert_block_starts))
     moved = plan.offload_chunks_L[layer] * plan.n2
     if moved == 0:
         return owners_E
