@@ -53,6 +53,10 @@ def main(argv=None) -> int:
     if args.cpu:
         # Hide the GPUs before anything initialises CUDA: the CPU shims refuse to run with CUDA visible.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if not args.use_cuda:
+        from megatron_patches.compat.cpu import import_megatron_with_eager_fusers
+
+        import_megatron_with_eager_fusers()  # before the imports below bring Megatron-Core in
     from megatron_patches.training.checkpoint import CheckpointUnreadable, CheckpointWriteFailed
     from megatron_patches.training.loop import NonFiniteTraining, pretrain
 

@@ -16,6 +16,15 @@ another test file.
 from __future__ import annotations
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Megatron-Core as the training script imports it on CPU (its jit_fuser eager), before any test
+    # module imports it: the in-process tests and the ranks run_forked forks from this process run
+    # the code the training does, and no test pays TorchInductor's import.
+    from megatron_patches.compat.cpu import import_megatron_with_eager_fusers
+
+    import_megatron_with_eager_fusers()
 
 TIERS = ("multirank", "e2e")
 

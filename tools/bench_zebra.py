@@ -172,6 +172,9 @@ def rank_main(rank: int, world: int, store: str, opts) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10))
+    from megatron_patches.compat.cpu import import_megatron_with_eager_fusers
+
+    import_megatron_with_eager_fusers()  # as the training script on CPU, before Megatron-Core is imported
     from megatron.core import parallel_state
 
     from megatron_patches.compat import mcore, prepare_megatron

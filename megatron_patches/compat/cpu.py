@@ -471,6 +471,43 @@ SHIMS.append(
 )
 
 
+def import_megatron_with_eager_fusers() -> str:
+    """Imports Megatron-Core with its `jit_fuser` the identity: on CPU Megatron's fused functions
+    run as plain torch code. Call it before anything imports Megatron-Core; returns how its
+    `jit_fuser` decorated them ("eager", or "torch.compile" where Megatron-Core was imported first).
+
+    Why: megatron/core/jit.py makes `jit_fuser` torch.compile, which most of Megatron-Core's
+    modules apply at import (fusions/*.py, activations.py) and a few at run time (the router's
+    expert-bias update, GroupedMLP's glu). On CPU that costs ~2 s of importing TorchInductor per
+    rank process, and dynamo traces and compiles (with a C++ compiler) the functions a run
+    reaches, once per model built (measured: a tenth of a DeepSeek-V3-tiny run's training time).
+    The fusions the kernels serve are off on CPU already (compat.mcore.transformer_config), and
+    Megatron's own `disable_jit_fuser()` reaches only modules imported after it, hence the import
+    here with torch.compile the identity. torch.compile is torch's own again on return.
+    """
+    import sys
+
+    if "megatron.core.jit" in sys.modules:
+        from megatron_patches.compat.mcore import jit_fuser_kind
+
+        return jit_fuser_kind()
+    if torch.cuda.is_available():
+        raise RuntimeError("import_megatron_with_eager_fusers() called with CUDA available: GPU runs keep "
+                           "Megatron's torch.compile fusions")
+
+    def identity(model=None, **options):
+        return model if model is not None else (lambda fn: fn)
+
+    compile_ = torch.compile
+    torch.compile = identity
+    try:
+        import megatron.core.jit
+    finally:
+        torch.compile = compile_
+    megatron.core.jit.disable_jit_fuser()  # for the modules imported later (models, moe, ...)
+    return "eager"
+
+
 def apply_cpu_shims() -> list[str]:
     """Install every CPU shim; returns their names. Refuses when CUDA is available."""
     if torch.cuda.is_available():

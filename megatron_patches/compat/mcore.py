@@ -75,6 +75,14 @@ def check_version() -> None:
         )
 
 
+def jit_fuser_kind() -> str:
+    """How megatron/core/jit.py's `jit_fuser` decorates: "eager" (its noop_decorator: on CPU,
+    compat.cpu.import_megatron_with_eager_fusers) or "torch.compile" (Megatron's default)."""
+    from megatron.core import jit
+
+    return "eager" if jit.jit_fuser is jit.noop_decorator else "torch.compile"
+
+
 def have_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401

@@ -104,7 +104,8 @@ def set_up(args) -> None:
              f"{', '.join(args.kernel_choices_not_applied)}")
     if args.flags_without_effect:
         log0(f"accepted without effect: {', '.join(without_effect(args.flags_without_effect))}")
-    log0(f"device: {'cuda' if args.use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}")
+    log0(f"device: {'cuda' if args.use_cuda else 'cpu'} | world {dist.get_world_size()} | CPU shims: {', '.join(shims) or 'none'}"
+         f" | Megatron's jit_fuser: {mcore.jit_fuser_kind()}")
 
 
 def layout_summary(args) -> str:

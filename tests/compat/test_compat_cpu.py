@@ -681,3 +681,38 @@ def test_torch_norm_with_sequence_parallel_does_not_warn_under_expert_parallelis
         _config(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=False, num_moe_experts=4,
                 expert_tensor_parallel_size=1)
     assert [w for w in caught if "sequence parallelism must be used" in str(w.message)]
+
+
+EAGER_IMPORT = """
+import sys, torch
+compile_ = torch.compile
+from megatron_patches.compat.cpu import import_megatron_with_eager_fusers
+first = import_megatron_with_eager_fusers()
+from megatron_patches.compat.mcore import jit_fuser_kind
+print(first, import_megatron_with_eager_fusers(), jit_fuser_kind())
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
+from megatron.core.transformer.moe.router import TopKRouter
+plain = [fn for fn in (bias_swiglu, TopKRouter._apply_expert_bias) if type(fn).__name__ == "function"
+         and not hasattr(fn, "_torchdynamo_orig_callable")]
+print(len(plain), torch.compile is compile_, "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+def test_megatron_imported_on_cpu_fuses_nothing_and_leaves_torch_compile_alone():
+    """On CPU the training script imports Megatron-Core with its jit_fuser the identity: the
+    functions it decorates at import (the fusions) and the ones imported after (the router's
+    expert-bias update) stay plain functions, TorchInductor is never imported, and torch.compile
+    is torch's own again afterwards. In a fresh process (this one imported Megatron already)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", EAGER_IMPORT], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["eager", "eager", "eager", "2", "True", "False"], out.stdout
+    # a process that imported Megatron-Core first keeps its torch.compile, and says so
+    late = subprocess.run([sys.executable, "-c", "import megatron.core; from megatron_patches.compat.cpu import "
+                           "import_megatron_with_eager_fusers as f; print(f())"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert late.stdout.split() == ["torch.compile"], (late.stdout, late.stderr[-2000:])

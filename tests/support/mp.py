@@ -221,6 +221,12 @@ def _main(module: str, fn_name: str, args_json: str, out_dir: str, gloo: str) ->
     # The test module imports `support.*` as pytest's `pythonpath = ["tests"]` lets it.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    import torch
+
+    if not torch.cuda.is_available():
+        from megatron_patches.compat.cpu import import_megatron_with_eager_fusers
+
+        import_megatron_with_eager_fusers()  # Megatron-Core as the training script imports it on CPU
     if gloo == "1":
         _init_gloo(Path(out_dir) / "store", rank, world_size)
     result = _load_function(module, fn_name)(*json.loads(args_json))
