@@ -24,8 +24,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "non-MoE time, the probed bandwidth and the bytes of one expert) are priced on that "
         "iteration's loads (expert time per token and per instance, all-to-all, the gather and "
         "reduce beyond what they overlap) and the cheapest is kept; the log lists the prices. Chosen "
-        "again at every re-shard check (--fssdp-reshard-interval) on the loads of the iteration "
-        "before, as the router's loads drift. New flag.",
+        "again, on the loads of the iteration just run, after iterations 2, 4, 8, 16, ... (doubling, "
+        "below --fssdp-reshard-interval) and at every re-shard check, as the router's loads drift. "
+        "New flag.",
     )
     group.add_argument(
         "--fssdp-memory-capacity", type=auto_or_int, default="auto",

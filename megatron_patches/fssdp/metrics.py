@@ -80,7 +80,7 @@ class IterationStats:
     source_loads_LDE: np.ndarray | None = None
     """Routed tokens per layer of this stage, source device and expert, summed over the
     micro-batches (what auto t prices at the iteration's end); int64 [L, D, E], kept only in the
-    iterations auto t is chosen after: the first, and those before a re-shard check (None otherwise)."""
+    iterations auto t is chosen after: the first, and `planner.overlap_due`'s (None otherwise)."""
 
     def add_dispatch(self, layer_index: int, plan, counts_DE: np.ndarray) -> None:
         self.device_tokens_LD[layer_index] += plan.device_loads_D()

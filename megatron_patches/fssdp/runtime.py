@@ -305,7 +305,7 @@ class FSSDPRuntime(ModeRuntime):
         self.traffic.reset()
         self._iteration = iteration
         self.stats = IterationStats(np.zeros((len(self.layers), self.num_devices), dtype=np.int64), t=t, m=m)
-        rechoose = self.config.overlap_degree is None and planner.reshard_due(iteration, self.config.reshard_interval)
+        rechoose = self.config.overlap_degree is None and planner.overlap_due(iteration, self.config.reshard_interval)
         if self.tuning.t is None or rechoose:  # auto t prices this iteration's loads at its end
             shape_LDE = (len(self.layers), self.num_devices, self.num_experts)
             self.stats.source_loads_LDE = np.zeros(shape_LDE, dtype=np.int64)

@@ -102,7 +102,7 @@ class ReplayConfig:
     overlap_degree: int = 8
     """FSSDP's t: expert copies a device can receive while attention runs."""
     overlap_choice: Callable[[list[ShardLayout], np.ndarray], int] | None = None
-    """FSSDP's auto t after the start: called at every re-shard check with the layers' owners and
+    """FSSDP's auto t after the start: called at `fssdp.overlap_due`'s iterations with the layers' owners and
     the per-source loads of the iteration before it (int [L, D, E]), returns the t to plan with from
     then on, as the runtime re-chooses it there (`FSSDPRuntime.end_iteration`); None: t stays
     `overlap_degree`."""
@@ -383,13 +383,15 @@ class FSSDPPolicy(Policy):
     def plan(self, iteration, predicted_LE, source_loads_LDE):
         cfg = self.config
         moves: list[ExpertMove] = []
+        # the first choice, on iteration 0's loads, is replay_config's: again from the runtime's second
+        # (iteration 1's loads, the runtime's iteration 2), one iteration earlier than it applies them
+        if cfg.overlap_choice is not None and iteration > 1 and fssdp.overlap_due(iteration, cfg.reshard_interval):
+            t = int(cfg.overlap_choice([self.shard.layer(l) for l in range(self.num_layers)],
+                                       self._previous_sources_LDE))
+            if t != self.t:
+                self.t_changes.append((iteration, t))
+            self.t = t
         if fssdp.reshard_due(iteration, cfg.reshard_interval):
-            if cfg.overlap_choice is not None and self._previous_sources_LDE is not None:
-                t = int(cfg.overlap_choice([self.shard.layer(l) for l in range(self.num_layers)],
-                                           self._previous_sources_LDE))
-                if t != self.t:
-                    self.t_changes.append((iteration, t))
-                self.t = t
             decision = fssdp.decide_reshard(self.shard, predicted_LE, self.topology, self.t)
             if decision.adopt:
                 new = decision.proposed

@@ -26,7 +26,7 @@ from megatron_patches.placement import (
     shard_imbalance_bound,
     shard_slots_D,
 )
-from megatron_patches.placement.fssdp import calibration_reserve, memory_capacity_after_activations
+from megatron_patches.placement.fssdp import calibration_reserve, memory_capacity_after_activations, overlap_due
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -690,3 +690,14 @@ def test_memory_capacity_after_activations_reserves_the_measured_peak():
     assert memory_capacity_after_activations(2 * GiB, 2 * GiB, 0.25, 4, 100 * MiB) == 0
     with pytest.raises(PlacementError, match="margin must be finite and >= 0"):
         memory_capacity_after_activations(GiB, 0, -0.1, 1, MiB)
+
+
+def test_overlap_due_doubles_below_the_reshard_interval_then_follows_the_checks():
+    """Auto t is chosen again after 1, 2, 4, 8, ... completed iterations below the re-shard
+    interval, then at every re-shard check; with interval 0 (never re-shard) the doubling goes on."""
+    due = [i for i in range(0, 70) if overlap_due(i, 10)]
+    assert due == [1, 2, 4, 8, 10, 20, 30, 40, 50, 60]
+    assert [i for i in range(0, 300) if overlap_due(i, 100)] == [1, 2, 4, 8, 16, 32, 64, 100, 200]
+    assert [i for i in range(0, 70) if overlap_due(i, 0)] == [1, 2, 4, 8, 16, 32, 64]
+    assert [i for i in range(0, 7) if overlap_due(i, 1)] == [1, 2, 3, 4, 5, 6]
+    assert not overlap_due(0, 10) and not overlap_due(-4, 10)
