@@ -24,7 +24,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "non-MoE time, the probed bandwidth and the bytes of one expert) are priced on that "
         "iteration's loads (expert time per token and per instance, all-to-all, the gather and "
         "reduce beyond what they overlap) and the cheapest is kept; the log lists the prices. Chosen "
-        "again, on the loads of the iteration just run, after iterations 2, 4, 8, 16, ... (doubling, "
+        "again, on the loads of the iteration just run, after iterations 4, 16, 64, ... (powers of 4, "
         "below --fssdp-reshard-interval) and at every re-shard check, as the router's loads drift. "
         "New flag.",
     )

@@ -8,7 +8,7 @@ capacity m, the cost model and the overlap degree t (DESIGN 4.2).
   a probed per-instance time, the gather and all-to-all over the probed bandwidths, the reduce
   beyond what the backward hides.
 - t (auto): priced on the loads of the first iteration and again at `planner.overlap_due`'s
-  (doubling, then before every re-shard check).
+  (powers of 4, then before every re-shard check).
 
 Every figure is reduced over the whole job (minimum, maximum or sum), so every FSSDP group
 plans with the same t, m and topology.
@@ -128,7 +128,7 @@ class FSSDPTuning:
         if self.cost is None and (self.config.calibrate or self.config.overlap_degree is None):
             self.cost = self._measured_cost(expert_s, expert_tokens, _min_over_world(non_moe_s), instance_s())
         if source_loads_LDE is not None:
-            # auto t: chosen after the first iteration, again after iterations 2, 4, 8, ... and
+            # auto t: chosen after the first iteration, again after iterations 4, 16, 64, ... and
             # before every re-shard check (`planner.overlap_due`: loads drift as the router trains)
             shards = [layout.layer(index) for index in range(layout.num_layers)]
             self.t = self._auto_overlap_degree(iteration, shards, source_loads_LDE)

@@ -158,13 +158,13 @@ def test_fssdp_matches_ep_and_balances(ep_run, runs, workdir):
     if auto.records[-1]["fssdp"]["t"] > 0:
         assert after < before, (before, after)
     assert "fssdp: auto overlap degree t =" in auto.output and "fssdp: auto memory capacity m =" in auto.output
-    # t by cost: the logged prices of every candidate t (on the loads of iteration 1, then 2, 4 and
-    # 8 (doubling below the re-shard interval), 10, 20 and 30 (the re-shard checks), with the first
+    # t by cost: the logged prices of every candidate t (on the loads of iteration 1, then 4 (powers
+    # of 4 below the re-shard interval), 10, 20 and 30 (the re-shard checks), with the first
     # iteration's measured times; the last is for a run resumed from here), the chosen one marked
     # and the cheapest, and the records' t is it from the next iteration on
     lines = [x for x in auto.output.splitlines() if "fssdp: auto overlap degree t =" in x]
     priced_at = [int(re.search(r"priced on iteration (\d+)'s loads", line).group(1)) for line in lines]
-    assert priced_at == [1, 2, 4, 8, RECHECK, 2 * RECHECK, 3 * RECHECK], lines
+    assert priced_at == [1, 4, RECHECK, 2 * RECHECK, 3 * RECHECK], lines
     t_from = {}
     for line, iteration in zip(lines, priced_at):
         prices = {int(t): float(ms) for t, ms in re.findall(r"t=(\d+): ([0-9.]+) ms", line)}

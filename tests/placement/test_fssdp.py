@@ -692,12 +692,12 @@ def test_memory_capacity_after_activations_reserves_the_measured_peak():
         memory_capacity_after_activations(GiB, 0, -0.1, 1, MiB)
 
 
-def test_overlap_due_doubles_below_the_reshard_interval_then_follows_the_checks():
-    """Auto t is chosen again after 1, 2, 4, 8, ... completed iterations below the re-shard
-    interval, then at every re-shard check; with interval 0 (never re-shard) the doubling goes on."""
+def test_overlap_due_at_powers_of_4_below_the_reshard_interval_then_at_the_checks():
+    """Auto t is chosen again after 1, 4, 16, 64, ... completed iterations below the re-shard
+    interval, then at every re-shard check; with interval 0 (never re-shard) the powers go on."""
     due = [i for i in range(0, 70) if overlap_due(i, 10)]
-    assert due == [1, 2, 4, 8, 10, 20, 30, 40, 50, 60]
-    assert [i for i in range(0, 300) if overlap_due(i, 100)] == [1, 2, 4, 8, 16, 32, 64, 100, 200]
-    assert [i for i in range(0, 70) if overlap_due(i, 0)] == [1, 2, 4, 8, 16, 32, 64]
+    assert due == [1, 4, 10, 20, 30, 40, 50, 60]
+    assert [i for i in range(0, 300) if overlap_due(i, 100)] == [1, 4, 16, 64, 100, 200]
+    assert [i for i in range(0, 1100) if overlap_due(i, 0)] == [1, 4, 16, 64, 256, 1024]
     assert [i for i in range(0, 7) if overlap_due(i, 1)] == [1, 2, 3, 4, 5, 6]
     assert not overlap_due(0, 10) and not overlap_due(-4, 10)

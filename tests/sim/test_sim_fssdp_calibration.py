@@ -61,7 +61,7 @@ def test_calibrated_fssdp_is_never_slower_than_ep_or_fastermoe():
     """On the costs FSSDP's planner prices (t and calibration's candidates), it never loses to EP
     or FasterMoE. Its cost model prices NIC sharing only in part (the copies' reduce is not hidden
     by the all-to-all), so this runs without sharing: FSSDP / EP 0.797 mean (0.800 before t was
-    re-chosen at doubling iterations). With NIC sharing (the simulator's default since
+    re-chosen after iterations 4, 16, 64). With NIC sharing (the simulator's default since
     2026-11-29), measured on these 30 cases: 0.855 mean, one case slower than EP (case 22, 1.017:
     see the test below), faster than FasterMoE in 28 of 30; with t chosen on the first
     iteration's loads alone, 0.862 and case 22 at 1.131; before the reduce stopped counting as
@@ -85,7 +85,7 @@ def test_auto_t_chosen_again_leaves_copies_that_stopped_paying():
     1-2 copies, while t = 1 keeps gathering it everywhere: 3.2 ms of gather and 6.4 ms of reduce per
     layer on the NIC the all-to-all and the dense gradients need. Chosen again at iteration 4 (on
     iteration 3's loads) t becomes 0, and from there FSSDP is faster than EP every iteration (before
-    the doubling t stayed 1: 1.131x EP over the 8 iterations, now 1.017x)."""
+    these re-choices t stayed 1: 1.131x EP over the 8 iterations, now 1.017x)."""
     case = list(random_cases(23))[22]
     results = simulate_case(case, calibrate=True, nic_sharing=True)
     fssdp, ep = results["fssdp"], results["ep"]
@@ -108,13 +108,13 @@ def test_calibration_gathers_after_the_gate_and_pays(index):
 
 def test_auto_t_follows_the_loads_at_doubling_iterations_and_every_reshard_check():
     """As the runtime does, the simulator chooses t by cost on the first iteration's loads and again
-    on the loads of the iteration before at `fssdp.overlap_due`'s iterations: 2, 4, 8, ... below the
-    re-shard interval, then every re-shard check. A router that starts even (Zipf 0: copies do not
+    on the loads of the iteration before at `fssdp.overlap_due`'s iterations: 4, 16, 64, ... below
+    the re-shard interval, then every re-shard check. A router that starts even (Zipf 0: copies do not
     pay, t = 0) and turns skewed (Zipf 1.4):
     - after 3 iterations, with re-shard checks every 20: copies from iteration 4, the first choice
       after the skew (before the doubling, t stayed 0 through the 20 iterations);
     - after 6, with checks every 5: t changes only at choice iterations (here at the checks 10 and
-      15; the choice at 8 keeps t = 0 on that iteration's loads)."""
+      15; the choices at 4 and 5 keep t = 0 on the even loads)."""
     from megatron_patches.placement.trace import Trace
 
     def changes(even_iterations: int, interval: int) -> list:
