@@ -110,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=None, help="simulate only the trace's first N iterations")
     parser.add_argument("--overlap-degree", type=int, default=None,
                         help="FSSDP's t (default: by cost as the runtime's auto t, on the trace's first "
-                        "iteration and again after iterations 4, 16, 64 and every re-shard check: t = 0, the powers of two up to E "
+                        "iteration and again after iterations 4, 16, 64 and every re-shard check: t = 0, "
+                        "the powers of two up to E "
                         "and DESIGN 4.2's hidden t)")
     parser.add_argument("--memory-capacity", type=int, default=None,
                         help="FSSDP's m, copies per device and layer (default: what fits in free memory)")

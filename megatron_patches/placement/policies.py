@@ -102,10 +102,10 @@ class ReplayConfig:
     overlap_degree: int = 8
     """FSSDP's t: expert copies a device can receive while attention runs."""
     overlap_choice: Callable[[list[ShardLayout], np.ndarray], int] | None = None
-    """FSSDP's auto t after the start: called at `fssdp.overlap_due`'s iterations with the layers' owners and
-    the per-source loads of the iteration before it (int [L, D, E]), returns the t to plan with from
-    then on, as the runtime re-chooses it there (`FSSDPRuntime.end_iteration`); None: t stays
-    `overlap_degree`."""
+    """FSSDP's auto t after the start: called at `fssdp.overlap_due`'s iterations with the layers'
+    owners and the per-source loads of the iteration before it (int [L, D, E]), returns the t to
+    plan with from then on, as the runtime re-chooses it there (`FSSDPRuntime.end_iteration`);
+    None: t stays `overlap_degree`."""
     memory_capacity: int = 4
     """m: extra expert copies that fit on a device (FSSDP copies; FlexMoE's reserved slots)."""
     slots_per_rank: int | None = None
@@ -383,8 +383,8 @@ class FSSDPPolicy(Policy):
     def plan(self, iteration, predicted_LE, source_loads_LDE):
         cfg = self.config
         moves: list[ExpertMove] = []
-        # the first choice, on iteration 0's loads, is replay_config's: again from the runtime's second
-        # (iteration 1's loads, the runtime's iteration 2), one iteration earlier than it applies them
+        # the first choice (iteration 0's loads) is replay_config's; the later ones price the
+        # iteration before's loads, as the runtime does, applied one iteration earlier than it does
         if cfg.overlap_choice is not None and iteration > 1 and fssdp.overlap_due(iteration, cfg.reshard_interval):
             t = int(cfg.overlap_choice([self.shard.layer(l) for l in range(self.num_layers)],
                                        self._previous_sources_LDE))

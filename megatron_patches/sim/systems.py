@@ -418,7 +418,8 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
 
     - t (FSSDP overlap degree): by cost, as the runtime chooses it (`fssdp.choose_overlap_degree`
       on the first iteration's loads, and again on the loads of the iteration before at
-      `fssdp.overlap_due`'s iterations (powers of 4, then every re-shard check), with calibration's copies when it calibrates), among t = 0,
+      `fssdp.overlap_due`'s iterations (powers of 4, then every re-shard check), with
+      calibration's copies when it calibrates), among t = 0,
       the powers of two up to E and DESIGN 4.2's floor(T_nonMoE x bw / expert bytes) (T_nonMoE
       the forward of a layer's attention block, norms and gate on the slowest device; bw from the
       bandwidths the runtime's probe measures).
