@@ -9,7 +9,9 @@ planner as it was before that work are in tests/data/planner_golden.json, writte
 
 Cases span one node and several, fewer devices than experts and more, t <= m and t > m,
 m = 0, loads with cold (zero) experts, calibration with and without the all-to-all priced,
-with a per-instance cost and a reduce, and two drifting-trace replays through FSSDPPolicy.
+with a per-instance cost and a reduce, priced as the runtime prices it (the sparse all-gather's
+stages, flat and hierarchical, and the plan's link bytes), and drifting-trace replays through
+FSSDPPolicy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_patches.placement import Topology, fssdp, synthetic_trace
-from megatron_patches.placement.accounting import imbalance
+from megatron_patches.placement.accounting import dispatch_bytes, imbalance, sparse_all_gather_seconds
+from megatron_patches.placement.links import transfer_seconds
 from megatron_patches.placement.baselines import ByteModel
 from megatron_patches.placement.policies import ReplayConfig, make_policy, replay
 from megatron_patches.placement.types import DispatchPlan, ShardLayout
@@ -86,6 +89,19 @@ def layer_cases():
                 yield f"E{experts}-D{D}-z{exponent}-t{t}-m{m}", shard, source_DE, actual_DE, t, m, topology
 
 
+def _runtime_cost(topology: Topology, algorithm: str) -> fssdp.FSSDPCostModel:
+    """The cost model as the fssdp runtime builds it (`FSSDPTuning.cost_model`): each candidate's
+    gather by the sparse all-gather's stages with `algorithm`, its all-to-all from the dispatch
+    plan's link bytes (4 x, 1,536 bytes per token)."""
+    return fssdp.FSSDPCostModel(
+        seconds_per_token=1.4e-7, expert_bytes=4718592.0, seconds_per_instance=3e-5, reduce_ratio=1.0,
+        reduce_hidden_s=1e-4,
+        gather_seconds=lambda shard, placement: sparse_all_gather_seconds(shard, placement, 4718592.0, topology,
+                                                                          algorithm),
+        dispatch_seconds=lambda plan: 4.0 * transfer_seconds(dispatch_bytes(plan, topology, 1536), topology),
+    )
+
+
 COSTS = {
     "compute": fssdp.FSSDPCostModel(seconds_per_token=1.4e-7, expert_bytes=4718592.0),
     "a2a": fssdp.FSSDPCostModel(seconds_per_token=1.4e-7, expert_bytes=4718592.0, latency_s=2e-5,
@@ -105,7 +121,8 @@ def layer_digests() -> dict[str, tuple[str, float]]:
         out[name] = (_digest(placement.counts_ED, _plan_digest(plan), quota_ED), imbalance(plan.device_loads_D()))
         reserve = fssdp.materialize(shard, predicted_E, t, max(m - 1, 0), topology)
         remaining_D = m - reserve.extra_copies_D(shard)
-        for cost_name, cost in COSTS.items():
+        costs = {**COSTS, "rt-hier": _runtime_cost(topology, "hierarchical"), "rt-flat": _runtime_cost(topology, "flat")}
+        for cost_name, cost in costs.items():
             calibrated, gathered = fssdp.calibrate(reserve, shard, actual_DE.sum(axis=0), remaining_D, topology,
                                                    cost, actual_DE)
             plan = fssdp.dispatch(calibrated, actual_DE, topology)
