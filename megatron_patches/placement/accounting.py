@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_patches.placement.collectives import copy_sources
+from megatron_patches.placement.collectives import copy_stage_bytes
 from megatron_patches.placement.links import CommBytes, transfer_seconds
 from megatron_patches.placement.types import (
     DispatchPlan,
@@ -183,8 +183,7 @@ def gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_b
     sends, ring broadcasts, relays' sends inside their nodes). They add up to `sparse_all_gather_bytes`;
     the runtime starts each after the one before (`comm.relay`), so a time model adds their times
     (a stage that moves nothing costs nothing). Flat has only the first."""
-    size_E = _chunk_bytes_E(chunk_bytes, placement.num_experts)
-    return copy_sources(shard, placement, topology, algorithm).stage_bytes(size_E, topology)
+    return copy_stage_bytes(shard, placement, topology, algorithm, _chunk_bytes_E(chunk_bytes, placement.num_experts))
 
 
 def sparse_all_gather_seconds(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,

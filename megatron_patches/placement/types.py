@@ -700,13 +700,9 @@ class DispatchPlan:
             return tuple(kernels.link_sums(self.source_K, self.dest_K, self.tokens_K.astype(np.float64),
                                            np.asarray(node_of, dtype=np.int64)).astype(np.int64))
         d = self.__dict__
-        grid = np.flatnonzero(d["_grid_E"])
-        node_of = np.asarray(node_of, dtype=np.int64)
-        links = kernels.grid_link_tokens(d["_loads_SE"], grid, d["_dest_E"][grid], node_of)
-        if d["_rep"].size:
-            links += kernels.replicated_link_tokens(d["_loads_SE"], d["_rep"], d["_quota_RD"], d["_node_start"],
-                                                    node_of)
-        return tuple(links)
+        return tuple(kernels.owner_link_tokens(d["_loads_SE"], d["_loads_SE"].sum(axis=1), d["_dest_E"], d["_grid_E"],
+                                               d["_tokens_E"], d["_rep"], d["_quota_RD"], d["_node_start"],
+                                               np.asarray(node_of, dtype=np.int64)))
 
     def source_row(self, source: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(expert, destination, tokens) of the entries from `source`; int64 arrays."""
