@@ -607,7 +607,8 @@ class DispatchPlan:
 
     @classmethod
     def by_owner(cls, loads_SE: np.ndarray, dest_E: np.ndarray, grid_E: np.ndarray, tokens_E: np.ndarray,
-                 rep: np.ndarray, quota_RD: np.ndarray, node_start: np.ndarray, num_devices: int) -> DispatchPlan:
+                 rep: np.ndarray, quota_RD: np.ndarray, node_start: np.ndarray, num_devices: int,
+                 sent_S: np.ndarray | None = None) -> DispatchPlan:
         """`dispatch`'s plan, kept in the form it is decided in, without validation or copies (the
         arrays must be int64, grid_E bool, and no longer written to; S = D):
 
@@ -625,13 +626,17 @@ class DispatchPlan:
         the quotas (the quotas are filled exactly: the loads per device are the quotas'
         sums) or one walk without writes. The entry arrays are built on first access: every
         (source, expert) pair in source-major order, the experts outside the grid with 0
-        tokens, then the pieces.
+        tokens, then the pieces. `sent_S`: loads_SE's row sums, when the caller has them (`link_tokens`
+        reads them; built on first use otherwise).
         """
         plan = object.__new__(cls)
         for name, arr in (("loads_SE", loads_SE), ("dest_E", dest_E), ("grid_E", grid_E), ("tokens_E", tokens_E),
                           ("rep", rep), ("quota_RD", quota_RD), ("node_start", node_start)):
             arr.setflags(write=False)
             object.__setattr__(plan, f"_{name}", arr)
+        if sent_S is not None:
+            sent_S.setflags(write=False)
+            object.__setattr__(plan, "_sent_S", sent_S)
         S, E = loads_SE.shape
         object.__setattr__(plan, "num_sources", int(S))
         object.__setattr__(plan, "num_experts", int(E))
@@ -700,7 +705,9 @@ class DispatchPlan:
             return tuple(kernels.link_sums(self.source_K, self.dest_K, self.tokens_K.astype(np.float64),
                                            np.asarray(node_of, dtype=np.int64)).astype(np.int64))
         d = self.__dict__
-        return tuple(kernels.owner_link_tokens(d["_loads_SE"], d["_loads_SE"].sum(axis=1), d["_dest_E"], d["_grid_E"],
+        if "_sent_S" not in d:
+            object.__setattr__(self, "_sent_S", d["_loads_SE"].sum(axis=1))
+        return tuple(kernels.owner_link_tokens(d["_loads_SE"], d["_sent_S"], d["_dest_E"], d["_grid_E"],
                                                d["_tokens_E"], d["_rep"], d["_quota_RD"], d["_node_start"],
                                                np.asarray(node_of, dtype=np.int64)))
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from megatron_patches.placement import kernels
-from megatron_patches.placement.fssdp.dispatch import dispatch
+from megatron_patches.placement.fssdp.dispatch import plan_dispatch
 from megatron_patches.placement.fssdp.inputs import descending
 from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
 from megatron_patches.placement.types import (
@@ -96,15 +96,17 @@ class FSSDPCostModel:
         return 0.0 if seconds < 0 else float(seconds) + self.latency_s
 
     def layer_seconds(self, holds_ED, tokens_E: np.ndarray, source_loads_DE: np.ndarray | None,
-                      topology: Topology) -> tuple[float, float]:
+                      topology: Topology, sent_S: np.ndarray | None = None) -> tuple[float, float]:
         """(expert compute, all-to-all) of one layer on the placement `holds_ED`: the busiest
         device's tokens x seconds_per_token + its instances with tokens x seconds_per_instance,
         with device loads as `dispatch` makes them, and the dispatch plan's all-to-all. Without
-        per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all."""
+        per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all.
+        The per-source loads are checked ones (`check_loads`, int64 [D, E]) summing over sources to
+        `tokens_E`; `sent_S`, their row sums, when the caller prices several placements on them."""
         holds_ED = np.asarray(holds_ED) > 0
         if source_loads_DE is None or self.dispatch_seconds is None:
             return self.compute_seconds(*quota_loads(holds_ED, tokens_E)), 0.0
-        plan = dispatch(InstancePlacement.trusted(holds_ED.copy()), source_loads_DE, topology)
+        plan = plan_dispatch(holds_ED, source_loads_DE, tokens_E, topology, sent_S)
         return self.compute_seconds(plan.device_loads_D(), plan.instances_with_tokens_D()), float(
             self.dispatch_seconds(plan))
 
@@ -160,17 +162,18 @@ def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray,
     """(tokens, instances with tokens) per device under `balanced_quotas(holds_ED, tokens_E)`,
     without its [E, D] matrix: the single-holder experts counted per holder, the replicated
     ones from their quotas (`replicated_quotas`); int64 [D] each."""
-    replicas_E = holds_ED.sum(axis=1)
+    ptr, dev = kernels.holder_lists(holds_ED)
+    replicas_E = np.diff(ptr)
     if np.any(replicas_E == 0):
         balanced_quotas(holds_ED, tokens_E)  # raises, naming the expert without a holder
     D = holds_ED.shape[1]
     single = np.flatnonzero(replicas_E == 1)
-    holder_S = holds_ED[single].argmax(axis=1)
+    holder_S = dev[ptr[single]]
     load_D = np.bincount(holder_S, weights=tokens_E[single], minlength=D).astype(np.int64)
     instances_D = np.bincount(holder_S[tokens_E[single] > 0], minlength=D)
     rep = np.flatnonzero(replicas_E > 1)
     if rep.size:
-        quota_RD = replicated_quotas(holds_ED, tokens_E, load_D, rep)
+        quota_RD = replicated_quotas(ptr, dev, tokens_E, load_D, rep)
         load_D = load_D + quota_RD.sum(axis=0)
         instances_D = instances_D + (quota_RD > 0).sum(axis=0)
     return load_D, instances_D
@@ -253,8 +256,9 @@ def calibrate(
             raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
 
     quota_ED = balanced_quotas(held_ED, tokens_E)
+    sent_S = source_loads_DE.sum(axis=1) if with_a2a else None
     if with_a2a:
-        best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology))
+        best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology, sent_S))
     else:
         best_s = cost.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0))
     best = None
@@ -269,7 +273,7 @@ def calibrate(
         gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
         if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
             continue  # its copies cost more than any balance could save
-        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology)
+        compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology, sent_S)
         seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s)
         if seconds < best_s:
             best_s, best = seconds, holds_ED

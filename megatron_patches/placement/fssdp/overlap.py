@@ -75,7 +75,7 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
         )
     prices_T4 = np.zeros((len(candidates), 4))
     for shard, sources_DE in zip(shards, source_loads_LDE):
-        tokens_E = sources_DE.sum(axis=0)
+        tokens_E, sent_S = sources_DE.sum(axis=0), sources_DE.sum(axis=1)
         for i, t in enumerate(candidates):
             placement = materialize(shard, tokens_E, t, m, topology)
             gather_s = reduced_s = cost.spag_seconds(shard, placement, topology)  # spRS reduces what spAG gathered
@@ -87,7 +87,7 @@ def overlap_prices(shards: list[ShardLayout], source_loads_LDE, candidates: list
                     exposed_s += cost.extra_gather_seconds(shard, placement, final.holds_ED(), topology)
                     placement = final
                     reduced_s = cost.spag_seconds(shard, placement, topology)  # ... and calibration's copies
-            compute_s, a2a_s = cost.layer_seconds(placement.holds_ED(), tokens_E, sources_DE, topology)
+            compute_s, a2a_s = cost.layer_seconds(placement.held_ED(), tokens_E, sources_DE, topology, sent_S)
             reduce_s = cost.exposed_reduce_seconds(reduced_s, compute_s)
             prices_T4[i] += (compute_s, a2a_s, exposed_s, reduce_s)
     return prices_T4

@@ -13,22 +13,27 @@ _QUOTA_MEMO: dict[bytes, np.ndarray] = {}
 _QUOTA_MEMO_SIZE = 4
 
 
-def replicated_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray, rep: np.ndarray) -> np.ndarray:
-    """`balanced_quotas` of the replicated experts `rep`; int64 [len(rep), D], read-only.
+def replicated_quotas(ptr: np.ndarray, dev: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray,
+                      rep: np.ndarray) -> np.ndarray:
+    """`balanced_quotas` of the replicated experts `rep` (ascending); int64 [len(rep), D], read-only.
 
-    `load_D` (int [D]) holds the tokens of the single-holder experts. The quotas are a pure
-    function of the inputs, and the per-iteration planner asks for the same ones twice:
+    The holders are in CSR form (`kernels.holder_lists`: expert e's holders dev[ptr[e]:ptr[e + 1]],
+    ascending); `load_D` (int [D]) holds the tokens of the single-holder experts. The quotas are
+    a pure function of the inputs, and the per-iteration planner asks for the same ones twice:
     `calibrate` prices its winning candidate with the quotas that `dispatch` then routes by
     (E = 64, D = 32: 0.1 ms of the planner's 1 ms per layer; tools/bench_planners.py). So the last
-    `_QUOTA_MEMO_SIZE` results are kept, keyed by the inputs' bytes (a few us to build).
+    `_QUOTA_MEMO_SIZE` results are kept, keyed by the inputs' bytes (the replicated experts'
+    holder lists: a few us to build).
     """
+    counts_E = np.diff(ptr)
+    dev_P = dev[np.repeat(np.isin(np.arange(counts_E.size), rep), counts_E)]
+    counts_R = counts_E[rep]
     key = b"|".join(
-        np.ascontiguousarray(x, dtype=dtype).tobytes()
-        for x, dtype in ((rep, np.int64), (holds_ED[rep], bool), (tokens_E[rep], np.int64), (load_D, np.int64))
+        np.ascontiguousarray(x, dtype=np.int64).tobytes() for x in (rep, counts_R, dev_P, tokens_E[rep], load_D)
     )
     quota_RD = _QUOTA_MEMO.get(key)
     if quota_RD is None:
-        quota_RD = _sweep_quotas(holds_ED, tokens_E, load_D, rep)
+        quota_RD = _sweep_quotas(counts_R, dev_P, tokens_E[rep], load_D)
         quota_RD.setflags(write=False)
         if len(_QUOTA_MEMO) >= _QUOTA_MEMO_SIZE:
             del _QUOTA_MEMO[next(iter(_QUOTA_MEMO))]
@@ -42,22 +47,25 @@ def clear_quota_memo() -> None:
     _QUOTA_MEMO.clear()
 
 
-def _sweep_quotas(holds_ED: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray, rep: np.ndarray) -> np.ndarray:
-    """`replicated_quotas` without the memo: water-fills (`kernels.fill_sorted`) the replicated experts
-    heaviest first, then sweeps once more. The second sweep is skipped when the first already
-    reaches the lower bound on the peak, max(busiest device with single-holder experts only,
-    ceil(total / D)): it cannot lower the peak then."""
-    rows_P, devices_P = np.nonzero(holds_ED[rep])  # (replicated expert, holder) pairs, row-major
-    holder_ptr = np.zeros(rep.size + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows_P, minlength=rep.size), out=holder_ptr[1:])
-    tokens_R = np.ascontiguousarray(tokens_E[rep], dtype=np.int64)
+def _sweep_quotas(counts_R: np.ndarray, dev_P: np.ndarray, tokens_R: np.ndarray, load_D: np.ndarray) -> np.ndarray:
+    """`replicated_quotas` without the memo, of the replicated experts' holder lists (counts_R
+    holders each, their devices dev_P one expert after the other): water-fills
+    (`kernels.fill_sorted`) the replicated experts heaviest first, then sweeps once more. The
+    second sweep is skipped when the first already reaches the lower bound on the peak,
+    max(busiest device with single-holder experts only, ceil(total / D)): it cannot lower the
+    peak then."""
+    R = counts_R.size
+    holder_ptr = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(counts_R, out=holder_ptr[1:])
+    tokens_R = np.ascontiguousarray(tokens_R, dtype=np.int64)
     load_D = np.ascontiguousarray(load_D, dtype=np.int64)
     D = load_D.size
     bound = max(int(load_D.max()), -(-(int(load_D.sum()) + int(tokens_R.sum())) // D))
     order_R = np.argsort(-tokens_R, kind="stable")  # heaviest first, ties: lower id
-    quota_P = kernels.sweep_quotas(holder_ptr, devices_P.astype(np.int64), tokens_R, load_D, order_R, bound)
-    quota_RD = np.zeros((rep.size, D), dtype=np.int64)
-    quota_RD[rows_P, devices_P] = quota_P
+    quota_P = kernels.sweep_quotas(holder_ptr, np.ascontiguousarray(dev_P, dtype=np.int64), tokens_R, load_D,
+                                   order_R, bound)
+    quota_RD = np.zeros((R, D), dtype=np.int64)
+    quota_RD[np.repeat(np.arange(R), counts_R), dev_P] = quota_P
     return quota_RD
 
 
@@ -90,5 +98,5 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
     quota_ED = holds_ED * tokens_E[:, None]  # single holders take everything
     rep = np.flatnonzero(replicas_E > 1)
     quota_ED[rep] = 0
-    quota_ED[rep] = replicated_quotas(holds_ED, tokens_E, quota_ED.sum(axis=0), rep)
+    quota_ED[rep] = replicated_quotas(*kernels.holder_lists(holds_ED), tokens_E, quota_ED.sum(axis=0), rep)
     return quota_ED
