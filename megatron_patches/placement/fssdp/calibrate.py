@@ -10,7 +10,7 @@ import numpy as np
 
 from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.dispatch import plan_dispatch
-from megatron_patches.placement.fssdp.inputs import descending
+from megatron_patches.placement.fssdp.inputs import descending, holdings
 from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
 from megatron_patches.placement.types import (
     DispatchPlan,
@@ -82,7 +82,7 @@ class FSSDPCostModel:
         prices up to a few candidates per layer per iteration)."""
         if self.gather_seconds is not None:
             return self.spag_seconds(shard, calibration_gather(shard, current, holds_ED), topology)
-        return self._copies_seconds(np.asarray(holds_ED) > 0, current.held_ED(), shard, topology)
+        return self._copies_seconds(holdings(holds_ED), current.held_ED(), shard, topology)
 
     def _copies_seconds(self, holds_ED: np.ndarray, have_ED: np.ndarray, shard: ShardLayout,
                         topology: Topology) -> float:
@@ -103,7 +103,7 @@ class FSSDPCostModel:
         per-source loads or `dispatch_seconds`, the loads of `balanced_quotas` and no all-to-all.
         The per-source loads are checked ones (`check_loads`, int64 [D, E]) summing over sources to
         `tokens_E`; `sent_S`, their row sums, when the caller prices several placements on them."""
-        holds_ED = np.asarray(holds_ED) > 0
+        holds_ED = holdings(holds_ED)
         if source_loads_DE is None or self.dispatch_seconds is None:
             return self.compute_seconds(*quota_loads(holds_ED, tokens_E)), 0.0
         plan = plan_dispatch(holds_ED, source_loads_DE, tokens_E, topology, sent_S)
@@ -155,7 +155,10 @@ MOE_BACKWARD_SHARE = BACKWARD_OVER_FORWARD / (1.0 + BACKWARD_OVER_FORWARD)
 def calibration_gather(shard: ShardLayout, current: InstancePlacement, holds_ED) -> InstancePlacement:
     """What calibration's extra spAG fills: the owners plus the copies in `holds_ED` (bool or int
     [E, D]) that `current` lacks."""
-    return InstancePlacement.trusted(shard.holds_ED(bool) | ((np.asarray(holds_ED) > 0) & ~current.held_ED()))
+    gather_ED = ~current.held_ED()
+    gather_ED &= holdings(holds_ED)
+    gather_ED[np.arange(shard.num_experts), shard.owner_E] = True
+    return InstancePlacement.trusted(gather_ED)
 
 
 def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,3 +23,11 @@ def check_weights(weights, name: str, size: int | None = None) -> np.ndarray:
 def descending(weights: np.ndarray) -> np.ndarray:
     """Indices by descending weight, ties towards the lower index."""
     return np.argsort(-weights, kind="stable")
+
+
+def holdings(holds_ED) -> np.ndarray:
+    """Holdings as a C-contiguous bool [E, D]: a bool array as it is (not copied: read it, do not
+    write it), any other dtype's non-zero entries. `x > 0` of a bool array converts it first: at
+    E = 256, D = 1,024 that took 0.12 ms, more than pricing the placement's gather."""
+    arr = np.asarray(holds_ED)
+    return np.ascontiguousarray(arr) if arr.dtype == np.bool_ else arr > 0

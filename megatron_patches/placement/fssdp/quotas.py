@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_patches.placement import kernels
+from megatron_patches.placement.fssdp.inputs import holdings
 from megatron_patches.placement.types import PlacementError, check_loads
 
 _QUOTA_MEMO: dict[bytes, np.ndarray] = {}
@@ -85,18 +86,24 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
     Returns:
         quota_ED with quota_ED[e, d] > 0 only where d holds e and rows summing to tokens_E.
     """
-    holds_ED = np.asarray(holds_ED) > 0
+    holds_ED = holdings(holds_ED)
     tokens_E = check_loads(tokens_E, "tokens_E", 1)
     if holds_ED.ndim != 2 or tokens_E.size != holds_ED.shape[0]:
         raise PlacementError(
             f"tokens_E has {tokens_E.size} entries but holds_ED has shape {holds_ED.shape}; need [E, D] and [E]"
         )
-    replicas_E = holds_ED.sum(axis=1)
+    ptr, dev = kernels.holder_lists(holds_ED)
+    replicas_E = np.diff(ptr)
     missing = np.flatnonzero(replicas_E == 0)
     if missing.size:
         raise PlacementError(f"expert {int(missing[0])} has no holder; its tokens have nowhere to go")
-    quota_ED = holds_ED * tokens_E[:, None]  # single holders take everything
+    E, D = holds_ED.shape
+    single = np.flatnonzero(replicas_E == 1)
+    holder_S = dev[ptr[single]]
+    quota_ED = np.zeros((E, D), dtype=np.int64)
+    quota_ED[single, holder_S] = tokens_E[single]  # single holders take everything
     rep = np.flatnonzero(replicas_E > 1)
-    quota_ED[rep] = 0
-    quota_ED[rep] = replicated_quotas(*kernels.holder_lists(holds_ED), tokens_E, quota_ED.sum(axis=0), rep)
+    if rep.size:
+        load_D = np.bincount(holder_S, weights=tokens_E[single], minlength=D).astype(np.int64)
+        quota_ED[rep] = replicated_quotas(ptr, dev, tokens_E, load_D, rep)
     return quota_ED
