@@ -701,3 +701,19 @@ def test_overlap_due_at_powers_of_4_below_the_reshard_interval_then_at_the_check
     assert [i for i in range(0, 1100) if overlap_due(i, 0)] == [1, 4, 16, 64, 256, 1024]
     assert [i for i in range(0, 7) if overlap_due(i, 1)] == [1, 2, 3, 4, 5, 6]
     assert not overlap_due(0, 10) and not overlap_due(-4, 10)
+
+
+def test_the_water_fills_stable_order_is_a_stable_sort():
+    """The water-fill's order of holders (`kernels._stable_order`: insertion sort up to 32
+    holders, a sort of distinct (load, position) keys beyond) is numpy's stable argsort, ties by
+    position, for few and many holders (an expert copied to every device), negative loads and
+    many ties."""
+    from megatron_patches.placement import kernels
+
+    rng = np.random.default_rng(7)
+    for H in [*range(1, 70), 100, 257, 1024, 4000]:
+        for high in (3, 50, 10**9):
+            loads = rng.integers(-5, high, H).astype(np.int64)
+            order = np.empty(2 * H, dtype=np.int64)
+            kernels._stable_order(loads, order)
+            np.testing.assert_array_equal(order[:H], np.argsort(loads, kind="stable"))
