@@ -18,7 +18,8 @@ runtime does, by the hierarchical sparse all-gather's stages and the plan's all-
 where the other rows use the point-to-point gather and no all-to-all). Times are the median and the minimum over --repeats calls
 after one warm-up call; the verdict uses the median. The minimum is the better estimate of
 the code's own cost on a busy machine: the load average is printed, and a load above the core
-count means other processes inflated the times. The breakdown column times the two halves of
+count means other processes inflated the times. The per-source loads are read-only int64, as the
+fssdp runtime passes them (checked once when gathered), so the planners take them uncopied. The breakdown column times the two halves of
 materialize + dispatch (and of replication) separately. --profile NAME prints the cProfile
 top functions of one case.
 """
@@ -78,6 +79,7 @@ def layer_case(name: str, experts: int, nodes: int, per_node: int, t: int, m: in
     tokens_per_device = 4096 * 2  # 4096 tokens x top-2 per device
     popularity = zipf_popularity(rng, experts)
     source_DE = np.stack([rng.multinomial(tokens_per_device, popularity) for _ in range(D)])
+    source_DE.setflags(write=False)  # as the runtime passes them: checked once when gathered
     predicted_E = source_DE.sum(axis=0).astype(np.float64)
     placement = fssdp.materialize(shard, predicted_E, t, m, topology)
 
@@ -121,6 +123,7 @@ def calibrated_case(name: str, experts: int, nodes: int, per_node: int, target, 
         actual_DE[:, cold] = source_DE[:, second]
     else:
         actual_DE = np.stack([rng.multinomial(4096 * 2, popularity) for _ in range(D)])
+    actual_DE.setflags(write=False)  # as the runtime passes them (`FSSDPRuntime.all_gather_counts`)
     cost = fssdp.FSSDPCostModel(seconds_per_token=1.4e-7, expert_bytes=4718592.0, reduce_ratio=1.0)
     if runtime_cost:
         cost = fssdp.FSSDPCostModel(

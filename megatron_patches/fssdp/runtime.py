@@ -68,7 +68,7 @@ from megatron_patches.mode.layer import with_moe_layer
 from megatron_patches.mode.runtime import ModeRuntime, StepResult
 from megatron_patches.placement import fssdp as planner
 from megatron_patches.placement.loads import LoadTracker
-from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology
+from megatron_patches.placement.types import InstancePlacement, ModelShardLayout, ShardLayout, Topology, check_loads
 
 __all__ = ["FSSDPRuntime", "FSSDPLayerPlan"]
 
@@ -568,10 +568,11 @@ class FSSDPRuntime(ModeRuntime):
         return torch.float32 if self.config.reduce_in_fp32 else grad_dtype
 
     def all_gather_counts(self, counts_E: torch.Tensor) -> np.ndarray:
-        """Routed tokens per (source device, expert) of one layer; int64 [D, E]."""
+        """Routed tokens per (source device, expert) of one layer; int64 [D, E], checked and
+        read-only (`check_loads`), so that calibration and dispatch take it without copying."""
         parts = [torch.empty_like(counts_E, device=self.device) for _ in range(self.num_devices)]
         dist.all_gather(parts, counts_E.to(self.device), group=self.ep_group)
-        return torch.stack(parts).cpu().numpy()
+        return check_loads(torch.stack(parts).cpu().numpy(), "routed tokens per (source rank, expert)", 2)
 
     # ---- backward --------------------------------------------------------------------------
 

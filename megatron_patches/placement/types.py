@@ -44,8 +44,20 @@ class PlacementError(ValueError):
     """
 
 
+def _frozen(arr: np.ndarray) -> bool:
+    """Whether `arr` and every array it views are read-only: the planners' convention for an
+    array nobody writes again (`check_loads`' own results, `InstancePlacement.trusted`)."""
+    while arr is not None:
+        if not isinstance(arr, np.ndarray) or arr.flags.writeable:
+            return False
+        arr = arr.base
+    return True
+
+
 def _frozen_int_array(values, name: str, ndim: int) -> np.ndarray:
-    """Copy `values` into a read-only int64 array of `ndim` dimensions.
+    """Copy `values` into a read-only int64 array of `ndim` dimensions; an int64 array that is
+    already read-only, with everything it views, is taken as it is (at D = 1,024 and E = 256 a
+    layer's source loads are 2 MB, and the planners check them in every call).
 
     Accepts any integer-valued array-like (ints, integer dtypes, or floats that are whole
     numbers, e.g. loads read back from JSON). Raises PlacementError otherwise.
@@ -53,6 +65,8 @@ def _frozen_int_array(values, name: str, ndim: int) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != ndim:
         raise PlacementError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    if arr.dtype == np.int64 and _frozen(arr):
+        return arr
     if arr.dtype.kind == "b":
         arr = arr.astype(np.int64)
     if arr.dtype.kind == "f":

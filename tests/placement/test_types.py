@@ -53,6 +53,26 @@ def test_topology_device_types_and_errors():
 # ---------------------------------------------------------------------------- loads
 
 
+def test_check_loads_copies_what_someone_may_still_write():
+    """check_loads returns a read-only int64 array: a copy of anything writable (or viewing a
+    writable array), so writing the input later cannot change a plan made from it; an array that
+    is already read-only int64 all the way down (its own result: the runtime checks a layer's
+    gathered loads once, then calibration and dispatch read them) is taken as it is."""
+    writable = np.array([[1, 2], [3, 4]], dtype=np.int64)
+    checked = check_loads(writable, ndim=2)
+    assert checked is not writable and not checked.flags.writeable
+    writable[0, 0] = 99
+    assert checked[0, 0] == 1
+    assert check_loads(checked, ndim=2) is checked
+    assert check_loads(checked[1:], ndim=2).base is checked  # a read-only view of it: no copy either
+    view = writable.view()
+    view.setflags(write=False)  # read-only, but its base is not
+    assert check_loads(view, ndim=2) is not view
+    small = np.array([1, 2], dtype=np.int32)
+    small.setflags(write=False)
+    assert check_loads(small).dtype == np.int64  # another dtype is converted
+
+
 def test_check_loads_rejects_bad_values_with_their_position():
     assert check_loads([1.0, 2.0]).dtype == np.int64
     with pytest.raises(PlacementError, match=r"got -3 at index \(1,\)"):
