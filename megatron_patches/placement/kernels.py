@@ -629,6 +629,63 @@ def holder_lists(held_ED):
 
 
 @_jit
+def split_holders(ptr, dev, tokens_E, num_devices):
+    """The single-holder and the replicated experts of holder lists (`holder_lists`), in one
+    pass: (single_E bool [E], holder_E int64 [E]: the first holder, -1 for an expert without
+    one; load_D and busy_D int64 [D]: tokens and experts with tokens of the single-holder
+    experts at their holders; rep int64 [R]: the replicated experts, ascending; rep_ptr int64
+    [R + 1] and rep_dev int64 [P]: their holder lists)."""
+    E = ptr.size - 1
+    single_E = np.zeros(E, dtype=np.bool_)
+    holder_E = np.full(E, -1, dtype=np.int64)
+    load_D = np.zeros(num_devices, dtype=np.int64)
+    busy_D = np.zeros(num_devices, dtype=np.int64)
+    R, P = 0, 0
+    for e in range(E):
+        count = ptr[e + 1] - ptr[e]
+        if count:
+            holder_E[e] = dev[ptr[e]]
+        if count == 1:
+            single_E[e] = True
+            load_D[holder_E[e]] += tokens_E[e]
+            if tokens_E[e] > 0:
+                busy_D[holder_E[e]] += 1
+        elif count > 1:
+            R += 1
+            P += count
+    rep = np.empty(R, dtype=np.int64)
+    rep_ptr = np.zeros(R + 1, dtype=np.int64)
+    rep_dev = np.empty(P, dtype=np.int64)
+    r, k = 0, 0
+    for e in range(E):
+        if ptr[e + 1] - ptr[e] > 1:
+            rep[r] = e
+            for i in range(ptr[e], ptr[e + 1]):
+                rep_dev[k] = dev[i]
+                k += 1
+            r += 1
+            rep_ptr[r] = k
+    return single_E, holder_E, load_D, busy_D, rep, rep_ptr, rep_dev
+
+
+@_jit
+def replicated_quota_rows(rep_ptr, rep_dev, tokens_R, load_D):
+    """`quotas._sweep_quotas` of the replicated experts' holder lists: the fill order (heaviest
+    first, ties: lower index), the bound below which a second sweep cannot lower the peak,
+    `sweep_quotas`, and the quotas written as rows; int64 [R, D]."""
+    R, D = tokens_R.size, load_D.size
+    total = load_D.sum() + tokens_R.sum()
+    bound = max(load_D.max(), -(-total // D))
+    order_R = np.argsort(-tokens_R, kind="mergesort")
+    quota_P = sweep_quotas(rep_ptr, rep_dev, tokens_R, load_D, order_R, bound)
+    quota_RD = np.zeros((R, D), dtype=np.int64)
+    for r in range(R):
+        for i in range(rep_ptr[r], rep_ptr[r + 1]):
+            quota_RD[r, rep_dev[i]] = quota_P[i]
+    return quota_RD
+
+
+@_jit
 def copy_stage_bytes(ptr, dev, owner_E, devices_per_node, relays, ring_E, size_E, node_of):
     """`collectives.CopySources.stage_bytes` of spAG(owners -> holders in CSR form,
     `holder_lists`) without its [E, D] source table: the owner sends the copies on its node
@@ -795,6 +852,20 @@ def balanced_slots(order_E, counts_E, weight_E, num_ranks, slots_per_rank):
     for r in range(num_ranks):
         slot_RS[r].sort()
     return slot_RS
+
+
+@_jit
+def transfer_seconds(sent_intra_D, sent_inter_D, recv_intra_D, recv_inter_D, intra_bw, inter_bw):
+    """`links.transfer_seconds` of the four per-device byte arrays: the busiest device's
+    intra-node bytes (sent or received) over intra_bw or inter-node bytes over inter_bw,
+    whichever is longer; 0.0 without devices. The planners price a few such sets per candidate
+    placement; in numpy each took eight calls."""
+    most = 0.0
+    for d in range(sent_intra_D.size):
+        intra = max(sent_intra_D[d], recv_intra_D[d]) / intra_bw
+        inter = max(sent_inter_D[d], recv_inter_D[d]) / inter_bw
+        most = max(most, intra, inter)
+    return most
 
 
 @_jit

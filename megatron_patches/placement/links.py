@@ -84,6 +84,5 @@ def transfer_seconds(comm: CommBytes, topology: Topology) -> float:
     intra-node bytes (sent or received) over the intra-node bandwidth, or its inter-node bytes over
     the inter-node bandwidth, whichever is longer. No latency, no NIC sharing (the simulator's
     `CommModel` adds both)."""
-    intra = np.maximum(comm.sent_intra_D, comm.recv_intra_D) / topology.intra_node_bw
-    inter = np.maximum(comm.sent_inter_D, comm.recv_inter_D) / topology.inter_node_bw
-    return float(np.maximum(intra, inter).max(initial=0.0))
+    return float(kernels.transfer_seconds(comm.sent_intra_D, comm.sent_inter_D, comm.recv_intra_D, comm.recv_inter_D,
+                                          topology.intra_node_bw, topology.inter_node_bw))

@@ -11,7 +11,7 @@ import numpy as np
 from megatron_patches.placement import kernels
 from megatron_patches.placement.fssdp.dispatch import plan_dispatch
 from megatron_patches.placement.fssdp.inputs import descending, holdings
-from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas
+from megatron_patches.placement.fssdp.quotas import balanced_quotas, replicated_quotas, split_holders
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -165,18 +165,12 @@ def quota_loads(holds_ED: np.ndarray, tokens_E: np.ndarray) -> tuple[np.ndarray,
     """(tokens, instances with tokens) per device under `balanced_quotas(holds_ED, tokens_E)`,
     without its [E, D] matrix: the single-holder experts counted per holder, the replicated
     ones from their quotas (`replicated_quotas`); int64 [D] each."""
-    ptr, dev = kernels.holder_lists(holds_ED)
-    replicas_E = np.diff(ptr)
-    if np.any(replicas_E == 0):
+    holders = split_holders(holds_ED, tokens_E)
+    if np.any(holders.holder_E < 0):
         balanced_quotas(holds_ED, tokens_E)  # raises, naming the expert without a holder
-    D = holds_ED.shape[1]
-    single = np.flatnonzero(replicas_E == 1)
-    holder_S = dev[ptr[single]]
-    load_D = np.bincount(holder_S, weights=tokens_E[single], minlength=D).astype(np.int64)
-    instances_D = np.bincount(holder_S[tokens_E[single] > 0], minlength=D)
-    rep = np.flatnonzero(replicas_E > 1)
-    if rep.size:
-        quota_RD = replicated_quotas(ptr, dev, tokens_E, load_D, rep)
+    load_D, instances_D = holders.load_D, holders.busy_D
+    if holders.rep.size:
+        quota_RD = replicated_quotas(holders, tokens_E)
         load_D = load_D + quota_RD.sum(axis=0)
         instances_D = instances_D + (quota_RD > 0).sum(axis=0)
     return load_D, instances_D

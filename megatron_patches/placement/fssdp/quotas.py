@@ -3,6 +3,8 @@ dispatch (DESIGN 4.4) and calibration (4.2 step 4)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from megatron_patches.placement import kernels
@@ -14,27 +16,46 @@ _QUOTA_MEMO: dict[bytes, np.ndarray] = {}
 _QUOTA_MEMO_SIZE = 4
 
 
-def replicated_quotas(ptr: np.ndarray, dev: np.ndarray, tokens_E: np.ndarray, load_D: np.ndarray,
-                      rep: np.ndarray) -> np.ndarray:
-    """`balanced_quotas` of the replicated experts `rep` (ascending); int64 [len(rep), D], read-only.
+class Holders(NamedTuple):
+    """A placement's holders split into single-holder and replicated experts (`split_holders`)."""
 
-    The holders are in CSR form (`kernels.holder_lists`: expert e's holders dev[ptr[e]:ptr[e + 1]],
-    ascending); `load_D` (int [D]) holds the tokens of the single-holder experts. The quotas are
-    a pure function of the inputs, and the per-iteration planner asks for the same ones twice:
+    single_E: np.ndarray
+    """Experts with exactly one holder; bool [E]."""
+    holder_E: np.ndarray
+    """Each expert's first (for a single-holder expert: only) holder, -1 where none; int64 [E]."""
+    load_D: np.ndarray
+    """Tokens of the single-holder experts at their holder; int64 [D]."""
+    busy_D: np.ndarray
+    """Single-holder experts with tokens per holder; int64 [D]."""
+    rep: np.ndarray
+    """The replicated experts, ascending; int64 [R]."""
+    rep_ptr: np.ndarray
+    """Where each replicated expert's holders start in `rep_dev`; int64 [R + 1]."""
+    rep_dev: np.ndarray
+    """The replicated experts' holders, ascending per expert; int64 [P]."""
+
+
+def split_holders(holds_ED: np.ndarray, tokens_E: np.ndarray) -> Holders:
+    """The holders of bool [E, D] holdings (`kernels.holder_lists`, `kernels.split_holders`)
+    with the tokens `tokens_E` (int64 [E]) of the single-holder experts counted at theirs."""
+    ptr, dev = kernels.holder_lists(holds_ED)
+    return Holders(*kernels.split_holders(ptr, dev, np.ascontiguousarray(tokens_E, dtype=np.int64), holds_ED.shape[1]))
+
+
+def replicated_quotas(holders: Holders, tokens_E: np.ndarray) -> np.ndarray:
+    """`balanced_quotas` of the replicated experts `holders.rep`; int64 [R, D], read-only.
+
+    The quotas are a pure function of the replicated experts' holders, their tokens and the
+    single-holder experts' loads, and the per-iteration planner asks for the same ones twice:
     `calibrate` prices its winning candidate with the quotas that `dispatch` then routes by
     (E = 64, D = 32: 0.1 ms of the planner's 1 ms per layer; tools/bench_planners.py). So the last
-    `_QUOTA_MEMO_SIZE` results are kept, keyed by the inputs' bytes (the replicated experts'
-    holder lists: a few us to build).
+    `_QUOTA_MEMO_SIZE` results are kept, keyed by those inputs' bytes (a few us to build).
     """
-    counts_E = np.diff(ptr)
-    dev_P = dev[np.repeat(np.isin(np.arange(counts_E.size), rep), counts_E)]
-    counts_R = counts_E[rep]
-    key = b"|".join(
-        np.ascontiguousarray(x, dtype=np.int64).tobytes() for x in (rep, counts_R, dev_P, tokens_E[rep], load_D)
-    )
+    tokens_R = np.ascontiguousarray(tokens_E[holders.rep], dtype=np.int64)
+    key = b"|".join(x.tobytes() for x in (holders.rep, holders.rep_ptr, holders.rep_dev, tokens_R, holders.load_D))
     quota_RD = _QUOTA_MEMO.get(key)
     if quota_RD is None:
-        quota_RD = _sweep_quotas(counts_R, dev_P, tokens_E[rep], load_D)
+        quota_RD = _sweep_quotas(holders, tokens_R)
         quota_RD.setflags(write=False)
         if len(_QUOTA_MEMO) >= _QUOTA_MEMO_SIZE:
             del _QUOTA_MEMO[next(iter(_QUOTA_MEMO))]
@@ -48,26 +69,13 @@ def clear_quota_memo() -> None:
     _QUOTA_MEMO.clear()
 
 
-def _sweep_quotas(counts_R: np.ndarray, dev_P: np.ndarray, tokens_R: np.ndarray, load_D: np.ndarray) -> np.ndarray:
-    """`replicated_quotas` without the memo, of the replicated experts' holder lists (counts_R
-    holders each, their devices dev_P one expert after the other): water-fills
+def _sweep_quotas(holders: Holders, tokens_R: np.ndarray) -> np.ndarray:
+    """`replicated_quotas` without the memo (`kernels.replicated_quota_rows`): water-fills
     (`kernels.fill_sorted`) the replicated experts heaviest first, then sweeps once more. The
     second sweep is skipped when the first already reaches the lower bound on the peak,
     max(busiest device with single-holder experts only, ceil(total / D)): it cannot lower the
     peak then."""
-    R = counts_R.size
-    holder_ptr = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(counts_R, out=holder_ptr[1:])
-    tokens_R = np.ascontiguousarray(tokens_R, dtype=np.int64)
-    load_D = np.ascontiguousarray(load_D, dtype=np.int64)
-    D = load_D.size
-    bound = max(int(load_D.max()), -(-(int(load_D.sum()) + int(tokens_R.sum())) // D))
-    order_R = np.argsort(-tokens_R, kind="stable")  # heaviest first, ties: lower id
-    quota_P = kernels.sweep_quotas(holder_ptr, np.ascontiguousarray(dev_P, dtype=np.int64), tokens_R, load_D,
-                                   order_R, bound)
-    quota_RD = np.zeros((R, D), dtype=np.int64)
-    quota_RD[np.repeat(np.arange(R), counts_R), dev_P] = quota_P
-    return quota_RD
+    return kernels.replicated_quota_rows(holders.rep_ptr, holders.rep_dev, tokens_R, holders.load_D)
 
 
 def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
@@ -92,18 +100,13 @@ def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
         raise PlacementError(
             f"tokens_E has {tokens_E.size} entries but holds_ED has shape {holds_ED.shape}; need [E, D] and [E]"
         )
-    ptr, dev = kernels.holder_lists(holds_ED)
-    replicas_E = np.diff(ptr)
-    missing = np.flatnonzero(replicas_E == 0)
+    holders = split_holders(holds_ED, tokens_E)
+    missing = np.flatnonzero(holders.holder_E < 0)
     if missing.size:
         raise PlacementError(f"expert {int(missing[0])} has no holder; its tokens have nowhere to go")
-    E, D = holds_ED.shape
-    single = np.flatnonzero(replicas_E == 1)
-    holder_S = dev[ptr[single]]
-    quota_ED = np.zeros((E, D), dtype=np.int64)
-    quota_ED[single, holder_S] = tokens_E[single]  # single holders take everything
-    rep = np.flatnonzero(replicas_E > 1)
-    if rep.size:
-        load_D = np.bincount(holder_S, weights=tokens_E[single], minlength=D).astype(np.int64)
-        quota_ED[rep] = replicated_quotas(ptr, dev, tokens_E, load_D, rep)
+    single = np.flatnonzero(holders.single_E)
+    quota_ED = np.zeros(holds_ED.shape, dtype=np.int64)
+    quota_ED[single, holders.holder_E[single]] = tokens_E[single]  # single holders take everything
+    if holders.rep.size:
+        quota_ED[holders.rep] = replicated_quotas(holders, tokens_E)
     return quota_ED
