@@ -1,5 +1,7 @@
 """Tests of FSSDP planning: t and m, materialization, calibration, sharding, dispatch (DESIGN 4.2-4.4)."""
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -27,6 +29,8 @@ from megatron_patches.placement import (
     shard_slots_D,
 )
 from megatron_patches.placement.fssdp import calibration_reserve, memory_capacity_after_activations, overlap_due
+
+calibrate_module = importlib.import_module("megatron_patches.placement.fssdp.calibrate")
 
 FAST = settings(max_examples=80, deadline=None)
 
@@ -392,7 +396,9 @@ def test_calibrate_takes_fastermoe_shadowing_when_the_all_to_all_is_priced():
 @given(case=layer_cases(), free=st.integers(1, 4), seed=st.integers(0, 1000))
 def test_calibrate_is_never_priced_above_fastermoe_shadowing(case, free, seed):
     """Whatever calibration picks costs, by its own price, no more than keeping the placement or
-    shadowing any top-k prefix on every device with a free slot (FasterMoE's policy space)."""
+    shadowing any top-k prefix on every device with a free slot (FasterMoE's policy space). With
+    at most 4 free slots these cases have at most `EXACT_SHADOWS` prefixes, so every k is priced
+    (beyond, k is searched: test_calibrate_searches_k_among_many_shadows)."""
     topo, shard, predicted = case
     rng = np.random.default_rng(seed)
     source_DE = rng.multinomial(int(predicted.sum()) + 1, rng.dirichlet(np.ones(shard.num_experts)),
@@ -419,6 +425,87 @@ def test_calibrate_is_never_priced_above_fastermoe_shadowing(case, free, seed):
         holds_ED[e] |= new_D
         free_D -= new_D
         assert best <= price(holds_ED) + 1e-12
+    assert len(calibrate_module._shadow_steps(current.holds_ED(), actual, np.full(topo.num_devices, free))) <= \
+        calibrate_module.EXACT_SHADOWS
+
+
+def test_the_shadow_search_prices_a_grid_then_halves_the_gaps_around_the_cheapest():
+    """`_search_shadows` over 32 prefixes priced (k - 11)^2: the grid 1, 2, 4, 8, 16, 32 (8 is
+    cheapest), then 6 and 12 (12), 10 and 14 (10 and 12 tie: the smaller, 10), 9 and 11 (11, the
+    minimum), and its neighbours 10 and 12 are priced: 12 prices, not 32. A price of inf (not
+    priced) never becomes the cheapest; with every price alike the smallest k is kept."""
+    priced = []
+
+    def price(k):
+        priced.append(k)
+        return float((k - 11) ** 2)
+
+    calibrate_module._search_shadows(32, price)
+    assert priced == [1, 2, 4, 8, 16, 32, 6, 12, 10, 14, 9, 11]
+    priced.clear()
+    calibrate_module._search_shadows(20, lambda k: priced.append(k) or (np.inf if k > 1 else 1.0))
+    assert priced == [1, 2, 4, 8, 16, 20]  # 1 is cheapest and 2 its neighbour: done
+    priced.clear()
+    calibrate_module._search_shadows(13, lambda k: priced.append(k) or 5.0)
+    assert priced == [1, 2, 4, 8, 13]
+
+
+def test_calibrate_searches_k_among_many_shadows():
+    """24 experts over 4 x 8 devices with 20 free slots each: 23 of them above a device's share,
+    so 23 shadow prefixes, more than `EXACT_SHADOWS`. Calibration prices fewer than all of them,
+    and what it takes is the cheapest of what it priced: it costs no more than keeping the
+    placement or the shadow prefixes on its grid (powers of two and 23), and, every k priced
+    (EXACT_SHADOWS raised), calibration takes the cheapest prefix of all, which the search found
+    here too."""
+    topo = Topology(4, 8, 3e11, 1.25e10)
+    rng = np.random.default_rng(3)
+    E, D = 24, topo.num_devices
+    shard = ShardLayout(rng.integers(0, D, E), D)
+    weights = (np.arange(E) + 1.0) ** -0.3
+    source_DE = np.stack([rng.multinomial(4096, weights / weights.sum()) for _ in range(D)])
+    actual = source_DE.sum(axis=0)
+    current = InstancePlacement.from_shard(shard)
+    priced = []  # plans priced by calibrate's cost model
+
+    def cost_model(count: bool) -> FSSDPCostModel:
+        def a2a(plan):
+            priced.extend([plan] if count else [])
+            return 4 * 1e-9 * 1536 * float(plan.remote_tokens())
+
+        return FSSDPCostModel(1.4e-7, 4.7e6, seconds_per_instance=3e-5, reduce_ratio=1.0, reduce_hidden_s=1e-4,
+                              dispatch_seconds=a2a)
+
+    cost = cost_model(count=False)
+    free_D = np.full(D, 20)
+    steps = calibrate_module._shadow_steps(current.holds_ED(), actual, free_D)
+    K = len(steps)
+    assert K == 23 > calibrate_module.EXACT_SHADOWS
+
+    def price(holds_ED):
+        compute_s, a2a_s = cost.layer_seconds(holds_ED, actual, source_DE, topo)
+        new = (holds_ED & ~current.holds_ED()).any()
+        gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topo) if new else 0.0
+        return compute_s + a2a_s + (cost.exposed_seconds(gather_s, 0.0, compute_s) if new else 0.0)
+
+    prefixes = {k: price(calibrate_module._with_shadows(current.holds_ED(), steps[:k])) for k in range(1, K + 1)}
+    chosen, extra = calibrate(current, shard, actual, free_D, topo, cost_model(count=True), source_DE)
+    assert extra and len(priced) < 1 + 1 + K  # the current placement, relief, not every prefix
+    found = price(chosen.holds_ED())
+    assert found <= price(current.holds_ED())
+    assert all(found <= prefixes[k] + 1e-12 for k in (1, 2, 4, 8, 16, K))
+    exact, _ = calibrate_module_exact(current, shard, actual, free_D, topo, cost, source_DE)
+    assert price(exact.holds_ED()) == pytest.approx(min(min(prefixes.values()), price(current.holds_ED())))
+    assert found == pytest.approx(price(exact.holds_ED()))
+
+
+def calibrate_module_exact(*args):
+    """`calibrate` pricing every shadow prefix (EXACT_SHADOWS out of reach)."""
+    saved = calibrate_module.EXACT_SHADOWS
+    calibrate_module.EXACT_SHADOWS = 10**6
+    try:
+        return calibrate(*args)
+    finally:
+        calibrate_module.EXACT_SHADOWS = saved
 
 
 # ---------------------------------------------------------------------------- sharding

@@ -201,6 +201,9 @@ def calibrate(
       proportional re-split never won over relief and cost 0.3 ms per layer to price;
     - FasterMoE's shadowing, for every k: the k experts with the most tokens copied to every
       device that has a free slot (its policy space, so calibration can choose what it would).
+      With more than `EXACT_SHADOWS` of them (many experts over a device's share and many free
+      slots: 128 experts on 256 GPUs with 31 free slots have about 31), k is searched
+      (`_search_shadows`) instead of every k priced.
 
     Price of a candidate: MoE time = max device load * seconds_per_token, with device loads as
     `dispatch` will make them (`balanced_quotas` of the actual loads), plus the extra gather's
@@ -211,8 +214,8 @@ def calibrate(
     current placement costs its MoE time alone. A candidate is taken only when strictly
     cheaper; ties go to the earlier candidate (relief, then fewer shadows). A candidate whose
     least exposed gather and reduce (`FSSDPCostModel.least_exposed_seconds`), added to the best
-    balance any placement can reach (ceil(total / D) tokens on the busiest device), cost no less
-    than the best so far is not priced further.
+    balance any placement can reach (ceil(total / D) tokens on the busiest device), cost more
+    than the best so far (or as much, and it comes later) is not priced further.
 
     Args:
         current: placement materialized from the prediction (must contain `shard`).
@@ -258,25 +261,70 @@ def calibrate(
         best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology, sent_S))
     else:
         best_s = cost.compute_seconds(quota_ED.sum(axis=0), (quota_ED > 0).sum(axis=0))
-    best = None
     floor_s = np.ceil(total / D) * cost.seconds_per_token  # no placement computes faster
-    candidates = (
-        _relief_candidate(held_ED, quota_ED, shard.owner_E, tokens_E, free_D, topology, cost),
-        *_shadow_candidates(held_ED, tokens_E, free_D),
-    )
-    for holds_ED in candidates:
+    chosen = [best_s, -1, None]  # price, index (-1: the current placement; 0: relief; k: k shadows), holdings
+
+    def consider(index: int, holds_ED: np.ndarray) -> float:
+        """Prices candidate `index` and takes it when its (price, index) is below the chosen one's;
+        returns its price, inf where it cannot be taken (no new copy, or too dear to price)."""
         if not (holds_ED & ~held_ED).any():
-            continue
+            return np.inf
         gather_s = cost.extra_gather_seconds(shard, current, holds_ED, topology)
-        if floor_s + cost.least_exposed_seconds(gather_s, best_s) >= best_s:
-            continue  # its copies cost more than any balance could save
+        least_s = floor_s + cost.least_exposed_seconds(gather_s, chosen[0])
+        if (least_s, index) > (chosen[0], chosen[1]):
+            return np.inf  # its copies cost more than any balance could save
         compute_s, a2a_s = cost.layer_seconds(holds_ED, tokens_E, source_loads_DE, topology, sent_S)
         seconds = compute_s + a2a_s + cost.exposed_seconds(gather_s, 0.0, compute_s)
-        if seconds < best_s:
-            best_s, best = seconds, holds_ED
-    if best is None:
+        if (seconds, index) < (chosen[0], chosen[1]):
+            chosen[:] = seconds, index, holds_ED
+        return seconds
+
+    consider(0, _relief_candidate(held_ED, quota_ED, shard.owner_E, tokens_E, free_D, topology, cost))
+    shadows = _shadow_steps(held_ED, tokens_E, free_D)
+    if len(shadows) <= EXACT_SHADOWS:
+        holds_ED = held_ED.copy()
+        for k, (e, new_D) in enumerate(shadows, start=1):
+            holds_ED[e] |= new_D
+            consider(k, holds_ED.copy())
+    else:
+        _search_shadows(len(shadows), lambda k: consider(k, _with_shadows(held_ED, shadows[:k])))
+    if chosen[2] is None:
         return current, False
-    return InstancePlacement.trusted(held_ED | best), True
+    return InstancePlacement.trusted(held_ED | chosen[2]), True
+
+
+EXACT_SHADOWS = 12
+"""Most shadow candidates (k = 1 .. K) that `calibrate` prices one by one; beyond, it searches k
+(`_search_shadows`). Each price is a balanced split and a dispatch plan: at 128 experts on 256
+GPUs with 31 free slots per device a calibration priced about 31 of them, 40 ms per layer.
+Below 12 every k is priced (at the papers' scale, E = 64 on 32 GPUs, the simulator's calibrations
+have 3.4 on average, at most 11, and a search there missed the cheapest k in 5% of them, by up to
+18%; docs/benchmarks.md, "Calibration's shadows")."""
+
+
+def _search_shadows(count: int, price) -> None:
+    """Prices k shadows (`price(k)`: seconds, inf where not priced) for the k of 1 .. count on a
+    grid of powers of two and `count`, then halves the gaps on either side of the cheapest k so
+    far (ties: the smaller k) until it has priced its neighbours: about 2 log2(count) + 2 of them.
+    The prices fall with k until the free slots run out, with a sawtooth near the bottom as each
+    shadow takes the peak off one device: over 401 calibrations of Qwen3-30B-A3B on 256 H100s
+    (31-33 shadows each) this priced 26% of the candidates and chose a dearer one in 3 of them
+    (mean regret 0.02%, max 6.3%; docs/benchmarks.md, "Calibration's shadows")."""
+    seen: dict[int, float] = {}
+    k = 1
+    while k < count:
+        seen[k] = price(k)
+        k *= 2
+    seen[count] = price(count)
+    while True:
+        best = min(seen, key=lambda k: (seen[k], k))
+        below = max((k for k in seen if k < best), default=0)
+        above = min((k for k in seen if k > best), default=count + 1)
+        fresh = [k for k in {(below + best) // 2, (best + above) // 2} if below < k < above and k not in seen]
+        if not fresh:
+            return
+        for k in sorted(fresh):
+            seen[k] = price(k)
 
 
 def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.ndarray, tokens_E: np.ndarray,
@@ -305,20 +353,29 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     return out
 
 
-def _shadow_candidates(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray):
-    """FasterMoE's choices: the top-k experts by tokens on every device with a free slot, k = 1, 2, ...
-    (while some device still has a slot); yields bool [E, D] holdings. Only experts with more
-    tokens than a device's fair share (total / D) are shadowed: a lighter one cannot by itself make
-    a device the busiest, and pricing every prefix (E of them) costs a balanced split each."""
-    holds_ED = held_ED.copy()
+def _shadow_steps(held_ED: np.ndarray, tokens_E: np.ndarray, free_D: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """FasterMoE's choices, as steps: step k copies the k-th expert by tokens to every device with
+    a free slot that lacks it, (expert, bool [D] of its new holders), while some device has a slot;
+    k shadows are held_ED with the first k steps (`_with_shadows`). Only experts with more tokens
+    than a device's fair share (total / D) are shadowed: a lighter one cannot by itself make a
+    device the busiest, and pricing every prefix (E of them) costs a balanced split each. An
+    expert that no device with a free slot lacks makes no step."""
+    steps = []
     free_D = free_D.copy()
     share = tokens_E.sum() / held_ED.shape[1]
     for e in descending(tokens_E.astype(np.float64)):
         if tokens_E[e] <= share or not free_D.any():
-            return
-        new_D = ~holds_ED[e] & (free_D > 0)
-        if not new_D.any():
-            continue
+            break
+        new_D = ~held_ED[e] & (free_D > 0)
+        if new_D.any():
+            steps.append((int(e), new_D))
+            free_D -= new_D
+    return steps
+
+
+def _with_shadows(held_ED: np.ndarray, steps: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    """held_ED with the shadow steps `steps` taken (`_shadow_steps`); a new bool [E, D]."""
+    holds_ED = held_ED.copy()
+    for e, new_D in steps:
         holds_ED[e] |= new_D
-        free_D -= new_D
-        yield holds_ED.copy()
+    return holds_ED
