@@ -297,7 +297,26 @@ def _sort_by_load(devices, n, load_D):
 
 
 @_jit
-def copy_candidates(free_D, holds_D, load_D, devices_per_node, budget):
+def _before(a, b, load_D):
+    """Whether device a comes before device b in (predicted load, id) order."""
+    return load_D[a] < load_D[b] or (load_D[a] == load_D[b] and a < b)
+
+
+@_jit
+def _resort_node(order_D, base, size, load_D):
+    """Restores (load, id) order of one node's devices order_D[base:base + size] after some of
+    their loads grew (insertion sort: the rest is still in order)."""
+    for i in range(base + 1, base + size):
+        d = order_D[i]
+        j = i - 1
+        while j >= base and _before(d, order_D[j], load_D):
+            order_D[j + 1] = order_D[j]
+            j -= 1
+        order_D[j + 1] = d
+
+
+@_jit
+def copy_candidates(free_D, holds_D, load_D, devices_per_node, budget, order_D):
     """The first `budget` eligible devices (a free slot and no copy of the expert yet) in the
     order copies of one expert should go to them (DESIGN 4.2 step 3).
 
@@ -312,45 +331,49 @@ def copy_candidates(free_D, holds_D, load_D, devices_per_node, budget):
     copies on devices whose owned experts already exceed the mean load (docs/benchmarks.md,
     "Copy placement").
 
-    Built round by round from each node's sorted devices, so only the rounds the budget reaches
-    are sorted (before issue 44 this sorted all D devices three times per expert).
+    `order_D` holds every node's devices in (load, id) order, node n's at n * devices_per_node
+    (`place_copies` keeps it so as loads grow), so a round takes each node's next eligible device
+    from it; only the rounds the budget reaches are built (before issue 44 this sorted all D
+    devices three times per expert, until 2026-12-01 every node's devices once per expert).
     """
     D = free_D.size
-    nodes = D // devices_per_node
-    sorted_D = np.empty(D, dtype=np.int64)  # node n's eligible devices, by (load, id), from n * devices_per_node
-    count_N = np.zeros(nodes, dtype=np.int64)
+    P = devices_per_node
+    nodes = D // P
+    next_N = np.empty(nodes, dtype=np.int64)  # where each node's walk through its order is
     first_round_N = np.zeros(nodes, dtype=np.int64)
-    last_round = -1
     for n in range(nodes):
-        base = n * devices_per_node
-        c = 0
-        for d in range(base, base + devices_per_node):
+        next_N[n] = n * P
+        for d in range(n * P, n * P + P):
             if holds_D[d]:
                 first_round_N[n] = 1
-            elif free_D[d] > 0:
-                sorted_D[base + c] = d
-                c += 1
-        count_N[n] = c
-        _sort_by_load(sorted_D[base:], c, load_D)
-    for n in range(nodes):
-        if count_N[n]:
-            last_round = max(last_round, first_round_N[n] + count_N[n] - 1)
+                break
     cand = np.empty(min(budget, D), dtype=np.int64)
     k = 0
     batch = np.empty(nodes, dtype=np.int64)
-    for rnd in range(last_round + 1):
+    rnd = 0
+    while k < cand.size:
         b = 0
+        waiting = False  # a node that starts at a later round still has devices
         for n in range(nodes):
-            i = rnd - first_round_N[n]
-            if 0 <= i < count_N[n]:
-                batch[b] = sorted_D[n * devices_per_node + i]
-                b += 1
+            i = next_N[n]
+            while i < n * P + P and (free_D[order_D[i]] <= 0 or holds_D[order_D[i]]):
+                i += 1
+            next_N[n] = i
+            if i == n * P + P:
+                continue
+            if rnd < first_round_N[n]:
+                waiting = True
+                continue
+            batch[b] = order_D[i]
+            next_N[n] = i + 1
+            b += 1
+        if b == 0 and not waiting:
+            break
         _sort_by_load(batch, b, load_D)
         take = min(b, cand.size - k)
         cand[k : k + take] = batch[:take]
         k += take
-        if k == cand.size:
-            break
+        rnd += 1
     return cand[:k]
 
 
@@ -376,6 +399,12 @@ def place_copies(holds_ED, free_D, load_D, experts, budgets, loads_E, devices_pe
     an even-split dispatch and moves fewer spAG / spRS bytes with the balanced one
     (docs/benchmarks.md, "Copy placement").
     """
+    D = free_D.size
+    P = devices_per_node
+    order_D = np.arange(D)  # each node's devices by (load, id), kept so as loads grow
+    for n in range(D // P):
+        _resort_node(order_D, n * P, P, load_D)
+    touched_N = np.zeros(D // P, dtype=np.bool_)
     for x in range(experts.size):
         e, budget, f = experts[x], budgets[x], loads_E[experts[x]]
         holds_D = holds_ED[e]
@@ -387,7 +416,7 @@ def place_copies(holds_ED, free_D, load_D, experts, budgets, loads_E, devices_pe
                 holders_peak = max(holders_peak, load_D[d])
         j = 0
         if budget > 0 and f > 0:
-            cand = copy_candidates(free_D, holds_D, load_D, devices_per_node, budget)
+            cand = copy_candidates(free_D, holds_D, load_D, devices_per_node, budget, order_D)
             if cand.size:
                 # busiest holder's predicted load with the first j >= 1 candidates, vs j = 0
                 best = np.inf
@@ -406,6 +435,11 @@ def place_copies(holds_ED, free_D, load_D, experts, budgets, loads_E, devices_pe
         for d in range(holds_D.size):
             if holds_D[d]:
                 load_D[d] += share
+                touched_N[d // P] = True
+        for n in range(D // P):
+            if touched_N[n]:
+                _resort_node(order_D, n * P, P, load_D)
+                touched_N[n] = False
 
 
 @_jit
