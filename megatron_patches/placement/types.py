@@ -97,6 +97,21 @@ def check_loads(loads, name: str = "loads", ndim: int | None = None) -> np.ndarr
     return out
 
 
+def check_source_loads(loads, name: str = "source_loads_DE") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`check_loads` of 2-D loads [S, E] (tokens per source and expert), with their column sums
+    (tokens per expert, int64 [E]) and row sums (tokens per source, int64 [S]). An array that is
+    already checked (read-only int64, C order) is checked and summed in one compiled pass: the
+    planners check, sum by expert and sum by source a layer's loads in every call, and at S = 1,024
+    and E = 256 numpy's four passes took 0.25 ms."""
+    arr = np.asarray(loads)
+    if arr.ndim == 2 and arr.dtype == np.int64 and arr.flags.c_contiguous and _frozen(arr):
+        least, tokens_E, sent_S = kernels.load_sums(arr)
+        if least >= 0:
+            return arr, tokens_E, sent_S
+    arr = check_loads(arr, name, 2)  # raises, naming the negative entry, or copies
+    return arr, arr.sum(axis=0), arr.sum(axis=1)
+
+
 def check_int(value, name: str, minimum: int = 0) -> int:
     """Return `value` as an int if it is an integer >= minimum, else raise PlacementError naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:

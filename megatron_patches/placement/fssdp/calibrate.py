@@ -19,6 +19,7 @@ from megatron_patches.placement.types import (
     ShardLayout,
     Topology,
     check_loads,
+    check_source_loads,
 )
 
 
@@ -250,13 +251,13 @@ def calibrate(
         return current, False
     held_ED = current.held_ED()
     with_a2a = source_loads_DE is not None and cost.dispatch_seconds is not None
+    sent_S = None
     if with_a2a:
-        source_loads_DE = check_loads(source_loads_DE, "source_loads_DE", 2)
-        if not np.array_equal(source_loads_DE.sum(axis=0), tokens_E):
+        source_loads_DE, by_expert_E, sent_S = check_source_loads(source_loads_DE, "source_loads_DE")
+        if not np.array_equal(by_expert_E, tokens_E):
             raise PlacementError("source_loads_DE must sum over sources to actual_loads_E")
 
     quota_ED = balanced_quotas(held_ED, tokens_E)
-    sent_S = source_loads_DE.sum(axis=1) if with_a2a else None
     if with_a2a:
         best_s = sum(cost.layer_seconds(held_ED, tokens_E, source_loads_DE, topology, sent_S))
     else:

@@ -11,7 +11,7 @@ from megatron_patches.placement.types import (
     InstancePlacement,
     PlacementError,
     Topology,
-    check_loads,
+    check_source_loads,
 )
 
 
@@ -45,13 +45,13 @@ def dispatch(placement: InstancePlacement, source_loads_DE, topology: Topology) 
         A DispatchPlan with one entry per (source, single-holder expert), possibly with 0
         tokens, plus the local, intra-node and inter-node pieces of the replicated experts.
     """
-    loads_SE = check_loads(source_loads_DE, "source_loads_DE", 2)
+    loads_SE, tokens_E, sent_S = check_source_loads(source_loads_DE, "source_loads_DE")
     E, D = placement.num_experts, placement.num_devices
     if topology.num_devices != D:
         raise PlacementError(f"placement spans {D} devices but the topology has {topology.num_devices}")
     if loads_SE.shape != (D, E):
         raise PlacementError(f"source_loads_DE must have shape ({D}, {E}) (sources are the devices), got {loads_SE.shape}")
-    return plan_dispatch(placement.held_ED(), loads_SE, loads_SE.sum(axis=0), topology)
+    return plan_dispatch(placement.held_ED(), loads_SE, tokens_E, topology, sent_S)
 
 
 def plan_dispatch(held_ED: np.ndarray, loads_SE: np.ndarray, tokens_E: np.ndarray, topology: Topology,
