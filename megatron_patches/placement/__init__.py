@@ -96,6 +96,7 @@ from megatron_patches.placement.types import (
     Topology,
     check_int,
     check_loads,
+    check_source_loads,
     even_shares,
 )
 
@@ -139,6 +140,7 @@ __all__ = [
     "calibrate",
     "check_int",
     "check_loads",
+    "check_source_loads",
     "device_loads",
     "dispatch",
     "dispatch_bytes",

@@ -15,6 +15,7 @@ from megatron_patches.placement import (
     ShardLayout,
     Topology,
     check_loads,
+    check_source_loads,
 )
 
 FAST = settings(max_examples=60, deadline=None)
@@ -71,6 +72,28 @@ def test_check_loads_copies_what_someone_may_still_write():
     small = np.array([1, 2], dtype=np.int32)
     small.setflags(write=False)
     assert check_loads(small).dtype == np.int64  # another dtype is converted
+
+
+def test_check_source_loads_sums_as_numpy_does_on_either_path():
+    """check_source_loads gives the checked loads with their sums by expert (axis 0) and by
+    source (axis 1): the same from the compiled pass an already checked array takes and from
+    numpy's on anything else, and the same error naming a negative entry on both."""
+    rng = np.random.default_rng(0)
+    writable = rng.integers(0, 1000, (16, 8))
+    frozen = check_loads(writable, ndim=2)
+    for loads in (writable, frozen, writable.astype(np.int32), writable.tolist()):
+        arr, by_expert, by_source = check_source_loads(loads)
+        np.testing.assert_array_equal(arr, writable)
+        np.testing.assert_array_equal(by_expert, writable.sum(axis=0))
+        np.testing.assert_array_equal(by_source, writable.sum(axis=1))
+    assert check_source_loads(frozen)[0] is frozen
+    negative = writable.copy()
+    negative[3, 5] = -2
+    negative.setflags(write=False)
+    with pytest.raises(PlacementError, match=r"source_loads_DE must be non-negative token counts, got -2 at index \(3, 5\)"):
+        check_source_loads(negative)
+    with pytest.raises(PlacementError, match="2 dimension"):
+        check_source_loads([1, 2])
 
 
 def test_check_loads_rejects_bad_values_with_their_position():
