@@ -490,19 +490,20 @@ def relief_chain(held_ED, quota_ED, owner_E, tokens_E, free_D, node_of, copy_int
                  seconds_per_token, seconds_per_instance, latency_s, reduce_ratio, reduce_hidden_s,
                  backward_share):
     """The chain of `calibrate._relief_candidate` (its docstring has the rule), cut at its
-    cheapest prefix; returns (experts, targets) of the copies, int64 [n] each."""
+    cheapest prefix; returns (experts, targets) of the copies, int64 [n] each. quota_ED (int64
+    [E, D], the balanced quotas of held_ED) is overwritten: at E = 256, D = 1,024 a copy of it
+    is 2 MB."""
     E, D = held_ED.shape
     holds_ED = held_ED.copy()
     free_D = free_D.copy()
     has_free_D = free_D > 0
     open_slots = np.count_nonzero(has_free_D)
-    quota_ED = quota_ED.copy()
-    load_D = quota_ED.sum(axis=0)
+    load_D = np.zeros(D, dtype=np.int64)
     instances_D = np.zeros(D, dtype=np.int64)
     for e in range(E):
-        for d in range(D):
-            if quota_ED[e, d] > 0:
-                instances_D[d] += 1
+        for d in range(D):  # no branch: vectorized
+            load_D[d] += quota_ED[e, d]
+            instances_D[d] += quota_ED[e, d] > 0
     floor = -(-tokens_E.sum() // D)  # no placement gets the peak below this
     send_D = np.zeros(D)
     recv_D = np.zeros(D)

@@ -342,7 +342,7 @@ def _relief_candidate(held_ED: np.ndarray, quota_ED: np.ndarray, owner_E: np.nda
     refill that expert's tokens over its holders (`kernels.fill_sorted`) and repeat while the peak falls.
     Each prefix of the chain is priced like `calibrate` prices a candidate, with the
     point-to-point gather model (busiest sender or receiver); the cheapest prefix is returned
-    (possibly none of the copies: then `held_ED` itself).
+    (possibly none of the copies: then `held_ED` itself). `quota_ED` is overwritten.
     """
     expert_N, target_N = kernels.relief_chain(
         held_ED, quota_ED, owner_E.astype(np.int64), tokens_E, free_D, topology.node_of,
