@@ -66,12 +66,8 @@ def _stable_order(load_H, order_H):
             order_H[i] = keys[i] % H
         return
     for i in range(H):
-        key = load_H[i]
-        j = i - 1
-        while j >= 0 and load_H[order_H[j]] > key:
-            order_H[j + 1] = order_H[j]
-            j -= 1
-        order_H[j + 1] = i
+        order_H[i] = i
+    _sort_by_load(order_H, H, load_H)
 
 
 @_jit
@@ -147,6 +143,17 @@ def add_link(out, node_of, source, dest, amount):
 
 
 @_jit
+def _next_match(supply, capacity, a, b, hi):
+    """The next pair of the north-west walk below `hi`: the first source from a with supply left
+    and the first device from b with room left (either is hi when none is left)."""
+    while a < hi and supply[a] == 0:
+        a += 1
+    while b < hi and capacity[b] == 0:
+        b += 1
+    return a, b
+
+
+@_jit
 def _route(loads_SE, rep, quota_RD, node_start, out, only_source):
     """`route_replicated`'s walk. Writes the pieces into `out` (int64 [4, K]) unless it has no
     columns, only those from `only_source` when that is >= 0. Returns the number of pieces it
@@ -172,10 +179,7 @@ def _route(loads_SE, rep, quota_RD, node_start, out, only_source):
             hi = node_start[n + 1] if n < node_start.size - 1 else D
             a, b = lo, lo
             while True:
-                while a < hi and supply[a] == 0:
-                    a += 1
-                while b < hi and capacity[b] == 0:
-                    b += 1
+                a, b = _next_match(supply, capacity, a, b, hi)
                 if a == hi or b == hi:
                     break
                 amount = min(supply[a], capacity[b])
@@ -262,10 +266,7 @@ def owner_link_tokens(loads_SE, sent_S, dest_E, grid_E, tokens_E, rep, quota_RD,
                 received_D[d] += capacity[d]
             a, b = lo, lo  # `_route`'s walk within the node
             while True:
-                while a < hi and supply[a] == 0:
-                    a += 1
-                while b < hi and capacity[b] == 0:
-                    b += 1
+                a, b = _next_match(supply, capacity, a, b, hi)
                 if a == hi or b == hi:
                     break
                 amount = min(supply[a], capacity[b])
