@@ -19,9 +19,9 @@ where the other rows use the point-to-point gather and no all-to-all). Times are
 after one warm-up call; the verdict uses the median. The minimum is the better estimate of
 the code's own cost on a busy machine: the load average is printed, and a load above the core
 count means other processes inflated the times. The per-source loads are read-only int64, as the
-fssdp runtime passes them (checked once when gathered), so the planners take them uncopied. The breakdown column times the two halves of
-materialize + dispatch (and of replication) separately. --profile NAME prints the cProfile
-top functions of one case.
+fssdp runtime passes them (checked once when gathered), so the planners take them uncopied. The
+breakdown column times the two halves of materialize + dispatch (and of replication) separately.
+--profile NAME prints the cProfile top functions of one case.
 """
 
 from __future__ import annotations

@@ -124,9 +124,10 @@ def copy_stage_bytes(shard: ShardLayout, placement: InstancePlacement, topology:
         raise PlacementError(f"unknown sparse-collective algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
     placement.require_contains(shard)
     if topology.num_devices != placement.num_devices:
-        raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
+        raise PlacementError(
+            f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
     held_ED = placement.held_ED()
-    ptr, dev = kernels.holder_lists(held_ED)
+    ptr, dev = kernels.holder_lists(np.ascontiguousarray(held_ED))  # read as bytes: C order
     owner_E = shard.owner_E.astype(np.int64)
     D, P = topology.num_devices, topology.devices_per_node
     relays = algorithm == "hierarchical" and topology.nodes > 1

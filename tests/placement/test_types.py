@@ -90,7 +90,8 @@ def test_check_source_loads_sums_as_numpy_does_on_either_path():
     negative = writable.copy()
     negative[3, 5] = -2
     negative.setflags(write=False)
-    with pytest.raises(PlacementError, match=r"source_loads_DE must be non-negative token counts, got -2 at index \(3, 5\)"):
+    message = r"source_loads_DE must be non-negative token counts, got -2 at index \(3, 5\)"
+    with pytest.raises(PlacementError, match=message):
         check_source_loads(negative)
     with pytest.raises(PlacementError, match="2 dimension"):
         check_source_loads([1, 2])

@@ -121,7 +121,8 @@ def layer_digests() -> dict[str, tuple[str, float]]:
         out[name] = (_digest(placement.counts_ED, _plan_digest(plan), quota_ED), imbalance(plan.device_loads_D()))
         reserve = fssdp.materialize(shard, predicted_E, t, max(m - 1, 0), topology)
         remaining_D = m - reserve.extra_copies_D(shard)
-        costs = {**COSTS, "rt-hier": _runtime_cost(topology, "hierarchical"), "rt-flat": _runtime_cost(topology, "flat")}
+        costs = {**COSTS, "rt-hier": _runtime_cost(topology, "hierarchical"),
+                 "rt-flat": _runtime_cost(topology, "flat")}
         for cost_name, cost in costs.items():
             calibrated, gathered = fssdp.calibrate(reserve, shard, actual_DE.sum(axis=0), remaining_D, topology,
                                                    cost, actual_DE)

@@ -38,7 +38,7 @@ class Holders(NamedTuple):
 def split_holders(holds_ED: np.ndarray, tokens_E: np.ndarray) -> Holders:
     """The holders of bool [E, D] holdings (`kernels.holder_lists`, `kernels.split_holders`)
     with the tokens `tokens_E` (int64 [E]) of the single-holder experts counted at theirs."""
-    ptr, dev = kernels.holder_lists(holds_ED)
+    ptr, dev = kernels.holder_lists(np.ascontiguousarray(holds_ED))  # read as bytes: C order
     return Holders(*kernels.split_holders(ptr, dev, np.ascontiguousarray(tokens_E, dtype=np.int64), holds_ED.shape[1]))
 
 
