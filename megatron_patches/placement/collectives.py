@@ -15,7 +15,7 @@ sends it is the algorithm's choice:
   FasterMoE-style shadow, or t >= D copies) is instead broadcast along the ring of all devices
   (ascending ids, rotated to start at the owner: each device receives it from its predecessor
   and forwards it once; NCCL's pipelined ring broadcast), when that is faster than the relays
-  (`ring_pays`). The relays still send it N - 1 times out of the owner's node, the ring once out
+  (`ring_experts`). The relays still send it N - 1 times out of the owner's node, the ring once out
   of each node; with the experts every device holds spread evenly over their owners the relays
   are as fast or faster (each NIC sends its own experts' copies), with a few hot experts on few
   owners the ring is up to N - 1 times faster (docs/benchmarks.md, "Ring broadcast": without
@@ -41,7 +41,7 @@ from megatron_patches.placement import kernels
 from megatron_patches.placement.links import CommBytes, transfer_seconds
 from megatron_patches.placement.types import InstancePlacement, PlacementError, ShardLayout, Topology
 
-__all__ = ["ALGORITHMS", "CopySources", "copy_sources", "copy_stage_bytes", "relay_sources_ED", "ring_pays"]
+__all__ = ["ALGORITHMS", "CopySources", "copy_sources", "copy_stage_bytes", "relay_sources_ED", "ring_experts"]
 
 ALGORITHMS = ("hierarchical", "flat")
 """The sparse-collective algorithms; the first is the default."""
@@ -79,15 +79,25 @@ class CopySources:
         return tuple(CommBytes(*rows) for rows in by_stage)
 
 
-def ring_pays(relayed: CopySources, ringed: CopySources, topology: Topology) -> bool:
-    """Whether the ring broadcasts of `ringed` beat the relays of `relayed` (the same copies) in
-    `placement.links.transfer_seconds`' model, the stages one after the other. Chunks are of equal
-    size, so the comparison needs no byte count."""
+def ring_experts(ptr: np.ndarray, dev: np.ndarray, owner_E: np.ndarray, topology: Topology,
+                 algorithm: str) -> np.ndarray:
+    """The experts spAG broadcasts along the ring (bool [E]), from the holders in CSR form
+    (`kernels.holder_lists`) and the owners (int64 [E]): those every device holds, when their ring
+    beats their relays in `placement.links.transfer_seconds`' model, the stages one after the other
+    (chunks of one size, so the comparison needs no byte count); none with flat collectives or
+    fewer than 3 devices (with 2 a ring is one point-to-point copy)."""
+    none_E = np.zeros(owner_E.size, dtype=bool)
+    everywhere_E = np.diff(ptr) == topology.num_devices
+    if algorithm == "flat" or topology.num_devices < 3 or not everywhere_E.any():
+        return none_E
+    ones_E = np.ones(owner_E.size)
 
-    def seconds(sources: CopySources) -> float:
-        return sum(transfer_seconds(stage, topology) for stage in sources.stage_bytes(1.0, topology))
+    def seconds(ring_E: np.ndarray) -> float:
+        stages = kernels.copy_stage_bytes(ptr, dev, owner_E, topology.devices_per_node, _relays(topology, algorithm),
+                                          ring_E, ones_E, topology.node_of)
+        return sum(transfer_seconds(CommBytes(*rows), topology) for rows in stages)
 
-    return seconds(ringed) < seconds(relayed)
+    return everywhere_E if seconds(everywhere_E) < seconds(none_E) else none_E
 
 
 def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> CopySources:
@@ -99,53 +109,45 @@ def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Top
         topology: the devices' nodes (node-major).
         algorithm: "hierarchical" or "flat".
     """
-    relayed = CopySources(relay_sources_ED(shard, placement, topology, algorithm),
-                          np.zeros(shard.num_experts, dtype=bool), shard.owner_E)
-    everywhere_E = placement.held_ED().all(axis=1)
-    D = topology.num_devices
-    if algorithm == "flat" or D < 3 or not everywhere_E.any():
-        return relayed  # with 2 devices a ring is one point-to-point copy
-    source_ED = relayed.source_ED.copy()
-    # the ring 0 -> 1 -> ... -> D-1 -> 0 started at the owner: d receives from d - 1
-    source_ED[everywhere_E] = (np.arange(D) - 1) % D
-    source_ED[everywhere_E, shard.owner_E[everywhere_E]] = -1
-    ringed = CopySources(source_ED, everywhere_E, shard.owner_E)
-    return ringed if ring_pays(relayed, ringed, topology) else relayed
+    source_ED = relay_sources_ED(shard, placement, topology, algorithm)
+    ptr, dev = kernels.holder_lists(np.ascontiguousarray(placement.held_ED()))  # read as bytes: C order
+    ring_E = ring_experts(ptr, dev, shard.owner_E.astype(np.int64), topology, algorithm)
+    if ring_E.any():
+        # the ring 0 -> 1 -> ... -> D-1 -> 0 started at the owner: d receives from d - 1
+        source_ED[ring_E] = (np.arange(topology.num_devices) - 1) % topology.num_devices
+        source_ED[ring_E, shard.owner_E[ring_E]] = -1
+    return CopySources(source_ED, ring_E, shard.owner_E)
 
 
 def copy_stage_bytes(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str,
                      chunk_bytes) -> tuple[CommBytes, CommBytes, CommBytes]:
     """`copy_sources(...).stage_bytes(chunk_bytes, topology)` without the [E, D] source table:
-    the same choice of senders (and of the ring, by `ring_pays`' rule) and the same bytes, from
-    the holders' lists (`kernels.holder_lists`). The planners price candidate placements by
-    their gathers' bytes several times per layer and iteration; at E = 256, D = 1,024 building
-    and reading the source table took 0.7 ms of each pricing."""
+    the same senders and ring (`ring_experts`) and the same bytes, from the holders' lists
+    (`kernels.holder_lists`). The planners price candidate placements by their gathers' bytes
+    several times per layer and iteration; at E = 256, D = 1,024 building and reading the source
+    table took 0.7 ms of each pricing."""
+    _check_gather(shard, placement, topology, algorithm)
+    ptr, dev = kernels.holder_lists(np.ascontiguousarray(placement.held_ED()))  # read as bytes: C order
+    owner_E = shard.owner_E.astype(np.int64)
+    size_E = np.ascontiguousarray(np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), owner_E.shape))
+    by_stage = kernels.copy_stage_bytes(ptr, dev, owner_E, topology.devices_per_node, _relays(topology, algorithm),
+                                        ring_experts(ptr, dev, owner_E, topology, algorithm), size_E, topology.node_of)
+    return tuple(CommBytes(*rows) for rows in by_stage)
+
+
+def _check_gather(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> None:
+    """Raises PlacementError unless `algorithm` is one of ALGORITHMS, `placement` contains `shard`
+    and spans the topology's devices."""
     if algorithm not in ALGORITHMS:
         raise PlacementError(f"unknown sparse-collective algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
     placement.require_contains(shard)
     if topology.num_devices != placement.num_devices:
-        raise PlacementError(
-            f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
-    held_ED = placement.held_ED()
-    ptr, dev = kernels.holder_lists(np.ascontiguousarray(held_ED))  # read as bytes: C order
-    owner_E = shard.owner_E.astype(np.int64)
-    D, P = topology.num_devices, topology.devices_per_node
-    relays = algorithm == "hierarchical" and topology.nodes > 1
-    size_E = np.ascontiguousarray(np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), owner_E.shape))
-    no_ring_E = np.zeros(owner_E.size, dtype=bool)
-    everywhere_E = np.diff(ptr) == D
-    ring_E = no_ring_E
-    if algorithm != "flat" and D >= 3 and everywhere_E.any():
-        ones_E = np.ones(owner_E.size)
+        raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
 
-        def seconds(ring):
-            unit = kernels.copy_stage_bytes(ptr, dev, owner_E, P, relays, ring, ones_E, topology.node_of)
-            return sum(transfer_seconds(CommBytes(*rows), topology) for rows in unit)
 
-        if seconds(everywhere_E) < seconds(no_ring_E):
-            ring_E = everywhere_E
-    by_stage = kernels.copy_stage_bytes(ptr, dev, owner_E, P, relays, ring_E, size_E, topology.node_of)
-    return tuple(CommBytes(*rows) for rows in by_stage)
+def _relays(topology: Topology, algorithm: str) -> bool:
+    """Whether copies for another node go through a relay there (hierarchical, more than one node)."""
+    return algorithm == "hierarchical" and topology.nodes > 1
 
 
 def relay_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str) -> np.ndarray:
@@ -160,10 +162,6 @@ def relay_sources_ED(shard: ShardLayout, placement: InstancePlacement, topology:
         topology: the devices' nodes (node-major).
         algorithm: "hierarchical" or "flat" (see the module docstring).
     """
-    if algorithm not in ALGORITHMS:
-        raise PlacementError(f"unknown sparse-collective algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-    placement.require_contains(shard)
-    if topology.num_devices != placement.num_devices:
-        raise PlacementError(f"placement spans {placement.num_devices} devices but the topology has {topology.num_devices}")
-    relays = algorithm == "hierarchical" and topology.nodes > 1
-    return kernels.relay_sources(placement.held_ED(), shard.owner_E.astype(np.int64), topology.devices_per_node, relays)
+    _check_gather(shard, placement, topology, algorithm)
+    return kernels.relay_sources(placement.held_ED(), shard.owner_E.astype(np.int64), topology.devices_per_node,
+                                 _relays(topology, algorithm))
