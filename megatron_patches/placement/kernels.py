@@ -105,8 +105,8 @@ def fill_sorted(load_H, tokens, quota_H):
 
 @_jit
 def sweep_quotas(holder_ptr, holder_dev, tokens_R, load_D, order_R, bound):
-    """`quotas._sweep_quotas` over holder lists in CSR form (expert r's holders are
-    holder_dev[holder_ptr[r]:holder_ptr[r + 1]], ascending); returns each holder's quota in
+    """The water-fill sweeps of `quotas.replicated_quotas` over holder lists in CSR form (expert
+    r's holders are holder_dev[holder_ptr[r]:holder_ptr[r + 1]], ascending); returns each holder's quota in
     the same layout (int64 [P]). `order_R` is the fill order (heaviest first) and `bound` the
     lower bound on the peak below which the second sweep cannot help. One pair of buffers
     serves every expert's fill."""
@@ -707,7 +707,7 @@ def split_holders(ptr, dev, tokens_E, num_devices):
 
 @_jit
 def replicated_quota_rows(rep_ptr, rep_dev, tokens_R, load_D):
-    """`quotas._sweep_quotas` of the replicated experts' holder lists: the fill order (heaviest
+    """`quotas.replicated_quotas` of the replicated experts' holder lists: the fill order (heaviest
     first, ties: lower index), the bound below which a second sweep cannot lower the peak,
     `sweep_quotas`, and the quotas written as rows; int64 [R, D]."""
     R, D = tokens_R.size, load_D.size

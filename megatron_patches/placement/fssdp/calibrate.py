@@ -282,13 +282,15 @@ def calibrate(
 
     consider(0, _relief_candidate(held_ED, quota_ED, shard.owner_E, tokens_E, free_D, topology, cost))
     shadows = _shadow_steps(held_ED, tokens_E, free_D)
+
+    def price_shadows(k: int) -> float:
+        return consider(k, _with_shadows(held_ED, shadows[:k]))
+
     if len(shadows) <= EXACT_SHADOWS:
-        holds_ED = held_ED.copy()
-        for k, (e, new_D) in enumerate(shadows, start=1):
-            holds_ED[e] |= new_D
-            consider(k, holds_ED.copy())
+        for k in range(1, len(shadows) + 1):
+            price_shadows(k)
     else:
-        _search_shadows(len(shadows), lambda k: consider(k, _with_shadows(held_ED, shadows[:k])))
+        _search_shadows(len(shadows), price_shadows)
     if chosen[2] is None:
         return current, False
     return InstancePlacement.trusted(held_ED | chosen[2]), True

@@ -55,7 +55,10 @@ def replicated_quotas(holders: Holders, tokens_E: np.ndarray) -> np.ndarray:
     key = b"|".join(x.tobytes() for x in (holders.rep, holders.rep_ptr, holders.rep_dev, tokens_R, holders.load_D))
     quota_RD = _QUOTA_MEMO.get(key)
     if quota_RD is None:
-        quota_RD = _sweep_quotas(holders, tokens_R)
+        # water-filled heaviest first, then swept once more unless the first sweep reached the
+        # lower bound on the peak, max(busiest device with single-holder experts only,
+        # ceil(total / D)), which no second sweep can lower (kernels.replicated_quota_rows)
+        quota_RD = kernels.replicated_quota_rows(holders.rep_ptr, holders.rep_dev, tokens_R, holders.load_D)
         quota_RD.setflags(write=False)
         if len(_QUOTA_MEMO) >= _QUOTA_MEMO_SIZE:
             del _QUOTA_MEMO[next(iter(_QUOTA_MEMO))]
@@ -67,15 +70,6 @@ def clear_quota_memo() -> None:
     """Forgets the memoized quotas (`replicated_quotas`): benchmarks call it before each timed
     call, so that repeating one call does not time a memo hit."""
     _QUOTA_MEMO.clear()
-
-
-def _sweep_quotas(holders: Holders, tokens_R: np.ndarray) -> np.ndarray:
-    """`replicated_quotas` without the memo (`kernels.replicated_quota_rows`): water-fills
-    (`kernels.fill_sorted`) the replicated experts heaviest first, then sweeps once more. The
-    second sweep is skipped when the first already reaches the lower bound on the peak,
-    max(busiest device with single-holder experts only, ceil(total / D)): it cannot lower the
-    peak then."""
-    return kernels.replicated_quota_rows(holders.rep_ptr, holders.rep_dev, tokens_R, holders.load_D)
 
 
 def balanced_quotas(holds_ED, tokens_E) -> np.ndarray:
