@@ -179,7 +179,7 @@ def sparse_reduce_scatter_bytes(placement: InstancePlacement, shard: ShardLayout
 
 def gather_stage_bytes(shard: ShardLayout, placement: InstancePlacement, chunk_bytes, topology: Topology,
                        algorithm: str = "hierarchical") -> tuple[CommBytes, CommBytes, CommBytes]:
-    """The spAG's stages apart, in the runtime's order (`CopySources.stages_ED`): (owners' point-to-point
+    """The spAG's stages apart, in the runtime's order (`CopySources`): (owners' point-to-point
     sends, ring broadcasts, relays' sends inside their nodes). They add up to `sparse_all_gather_bytes`;
     the runtime starts each after the one before (`comm.relay`), so a time model adds their times
     (a stage that moves nothing costs nothing). Flat has only the first."""

@@ -53,7 +53,7 @@ class CopySources:
 
     The runtime runs three stages one after the other (`comm.relay`): the owners' point-to-point
     sends, the ring broadcasts, the relays' sends inside their nodes (which forward what the first
-    stage brought). A time model adds their times (`stages_ED`, `stage_bytes`)."""
+    stage brought). A time model adds their times (`copy_stage_bytes`: each stage's bytes)."""
 
     source_ED: np.ndarray
     """source_ED[e, d]: the device that sends expert e's copy to device d; -1 where d holds no copy
@@ -62,21 +62,6 @@ class CopySources:
     """Experts broadcast along the ring of all devices; bool [E]."""
     owner_E: np.ndarray
     """The experts' owners (P0); int64 [E]."""
-
-    def stages_ED(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The transfers of each stage in the runtime's order, as bool [E, D] masks of the
-        (expert, receiving device) pairs: the owners' point-to-point sends, the ring broadcasts,
-        the relays' sends."""
-        receives_ED = self.source_ED >= 0
-        ring_ED = receives_ED & self.ring_E[:, None]
-        from_owner_ED = receives_ED & ~ring_ED & (self.source_ED == self.owner_E[:, None])
-        return from_owner_ED, ring_ED, receives_ED & ~ring_ED & ~from_owner_ED
-
-    def stage_bytes(self, chunk_bytes, topology: Topology) -> tuple[CommBytes, CommBytes, CommBytes]:
-        """The bytes of each stage (`stages_ED`) for chunks of `chunk_bytes` (a number or float [E])."""
-        size_E = np.ascontiguousarray(np.broadcast_to(np.asarray(chunk_bytes, dtype=np.float64), self.ring_E.shape))
-        by_stage = kernels.stage_bytes(self.source_ED, self.ring_E, self.owner_E, size_E, topology.node_of)
-        return tuple(CommBytes(*rows) for rows in by_stage)
 
 
 def ring_experts(ptr: np.ndarray, dev: np.ndarray, owner_E: np.ndarray, topology: Topology,
@@ -121,11 +106,12 @@ def copy_sources(shard: ShardLayout, placement: InstancePlacement, topology: Top
 
 def copy_stage_bytes(shard: ShardLayout, placement: InstancePlacement, topology: Topology, algorithm: str,
                      chunk_bytes) -> tuple[CommBytes, CommBytes, CommBytes]:
-    """`copy_sources(...).stage_bytes(chunk_bytes, topology)` without the [E, D] source table:
-    the same senders and ring (`ring_experts`) and the same bytes, from the holders' lists
-    (`kernels.holder_lists`). The planners price candidate placements by their gathers' bytes
-    several times per layer and iteration; at E = 256, D = 1,024 building and reading the source
-    table took 0.7 ms of each pricing."""
+    """The bytes of each stage of spAG(shard -> placement) (owners' sends, ring broadcasts, relays'
+    sends) for chunks of `chunk_bytes` (a number or float [E]): the senders `copy_sources` names
+    (the same relays and ring, `ring_experts`), from the holders' lists (`kernels.holder_lists`)
+    without its [E, D] source table. The planners price candidate placements by their gathers'
+    bytes several times per layer and iteration; at E = 256, D = 1,024 building and reading the
+    source table took 0.7 ms of each pricing."""
     _check_gather(shard, placement, topology, algorithm)
     ptr, dev = kernels.holder_lists(np.ascontiguousarray(placement.held_ED()))  # read as bytes: C order
     owner_E = shard.owner_E.astype(np.int64)

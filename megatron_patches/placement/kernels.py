@@ -724,14 +724,14 @@ def replicated_quota_rows(rep_ptr, rep_dev, tokens_R, load_D):
 
 @_jit
 def copy_stage_bytes(ptr, dev, owner_E, devices_per_node, relays, ring_E, size_E, node_of):
-    """`collectives.CopySources.stage_bytes` of spAG(owners -> holders in CSR form,
-    `holder_lists`) without its [E, D] source table: the owner sends the copies on its node
+    """The bytes of each stage of spAG(owners -> holders in CSR form, `holder_lists`), the
+    senders `collectives.copy_sources` names, without its [E, D] source table: the owner sends the copies on its node
     and, on every other node that holds the expert, to the node's relay (holder number e mod
     the node's holders there, ascending; with `relays`), which sends the node's other copies;
     without `relays` the owner sends every copy; an expert with ring_E is broadcast along the
     ring of all devices (d receives from d - 1) instead. int64 [3, 4, D] (stages: owners' sends,
-    ring broadcasts, relays' sends; rows as `add_link`). Adds in stage_bytes' (expert, device)
-    order, so the float sums and their truncation are the same."""
+    ring broadcasts, relays' sends; rows as `add_link`). Adds in (expert, device) order, as
+    `links.CommBytes.from_transfers` sums the same transfers, and truncates the same way."""
     D = node_of.size
     P = devices_per_node
     out = np.zeros((3, 4, D))
@@ -761,25 +761,6 @@ def copy_stage_bytes(ptr, dev, owner_E, devices_per_node, relays, ring_E, size_E
                     else:
                         add_link(out[2], node_of, relay, dev[k], size)
             i = j
-    return out.astype(np.int64)
-
-
-@_jit
-def stage_bytes(source_ED, ring_E, owner_E, size_E, node_of):
-    """`collectives.CopySources.stage_bytes`: bytes per device of the three stages (owners'
-    sends, ring broadcasts, relays' sends), int64 [3, 4, D] with rows (sent within the node,
-    sent to other nodes, received within the node, from other nodes). Sums in the order of
-    `links.CommBytes.from_transfers` over row-major (expert, device) pairs, truncated the same
-    way, so the bytes are the same."""
-    E, D = source_ED.shape
-    out = np.zeros((3, 4, D))
-    for e in range(E):
-        for d in range(D):
-            s = source_ED[e, d]
-            if s < 0 or s == d:
-                continue
-            stage = 1 if ring_E[e] else (0 if s == owner_E[e] else 2)
-            add_link(out[stage], node_of, s, d, size_E[e])
     return out.astype(np.int64)
 
 
