@@ -8,7 +8,8 @@ Pure numpy planners, like the rest of `placement/`:
   share a device with light ones; no replication (`smartmoe_swap`).
 - FlexMoE-style replicate / relocate: add replicas of the most loaded experts into reserved
   slots, or take a slot from a lightly loaded replicated expert (`flexmoe_adjust`).
-- DeepSpeed-style static replication with a capacity (`static_replication`).
+- DeepSpeed-MoE's static replication: its layout (`static_replication`) and its group-local,
+  per-source-capped, padded dispatch (`deepspeed_dispatch`).
 
 The systems that rearrange experts move weights *and* optimizer state, which is what makes
 rearrangement expensive. `ByteModel` makes the per-parameter byte counts explicit (Adam mixed
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_patches.placement.replicate import slot_placement
+from megatron_patches.placement.replicate import TokenSpread, instance_capacity, slot_placement
 from megatron_patches.placement.types import (
     DispatchPlan,
     InstancePlacement,
@@ -48,7 +49,11 @@ __all__ = [
     "smartmoe_swap",
     "ep_layout_moves",
     "flexmoe_adjust",
+    "DEEPSPEED_MIN_CAPACITY",
+    "deepspeed_slot_counts",
+    "deepspeed_slots",
     "static_replication",
+    "deepspeed_dispatch",
 ]
 
 
@@ -603,23 +608,80 @@ def flexmoe_adjust(
 # DeepSpeed-style static replication
 
 
-def static_replication(num_experts: int, num_ranks: int, slots_per_rank: int) -> InstancePlacement:
-    """DeepSpeed-style static replication: every class floor or ceil of G*s / E instances, on distinct ranks.
+DEEPSPEED_MIN_CAPACITY = 4
+"""DeepSpeed's `MoE(min_capacity=4)`: its gate never gives an expert fewer rows per source."""
 
-    Slot j of rank r holds expert (r*s + j) mod E: DeepSpeed-MoE's layout with expert-parallel
-    groups of E/s consecutive ranks, each group holding every class once, and a class's replicas
-    one per group (its expert-data-parallel group, ranks e//s, e//s + E/s, ...). The replication
-    paper's baseline (16 ranks x 4 slots, 16 classes) gives 4 instances of each class on 4
-    different ranks, whose gradients are all-reduced every iteration (`StaticPolicy`). Counts are
-    `popularity_slots`'s for equal popularity (the first G*s mod E classes get one more); the
-    layout is DeepSpeed's expert-parallel groups, where replicate's balanced layout deals the
-    instances out in expert order. Tokens over an instance's capacity are
-    dropped (`replicate.spread_tokens`); the placement never changes, so nothing moves.
+
+def deepspeed_slot_counts(num_experts: int, num_ranks: int) -> list[int]:
+    """The slots per rank s DeepSpeed-MoE can lay out, ascending: an expert-parallel group of
+    ep_size = E / s ranks holds all E experts, s on each, and the ranks are whole groups, so
+    s | E and (E / s) | ranks. 16 experts on 16 ranks: [1, 2, 4, 8, 16]."""
+    E = check_int(num_experts, "num_experts", 1)
+    G = check_int(num_ranks, "num_ranks", 1)
+    return [s for s in range(1, E + 1) if E % s == 0 and G % (E // s) == 0]
+
+
+def deepspeed_slots(num_experts: int, num_ranks: int, slots_per_rank: int, chosen: bool) -> int:
+    """Static replication's s: `slots_per_rank` when chosen (refused unless DeepSpeed can lay it
+    out), else the most slots DeepSpeed can lay out within that many (the memory budget)."""
+    valid = deepspeed_slot_counts(num_experts, num_ranks)
+    s = check_int(slots_per_rank, "slots_per_rank", 1)
+    rule = (f"DeepSpeed's expert-parallel groups need s | E and E/s | ranks; valid s for {num_experts} "
+            f"experts on {num_ranks} ranks: {', '.join(map(str, valid))}")
+    if chosen:
+        if s not in valid:
+            raise PlacementError(f"static replication cannot use {s} slots per rank: {rule}")
+        return s
+    within = [v for v in valid if v <= s]
+    if not within:
+        raise PlacementError(f"static replication needs at least {valid[0]} slots per rank and the memory "
+                             f"budget holds {s}: {rule}")
+    return within[-1]
+
+
+def static_replication(num_experts: int, num_ranks: int, slots_per_rank: int) -> InstancePlacement:
+    """DeepSpeed-MoE's static replication: E/s consecutive ranks hold every expert once.
+
+    Slot j of rank r holds expert (r*s + j) mod E: DeepSpeed-MoE's expert-parallel groups of
+    ep_size = E/s consecutive ranks, rank i of a group holding experts i*s .. i*s + s - 1, and a
+    class's replicas one per group (its expert-data-parallel group, ranks e//s, e//s + E/s, ...),
+    whose gradients are all-reduced every iteration (`StaticPolicy`). The replication paper's
+    baseline (16 ranks x 4 slots, 16 classes) gives 4 instances of each class on 4 different
+    ranks. s must be one DeepSpeed can lay out (`deepspeed_slot_counts`). The placement never
+    changes, so nothing moves; tokens are routed within the group (`deepspeed_dispatch`).
     """
     E = check_int(num_experts, "num_experts", 1)
     G = check_int(num_ranks, "num_ranks", 1)
-    s = check_int(slots_per_rank, "slots_per_rank", 1)
-    if E > G * s:
-        raise PlacementError(f"{E} experts do not fit in {G} ranks x {s} slots; use slots_per_rank >= {-(-E // G)}")
+    s = deepspeed_slots(E, G, slots_per_rank, chosen=True)
     slot_expert_RS = (np.arange(G * s, dtype=np.int64) % E).reshape(G, s)
     return slot_placement(slot_expert_RS, E)
+
+
+def deepspeed_dispatch(source_loads_SE, slots_per_rank: int, capacity_factor: float) -> TokenSpread:
+    """DeepSpeed-MoE's dispatch on `static_replication`'s layout: group-local, capped per source, padded.
+
+    DeepSpeed's gate gives every source C = max(ceil(cf x a / E), DEEPSPEED_MIN_CAPACITY) rows
+    per expert (a: the assignments of a source's micro-batch, tokens x top-k; every rank's batch
+    has one shape, so one C, from the largest source). A source keeps the first C of its tokens
+    for each expert and drops the rest, whatever other sources leave unused. It sends its
+    [E, C, hidden] buffer, padding included, by an all-to-all within its expert-parallel group:
+    expert e's rows go to the group's rank e // s. So every instance computes ep_size x C rows
+    (`TokenSpread.capacity`), and the dispatch plan holds C rows for every (source, expert),
+    the padding sent with the tokens (`kept_K` the tokens among them).
+    """
+    loads_SE = check_loads(source_loads_SE, "source_loads_SE", 2)
+    G, E = loads_SE.shape
+    s = deepspeed_slots(E, G, slots_per_rank, chosen=True)
+    ep = E // s
+    rows = max(instance_capacity(capacity_factor, int(loads_SE.sum(axis=1).max(initial=0)), E, 1),
+               DEEPSPEED_MIN_CAPACITY)
+    kept_SE = np.minimum(loads_SE, rows)
+    source_K = np.repeat(np.arange(G, dtype=np.int64), E)
+    expert_K = np.tile(np.arange(E, dtype=np.int64), G)
+    dest_K = source_K // ep * ep + expert_K // s  # the holder of the expert in the source's group
+    plan = DispatchPlan.trusted(source_K, expert_K, dest_K, np.full(G * E, rows, dtype=np.int64), G, E, G)
+    kept_K = kept_SE.ravel()
+    processed_ED = np.zeros((E, G), dtype=np.int64)
+    np.add.at(processed_ED, (expert_K, dest_K), kept_K)
+    kept_K.setflags(write=False)
+    return TokenSpread(processed_ED, (loads_SE - kept_SE).sum(axis=0), ep * rows, plan, kept_K)

@@ -42,6 +42,8 @@ from megatron_patches.placement.baselines import (
     ExpertMove,
     MovedBytes,
     ShadowCostModel,
+    deepspeed_dispatch,
+    deepspeed_slots,
     ep_layout_moves,
     fastermoe_shadow,
     flexmoe_adjust,
@@ -194,7 +196,8 @@ class LayerPlan:
     placement: InstancePlacement
     """Instances per (expert, device) while the layer's experts ran."""
     dispatch: DispatchPlan
-    """Where each source's tokens were sent (tokens dropped before sending are not in it)."""
+    """Where each source's tokens were sent (tokens dropped before sending are not in it; a
+    fixed-shape dispatch's padding rows are: static's)."""
     processed_ED: np.ndarray
     """Tokens processed per (expert, device) after any capacity limit; int64 [E, D]."""
     shard: ShardLayout | None = None
@@ -441,7 +444,7 @@ class FSSDPPolicy(Policy):
 
 
 class _SlotPolicy(Policy):
-    """Shared by replicate and static: G ranks x s slots, capacity per instance, token spreading."""
+    """Shared by replicate and static: G ranks x s slots, a capacity per instance; replicate's token spreading."""
 
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         super().__init__(config, num_layers, num_experts)
@@ -516,7 +519,11 @@ class ReplicatePolicy(_SlotPolicy):
 
 
 class StaticPolicy(_SlotPolicy):
-    """DeepSpeed-style static replication: a fixed, even number of instances per expert, capacity-limited."""
+    """DeepSpeed-MoE's static replication: its fixed layout and its group-local, padded dispatch.
+
+    s is `ReplayConfig.slots_per_rank` when set (refused unless DeepSpeed can lay it out), else
+    the most slots DeepSpeed can lay out within `ReplayConfig.slots` (`deepspeed_slots`).
+    """
 
     name = "static"
     syncs_replica_gradients = True
@@ -524,10 +531,16 @@ class StaticPolicy(_SlotPolicy):
 
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         super().__init__(config, num_layers, num_experts)
-        self._placement = static_replication(num_experts, self.topology.num_devices, self.slots_per_rank)
+        D = self.topology.num_devices
+        self.slots_per_rank = deepspeed_slots(num_experts, D, self.slots_per_rank, config.slots_per_rank is not None)
+        self._placement = static_replication(num_experts, D, self.slots_per_rank)
 
     def plan(self, iteration, predicted_LE, source_loads_LDE):
-        return PolicyStep(iteration, tuple(self._spread(self._placement, src) for src in source_loads_LDE))
+        layers = []
+        for src_DE in source_loads_LDE:
+            spread = deepspeed_dispatch(src_DE, self.slots_per_rank, self.config.capacity_factor)
+            layers.append(LayerPlan(self._placement, spread.plan, spread.processed_ED, capacity=spread.capacity))
+        return PolicyStep(iteration, tuple(layers))
 
 
 class FasterMoEPolicy(Policy):

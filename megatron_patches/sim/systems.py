@@ -54,7 +54,7 @@ import numpy as np
 
 from megatron_patches.placement import fssdp
 from megatron_patches.placement.accounting import CommBytes, gather_stage_bytes, sparse_all_gather_seconds
-from megatron_patches.placement.baselines import EPLayout
+from megatron_patches.placement.baselines import EPLayout, deepspeed_slots
 from megatron_patches.placement.policies import (
     FSSDPPolicy,
     Policy,
@@ -311,13 +311,20 @@ def ep_layout_problem(scn: Scenario) -> str | None:
 
 def layout_problems(scn: Scenario, specs) -> dict[str, str]:
     """Why each of `specs` that cannot lay out the model on the simulated devices cannot, by
-    name: EP's even layout (`ep_layout_problem`), and zebra-asym's Asym-EA chunks (M | N or
+    name: EP's even layout (`ep_layout_problem`), static's DeepSpeed groups (s | E, E/s | D
+    within the slots given or the memory budget), and zebra-asym's Asym-EA chunks (M | N or
     N | M, N | experts). Such a system is not simulated, alone or beside others, as one that
     does not fit in memory."""
     problems = {}
     for spec in specs:
         if spec.name == "ep":
             why = ep_layout_problem(scn)
+        elif spec.policy == "static":
+            try:
+                _slots_per_rank(scn, spec)
+                why = None
+            except PlacementError as err:
+                why = str(err)
         elif spec.family == "zebra" and spec.zebra_mode == "asym":
             from megatron_patches.sim.zebra import asym_layout_problem
 
@@ -413,6 +420,28 @@ def periodic_acts(scn: Scenario, spec: SystemSpec) -> int | None:
     return None if interval is None else (scn.num_iterations - 1) // interval
 
 
+def _reserved_slots(scn: Scenario) -> int:
+    """FlexMoE's reserved slots per device and layer: SimOptions.reserved_slots, or free memory
+    over L full expert instances (weights, gradients, optimizer state), at most E."""
+    if scn.options.reserved_slots is not None:
+        return scn.options.reserved_slots
+    free = max(_free_bytes(scn), 0.0)
+    return min(fssdp.memory_capacity(free / scn.num_layers, scn.memory.expert_bytes_per_instance(True)),
+               scn.num_experts)
+
+
+def _slots_per_rank(scn: Scenario, spec: SystemSpec) -> int:
+    """Slots per rank of replicate and static: SimOptions.slots_per_rank, or ceil(E / D) + FlexMoE's
+    reserved slots (the same memory budget). Static's must be one DeepSpeed can lay out
+    (`baselines.deepspeed_slots`): a given one that is not is refused, and by default it takes
+    the most within the budget (PlacementError when none fits)."""
+    E, D, given = scn.num_experts, scn.num_devices, scn.options.slots_per_rank
+    slots = given if given is not None else -(-E // D) + _reserved_slots(scn)
+    if spec.policy == "static":
+        return deepspeed_slots(E, D, slots, chosen=given is not None)
+    return slots
+
+
 def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     """The policy knobs of a placement system, derived from the cost and memory model.
 
@@ -428,7 +457,8 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
       (all L without re-materialization, 1 with it).
     - FlexMoE's reserved slots: free memory over L full expert instances (weights, gradients,
       optimizer state): the replicas of every layer are resident.
-    - replicate / static slots: ceil(E / D) + FlexMoE's reserved slots (the same memory budget).
+    - replicate / static slots: ceil(E / D) + FlexMoE's reserved slots (the same memory budget);
+      static takes the most within it that DeepSpeed can lay out (`_slots_per_rank`).
     Every value can be fixed by SimOptions instead. Returns the ReplayConfig and the chosen values.
     """
     o = scn.options
@@ -448,10 +478,7 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     m = o.memory_capacity
     if m is None:
         m = min(fssdp.memory_capacity(free / (1 if spec.remat else L), copy_bytes), E)
-    reserved = o.reserved_slots
-    if reserved is None:
-        reserved = min(fssdp.memory_capacity(free / L, scn.memory.expert_bytes_per_instance(True)), E)
-    slots = o.slots_per_rank if o.slots_per_rank is not None else -(-E // D) + reserved
+    reserved = _reserved_slots(scn)
     interval = o.reshard_interval
     knobs: dict = {}
     memory_capacity = 0
@@ -473,16 +500,18 @@ def replay_config(scn: Scenario, spec: SystemSpec) -> tuple[ReplayConfig, dict]:
     elif spec.policy == "smartmoe":
         interval = periodic_interval(scn, spec)
         knobs = {"interval": interval}
-    elif spec.policy in ("replicate", "static"):
-        knobs = {"slots_per_rank": slots, "capacity_factor": scn.capacity_factor}
     device_flops = float(np.min(scn.compute.peak_flops_D)) * scn.efficiency.expert_gemm
+    slots = None
     try:
+        if spec.policy in ("replicate", "static"):
+            slots = _slots_per_rank(scn, spec)
+            knobs = {"slots_per_rank": slots, "capacity_factor": scn.capacity_factor}
         config = ReplayConfig(
             topology=topo,
             byte_model=bm,
             overlap_degree=int(overlap),
             memory_capacity=int(memory_capacity),
-            slots_per_rank=int(slots),
+            slots_per_rank=slots,
             capacity_factor=scn.capacity_factor,
             flexmoe_capacity=scn.capacity_set,
             reshard_interval=int(interval),

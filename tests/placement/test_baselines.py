@@ -17,6 +17,7 @@ from megatron_patches.placement import (
     Topology,
     allreduce_equivalent_bytes,
     shard_imbalance_bound,
+    spread_tokens,
     synthetic_trace,
 )
 from megatron_patches.placement.baselines import (
@@ -24,6 +25,9 @@ from megatron_patches.placement.baselines import (
     EPLayout,
     ExpertMove,
     ShadowCostModel,
+    deepspeed_dispatch,
+    deepspeed_slot_counts,
+    deepspeed_slots,
     ep_layout_moves,
     fastermoe_shadow,
     flexmoe_adjust,
@@ -345,10 +349,42 @@ def test_static_replication_layout():
     # so class e's replicas sit on ranks e // 4 + 4k, one per group, never two on one rank
     assert p.holds_ED().sum(axis=1).tolist() == [4] * 16
     assert [p.holders(e).tolist() for e in (0, 5, 15)] == [[0, 4, 8, 12], [1, 5, 9, 13], [3, 7, 11, 15]]
-    q = static_replication(6, 2, 4)
-    assert q.instances_E().sum() == 8 and q.instances_E().max() - q.instances_E().min() <= 1
-    with pytest.raises(PlacementError, match="do not fit"):
+    # DeepSpeed lays out s | E with E/s | ranks only: 6 experts on 2 ranks take 3 or 6 slots
+    assert deepspeed_slot_counts(6, 2) == [3, 6] and deepspeed_slot_counts(16, 16) == [1, 2, 4, 8, 16]
+    assert static_replication(6, 2, 3).holders(4).tolist() == [1]
+    with pytest.raises(PlacementError, match="cannot use 4 slots per rank.*valid s for 6 experts on 2 ranks: 3, 6"):
+        static_replication(6, 2, 4)
+    with pytest.raises(PlacementError, match="valid s for 9 experts on 2 ranks: 9$"):
         static_replication(9, 2, 4)
+    # by default, the most slots within the budget; none within it is refused
+    assert deepspeed_slots(6, 2, 5, chosen=False) == 3 and deepspeed_slots(16, 16, 7, chosen=False) == 4
+    with pytest.raises(PlacementError, match="needs at least 3 slots per rank and the memory budget holds 2"):
+        deepspeed_slots(6, 2, 2, chosen=False)
+
+
+def test_deepspeed_dispatch_hand_case():
+    """4 ranks x 2 slots, 4 experts: groups {0, 1} and {2, 3} (ranks 0 and 2 hold experts 0-1, ranks
+    1 and 3 experts 2-3). 40 assignments per source at factor 1: C = ceil(40 / 4) = 10 rows per
+    expert and source. A source keeps at most 10 per expert, whatever its group leaves unused, sends
+    all 4 x 10 rows (padding included) within its group, and an instance computes 2 x 10."""
+    src_SE = np.array([[25, 5, 5, 5], [10, 10, 10, 10], [0, 0, 0, 40], [4, 12, 12, 12]])
+    spread = deepspeed_dispatch(src_SE, 2, 1.0)
+    assert spread.capacity == 20
+    assert spread.dropped_E.tolist() == [15, 2, 2, 32]
+    assert spread.processed_ED.tolist() == [[20, 0, 4, 0], [15, 0, 10, 0], [0, 15, 0, 10], [0, 15, 0, 20]]
+    plan = spread.plan
+    assert plan.routed_SE().tolist() == [[10] * 4] * 4  # the fixed [E, C] buffer of every source
+    assert plan.received_ED().tolist() == [[20, 0, 20, 0], [20, 0, 20, 0], [0, 20, 0, 20], [0, 20, 0, 20]]
+    assert spread.kept_K.reshape(4, 4).tolist() == np.minimum(src_SE, 10).tolist()
+    # 20 rows per source leave it (the group's other rank's two experts), never to another group
+    off = plan.dest_K != plan.source_K
+    assert np.bincount(plan.source_K[off], plan.tokens_K[off]).tolist() == [20] * 4
+    assert (plan.source_K // 2 == plan.dest_K // 2).all()
+    # the global spread of the same loads (capacity 20 per instance, overflow to the other group)
+    # keeps more: expert 3's 67 tokens fill both its instances
+    assert spread_tokens(static_replication(4, 4, 2), src_SE, 1.0, 2).processed_ED[3].sum() == 40
+    # DeepSpeed's min_capacity: 4 assignments per source still give 4 rows
+    assert deepspeed_dispatch(np.ones((4, 4), dtype=np.int64), 2, 1.0).capacity == 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,7 +448,10 @@ def test_every_policy_produces_consistent_plans(name, small_trace):
         for l, lp in enumerate(step.layers):
             routed = src[l]
             sent = lp.dispatch.routed_SE()
-            assert (sent <= routed).all()
+            if name == "static":  # DeepSpeed's fixed buffers: the capacity's rows of every expert, padded
+                assert (sent == lp.capacity // 4).all()  # 8 experts: s = 2 (3 in the budget), groups of 4 ranks
+            else:
+                assert (sent <= routed).all()
             if name in ("replicate", "static"):
                 assert (lp.processed_ED <= lp.dispatch.received_ED()).all()
             else:
