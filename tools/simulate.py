@@ -118,7 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reserved-slots", type=int, default=None,
                         help="FlexMoE's reserved replica slots per device and layer (default: what fits)")
     parser.add_argument("--slots-per-rank", type=int, default=None,
-                        help="replicate / static expert slots per rank and layer (default: ceil(E/D) + reserved slots)")
+                        help="replicate / static expert slots per rank and layer (default: ceil(E/D) + reserved "
+                        "slots; static takes the most DeepSpeed can lay out within them, and refuses a given s unless "
+                        "s divides E and E/s the GPUs)")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="capacity factor of replicate / static (default: the model's, else 1.0)")
     parser.add_argument("--nic-sharing", action=argparse.BooleanOptionalAction, default=True,
