@@ -65,7 +65,14 @@ from megatron_patches.placement.policies import (
     replay_steps,
 )
 from megatron_patches.placement.types import PlacementError
-from megatron_patches.sim.costs import RECOMPUTE, MemoryNeed, SimError, all_to_all_bytes, ring_broadcast_bytes
+from megatron_patches.sim.costs import (
+    RECOMPUTE,
+    MemoryNeed,
+    SimError,
+    all_ranks_allreduce_steps,
+    all_to_all_bytes,
+    ring_broadcast_bytes,
+)
 from megatron_patches.sim.events import Timeline
 from megatron_patches.sim.report import SystemResult, imbalance_rows
 from megatron_patches.sim.scenario import Scenario
@@ -701,10 +708,10 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
                         traffic[kind], later[kind] = stages[0], stages[1:]
             for kind, comm in traffic.items():
                 # a ring over an expert's r holders takes 2 (r - 1) latency-bound steps, replicate's
-                # counts all-reduce over all D ranks 2 (D - 1); point-to-point kinds (replicate's
-                # reduce-scatter and push, the sparse collectives) one
+                # counts all-reduce over all D ranks NCCL's ring or tree (`all_ranks_allreduce_steps`);
+                # point-to-point kinds (replicate's reduce-scatter and push, the sparse collectives) one
                 steps = (2.0 * max(int(lp.placement.replicas_E().max()) - 1, 0) if kind == "grad_allreduce"
-                         else 2.0 * (D - 1) if kind == "popularity" else 1.0)
+                         else float(all_ranks_allreduce_steps(topo)) if kind == "popularity" else 1.0)
                 if kind not in out.kinds:
                     out.kinds[kind] = _Bytes(I, L, D)
                 out.kinds[kind].put(i, k, comm, max(steps, 1.0), later.get(kind, ()))

@@ -23,8 +23,8 @@ from megatron_patches.sim import (
 )
 from megatron_patches.placement.accounting import imbalance
 from megatron_patches.placement.fssdp import dispatch, gather_bandwidth, materialize
-from megatron_patches.placement.types import ShardLayout
-from megatron_patches.sim.costs import all_to_all_bytes, ring_broadcast_bytes
+from megatron_patches.placement.types import ShardLayout, Topology
+from megatron_patches.sim.costs import all_ranks_allreduce_steps, all_to_all_bytes, ring_broadcast_bytes
 from megatron_patches.sim.report import imbalance_rows
 from megatron_patches.sim.systems import check_memory
 
@@ -58,10 +58,12 @@ def test_uniform_all_to_all_matches_its_closed_form(nodes, per_node):
     assert t == pytest.approx(latency + max(intra, nic), rel=1e-12)
 
 
-@pytest.mark.parametrize("nodes, per_node", [(1, 2), (1, 4), (2, 4), (3, 2)])
-def test_ring_allreduce_matches_its_closed_form(nodes, per_node):
-    """S bytes over a ring of D devices: 2 (D-1) latency-bound steps and 2 (D-1)/D S over every ring
-    edge; node-major order puts one ring edge into and out of every node's NIC."""
+@pytest.mark.parametrize("nodes, per_node, steps", [(1, 2, 2), (1, 4, 6), (2, 4, 8), (3, 2, 6)])
+def test_ring_allreduce_matches_its_closed_form(nodes, per_node, steps):
+    """S bytes over a ring of D devices: 2 (D-1)/D S over every ring edge; node-major order puts one
+    ring edge into and out of every node's NIC. Its latency-bound steps are NCCL's fewer of the
+    ring's 2 (D - 1) and the double binary tree's 2 (g - 1 + ceil(log2 N)): on one node the ring's
+    (2 and 6), on 2 x 4 the tree's 2 (3 + 1) = 8 of the ring's 14, on 3 x 2 2 (1 + 2) = 6 of 10."""
     hw = hardware(nodes, per_node)
     D, S = nodes * per_node, 8e6
     comm, t = CommModel(hw, LINKS).dense_allreduce(S)
@@ -72,7 +74,17 @@ def test_ring_allreduce_matches_its_closed_form(nodes, per_node):
     if nodes > 1:
         busiest = max(busiest, per_edge / (10e9 * LINKS.inter_efficiency))
     # the accounting keeps whole bytes, so a fractional per-edge share is rounded down
-    assert t == pytest.approx(2 * (D - 1) * latency + busiest, rel=1e-7)
+    assert t == pytest.approx(steps * latency + busiest, rel=1e-7)
+
+
+def test_all_ranks_allreduce_takes_nccls_fewer_steps():
+    """2 nodes of 1 GPU: ring and tree both 2 steps. 256 DGX nodes (2,048 GPUs): the ring's 4,094
+    steps against the tree's 2 (7 + 8) = 30. 5 nodes of 8: ceil(log2 5) = 3, 2 (7 + 3) = 20."""
+    assert all_ranks_allreduce_steps(Topology(2, 1, 1e9, 1e9)) == 2
+    assert all_ranks_allreduce_steps(Topology(256, 8, 1e9, 1e9)) == 30
+    assert all_ranks_allreduce_steps(Topology(5, 8, 1e9, 1e9)) == 20
+    assert all_ranks_allreduce_steps(Topology(1, 8, 1e9, 1e9)) == 14
+    assert all_ranks_allreduce_steps(Topology(1, 1, 1e9, 1e9)) == 1
 
 
 def test_transfer_time_counts_per_nic_contention():
