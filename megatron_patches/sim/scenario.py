@@ -62,8 +62,8 @@ class SimOptions:
     to the capacity, as the replication paper's DeepSpeed-based system does (Megatron's
     --moe-pad-expert-input-to-capacity, which the replicate mode itself refuses): each instance
     computes its whole capacity (and keeps its activations), whatever was routed. Static,
-    DeepSpeed's fixed-shape dispatch, always pads. The all-to-all's fixed-size buffers are not
-    priced."""
+    DeepSpeed's fixed-shape dispatch, always pads, and sends its fixed-size buffers
+    (`baselines.deepspeed_dispatch`); the others' fixed-size buffers are not priced."""
     reshard_interval: int = 100
     """Iterations between FSSDP re-sharding and SmartMoE swaps (DESIGN 7: 100)."""
     zebra_microbatches: int = 4

@@ -671,7 +671,7 @@ def _replay(scn: Scenario, policy: Policy) -> _Replayed:
         out.planner_s += planner_s
         processed_LED = np.stack([lp.processed_ED for lp in step.layers])
         # padded to the capacity, every instance computes its whole capacity, whatever it received
-        # (the all-to-all's fixed-size buffers are not priced: they follow each system's dispatch groups)
+        # (static's dispatch plan holds DeepSpeed's fixed-size buffers; the others' are not priced)
         padded_L = [lp.capacity is not None and (policy.pads_to_capacity or scn.options.pad_to_capacity)
                     for lp in step.layers]
         computed_LED = np.stack([lp.capacity * lp.placement.counts_ED if pad else lp.processed_ED
