@@ -680,8 +680,11 @@ def deepspeed_dispatch(source_loads_SE, slots_per_rank: int, capacity_factor: fl
     expert_K = np.tile(np.arange(E, dtype=np.int64), G)
     dest_K = source_K // ep * ep + expert_K // s  # the holder of the expert in the source's group
     plan = DispatchPlan.trusted(source_K, expert_K, dest_K, np.full(G * E, rows, dtype=np.int64), G, E, G)
-    kept_K = kept_SE.ravel()
+    # each group's holder of e processes what the group's ep sources kept of e
+    kept_gE = kept_SE.reshape(G // ep, ep, E).sum(axis=1)
+    expert_gE = np.broadcast_to(np.arange(E), kept_gE.shape)
     processed_ED = np.zeros((E, G), dtype=np.int64)
-    np.add.at(processed_ED, (expert_K, dest_K), kept_K)
+    processed_ED[expert_gE, np.arange(0, G, ep)[:, None] + expert_gE // s] = kept_gE
+    kept_K = kept_SE.ravel()
     kept_K.setflags(write=False)
     return TokenSpread(processed_ED, (loads_SE - kept_SE).sum(axis=0), ep * rows, plan, kept_K)

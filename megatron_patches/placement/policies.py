@@ -444,7 +444,7 @@ class FSSDPPolicy(Policy):
 
 
 class _SlotPolicy(Policy):
-    """Shared by replicate and static: G ranks x s slots, a capacity per instance; replicate's token spreading."""
+    """Shared by replicate and static: G ranks x s slots, a capacity per instance."""
 
     def __init__(self, config: ReplayConfig, num_layers: int, num_experts: int) -> None:
         super().__init__(config, num_layers, num_experts)
@@ -455,10 +455,6 @@ class _SlotPolicy(Policy):
                 f"{self.name}: {num_experts} experts do not fit in {D} ranks x {self.slots_per_rank} slots; "
                 f"use --slots-per-rank >= {-(-num_experts // D)}"
             )
-
-    def _spread(self, placement: InstancePlacement, src_DE: np.ndarray) -> LayerPlan:
-        spread = spread_tokens(placement, src_DE, self.config.capacity_factor, self.slots_per_rank)
-        return LayerPlan(placement, spread.plan, spread.processed_ED, capacity=spread.capacity)
 
 
 class ReplicatePolicy(_SlotPolicy):
@@ -481,7 +477,8 @@ class ReplicatePolicy(_SlotPolicy):
         layers = []
         for l in range(self.num_layers):
             placement = slot_placement(popularity_slots(predicted_LE[l], D, s), self.num_experts)
-            layers.append(self._spread(placement, source_loads_LDE[l]))
+            spread = spread_tokens(placement, source_loads_LDE[l], self.config.capacity_factor, s)
+            layers.append(LayerPlan(placement, spread.plan, spread.processed_ED, capacity=spread.capacity))
         return PolicyStep(iteration, tuple(layers))
 
     def traffic(self, step):

@@ -714,8 +714,8 @@ def all_ranks_allreduce_steps(topology: Topology) -> int:
     Your Deep Learning Training with NCCL 2.4", 2019), so the ring's bytes stand for both. At
     2 nodes of 1 GPU both are 2 steps; at 256 nodes of 8 the ring's 4,094 steps, 102 ms at 25 us
     each for every dense gradient bucket, made 2,048 GPUs look latency-bound (until 2026-12-01)."""
-    D, N, g = topology.num_devices, topology.nodes, topology.devices_per_node
-    tree = 2 * (g - 1 + int(np.ceil(np.log2(N)))) if N > 1 else 2 * (g - 1)
+    D, N, g = topology.num_devices, int(topology.nodes), topology.devices_per_node
+    tree = 2 * (g - 1 + (N - 1).bit_length())  # (N - 1).bit_length() = ceil(log2 N)
     return max(min(2 * (D - 1), tree), 1)
 
 
